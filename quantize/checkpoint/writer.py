@@ -1,0 +1,149 @@
+"""Streaming safetensors writer: the header is computed from the plan before any data exists, then
+tensors are appended in order; the file lives under a temporary name until ``finish`` fsyncs and
+renames it. A SHA-256 of the file is computed as the bytes go out.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import QuantizeError
+from .index import TORCH_TO_ST, itemsize
+
+TMP_SUFFIX = ".partial"
+COPY_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+def header_bytes(entries: list[Entry], metadata: dict[str, str] | None = None) -> bytes:
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in sorted(metadata.items())}
+    off = 0
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+        off += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def file_size(entries: list[Entry], metadata: dict[str, str] | None = None) -> int:
+    return len(header_bytes(entries, metadata)) + sum(e.nbytes for e in entries)
+
+
+def _disk_full(path: Path, e: OSError) -> QuantizeError:
+    return QuantizeError(f"{path}: no space left on the output disk; free space (the plan says how many bytes the output needs) and rerun with --resume")
+
+
+class StreamWriter:
+    def __init__(self, path: Path, entries: list[Entry], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + TMP_SUFFIX)
+        self.entries = entries
+        self._next = 0
+        self._sha = hashlib.sha256()
+        self._fh = open(self.tmp, "wb")
+        self.bytes_written = 0
+        self._write(header_bytes(entries, metadata))
+
+    def _write(self, data) -> None:
+        try:
+            self._fh.write(data)
+        except OSError as e:
+            self.abort()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.path, e) from e
+            raise QuantizeError(f"{self.tmp}: write failed ({e.strerror})") from e
+        self._sha.update(data)
+        self.bytes_written += len(data)
+
+    def _expect(self, name: str, nbytes: int) -> Entry:
+        if self._next >= len(self.entries):
+            raise RuntimeError(f"{self.path}: unexpected tensor {name} after the last planned one")
+        e = self.entries[self._next]
+        if e.name != name or e.nbytes != nbytes:
+            raise RuntimeError(f"{self.path}: expected {e.name} ({e.nbytes} bytes), got {name} ({nbytes} bytes)")
+        self._next += 1
+        return e
+
+    def write_tensor(self, name: str, t: torch.Tensor) -> None:
+        e = self._expect(name, t.numel() * t.element_size())
+        if TORCH_TO_ST[t.dtype] != e.dtype or tuple(t.shape) != e.shape:
+            raise RuntimeError(f"{name}: planned {e.dtype}{list(e.shape)}, got {TORCH_TO_ST[t.dtype]}{list(t.shape)}")
+        t = t.contiguous()
+        if t.numel():
+            self._write(memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy()))
+
+    def copy_bytes(self, name: str, src_fd: int, offset: int, nbytes: int, buf: bytearray | None = None, on_chunk=None) -> None:
+        """Copy a tensor's bytes verbatim from a source file in chunks (no tensor in memory)."""
+        self._expect(name, nbytes)
+        buf = buf if buf is not None else bytearray(min(COPY_CHUNK, max(nbytes, 1)))
+        view = memoryview(buf)
+        done = 0
+        while done < nbytes:
+            n = os.preadv(src_fd, [view[: min(len(buf), nbytes - done)]], offset + done)
+            if n <= 0:
+                raise QuantizeError(f"source tensor {name}: short read at byte {offset + done}; the shard changed or is truncated")
+            if on_chunk is not None:
+                on_chunk(view[:n])
+            self._write(view[:n])
+            done += n
+
+    def finish(self) -> str:
+        if self._next != len(self.entries):
+            raise RuntimeError(f"{self.path}: {len(self.entries) - self._next} planned tensors were not written")
+        try:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            os.replace(self.tmp, self.path)
+            fsync_dir(self.path.parent)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.path, e) from e
+            raise
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        try:
+            self._fh.close()
+        finally:
+            if self.tmp.exists():
+                self.tmp.unlink()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

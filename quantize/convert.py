@@ -1,0 +1,346 @@
+"""``quantize convert``: execute a Plan, tensor by tensor.
+
+Workers (threads; torch releases the GIL, each runs single-threaded torch so the math is the
+same for any worker count) read and transform tensors in plan order inside a bounded window; the
+main thread writes results in order into the output shard whose header was computed up front.
+Copies stream byte ranges without materialising tensors. Each shard is committed by fsync +
+rename, then recorded in ``OUT/.quantize/job.json``; the index and config.json follow the last
+shard, and the manifest is written last of all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint.index import INDEX_NAME, TensorRef, read_tensor
+from .checkpoint.manifest import (
+    JOB_DIR,
+    MANIFEST,
+    JobRecord,
+    is_quantize_output,
+    remove_output,
+    source_identity,
+    source_revision,
+    tool_versions,
+    write_manifest,
+)
+from .checkpoint.writer import COPY_CHUNK, StreamWriter, atomic_write_text
+from .errors import QuantizeError
+from .events import Emit, null_emit
+from .formats import fp8, int4
+from .plan import ConvertOptions, Job, Plan, build_plan
+
+ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
+SKIP_COPY = {INDEX_NAME, "config.json", MANIFEST}
+
+
+@dataclass
+class ConvertResult:
+    out: str
+    plan: dict
+    seconds: float
+    source_bytes: int
+    output_bytes: int
+    tensors_int4: int
+    mean_rel_err: float | None
+    max_rel_err: float | None
+    resumed_shards: int
+
+    @property
+    def gbps(self) -> float:
+        return self.source_bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# per-job compute (pure transforms over tensors read from the source)
+
+def _weight_rows(job: Job, w: torch.Tensor, s: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of the job's weight in its working precision (bf16 for FP8 sources)."""
+    rows = w[r0:r1]
+    if job.scale is None:
+        return rows
+    if job.scale_format == "block":
+        br = 128
+        return fp8.dequant_block(rows, s[r0 // br: -(-r1 // br)])
+    return fp8.dequant_channel(rows, s if s.numel() == 1 else s.reshape(-1, 1)[r0:r1])
+
+
+def _check_finite(job: Job, t: torch.Tensor) -> None:
+    if not torch.isfinite(t).all():
+        raise QuantizeError(f"{job.src.file}: tensor {job.name} contains NaN or Inf; the source weight is corrupt, re-download that shard")
+
+
+def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict) -> tuple[list[torch.Tensor], dict | None]:
+    w = read_tensor(folder, job.src, fds)
+    s = read_tensor(folder, job.scale, fds) if job.scale is not None else None
+    if job.kind == "dequant":
+        rows = w.shape[0]
+        out = torch.empty(w.shape, dtype=torch.bfloat16)
+        for r0 in range(0, rows, ROW_CHUNK):
+            r1 = min(rows, r0 + ROW_CHUNK)
+            out[r0:r1] = _weight_rows(job, w, s, r0, r1)
+        _check_finite(job, out)
+        return [out], None
+    if job.kind == "int4":
+        rows, k = w.shape
+        g = options.group_size
+        scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
+        packed = torch.empty(int4.packed_shape((rows, k)), dtype=torch.int32)
+        scale = torch.empty(int4.scale_shape((rows, k), g), dtype=scale_dtype)
+        sq_err = sq_ref = max_err = sq_err_mm = 0.0
+        for r0 in range(0, rows, ROW_CHUNK):
+            r1 = min(rows, r0 + ROW_CHUNK)
+            wr = _weight_rows(job, w, s, r0, r1)
+            res = int4.quantize_pack(wr, g, options.observer, scale_dtype)
+            if not torch.isfinite(res.scale).all():
+                _check_finite(job, wr)
+            packed[r0:r1] = res.packed
+            scale[r0:r1] = res.scale
+            sq_err += res.sq_err
+            sq_ref += res.sq_ref
+            max_err = max(max_err, res.max_abs_err)
+            if options.observer != "minmax":
+                sq_err_mm += int4.quantize_pack(wr, g, "minmax", scale_dtype).sq_err
+        stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0, "max_abs_err": max_err}
+        if options.observer != "minmax":
+            stats["rel_err_minmax"] = (sq_err_mm / sq_ref) ** 0.5 if sq_ref else 0.0
+        return [packed, scale, torch.tensor([rows, k], dtype=torch.int64)], stats
+    raise AssertionError(job.kind)
+
+
+# --------------------------------------------------------------------------------------------
+
+@contextmanager
+def _torch_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> None:
+    s, o = src.resolve(), out.resolve()
+    if s == o or o.is_relative_to(s) or s.is_relative_to(o):
+        raise QuantizeError(f"{out}: the output folder overlaps the source {src}; choose an OUT outside it (the source is never modified)")
+    if out.exists() and any(out.iterdir()):
+        if resume:
+            return
+        if overwrite:
+            if not is_quantize_output(out):
+                raise QuantizeError(f"{out}: exists and was not written by quantize; --overwrite only replaces quantize outputs, remove it yourself")
+            remove_output(out)
+        else:
+            raise QuantizeError(f"{out}: already exists; pass --resume to continue an interrupted run or --overwrite to replace it")
+    elif resume and not (out / JOB_DIR).exists():
+        raise QuantizeError(f"{out}: nothing to resume (no {JOB_DIR}/job.json); drop --resume")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _job_key(plan: Plan, ident: dict) -> dict:
+    return {"options": asdict(plan.options), "plan": plan.fingerprint(), "source": ident}
+
+
+def convert(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    group_size: int = 32,
+    profile: str = "experts",
+    observer: str = "minmax",
+    keep_fp8: bool = False,
+    recipe: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    workers: int | None = None,
+    emit: Emit = null_emit,
+) -> ConvertResult:
+    """FP8/BF16 checkpoint ``source`` -> compressed-tensors pack-quantized INT4 checkpoint ``out``."""
+    t0 = time.time()
+    src, out = Path(source), Path(out)
+    options = ConvertOptions(group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8, recipe=recipe)
+    plan = build_plan(src, options)
+    options = plan.options  # a recipe may have set group size / observer
+    _prepare_out(src, out, resume, overwrite)
+    ident = source_identity(src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}])
+    key = _job_key(plan, ident)
+    if resume and (out / JOB_DIR / "job.json").exists():
+        record = JobRecord.load(out)
+        record.check_key(key)
+    else:
+        record = JobRecord.create(out, key)
+    workers = max(1, workers or os.cpu_count() or 1)
+    todo = [s for s in plan.shards if not record.done(s.file, out)]
+    resumed = len(plan.shards) - len(todo)
+    for s in plan.shards:
+        if s not in todo:
+            emit({"event": "skip", "file": s.file})
+    total = sum(s.source_bytes for s in plan.shards)
+    done_bytes = total - sum(s.source_bytes for s in todo)
+    emit({"event": "start", "stage": "convert", "total_bytes": total, "done_bytes": done_bytes, "shards": len(plan.shards), "workers": workers})
+    fds: dict = {}
+    try:
+        with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
+            done_bytes = _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes)
+        _finish(plan, src, out, record, ident, t0, emit)
+    except BaseException as e:
+        emit({"event": "error", "message": str(e)})
+        raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    stats = [s for shard in record.data["stats"].values() for s in shard]
+    rel = [s["rel_err"] for s in stats]
+    seconds = time.time() - t0
+    res = ConvertResult(str(out), plan.summary(), seconds, total, plan.output_bytes, len(rel),
+                        sum(rel) / len(rel) if rel else None, max(rel) if rel else None, resumed)
+    emit({"event": "done", "seconds": round(seconds, 3), "source_bytes": total, "output_bytes": plan.output_bytes,
+          "gb_per_s": round(res.gbps, 4), "tensors_int4": len(rel), "mean_rel_err": res.mean_rel_err})
+    return res
+
+
+def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes) -> int:
+    window = 2 * workers
+    jobs = [(si, j) for si, s in enumerate(todo) for j in s.jobs]
+    pending: deque[tuple[int, Job, Future | None]] = deque()
+    it = iter(jobs)
+
+    def refill():
+        while sum(1 for _, _, f in pending if f is not None) < window:
+            nxt = next(it, None)
+            if nxt is None:
+                return
+            si, j = nxt
+            fut = pool.submit(compute_job, j, src, options, fds) if j.kind in ("int4", "dequant") else None
+            pending.append((si, j, fut))
+
+    copy_buf = bytearray(COPY_CHUNK)
+    for si, shard in enumerate(todo):
+        writer = StreamWriter(out / shard.file, shard.entries, shard.metadata)
+        stats: list[dict] = []
+        try:
+            for _ in shard.jobs:
+                refill()
+                psi, job, fut = pending.popleft()
+                assert psi == si
+                if fut is None:  # copy / keep_fp8: stream bytes, no tensor in memory
+                    for ref, entry in zip([job.src] + ([job.scale] if job.scale else []), job.outputs):
+                        fd = _fd(fds, src / ref.file)
+                        _copy_checked(writer, entry.name, fd, ref, copy_buf)
+                else:
+                    tensors, st = fut.result()
+                    for entry, t in zip(job.outputs, tensors):
+                        writer.write_tensor(entry.name, t)
+                    if st:
+                        stats.append(st)
+                done_bytes += job.src.nbytes + (job.scale.nbytes if job.scale else 0)
+                emit({"event": "tensor", "name": job.name, "kind": job.kind, "done_bytes": done_bytes,
+                      **({"rel_err": round(st["rel_err"], 6)} if fut is not None and st else {})})
+            sha = writer.finish()
+        except BaseException:
+            writer.abort()
+            for _, _, f in pending:
+                if f is not None:
+                    f.cancel()
+            raise
+        record.mark_done(shard.file, sha, writer.bytes_written, stats)
+        emit({"event": "shard", "file": shard.file, "bytes": writer.bytes_written, "sha256": sha})
+    return done_bytes
+
+
+def _fd(fds: dict, path: Path) -> int:
+    fd = fds.get(path)
+    if fd is None:
+        fd = fds[path] = os.open(path, os.O_RDONLY)
+    return fd
+
+
+FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _copy_checked(writer: StreamWriter, name: str, fd: int, ref: TensorRef, buf: bytearray) -> None:
+    """Copy bytes verbatim; float tensors are scanned for NaN/Inf chunk by chunk on the way."""
+    dt = FLOAT_DTYPES.get(ref.dtype)
+    check = None
+    if dt is not None:
+        size = torch.finfo(dt).bits // 8
+
+        def check(chunk: memoryview) -> None:
+            t = torch.frombuffer(chunk, dtype=dt, count=len(chunk) // size) if len(chunk) >= size else None
+            if t is not None and not torch.isfinite(t).all():
+                raise QuantizeError(f"{ref.file}: tensor {ref.name} contains NaN or Inf; the source is corrupt, re-download that shard")
+    writer.copy_bytes(name, fd, ref.start, ref.nbytes, buf, on_chunk=check)
+
+
+def _finish(plan: Plan, src: Path, out: Path, record: JobRecord, ident: dict, t0: float, emit: Emit) -> None:
+    # non-weight files: tokenizer, generation config, chat template, custom code
+    for p in sorted(src.iterdir()):
+        if p.name.startswith(".") or p.suffix == ".safetensors" or p.name in SKIP_COPY or p.name.endswith(".partial"):
+            continue
+        if p.suffix in (".bin", ".pt", ".pth", ".ckpt"):
+            continue
+        dst = out / p.name
+        if p.is_dir():
+            shutil.copytree(p, dst, dirs_exist_ok=True)
+        else:
+            shutil.copy2(p, dst)
+    weight_map = {e.name: s.file for s in plan.shards for e in s.entries}
+    index = {"metadata": {"total_size": sum(e.nbytes for s in plan.shards for e in s.entries)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if plan.arch.text_config_key and isinstance(config.get(plan.arch.text_config_key), dict):
+        config[plan.arch.text_config_key].pop("quantization_config", None)
+    config["quantization_config"] = plan.quantization_config
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True))
+    stats = [s for f in plan.shards for s in record.data["stats"].get(f.file, [])]
+    manifest = {
+        "tool": tool_versions(),
+        "source": {"path": str(src.resolve()), "revision": source_revision(src), "files": ident, "format": plan.source_format},
+        "options": asdict(plan.options),
+        "plan": plan.summary(),
+        "dropped_source_tensors": plan.dropped,
+        "outputs": record.data["shards"],
+        "error_summary": _error_summary(stats),
+        "tensors": stats,
+        "seconds": round(time.time() - t0, 3),
+    }
+    record.data["state"] = "complete"
+    record.save()
+    write_manifest(out, manifest)
+
+
+def _error_summary(stats: list[dict]) -> dict:
+    by_role: dict[str, list[dict]] = {}
+    for s in stats:
+        by_role.setdefault(s["role"], []).append(s)
+    out = {}
+    for role, ss in sorted(by_role.items()):
+        rel = [s["rel_err"] for s in ss]
+        d = {"tensors": len(ss), "mean_rel_err": sum(rel) / len(rel), "max_rel_err": max(rel),
+             "worst": max(ss, key=lambda s: s["rel_err"])["name"]}
+        if "rel_err_minmax" in ss[0]:
+            mm = [s["rel_err_minmax"] for s in ss]
+            d["mean_rel_err_minmax"] = sum(mm) / len(mm)
+            d["mse_vs_minmax_sq_err_reduction"] = 1 - sum(r * r for r in rel) / max(sum(m * m for m in mm), 1e-30)
+        out[role] = d
+    return out
+
+
+def plan(source: str | os.PathLike, tp: int = 1, group_size: int = 32, profile: str = "experts",
+         keep_fp8: bool = False, recipe: str | None = None) -> Plan:
+    """``quantize plan``: the conversion plan from headers (or config.json alone), no tensor data."""
+    if tp < 1:
+        raise QuantizeError(f"--tp {tp}: must be at least 1")
+    return build_plan(Path(source), ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe), tp=tp, allow_config_only=True)

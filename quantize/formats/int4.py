@@ -1,0 +1,185 @@
+"""Group-wise symmetric INT4 (W4A16) in compressed-tensors ``pack-quantized`` layout.
+
+Pure tensor math, no I/O. The layout (../shared/FORMATS.md §1):
+
+* ``weight_packed``  int32 ``[out, in/8]``: stored nibble = q + 8 (``uint4b8``), 8 nibbles per word,
+  element ``8j+k`` in bits ``[4k, 4k+3]`` of word ``j`` — low bits first, packed along the input dim.
+* ``weight_scale``   bf16 ``[out, in/group]`` (the source weight dtype), dequant = ``q * scale``.
+* ``weight_shape``   int64 ``[2]``.
+
+``minmax`` reproduces compressed-tensors' RTN bit for bit: ``scale = bf16(absmax / 7.5)`` (a zero
+scale becomes bf16's eps), ``q = round(clamp(bf16(w / scale), -8, 7))``, everything rounded to bf16
+where torch's bf16 eager ops round. ``mse`` searches a per-group shrink of the range
+(compressed-tensors' ``memoryless_mse`` grid: 100 steps down to 0.8, error norm 2.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NUM_BITS = 4
+QMIN, QMAX = -8, 7
+OFFSET = 8  # uint4b8: stored = q + 8
+HALF_RANGE = 7.5  # (QMAX - QMIN) / 2, compressed-tensors' symmetric divisor
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+OBSERVERS = ("minmax", "mse")
+
+# compressed-tensors memoryless_mse defaults (observers/mse.py): grid, maxshrink, norm
+MSE_GRID = 100
+MSE_MAXSHRINK = 0.20
+MSE_NORM = 2.4
+
+PARAM_NAMES = ("weight_packed", "weight_scale", "weight_shape")
+
+
+@dataclass(frozen=True)
+class Int4Result:
+    packed: torch.Tensor  # int32 [out, in/8]
+    scale: torch.Tensor  # scale_dtype [out, in/group]
+    # error statistics against the input weight, summable over row chunks
+    sq_err: float
+    sq_ref: float
+    max_abs_err: float
+
+    @property
+    def rel_err(self) -> float:
+        return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref > 0 else 0.0
+
+
+def packed_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    out, k = shape
+    return (out, (k * NUM_BITS + 31) // 32)
+
+
+def scale_shape(shape: tuple[int, int], group_size: int) -> tuple[int, int]:
+    out, k = shape
+    return (out, k // group_size)
+
+
+def _bf16_eps() -> float:
+    return torch.finfo(torch.bfloat16).eps
+
+
+def _minmax_scale(absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """absmax (scale_dtype) -> scale (scale_dtype), as compressed-tensors computes it."""
+    s = (absmax.float() / HALF_RANGE).to(scale_dtype)
+    eps = torch.finfo(scale_dtype).eps
+    return torch.where(s == 0, torch.tensor(eps, dtype=scale_dtype), s)
+
+
+def _codes(wg: torch.Tensor, scale: torch.Tensor, work_dtype: torch.dtype) -> torch.Tensor:
+    """wg float32 [..., G, g], scale [..., G] -> integer codes as float32 in [-8, 7]."""
+    x = (wg / scale.float().unsqueeze(-1)).to(work_dtype).float()
+    return x.clamp_(QMIN, QMAX).round_()
+
+
+def quantize_groups(
+    w: torch.Tensor,
+    group_size: int,
+    observer: str = "minmax",
+    scale_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] (any float dtype; rounded to ``scale_dtype`` first, like compressed-tensors'
+    bf16 module) -> (q int8 [out, in] in [-8, 7], scale [out, in/group])."""
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
+    out, k = w.shape
+    if k % group_size:
+        raise ValueError(f"input dim {k} is not a multiple of group size {group_size}")
+    if observer not in OBSERVERS:
+        raise ValueError(f"unknown observer {observer!r}; choose one of {', '.join(OBSERVERS)}")
+    wq = w.to(scale_dtype)  # the module dtype compressed-tensors quantizes from
+    wg = wq.float().view(out, k // group_size, group_size)
+    absmax = wq.view(out, k // group_size, group_size).abs().amax(-1)
+    if observer == "minmax":
+        scale = _minmax_scale(absmax, scale_dtype)
+    else:
+        scale = _mse_scale(wg, absmax, scale_dtype)
+    q = _codes(wg, scale, scale_dtype)
+    return q.to(torch.int8).view(out, k), scale
+
+
+def _mse_scale(wg: torch.Tensor, absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Per-group shrink search: for p in 1, 0.998, ..., 0.8 pick the scale minimising
+    sum |w - dequant(quant(w))|^2.4 over the group."""
+    best_err = torch.full(absmax.shape, float("inf"))
+    best = _minmax_scale(absmax, scale_dtype)
+    steps = int(MSE_MAXSHRINK * MSE_GRID)
+    for i in range(steps + 1):
+        p = 1.0 - i / MSE_GRID
+        cand = _minmax_scale((absmax.float() * p).to(scale_dtype), scale_dtype)
+        q = _codes(wg, cand, scale_dtype)
+        err = (q.mul_(cand.float().unsqueeze(-1)).sub_(wg)).abs_().pow_(MSE_NORM).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, cand, best)
+    return best
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q int8 [out, in] in [-8, 7] (in % 8 == 0) -> int32 [out, in/8], low nibble first."""
+    out, k = q.shape
+    if k % 8:
+        raise ValueError(f"input dim {k} is not a multiple of 8")
+    u = (q.to(torch.int16) + OFFSET).to(torch.uint8)
+    # byte j of the little-endian word holds elements 2j (low nibble) and 2j+1 (high nibble)
+    b = u[:, 0::2] | (u[:, 1::2] << 4)
+    return b.contiguous().view(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 [out, ceil(k/8)] -> int8 [out, k] in [-8, 7]."""
+    b = packed.contiguous().view(torch.uint8)
+    out = b.shape[0]
+    u = torch.empty((out, b.shape[1] * 2), dtype=torch.uint8)
+    u[:, 0::2] = b & 0xF
+    u[:, 1::2] = b >> 4
+    return (u[:, :k].to(torch.int16) - OFFSET).to(torch.int8)
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], dtype=torch.bfloat16
+) -> torch.Tensor:
+    """compressed-tensors' decompression: q * scale in the scale dtype."""
+    out, k = shape
+    q = unpack_int4(packed, k)
+    g = k // scale.shape[1]
+    deq = q.to(scale.dtype).view(out, scale.shape[1], g) * scale.unsqueeze(-1)
+    return deq.view(out, k).to(dtype)
+
+
+def quantize_pack(
+    w: torch.Tensor,
+    group_size: int,
+    observer: str = "minmax",
+    scale_dtype: torch.dtype = torch.bfloat16,
+) -> Int4Result:
+    """Quantize, pack and measure: the whole per-tensor job of ``convert``."""
+    q, scale = quantize_groups(w, group_size, observer, scale_dtype)
+    out, k = w.shape
+    ref = w.to(scale_dtype).float()
+    deq = q.float().view(out, k // group_size, group_size) * scale.float().unsqueeze(-1)
+    diff = deq.view(out, k).sub_(ref)
+    sq_ref = float(ref.pow(2).sum(dtype=torch.float64))
+    sq_err = float(diff.pow(2).sum(dtype=torch.float64))
+    return Int4Result(pack_int4(q), scale, sq_err, sq_ref, float(diff.abs().max()) if diff.numel() else 0.0)
+
+
+def weights_args(group_size: int, observer: str | None = None) -> dict:
+    """The ``weights`` QuantizationArgs dict compressed-tensors 0.19 writes for W4A16."""
+    return {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": group_size,
+        "num_bits": NUM_BITS,
+        "observer": observer,
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": "group",
+        "symmetric": True,
+        "type": "int",
+        "zp_dtype": None,
+    }

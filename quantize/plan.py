@@ -1,0 +1,432 @@
+"""Plan: one job per source tensor (quantize-int4 | dequant | keep-fp8 | copy), grouped into output
+shards whose headers are known before any data is read; bytes, per-rank bytes and validation.
+
+``build_plan`` reads headers only (or, with no safetensors present, the tensor table the
+architecture derives from config.json), so ``quantize plan`` touches no tensor data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import archs
+from .archs.base import IGNORE_PATTERN, NEVER_INT4, ROLE_GROUP, ROLES, Architecture, profile_quantizes
+from .checkpoint.index import CheckpointIndex, TensorRef, load_config
+from .checkpoint.writer import Entry, file_size
+from .errors import QuantizeError
+from .formats import fp8, int4
+from .recipe import Recipe, load_recipe
+
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zero_point", "weight_global_scale")
+CT_VERSION = "0.19.0"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    group_size: int = 32
+    profile: str = "experts"
+    observer: str = "minmax"
+    keep_fp8: bool = False
+    recipe: str | None = None
+
+    def validate(self) -> None:
+        if self.group_size not in int4.SUPPORTED_GROUP_SIZES:
+            raise QuantizeError(f"--group-size {self.group_size}: not served by the engines' INT4 kernels; use one of {', '.join(map(str, int4.SUPPORTED_GROUP_SIZES))}")
+        if self.profile not in archs.base.PROFILES:
+            raise QuantizeError(f"--profile {self.profile}: unknown; use one of {', '.join(archs.base.PROFILES)}")
+        if self.observer not in int4.OBSERVERS:
+            raise QuantizeError(f"--observer {self.observer}: unknown; use one of {', '.join(int4.OBSERVERS)}")
+
+
+@dataclass
+class Job:
+    kind: str  # "int4" | "dequant" | "keep_fp8" | "copy"
+    name: str  # source tensor name
+    role: str
+    src: TensorRef
+    scale: TensorRef | None = None  # FP8 scale partner (may live in another shard)
+    scale_format: str | None = None  # "block" | "channel"
+    outputs: list[Entry] = field(default_factory=list)
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+
+@dataclass
+class ShardPlan:
+    file: str
+    jobs: list[Job]
+    metadata: dict[str, str]
+
+    @property
+    def entries(self) -> list[Entry]:
+        return [e for j in self.jobs for e in j.outputs]
+
+    @property
+    def size(self) -> int:
+        return file_size(self.entries, self.metadata)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(j.src.nbytes + (j.scale.nbytes if j.scale else 0) for j in self.jobs)
+
+
+@dataclass
+class Plan:
+    source: str
+    arch: Architecture
+    options: ConvertOptions
+    source_format: str  # "fp8-block" | "ct-fp8" | "float"
+    shards: list[ShardPlan]
+    dropped: list[str]  # source tensors consumed as scales or dropped (input_scale)
+    quantization_config: dict
+    config: dict
+    source_total_bytes: int
+    tp: int = 1
+
+    @property
+    def jobs(self) -> list[Job]:
+        return [j for s in self.shards for j in s.jobs]
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def per_rank_bytes(self, tp: int) -> tuple[int, int]:
+        """(source, output) bytes on the largest rank at tensor parallelism ``tp``."""
+        src = out = 0.0
+        for j in self.jobs:
+            split = ROLES[j.role][1]
+            f = 1.0 / tp if split != "rep" and len(j.src.shape) >= 1 else 1.0
+            if j.role in ("norm", "router_bias"):
+                f = 1.0
+            src += (j.src.nbytes + (j.scale.nbytes if j.scale else 0)) * f
+            out += sum(e.nbytes for e in j.outputs) * f
+        return int(math.ceil(src)), int(math.ceil(out))
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the output bytes."""
+        h = hashlib.sha256()
+        h.update(json.dumps(asdict(self.options), sort_keys=True).encode())
+        h.update(json.dumps(self.quantization_config, sort_keys=True).encode())
+        for s in self.shards:
+            h.update(s.file.encode())
+            for j in s.jobs:
+                h.update(f"{j.kind}|{j.name}|{j.src.file}|{j.src.dtype}|{j.src.shape}|{j.src.start}|{j.src.end}".encode())
+                for e in j.outputs:
+                    h.update(f"{e.name}|{e.dtype}|{e.shape}".encode())
+        return h.hexdigest()
+
+    def summary(self) -> dict:
+        kinds = Counter(j.kind for j in self.jobs)
+        roles: dict[str, Counter] = defaultdict(Counter)
+        for j in self.jobs:
+            roles[j.role][j.kind] += 1
+        src_rank, out_rank = self.per_rank_bytes(self.tp)
+        return {
+            "source": self.source,
+            "architecture": self.arch.name,
+            "source_format": self.source_format,
+            "options": asdict(self.options),
+            "tensors": len(self.jobs),
+            "jobs": dict(kinds),
+            "roles": {r: dict(c) for r, c in sorted(roles.items())},
+            "shards": len(self.shards),
+            "source_bytes": self.source_total_bytes,
+            "output_bytes": self.output_bytes,
+            "tp": self.tp,
+            "per_rank_source_bytes": src_rank,
+            "per_rank_output_bytes": out_rank,
+            "ignore": self.quantization_config.get("ignore", []),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+def detect_source_format(config: dict, arch: Architecture, where: str) -> tuple[str, dict]:
+    qc = config.get("quantization_config") or arch.text_config(config).get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if not qc:
+        return "float", qc
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise QuantizeError(f"{where}: FP8 format {qc.get('fmt')!r} is not read; only e4m3 block FP8 is")
+        return "fp8-block", qc
+    if method == "compressed-tensors":
+        fmts = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()} or {qc.get("format")}
+        if fmts <= {"float-quantized", "naive-quantized"}:
+            for g in (qc.get("config_groups") or {}).values():
+                w = g.get("weights") or {}
+                if w.get("type") != "float" or w.get("num_bits") != 8:
+                    raise QuantizeError(f"{where}: compressed-tensors weights {w.get('type')}{w.get('num_bits')} are not read; only FP8 float-quantized sources are")
+            return "ct-fp8", qc
+        raise QuantizeError(f"{where}: checkpoint is already compressed-tensors {sorted(map(str, fmts))}; convert reads BF16/FP16 or FP8 sources, not a quantized output")
+    raise QuantizeError(f"{where}: quant_method {method!r} is not read; sources must be BF16/FP16, block FP8 (quant_method fp8) or compressed-tensors FP8")
+
+
+def virtual_index(folder: Path, config: dict, arch: Architecture, source_format: str, qc: dict) -> CheckpointIndex:
+    """The tensors a vendor checkpoint holds, from config.json alone (for ``plan`` with no shards)."""
+    if arch.expected is None:
+        raise QuantizeError(f"{folder}: no safetensors here, and {arch.name} cannot be planned from config.json alone")
+    tensors: dict[str, TensorRef] = {}
+    block = tuple(qc.get("weight_block_size") or fp8.DEFAULT_BLOCK)
+    dtype = {"float16": "F16", "float32": "F32"}.get(str(arch.text_config(config).get("torch_dtype") or config.get("torch_dtype") or config.get("dtype")), "BF16")
+    pos = 0
+    for name, shape, role in arch.expected(arch.text_config(config) if arch.text_config_key is None else _with_prefix_cfg(config, arch)):
+        lin, _, keep = ROLES[role]
+        if role == "router_bias":
+            dt = "F32"
+        elif source_format == "fp8-block" and lin and not keep and len(shape) == 2:
+            dt = "F8_E4M3"
+        else:
+            dt = dtype
+        n = math.prod(shape) * (4 if dt == "F32" else 1 if dt == "F8_E4M3" else 2)
+        tensors[name] = TensorRef(name, "(config)", dt, shape, pos, pos + n)
+        pos += n
+        if dt == "F8_E4M3":
+            g = fp8.block_grid(shape, block)
+            sname = name[: -len("weight")] + "weight_scale_inv"
+            tensors[sname] = TensorRef(sname, "(config)", "F32", g, pos, pos + 4 * math.prod(g))
+            pos += 4 * math.prod(g)
+    return CheckpointIndex(folder, tensors, ["(config)"], config, {})
+
+
+def _with_prefix_cfg(config: dict, arch: Architecture) -> dict:
+    return arch.text_config(config)
+
+
+# ---------------------------------------------------------------------------------------------
+def _decide_by_recipe(recipe: Recipe, module: str) -> bool:
+    from compressed_tensors.utils.match import match_name
+
+    targeted = any(t == "Linear" or match_name(module, t) for t in recipe.targets)
+    return targeted and not any(match_name(module, i) for i in recipe.ignore)
+
+
+def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_config_only: bool = False) -> Plan:
+    options.validate()
+    folder = Path(source)
+    recipe = load_recipe(options.recipe) if options.recipe else None
+    if recipe is not None:
+        options = ConvertOptions(group_size=recipe.group_size, profile=options.profile,
+                                 observer=recipe.observer or options.observer, keep_fp8=options.keep_fp8, recipe=options.recipe)
+    has_tensors = folder.is_dir() and (any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").exists())
+    if has_tensors or not allow_config_only:
+        index = CheckpointIndex.open(folder)
+        config = index.config
+    else:
+        config = load_config(folder) if folder.is_dir() else _load_config_file(folder)
+        index = None
+    where = str(folder / "config.json") if folder.is_dir() else str(folder)
+    arch = archs.resolve(config, where)
+    source_format, src_qc = detect_source_format(config, arch, where)
+    if index is None:
+        index = virtual_index(folder, config, arch, source_format, src_qc)
+    block = tuple(src_qc.get("weight_block_size") or fp8.DEFAULT_BLOCK)
+
+    jobs_by_file: dict[str, list[Job]] = defaultdict(list)
+    dropped: list[str] = []
+    consumed: set[str] = set()
+    tensors = index.tensors
+    for name, ref in tensors.items():
+        base, _, param = name.rpartition(".")
+        if param in SCALE_SUFFIXES:
+            weight = f"{base}.weight"
+            if weight not in tensors:
+                raise QuantizeError(f"{folder / ref.file}: scale tensor {name} has no weight {weight}; the checkpoint is incomplete")
+            continue  # consumed by its weight's job (or dropped) below
+        role, layer = arch.role_of(name)
+        job = Job("copy", name, role, ref, outputs=[Entry(name, ref.dtype, ref.shape)])
+        is_fp8 = ref.dtype in ("F8_E4M3",)
+        if is_fp8:
+            sname = f"{base}.weight_scale_inv" if source_format == "fp8-block" else f"{base}.weight_scale"
+            if param != "weight" or sname not in tensors:
+                raise QuantizeError(f"{folder / ref.file}: FP8 tensor {name} has no {sname}; the checkpoint is incomplete or not {source_format} (re-download the shard that should hold it)")
+            job.scale = tensors[sname]
+            consumed.add(sname)
+            job.scale_format = "block" if source_format == "fp8-block" else _ct_scale_format(job.scale, ref, folder)
+            if job.scale_format == "block":
+                want = fp8.block_grid(ref.shape, block)
+                if tuple(job.scale.shape) != want:
+                    raise QuantizeError(f"{folder / job.scale.file}: {sname} has shape {list(job.scale.shape)}, but a {list(ref.shape)} weight with {block[0]}x{block[1]} blocks needs {list(want)} (ceil grid); the checkpoint is corrupt")
+        elif ref.dtype.startswith("F8"):
+            raise QuantizeError(f"{folder / ref.file}: tensor {name} has dtype {ref.dtype}; only e4m3 FP8 weights are read")
+        is_weight2d = param == "weight" and len(ref.shape) == 2 and ROLES[role][0]
+        if is_weight2d:
+            module = base
+            quant = _decide_by_recipe(recipe, module) if recipe else profile_quantizes(options.profile, role)
+            if quant:
+                out, k = ref.shape
+                job.kind = "int4"
+                sdt = "BF16" if is_fp8 or ref.dtype == "BF16" else ref.dtype
+                job.outputs = [
+                    Entry(f"{module}.weight_packed", "I32", int4.packed_shape((out, k))),
+                    Entry(f"{module}.weight_scale", sdt, int4.scale_shape((out, k), options.group_size) if k % options.group_size == 0 else (out, k // options.group_size)),
+                    Entry(f"{module}.weight_shape", "I64", (2,)),
+                ]
+            elif is_fp8 and options.keep_fp8:
+                job.kind = "keep_fp8"
+                job.outputs = [Entry(name, ref.dtype, ref.shape), Entry(f"{module}.weight_scale", job.scale.dtype, job.scale.shape)]
+            elif is_fp8:
+                job.kind = "dequant"
+                job.outputs = [Entry(name, "BF16", ref.shape)]
+        elif is_fp8:
+            job.kind = "dequant"
+            job.outputs = [Entry(name, "BF16", ref.shape)]
+        jobs_by_file[ref.file].append(job)
+    for name in tensors:
+        base, _, param = name.rpartition(".")
+        if param in SCALE_SUFFIXES and name not in consumed:
+            if param in ("input_scale",):
+                dropped.append(name)
+                continue
+            if param == "weight_scale" and source_format == "float":
+                continue
+            ref = tensors[name]
+            raise QuantizeError(f"{folder / ref.file}: {name} is a scale for a weight that is not FP8 ({tensors[base + '.weight'].dtype}); the checkpoint mixes formats, re-export it")
+    dropped += sorted(consumed)
+
+    meta = {"format": "pt"}
+    shards = [ShardPlan(f, jobs_by_file[f], meta) for f in index.files if jobs_by_file.get(f)]
+    qcfg = quantization_config(arch, config, options, recipe, shards)
+    plan = Plan(str(folder), arch, options, source_format, shards, dropped, qcfg, config, index.total_bytes, tp)
+    validate_plan(plan, recipe)
+    return plan
+
+
+def _load_config_file(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise QuantizeError(f"{path}: cannot read a config.json ({e})") from e
+
+
+def _ct_scale_format(scale: TensorRef, weight: TensorRef, folder: Path) -> str:
+    out = weight.shape[0]
+    if math.prod(scale.shape) == 1 or tuple(scale.shape) in ((out, 1), (out,)):
+        return "channel"
+    if tuple(scale.shape) == fp8.block_grid(weight.shape):
+        return "block"
+    raise QuantizeError(f"{folder / scale.file}: {scale.name} has shape {list(scale.shape)}, which fits neither a per-channel [{out}, 1] nor a 128x128 block scale of {list(weight.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles_present: set[str]) -> list[str]:
+    """Engine-safe ignore patterns for every high-precision Linear role present."""
+    groups: list[str] = ["embed"] if "embed" in roles_present else []
+    for role in sorted(roles_present):
+        if not ROLES[role][0] or profile_quantizes(options.profile, role):
+            continue
+        g = ROLE_GROUP.get(role)
+        if g and g not in groups:
+            groups.append(g)
+    # the attention group covers the indexer; dense covers nothing else
+    if "attention" in groups and "indexer" in groups:
+        groups.remove("indexer")
+    order = list(IGNORE_PATTERN)
+    return [IGNORE_PATTERN[g] for g in sorted(groups, key=order.index)]
+
+
+def quantization_config(arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]) -> dict:
+    roles = {j.role for s in shards for j in s.jobs}
+    if recipe:
+        ignore, targets = list(recipe.ignore), list(recipe.targets)
+    else:
+        ignore, targets = ignore_list(arch, config, options, roles), ["Linear"]
+    groups = {
+        "config_group_0": {
+            "format": "pack-quantized",
+            "input_activations": None,
+            "output_activations": None,
+            "targets": targets,
+            "weights": int4.weights_args(options.group_size),
+        }
+    }
+    kept = sorted({j.module for s in shards for j in s.jobs if j.kind == "keep_fp8"})
+    if kept:
+        groups["config_group_1"] = {
+            "format": "float-quantized",
+            "input_activations": {"actorder": None, "block_structure": None, "dynamic": True, "group_size": 128, "num_bits": 8, "observer": None, "observer_kwargs": {}, "scale_dtype": None, "strategy": "group", "symmetric": True, "type": "float", "zp_dtype": None},
+            "output_activations": None,
+            "targets": keep_fp8_targets(arch, shards),
+            "weights": {"actorder": None, "block_structure": [128, 128], "dynamic": False, "group_size": None, "num_bits": 8, "observer": None, "observer_kwargs": {}, "scale_dtype": None, "strategy": "block", "symmetric": True, "type": "float", "zp_dtype": None},
+        }
+    return {
+        "config_groups": groups,
+        "format": "mixed-precision" if kept else "pack-quantized",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "transform_config": {},
+        "version": CT_VERSION,
+    }
+
+
+def keep_fp8_targets(arch: Architecture, shards: list[ShardPlan]) -> list[str]:
+    groups = sorted({ROLE_GROUP.get(j.role, j.role) for s in shards for j in s.jobs if j.kind == "keep_fp8"})
+    pats = {"attention": "re:.*self_attn\\.(?!indexer).*", "indexer": "re:.*self_attn\\.indexer\\.(wq_b|wk)$"}
+    return [pats.get(g, IGNORE_PATTERN.get(g, g)) for g in groups]
+
+
+# ---------------------------------------------------------------------------------------------
+def _sglang_ignored(name: str, ignore: list[str]) -> bool:
+    """SGLang should_ignore_layer semantics: re: -> re.match; plain -> case-insensitive substring."""
+    import re
+
+    for pat in ignore:
+        if pat.startswith("re:"):
+            if re.match(pat[3:], name):
+                return True
+        elif pat.lower() in name.lower():
+            return True
+    return False
+
+
+def _ct_ignored(name: str, ignore: list[str]) -> bool:
+    from compressed_tensors.utils.match import match_name
+
+    return any(match_name(name, pat) for pat in ignore)
+
+
+def validate_plan(plan: Plan, recipe: Recipe | None) -> None:
+    """Everything that can fail, before any byte is written: group divisibility, uniform schemes
+    across engine-fused modules and experts, and an ignore list that holds in the engines."""
+    arch, cfg, g = plan.arch, plan.config, plan.options.group_size
+    decision: dict[str, bool] = {}
+    for j in plan.jobs:
+        if j.src.name.endswith(".weight") and len(j.src.shape) == 2 and ROLES[j.role][0]:
+            decision[j.module] = j.kind == "int4"
+        if j.kind == "int4" and j.src.shape[1] % g:
+            k = j.src.shape[1]
+            fits = [x for x in int4.SUPPORTED_GROUP_SIZES if k % x == 0]
+            fix = f"use --group-size {fits[-1]}" if fits else "keep it high precision (--profile experts or a recipe ignore)"
+            raise QuantizeError(f"{j.src.file}: tensor {j.name} has K={k}, not a multiple of group size {g}; {fix}")
+    # fused sets and experts share one scheme
+    by_layer: dict[str, set[bool]] = defaultdict(set)
+    for module, q in decision.items():
+        for member in arch.fused_members(module):
+            if member in decision and decision[member] != q:
+                raise QuantizeError(f"{module} is {'INT4' if q else 'high precision'} but {member}, which the engines fuse with it, is not; quantize both or neither (adjust the recipe's ignore list)")
+        role, layer = arch.role_of(module + ".weight")
+        if role in archs.base.EXPERT_ROLES:
+            by_layer[module.split(".experts.")[0]].add(q)
+    for layer, qs in by_layer.items():
+        if len(qs) > 1:
+            raise QuantizeError(f"{layer}: some routed experts are INT4 and others are not; fused MoE kernels need one scheme for all experts of a layer (fix the recipe's ignore list)")
+    # the written ignore list must reproduce the plan's decisions, for compressed-tensors
+    # (checkpoint names, exact/regex) and for SGLang (its module names, fused ones included)
+    ignore = plan.quantization_config["ignore"]
+    for module, q in decision.items():
+        if recipe is None and _ct_ignored(module, ignore) == q:
+            raise QuantizeError(f"internal: ignore list {ignore} {'covers' if q else 'misses'} {module}; please report this")
+        for ename in arch.engine_module_names(module, cfg):
+            if _sglang_ignored(ename, ignore) == q:
+                what = "ignores" if q else "does not ignore"
+                raise QuantizeError(f"ignore list {what} engine module {ename} (checkpoint {module}, {'INT4' if q else 'high precision'}): SGLang would build it {'high precision' if q else 'as INT4'} and fail to load; add a pattern with re:.* that {'excludes' if q else 'matches'} it")

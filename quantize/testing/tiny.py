@@ -1,0 +1,208 @@
+"""Tiny checkpoints of the real architectures, made the way vendors make theirs.
+
+The model comes from transformers' own config and model classes (random weights, fixed seed),
+so ``from_pretrained`` on the BF16 dequantization of what we write is a reference model. Tensors
+are saved under the real on-disk names (per-expert 2-D experts, Kimi's ``language_model.`` prefix,
+an MTP layer at index ``num_hidden_layers``), then FP8-quantized as DeepSeek/zai-org/Moonshot do:
+e4m3, 128x128 blocks, ``weight_scale_inv`` multiplier on a ceil grid, router / norms / embeddings /
+lm_head / indexer ``weights_proj`` / ``eh_proj`` / vision left BF16, ``quantization_config`` with
+``modules_to_not_convert`` as the vendor writes it. Several shards plus an index.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..archs import REGISTRY
+from ..archs.base import ROLES
+from ..formats import fp8
+
+MLA_TEXT = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+    num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=128, kv_lora_rank=128,
+    qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, n_group=1, topk_group=1,
+    max_position_embeddings=512, tie_word_embeddings=False, rope_scaling=None,
+)
+
+# name -> (transformers module, config class, model class, config kwargs)
+TINY: dict[str, dict] = {
+    "glm_moe_dsa": dict(
+        config="GlmMoeDsaConfig", model="GlmMoeDsaForCausalLM",
+        kwargs={**{k: v for k, v in MLA_TEXT.items() if k not in ("n_group", "topk_group", "rope_scaling")},
+                "mlp_layer_types": None, "index_n_heads": 2, "index_head_dim": 64, "index_topk": 16},
+    ),
+    "deepseek_v3": dict(config="DeepseekV3Config", model="DeepseekV3ForCausalLM",
+                        kwargs={k: v for k, v in MLA_TEXT.items() if k != "rope_scaling"}),
+    "kimi_k25": dict(config="Kimi_K25Config", model="Kimi_K25ForConditionalGeneration", kwargs={}),
+    "llama": dict(config="LlamaConfig", model="LlamaForCausalLM",
+                  kwargs=dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+}
+
+VENDOR_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+ARCH_NAMES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+              "kimi_k25": "KimiK25ForConditionalGeneration", "llama": "LlamaForCausalLM"}
+
+
+def _build_model(arch: str, overrides: dict | None):
+    import transformers
+
+    spec = TINY[arch]
+    if arch == "kimi_k25":
+        from transformers.models.kimi_k25 import configuration_kimi_k25 as ck
+        from transformers.models.kimi_k25 import modeling_kimi_k25 as mk
+
+        text = {"model_type": "deepseek_v3", **MLA_TEXT, **(overrides or {})}
+        text.pop("rope_scaling", None)
+        cfg = ck.Kimi_K25Config(text_config=text, tie_word_embeddings=False, projection_hidden_size=64,
+                                vision_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128))
+        return cfg, mk.Kimi_K25ForConditionalGeneration(cfg)
+    cfg = getattr(transformers, spec["config"])(**{**spec["kwargs"], **(overrides or {})})
+    return cfg, getattr(transformers, spec["model"])(cfg)
+
+
+def _ondisk_state(model, arch: str) -> dict[str, torch.Tensor]:
+    """transformers' save_pretrained reverses its in-memory fusions (per-expert names on disk);
+    Kimi K2.5's reverse mapping in transformers 5.17 also renames text ``layers`` to ``blocks`` and
+    moves the projector norm, which vendors' files do not: undo those."""
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(d).glob("*.safetensors")):
+            with safe_open(f, "pt") as fh:
+                for k in fh.keys():
+                    state[k] = fh.get_tensor(k)
+    if arch == "kimi_k25":
+        state = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
+                  .replace("model.mm_projector.", "mm_projector."): v for k, v in state.items()}
+    return state
+
+
+def make_tiny(
+    arch: str,
+    out: str | Path,
+    *,
+    fp8_source: bool = True,
+    seed: int = 0,
+    num_shards: int = 3,
+    overrides: dict | None = None,
+    mtp: bool = True,
+) -> Path:
+    """Write a tiny ``arch`` checkpoint to ``out`` and return the path."""
+    if arch not in TINY:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg, model = _build_model(arch, overrides)
+    model = model.to(torch.bfloat16).eval()
+    state = _ondisk_state(model, arch)
+    A = REGISTRY[arch]
+    cfg_dict = cfg.to_dict()
+    cfg_dict["architectures"] = [ARCH_NAMES[arch]]
+    text = A.text_config(cfg_dict)
+    prefix = A.prefix
+    has_mtp = mtp and A.attention in ("mla", "dsa")
+    if has_mtp:
+        text["num_nextn_predict_layers"] = 1
+        L = int(text["num_hidden_layers"])
+        g = torch.Generator().manual_seed(seed + 1)
+        src_p, dst_p = f"{prefix}model.layers.{L - 1}.", f"{prefix}model.layers.{L}."
+        for k in [k for k in state if k.startswith(src_p)]:
+            state[dst_p + k[len(src_p):]] = state[k].clone()
+        for name, shape, role in A.expected(text):
+            if name.startswith(dst_p) and name not in state:
+                t = torch.ones(shape) if role == "norm" else torch.randn(shape, generator=g) * 0.02
+                state[name] = t.to(torch.bfloat16)
+    for k in list(state):
+        if k.endswith("e_score_correction_bias"):
+            state[k] = state[k].float()  # vendors keep the routing bias in fp32
+    # check our config-derived table against what transformers wrote (names and shapes)
+    expected = {n: s for n, s, _ in A.expected(text)}
+    text_state = {k: tuple(v.shape) for k, v in state.items() if A.role_of(k)[0] not in ("vision", "projector", "other") or k in expected}
+    if expected != text_state:
+        missing = sorted(set(expected) - set(text_state))[:5]
+        extra = sorted(set(text_state) - set(expected))[:5]
+        bad = sorted(k for k in set(expected) & set(text_state) if expected[k] != text_state[k])[:5]
+        raise AssertionError(f"{arch}: tensor table disagrees with transformers: missing {missing} extra {extra} shape {bad}")
+
+    tensors: dict[str, torch.Tensor] = {}
+    not_converted: list[str] = []
+    for name in sorted(state, key=_natural):
+        t = state[name]
+        role, _ = A.role_of(name)
+        lin, _, keep = ROLES[role]
+        if fp8_source and name.endswith(".weight") and t.ndim == 2 and lin and not keep:
+            q, s = fp8.quant_block(t.float())
+            tensors[name] = q
+            tensors[name[: -len("weight")] + "weight_scale_inv"] = s
+        else:
+            tensors[name] = t.contiguous()
+            if name.endswith(".weight") and t.ndim == 2 and lin:
+                not_converted.append(name[: -len(".weight")])
+    if fp8_source:
+        qc = dict(VENDOR_FP8)
+        mods = sorted(set(not_converted), key=_natural)
+        if arch == "glm_moe_dsa":
+            # zai-org lists `indexers_proj`, a module that does not exist (../shared/FORMATS.md §2.2)
+            mods += [f"model.layers.{i}.self_attn.indexers_proj" for i in range(int(text["num_hidden_layers"]))]
+        qc["modules_to_not_convert"] = mods
+        cfg_dict["quantization_config"] = qc
+    cfg_dict["torch_dtype"] = "bfloat16"
+    _write_shards(out, tensors, num_shards)
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True, default=str))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "max_new_tokens": 16}, indent=2))
+    (out / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>")
+    _write_tokenizer(out, int(text["vocab_size"]))
+    return out
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in name.replace(".", " . ").split()]
+
+
+def _write_shards(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+    names = list(tensors)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    target = math.ceil(total / max(1, num_shards))
+    groups: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        b = tensors[n].numel() * tensors[n].element_size()
+        if size + b > target and groups[-1] and len(groups) < num_shards:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += b
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in group})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A real (tiny, byte-level BPE-free) tokenizer transformers can load: WordLevel over words
+    and characters, ids < vocab_size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)]
+    words = "the a of to and in is it that for on with as be by this are or at from what how many".split()
+    specials = ["<unk>", "<eos>", "<pad>"]
+    vocab = {tok: i for i, tok in enumerate(specials + words + chars)}
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split("", "isolated")])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "model_max_length": 512}, indent=2))

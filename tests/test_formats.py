@@ -1,0 +1,105 @@
+"""The format math against compressed-tensors as an independent oracle."""
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+from compressed_tensors.quantization.utils import calculate_qparams
+
+from quantize.formats import fp8, int4
+
+SHAPES = [(16, 256), (96, 128), (7, 512), (128, 1024)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pack_equals_compressed_tensors(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    q = torch.randint(-8, 8, shape, generator=g, dtype=torch.int8)
+    ours = int4.pack_int4(q)
+    theirs = pack_to_int32(q, num_bits=4, packed_dim=1)
+    assert ours.dtype == torch.int32 and torch.equal(ours, theirs)
+    assert torch.equal(int4.unpack_int4(ours, shape[1]), unpack_from_int32(theirs, 4, torch.Size(shape)))
+
+
+def test_pack_bit_order_documented_example():
+    q = torch.arange(-8, 8, dtype=torch.int8).view(1, 16)
+    words = int4.pack_int4(q).view(torch.uint32).tolist()[0]
+    assert words == [0x76543210, 0xFEDCBA98]
+
+
+def _ct_rtn(w_bf16, group):
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
+    out, k = w_bf16.shape
+    wg = w_bf16.view(out, k // group, group)
+    scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+    q = ct_quantize(w_bf16, scale, zp, args, dtype=torch.int8)
+    return q, scale
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("shape", [(64, 256), (96, 512)])
+def test_minmax_bit_identical_to_compressed_tensors(group, shape):
+    g = torch.Generator().manual_seed(group + shape[0])
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    w[0, :group] = 0  # an all-zero group: eps scale
+    q, scale = int4.quantize_groups(w, group, "minmax")
+    q_ct, scale_ct = _ct_rtn(w, group)
+    assert scale.dtype == torch.bfloat16
+    assert torch.equal(scale, scale_ct.to(torch.bfloat16))
+    assert torch.equal(q, q_ct)
+
+
+def test_mse_lowers_weight_error_and_never_raises_it():
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(64, 512, generator=g) ** 3 * 0.02).to(torch.bfloat16)  # heavy tails
+    a = int4.quantize_pack(w, 32, "minmax")
+    b = int4.quantize_pack(w, 32, "mse")
+    assert b.rel_err < a.rel_err * 0.98
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_dequantize_roundtrip(group):
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(32, 256, generator=g)).to(torch.bfloat16)
+    r = int4.quantize_pack(w, group)
+    deq = int4.dequantize_int4(r.packed, r.scale, (32, 256))
+    assert deq.shape == w.shape
+    # half a quantization step per element, plus bf16 rounding of w/scale and of q*scale
+    step = r.scale.float().repeat_interleave(group, 1)
+    bound = step * 0.5 + w.float().abs() * 2**-7
+    assert torch.all((deq.float() - w.float()).abs() <= bound)
+    assert abs(r.rel_err - float((deq.float() - w.float()).norm() / w.float().norm())) < 1e-2
+
+
+def test_group_divisibility_refused():
+    with pytest.raises(ValueError, match="not a multiple of group size 128"):
+        int4.quantize_groups(torch.zeros(4, 576), 128)
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (576, 256), (200, 300)])
+def test_fp8_block_roundtrip_and_ceil_grid(shape):
+    g = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(shape, generator=g) * 0.05
+    q, s = fp8.quant_block(w)
+    assert q.dtype == torch.float8_e4m3fn
+    assert tuple(s.shape) == fp8.block_grid(shape) == (-(-shape[0] // 128), -(-shape[1] // 128))
+    deq = fp8.dequant_block(q, s, dtype=torch.float32)
+    assert (deq - w).norm() / w.norm() < 0.04
+
+
+def test_fp8_block_matches_compressed_tensors_dequantizer():
+    from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(576, 384, generator=g) * 0.05
+    q, s = fp8.quant_block(w)
+    conv = FP8BlockDequantizer(targets=["re:.*"], weight_block_size=(128, 128), dtype=torch.bfloat16)
+    out = conv.process({"x.weight": q, "x.weight_scale_inv": s})
+    assert torch.equal(out["x.weight"], fp8.dequant_block(q, s))
+
+
+def test_fp8_block_scale_shape_mismatch_refused():
+    q, s = fp8.quant_block(torch.randn(576, 256))
+    with pytest.raises(ValueError, match="ceil grid"):
+        fp8.dequant_block(q, s[:4])
