@@ -329,7 +329,11 @@ def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles
     if "attention" in groups and "indexer" in groups:
         groups.remove("indexer")
     order = list(IGNORE_PATTERN)
-    return [IGNORE_PATTERN[g] for g in sorted(groups, key=order.index)]
+    pats = [IGNORE_PATTERN[g] for g in sorted(groups, key=order.index)]
+    if arch.prefix and "lm_head" in groups:
+        # exact-name matchers (compressed-tensors on checkpoint names) see `language_model.lm_head`
+        pats.insert(1, "re:.*lm_head$")
+    return pats
 
 
 def quantization_config(arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]) -> dict:

@@ -1,0 +1,155 @@
+"""The ``quantize`` command line: each command parses, calls one library function with the same
+parameter names, and renders its result (rich for people, ``--json`` NDJSON for machines)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import QuantizeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Offline FP8/BF16 -> INT4 (compressed-tensors pack-quantized) for GLM 5.x and Kimi K2.x on SGLang/vLLM.")
+
+
+def _emitter(json_out: bool):
+    from .events import JsonEmitter, RichEmitter
+
+    return JsonEmitter() if json_out else RichEmitter()
+
+
+def _run(fn, *args, **kwargs):
+    """Call a library function; a user error becomes one line on stderr and a non-zero exit."""
+    try:
+        return fn(*args, **kwargs)
+    except QuantizeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(e.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted: nothing is presented as complete; rerun the same command with --resume to continue", err=True)
+        raise typer.Exit(130)
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
+@app.command()
+def convert(
+    source: Path = typer.Argument(..., help="source checkpoint folder (block FP8, compressed-tensors FP8, or BF16/FP16)"),
+    out: Path = typer.Argument(..., help="output folder (must not exist unless --resume/--overwrite)"),
+    group_size: int = typer.Option(32, help="INT4 group size along K: 32, 64 or 128"),
+    profile: str = typer.Option("experts", help="experts (routed experts INT4, Kimi's layout) or all-linear"),
+    observer: str = typer.Option("minmax", help="minmax (bit-identical to compressed-tensors RTN) or mse (clipping search)"),
+    keep_fp8: bool = typer.Option(False, "--keep-fp8", help="leave non-INT4 FP8 weights FP8 (block) instead of BF16"),
+    recipe: Optional[str] = typer.Option(None, help="llm-compressor recipe YAML (targets / ignore / group size)"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUT (same options)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing quantize output in OUT"),
+    workers: Optional[int] = typer.Option(None, help="compute threads (default: all cores)"),
+    json_out: bool = typer.Option(False, "--json", help="NDJSON progress events on stdout instead of a progress bar"),
+):
+    """Convert a checkpoint to group-wise symmetric INT4, streaming tensor by tensor."""
+    from .convert import convert as run_convert
+
+    res = _run(run_convert, source, out, group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8,
+               recipe=recipe, resume=resume, overwrite=overwrite, workers=workers, emit=_emitter(json_out))
+    if json_out:
+        return
+    from rich.console import Console
+
+    c = Console()
+    c.print(f"[bold green]done[/] {res.out}: {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)} in {res.seconds:.1f} s "
+            f"({res.gbps:.3f} GB/s); {res.tensors_int4} INT4 tensors" +
+            (f", weight rel. error mean {res.mean_rel_err:.4f} max {res.max_rel_err:.4f}" if res.mean_rel_err is not None else "") +
+            (f"; {res.resumed_shards} shards kept from the interrupted run" if res.resumed_shards else ""))
+
+
+@app.command()
+def plan(
+    source: Path = typer.Argument(..., help="checkpoint folder, or a folder / config.json with no weights"),
+    tp: int = typer.Option(1, help="tensor parallelism for per-rank bytes"),
+    group_size: int = typer.Option(32),
+    profile: str = typer.Option("experts"),
+    keep_fp8: bool = typer.Option(False, "--keep-fp8"),
+    recipe: Optional[str] = typer.Option(None),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+):
+    """Show what convert would do, from headers (or config.json alone); reads no tensor data."""
+    from .convert import plan as run_plan
+
+    p = _run(run_plan, source, tp=tp, group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe)
+    s = p.summary()
+    if json_out:
+        typer.echo(json.dumps(s, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    t = Table(title=f"{s['architecture']} ({s['source_format']}) -> INT4 g{s['options']['group_size']}, profile {s['options']['profile']}")
+    t.add_column("role")
+    t.add_column("jobs")
+    for role, kinds in s["roles"].items():
+        t.add_row(role, ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+    c.print(t)
+    c.print(f"source {_bytes(s['source_bytes'])} -> output {_bytes(s['output_bytes'])}; "
+            f"per rank at TP{tp}: {_bytes(s['per_rank_source_bytes'])} -> {_bytes(s['per_rank_output_bytes'])}")
+    c.print(f"ignore: {s['ignore']}")
+
+
+@app.command("list-archs")
+def list_archs():
+    """Architectures the registry knows."""
+    from .archs import REGISTRY
+
+    for a in REGISTRY.values():
+        typer.echo(f"{a.name:12s} {', '.join(a.architectures)}  -- {a.notes}")
+
+
+@app.command("make-tiny")
+def make_tiny(
+    arch: str = typer.Argument(..., help="glm_moe_dsa | kimi_k25 | deepseek_v3 | llama"),
+    out: Path = typer.Argument(...),
+    fp8_source: bool = typer.Option(True, "--fp8-source/--bf16-source"),
+    seed: int = typer.Option(0),
+    num_shards: int = typer.Option(3),
+):
+    """Write a tiny checkpoint of a real architecture (transformers classes, vendor FP8 layout)."""
+    from .testing.tiny import make_tiny as run
+
+    try:
+        p = run(arch, out, fp8_source=fp8_source, seed=seed, num_shards=num_shards)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(str(p))
+
+
+@app.command()
+def demo(out: Path = typer.Option(Path("demo-out"), help="working folder"),
+         json_out: bool = typer.Option(False, "--json")):
+    """The main job on the embedded default: tiny GLM-5 and Kimi K2.5 FP8 checkpoints -> INT4."""
+    from .testing.tiny import make_tiny as mk
+
+    from .convert import convert as run_convert
+
+    for arch in ("glm_moe_dsa", "kimi_k25"):
+        src = out / f"{arch}-fp8"
+        if not (src / "config.json").exists():
+            mk(arch, src)
+        typer.echo(f"== {arch}: {src} -> {out / (arch + '-w4a16-g32')}", err=True)
+        res = _run(run_convert, src, out / f"{arch}-w4a16-g32", overwrite=True, emit=_emitter(json_out))
+        typer.echo(f"   {res.tensors_int4} INT4 tensors, {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)}, "
+                   f"mean rel. error {res.mean_rel_err:.4f}", err=True)
+
+
+def main():  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

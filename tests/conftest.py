@@ -1,0 +1,60 @@
+import glob
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Tiny real-architecture checkpoints, built once per session: tiny("glm_moe_dsa")."""
+    from quantize.testing.tiny import make_tiny
+
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("tiny")
+
+    def get(arch: str, fp8_source: bool = True, **kw) -> Path:
+        key = (arch, fp8_source, tuple(sorted(kw.items())))
+        if key not in cache:
+            name = f"{arch}-{'fp8' if fp8_source else 'bf16'}-{len(cache)}"
+            cache[key] = make_tiny(arch, root / name, fp8_source=fp8_source, **kw)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def converted(tiny, tmp_path_factory):
+    """Converted outputs, once per session: converted("glm_moe_dsa", group_size=32)."""
+    from quantize.convert import convert
+
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("out")
+
+    def get(arch: str, **kw) -> Path:
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = root / f"{arch}-{len(cache)}"
+            convert(tiny(arch), out, **kw)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+def load_dir(d) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(glob.glob(str(Path(d) / "*.safetensors"))):
+        with safe_open(f, "pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def dir_bytes(d) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
