@@ -96,8 +96,9 @@ def plan(
     for role, kinds in s["roles"].items():
         t.add_row(role, ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
     c.print(t)
-    c.print(f"source {_bytes(s['source_bytes'])} -> output {_bytes(s['output_bytes'])}; "
-            f"per rank at TP{tp}: {_bytes(s['per_rank_source_bytes'])} -> {_bytes(s['per_rank_output_bytes'])}")
+    c.print(f"source {_bytes(s['source_bytes'])} -> output {_bytes(s['output_bytes'])}")
+    c.print(f"per GPU at TP{tp}: largest rank {_bytes(s['per_rank_source_bytes'])} -> {_bytes(s['per_rank_output_bytes'])} "
+            f"(replicated tensors counted on every rank); even split {_bytes(s['even_split_source_bytes'])} -> {_bytes(s['even_split_output_bytes'])}")
     c.print(f"ignore: {s['ignore']}")
 
 

@@ -143,6 +143,10 @@ class Plan:
             "tp": self.tp,
             "per_rank_source_bytes": src_rank,
             "per_rank_output_bytes": out_rank,
+            # total / tp: the usual back-of-envelope figure; per_rank_* above is the largest rank
+            # under the TP plan (q_a/kv_a, the DSA indexer, router and norms are replicated)
+            "even_split_source_bytes": -(-self.source_total_bytes // self.tp),
+            "even_split_output_bytes": -(-self.output_bytes // self.tp),
             "ignore": self.quantization_config.get("ignore", []),
         }
 

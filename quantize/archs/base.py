@@ -125,7 +125,10 @@ class Architecture:
 
     def role_of(self, name: str) -> tuple[str, int | None]:
         """Tensor name -> (role, layer index or None). Unknown names get role "other"."""
-        layer_rules, global_rules = _COMPILED.setdefault(self.name, self._compiled())
+        compiled = _COMPILED.get(self.name)
+        if compiled is None:
+            compiled = _COMPILED[self.name] = self._compiled()
+        layer_rules, global_rules = compiled
         rest = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
         m = _LAYER_RE.match(rest)
         if m:
