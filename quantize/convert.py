@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +38,7 @@ from .checkpoint.manifest import (
 from .checkpoint.writer import COPY_CHUNK, StreamWriter, atomic_write_text
 from .errors import QuantizeError
 from .events import Emit, null_emit
-from .formats import fp8, int4
+from .formats import fp8, int4, native
 from .plan import ConvertOptions, Job, Plan, build_plan
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
@@ -70,8 +71,10 @@ def _weight_rows(job: Job, w: torch.Tensor, s: torch.Tensor | None, r0: int, r1:
     if job.scale is None:
         return rows
     if job.scale_format == "block":
-        br = 128
-        return fp8.dequant_block(rows, s[r0 // br: -(-r1 // br)])
+        br = job.block[0]
+        if r0 % br:
+            raise AssertionError("row chunks must start on a block boundary")
+        return fp8.dequant_block(rows, s[r0 // br: -(-r1 // br)], job.block)
     return fp8.dequant_channel(rows, s if s.numel() == 1 else s.reshape(-1, 1)[r0:r1])
 
 
@@ -80,10 +83,30 @@ def _check_finite(job: Job, t: torch.Tensor) -> None:
         raise QuantizeError(f"{job.src.file}: tensor {job.name} contains NaN or Inf; the source weight is corrupt, re-download that shard")
 
 
+_tls = threading.local()
+
+
+def _read(folder: Path, ref: TensorRef, fds: dict, slot: str) -> torch.Tensor:
+    """Read into a per-thread buffer that is reused across jobs (no fresh pages per tensor)."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = {}
+    buf = bufs.get(slot)
+    if buf is None or len(buf) < ref.nbytes:
+        buf = bufs[slot] = bytearray(max(ref.nbytes, 1 << 20))
+    return read_tensor(folder, ref, fds, buf)
+
+
 def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict) -> tuple[list[torch.Tensor], dict | None]:
-    w = read_tensor(folder, job.src, fds)
-    s = read_tensor(folder, job.scale, fds) if job.scale is not None else None
+    w = _read(folder, job.src, fds, "w")
+    s = _read(folder, job.scale, fds, "s").clone() if job.scale is not None else None
+    use_native = native.lib() is not None and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
     if job.kind == "dequant":
+        if use_native and w.dtype == torch.float8_e4m3fn:
+            out, bad = native.dequant_rows(w, s, job.scale_format, job.block)
+            if bad:
+                _check_finite(job, torch.tensor(float("nan")))
+            return [out], None
         rows = w.shape[0]
         out = torch.empty(w.shape, dtype=torch.bfloat16)
         for r0 in range(0, rows, ROW_CHUNK):
@@ -95,22 +118,29 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict) -> t
         rows, k = w.shape
         g = options.group_size
         scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
-        packed = torch.empty(int4.packed_shape((rows, k)), dtype=torch.int32)
-        scale = torch.empty(int4.scale_shape((rows, k), g), dtype=scale_dtype)
-        sq_err = sq_ref = max_err = sq_err_mm = 0.0
-        for r0 in range(0, rows, ROW_CHUNK):
-            r1 = min(rows, r0 + ROW_CHUNK)
-            wr = _weight_rows(job, w, s, r0, r1)
-            res = int4.quantize_pack(wr, g, options.observer, scale_dtype)
-            if not torch.isfinite(res.scale).all():
-                _check_finite(job, wr)
-            packed[r0:r1] = res.packed
-            scale[r0:r1] = res.scale
-            sq_err += res.sq_err
-            sq_ref += res.sq_ref
-            max_err = max(max_err, res.max_abs_err)
-            if options.observer != "minmax":
-                sq_err_mm += int4.quantize_pack(wr, g, "minmax", scale_dtype).sq_err
+        if use_native and scale_dtype == torch.bfloat16:
+            packed, scale, (sq_err, sq_ref, max_err), bad = native.quant_rows(
+                w, s, job.scale_format, g, options.observer, (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM), job.block)
+            if bad:
+                _check_finite(job, torch.tensor(float("nan")))
+            sq_err_mm = native.quant_rows(w, s, job.scale_format, g, "minmax", block=job.block)[2][0] if options.observer != "minmax" else 0.0
+        else:
+            packed = torch.empty(int4.packed_shape((rows, k)), dtype=torch.int32)
+            scale = torch.empty(int4.scale_shape((rows, k), g), dtype=scale_dtype)
+            sq_err = sq_ref = max_err = sq_err_mm = 0.0
+            for r0 in range(0, rows, ROW_CHUNK):
+                r1 = min(rows, r0 + ROW_CHUNK)
+                wr = _weight_rows(job, w, s, r0, r1)
+                res = int4.quantize_pack(wr, g, options.observer, scale_dtype)
+                if not torch.isfinite(res.scale).all():
+                    _check_finite(job, wr)
+                packed[r0:r1] = res.packed
+                scale[r0:r1] = res.scale
+                sq_err += res.sq_err
+                sq_ref += res.sq_ref
+                max_err = max(max_err, res.max_abs_err)
+                if options.observer != "minmax":
+                    sq_err_mm += int4.quantize_pack(wr, g, "minmax", scale_dtype).sq_err
         stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0, "max_abs_err": max_err}
         if options.observer != "minmax":
             stats["rel_err_minmax"] = (sq_err_mm / sq_ref) ** 0.5 if sq_ref else 0.0

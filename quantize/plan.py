@@ -51,6 +51,7 @@ class Job:
     src: TensorRef
     scale: TensorRef | None = None  # FP8 scale partner (may live in another shard)
     scale_format: str | None = None  # "block" | "channel"
+    block: tuple[int, int] = (128, 128)  # FP8 weight_block_size of the source
     outputs: list[Entry] = field(default_factory=list)
 
     @property
@@ -252,6 +253,7 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
             if param != "weight" or sname not in tensors:
                 raise QuantizeError(f"{folder / ref.file}: FP8 tensor {name} has no {sname}; the checkpoint is incomplete or not {source_format} (re-download the shard that should hold it)")
             job.scale = tensors[sname]
+            job.block = block
             consumed.add(sname)
             job.scale_format = "block" if source_format == "fp8-block" else _ct_scale_format(job.scale, ref, folder)
             if job.scale_format == "block":

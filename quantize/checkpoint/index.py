@@ -196,10 +196,11 @@ def load_config(folder: Path) -> dict:
     return cfg
 
 
-def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None) -> torch.Tensor:
+def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None, buf: bytearray | None = None) -> torch.Tensor:
     """Read one tensor's bytes with pread (no mmap: page-cache pressure stays the kernel's, and
-    RSS counts only this tensor)."""
-    buf = bytearray(ref.nbytes)
+    RSS counts only this tensor). ``buf`` (at least ``ref.nbytes``) is reused when given; the
+    returned tensor then aliases it."""
+    buf = bytearray(ref.nbytes) if buf is None else buf
     path = folder / ref.file
     fd = fd_cache.get(path) if fd_cache is not None else None
     close = False
@@ -210,7 +211,7 @@ def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None) -> t
         else:
             close = True
     try:
-        view = memoryview(buf)
+        view = memoryview(buf)[: ref.nbytes]
         got = 0
         while got < ref.nbytes:
             n = os.preadv(fd, [view[got:]], ref.start + got)
@@ -222,4 +223,4 @@ def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None) -> t
             os.close(fd)
     if ref.nbytes == 0:
         return torch.empty(ref.shape, dtype=ref.torch_dtype)
-    return torch.frombuffer(buf, dtype=ref.torch_dtype).view(ref.shape)
+    return torch.frombuffer(buf, dtype=ref.torch_dtype, count=ref.nbytes // itemsize(ref.dtype)).view(ref.shape)
