@@ -240,6 +240,9 @@ def convert(
 
 
 def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes) -> int:
+    """Workers compute ahead inside a bounded window; this thread writes in plan order; a
+    committer thread makes each finished shard durable (fsync, rename) and records it while the
+    next shard is being computed and written."""
     window = 2 * workers
     jobs = [(si, j) for si, s in enumerate(todo) for j in s.jobs]
     pending: deque[tuple[int, Job, Future | None]] = deque()
@@ -254,37 +257,49 @@ def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, do
             fut = pool.submit(compute_job, j, src, options, fds) if j.kind in ("int4", "dequant") else None
             pending.append((si, j, fut))
 
-    copy_buf = bytearray(COPY_CHUNK)
-    for si, shard in enumerate(todo):
-        writer = StreamWriter(out / shard.file, shard.entries, shard.metadata)
-        stats: list[dict] = []
-        try:
-            for _ in shard.jobs:
-                refill()
-                psi, job, fut = pending.popleft()
-                assert psi == si
-                if fut is None:  # copy / keep_fp8: stream bytes, no tensor in memory
-                    for ref, entry in zip([job.src] + ([job.scale] if job.scale else []), job.outputs):
-                        fd = _fd(fds, src / ref.file)
-                        _copy_checked(writer, entry.name, fd, ref, copy_buf)
-                else:
-                    tensors, st = fut.result()
-                    for entry, t in zip(job.outputs, tensors):
-                        writer.write_tensor(entry.name, t)
-                    if st:
-                        stats.append(st)
-                done_bytes += job.src.nbytes + (job.scale.nbytes if job.scale else 0)
-                emit({"event": "tensor", "name": job.name, "kind": job.kind, "done_bytes": done_bytes,
-                      **({"rel_err": round(st["rel_err"], 6)} if fut is not None and st else {})})
-            sha = writer.finish()
-        except BaseException:
-            writer.abort()
-            for _, _, f in pending:
-                if f is not None:
-                    f.cancel()
-            raise
+    def commit(writer: StreamWriter, shard, sha: str, stats: list[dict]) -> None:
+        writer.commit()
         record.mark_done(shard.file, sha, writer.bytes_written, stats)
         emit({"event": "shard", "file": shard.file, "bytes": writer.bytes_written, "sha256": sha})
+
+    copy_buf = bytearray(COPY_CHUNK)
+    with ThreadPoolExecutor(1) as committer:
+        commits: list[Future] = []
+        for si, shard in enumerate(todo):
+            writer = StreamWriter(out / shard.file, shard.entries, shard.metadata)
+            stats: list[dict] = []
+            try:
+                for _ in shard.jobs:
+                    refill()
+                    psi, job, fut = pending.popleft()
+                    assert psi == si
+                    if fut is None:  # copy / keep_fp8: stream bytes, no tensor in memory
+                        for ref, entry in zip([job.src] + ([job.scale] if job.scale else []), job.outputs):
+                            _copy_checked(writer, entry.name, _fd(fds, src / ref.file), ref, copy_buf)
+                    else:
+                        tensors, st = fut.result()
+                        for entry, t in zip(job.outputs, tensors):
+                            writer.write_tensor(entry.name, t)
+                        if st:
+                            stats.append(st)
+                    done_bytes += job.src.nbytes + (job.scale.nbytes if job.scale else 0)
+                    emit({"event": "tensor", "name": job.name, "kind": job.kind, "done_bytes": done_bytes,
+                          **({"rel_err": round(st["rel_err"], 6)} if fut is not None and st else {})})
+                sha = writer.close()
+            except BaseException:
+                writer.abort()
+                for _, _, f in pending:
+                    if f is not None:
+                        f.cancel()
+                for c in commits:
+                    c.exception()  # let committed shards finish; their records stay valid
+                raise
+            for c in [c for c in commits if c.done()]:
+                c.result()  # a failed commit stops the run here
+            commits = [c for c in commits if not c.done()]
+            commits.append(committer.submit(commit, writer, shard, sha, stats))
+        for c in commits:
+            c.result()
     return done_bytes
 
 

@@ -109,20 +109,37 @@ class StreamWriter:
             self._write(view[:n])
             done += n
 
-    def finish(self) -> str:
+    def close(self) -> str:
+        """All planned tensors written: flush to the kernel; returns the file's SHA-256. The file
+        is not durable (nor under its final name) until ``commit``."""
         if self._next != len(self.entries):
             raise RuntimeError(f"{self.path}: {len(self.entries) - self._next} planned tensors were not written")
         try:
             self._fh.flush()
+        except OSError as e:
+            self.abort()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.path, e) from e
+            raise
+        return self._sha.hexdigest()
+
+    def commit(self) -> None:
+        """fsync, rename to the final name, fsync the folder (may run on another thread)."""
+        try:
             os.fsync(self._fh.fileno())
             self._fh.close()
             os.replace(self.tmp, self.path)
             fsync_dir(self.path.parent)
         except OSError as e:
+            self.abort()
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _disk_full(self.path, e) from e
             raise
-        return self._sha.hexdigest()
+
+    def finish(self) -> str:
+        sha = self.close()
+        self.commit()
+        return sha
 
     def abort(self) -> None:
         try:

@@ -83,50 +83,130 @@ static inline float mse_scale(const float *w, int64_t g, float amax, int grid, i
     return best_s;
 }
 
+typedef union { float f; uint32_t u; } fu32;
+
+/* bf16 round of a vector element without branches (NaN handled by the amax check) */
+static inline float rbf_nn(float f) {
+    fu32 x;
+    x.f = f;
+    x.u = (x.u + 0x7FFFu + ((x.u >> 16) & 1u)) & 0xFFFF0000u;
+    return x.f;
+}
+
+/* float8_e4m3fn -> fp32 exactly, branchless: normal 2^(e-7)(1+m/8), subnormal m*2^-9, NaN */
+static inline float fp8_dec(uint8_t c) {
+    uint32_t cc = c;
+    uint32_t sign = (cc & 0x80u) << 24, e = (cc >> 3) & 0xFu, m = cc & 7u;
+    fu32 sub, out;
+    sub.f = (float)(int32_t)m * 0.001953125f;
+    uint32_t bits = e ? (sign | ((e + 120u) << 23) | (m << 20)) : (sub.u | sign);
+    out.u = (cc & 0x7Fu) == 0x7Fu ? 0x7FC00000u : bits;
+    return out.f;
+}
+
+#define MAXK 65536
+#define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (x + M) - M rounds half to even for |x| < 2^22 */
+
+/* one row, minmax observer, in vectorizable passes; returns 1 on NaN/Inf */
+static int row_minmax(float *w, int64_t K, int64_t g, uint8_t *packed, uint16_t *scale_out, float *sc,
+                      double *sq_err, double *sq_ref, float *max_err) {
+    int64_t G = K / g;
+    int bad = 0;
+    for (int64_t j = 0; j < G; j++) {
+        uint32_t m = 0;
+        const float *wg = w + j * g;
+        for (int64_t k = 0; k < g; k++) {
+            fu32 x;
+            x.f = wg[k];
+            uint32_t u = x.u & 0x7FFFFFFFu;
+            m = u > m ? u : m;
+        }
+        bad |= m >= 0x7F800000u;
+        fu32 am;
+        am.u = m;
+        float amax = am.f;
+        float s = rbf(amax / 7.5f);
+        sc[j] = s == 0.f ? EPS_BF16 : s;
+        scale_out[j] = f2bf(sc[j]);
+    }
+    float q[MAXG];
+    float se[16] = {0}, sr[16] = {0}, me[16] = {0};
+    for (int64_t j = 0; j < G; j++) {
+        const float *wg = w + j * g;
+        float s = sc[j];
+        for (int64_t k = 0; k < g; k++) {
+            float x = rbf_nn(wg[k] / s);
+            x = x < -8.f ? -8.f : x;
+            x = x > 7.f ? 7.f : x;
+            q[k] = (x + ROUND_MAGIC) - ROUND_MAGIC;
+        }
+        for (int64_t k = 0; k < g; k += 16)
+            for (int l = 0; l < 16; l++) {
+                float d = q[k + l] * s - wg[k + l];
+                se[l] += d * d;
+                sr[l] += wg[k + l] * wg[k + l];
+                float a = d < 0 ? -d : d;
+                me[l] = a > me[l] ? a : me[l];
+            }
+        uint8_t *pk = packed + j * (g / 2);
+        for (int64_t k = 0; k < g / 2; k++)
+            pk[k] = (uint8_t)(((int32_t)q[2 * k] + 8) | (((int32_t)q[2 * k + 1] + 8) << 4));
+    }
+    double a = 0.0, b = 0.0;
+    float mx = *max_err;
+    for (int l = 0; l < 16; l++) {
+        a += se[l];
+        b += sr[l];
+        mx = me[l] > mx ? me[l] : mx;
+    }
+    *sq_err += a;
+    *sq_ref += b;
+    *max_err = mx;
+    return bad;
+}
+
 int quant_rows(const void *src, int src_kind, const float *lut, const float *sinv, int64_t R, int64_t K,
                int64_t br, int64_t bc, int64_t sinv_cols, int64_t g, int observer, int grid, int steps, float norm,
                uint8_t *packed, uint16_t *scale_out, double *stats) {
-    float w[MAXG];
+    static __thread float wrow[MAXK];
+    static __thread float sc[MAXK / 16];
     double sq_err = 0.0, sq_ref = 0.0;
     float max_err = 0.f;
     int bad = 0;
     const uint8_t *s8 = (const uint8_t *)src;
     const uint16_t *s16 = (const uint16_t *)src;
     const float *s32 = (const float *)src;
-    if (g > MAXG || g % 2) return 2;
+    if (g > MAXG || g % 16 || K > MAXK || K % g) return 2;
     for (int64_t r = 0; r < R; r++) {
-        for (int64_t c0 = 0; c0 < K; c0 += g) {
-            float amax = 0.f;
-            if (src_kind == 0 || src_kind == 3 || src_kind == 4) {
-                float sc = src_kind == 0 ? sinv[(r / br) * sinv_cols + c0 / bc] : (src_kind == 3 ? sinv[r] : sinv[0]);
-                const uint8_t *p = s8 + r * K + c0;
-                for (int64_t k = 0; k < g; k++) {
-                    float v = rbf(lut[p[k]] * sc);
-                    w[k] = v;
-                    float a = fabsf(v);
-                    amax = a > amax ? a : amax;
-                    bad |= !(a <= 3.4028234e38f);
-                }
-            } else if (src_kind == 1) {
-                const uint16_t *p = s16 + r * K + c0;
-                for (int64_t k = 0; k < g; k++) {
-                    float v = bf2f(p[k]);
-                    w[k] = v;
-                    float a = fabsf(v);
-                    amax = a > amax ? a : amax;
-                    bad |= !(a <= 3.4028234e38f);
-                }
-            } else {
-                const float *p = s32 + r * K + c0;
-                for (int64_t k = 0; k < g; k++) {
-                    float v = rbf(p[k]); /* a bf16 module's weight, as compressed-tensors sees it */
-                    w[k] = v;
-                    float a = fabsf(v);
-                    amax = a > amax ? a : amax;
-                    bad |= !(a <= 3.4028234e38f);
-                }
+        /* decode the row into bf16-rounded fp32 */
+        if (src_kind == 0 || src_kind == 3 || src_kind == 4) {
+            const uint8_t *p = s8 + r * K;
+            int64_t step = src_kind == 0 ? bc : K;
+            for (int64_t c0 = 0; c0 < K; c0 += step) {
+                float scv = src_kind == 0 ? sinv[(r / br) * sinv_cols + c0 / bc] : (src_kind == 3 ? sinv[r] : sinv[0]);
+                int64_t c1 = c0 + step < K ? c0 + step : K;
+                for (int64_t c = c0; c < c1; c++) wrow[c] = rbf_nn(fp8_dec(p[c]) * scv);
             }
-            float s = observer == 0 ? scale_of(amax) : mse_scale(w, g, amax, grid, steps, norm);
+        } else if (src_kind == 1) {
+            const uint16_t *p = s16 + r * K;
+            for (int64_t c = 0; c < K; c++) wrow[c] = bf2f(p[c]);
+        } else {
+            const float *p = s32 + r * K;
+            for (int64_t c = 0; c < K; c++) wrow[c] = rbf_nn(p[c]);
+        }
+        if (observer == 0) {
+            bad |= row_minmax(wrow, K, g, packed + r * (K / 2), scale_out + r * (K / g), sc, &sq_err, &sq_ref, &max_err);
+            continue;
+        }
+        for (int64_t c0 = 0; c0 < K; c0 += g) {
+            const float *w = wrow + c0;
+            float amax = 0.f;
+            for (int64_t k = 0; k < g; k++) {
+                float a = fabsf(w[k]);
+                amax = a > amax ? a : amax;
+                bad |= !(a <= 3.4028234e38f);
+            }
+            float s = mse_scale(w, g, amax, grid, steps, norm);
             scale_out[r * (K / g) + c0 / g] = f2bf(s);
             codes_pack(w, g, s, packed + r * (K / 2) + c0 / 2, &sq_err, &sq_ref, &max_err);
         }
