@@ -322,9 +322,19 @@ def _ct_scale_format(scale: TensorRef, weight: TensorRef, folder: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles_present: set[str]) -> list[str]:
-    """Engine-safe ignore patterns for every high-precision Linear role present."""
+def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles_present: set[str],
+                fp8_roles: frozenset[str] = frozenset()) -> list[str]:
+    """Engine-safe ignore patterns for every high-precision (BF16) Linear role present; roles kept
+    FP8 (``--keep-fp8``) are targeted by their own config group instead of ignored."""
     groups: list[str] = ["embed"] if "embed" in roles_present else []
+    if fp8_roles:
+        # attention and shared/dense MLP stay FP8: ignore only the roles the vendor left BF16
+        for role in sorted(roles_present):
+            if ROLES[role][0] and not profile_quantizes(options.profile, role) and role not in fp8_roles:
+                g = KEEP_FP8_IGNORE.get(role, ROLE_GROUP.get(role))
+                if g and g not in groups:
+                    groups.append(g)
+        return [IGNORE_PATTERN[g] for g in groups] + (["re:.*lm_head$"] if arch.prefix and "lm_head" in groups else [])
     for role in sorted(roles_present):
         if not ROLES[role][0] or profile_quantizes(options.profile, role):
             continue
@@ -344,10 +354,13 @@ def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles
 
 def quantization_config(arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]) -> dict:
     roles = {j.role for s in shards for j in s.jobs}
+    fp8_roles = frozenset(j.role for s in shards for j in s.jobs if j.kind == "keep_fp8")
     if recipe:
+        if fp8_roles:
+            raise QuantizeError(f"{recipe.path}: --keep-fp8 with a recipe is not supported; drop one of them")
         ignore, targets = list(recipe.ignore), list(recipe.targets)
     else:
-        ignore, targets = ignore_list(arch, config, options, roles), ["Linear"]
+        ignore, targets = ignore_list(arch, config, options, roles, fp8_roles), ["Linear"]
     groups = {
         "config_group_0": {
             "format": "pack-quantized",
@@ -379,30 +392,49 @@ def quantization_config(arch: Architecture, config: dict, options: ConvertOption
     }
 
 
+# --keep-fp8: the BF16 indexer head is ignored on its own; everything else of attention is FP8
+KEEP_FP8_IGNORE = {"indexer_weights": "indexer_weights"}
+FP8_TARGET = {
+    "attention": "re:.*self_attn\\.(?!indexer\\.weights_proj).*",
+    "indexer": "re:.*self_attn\\.indexer\\.(wq_b|wk).*",
+}
+
+
 def keep_fp8_targets(arch: Architecture, shards: list[ShardPlan]) -> list[str]:
     groups = sorted({ROLE_GROUP.get(j.role, j.role) for s in shards for j in s.jobs if j.kind == "keep_fp8"})
-    pats = {"attention": "re:.*self_attn\\.(?!indexer).*", "indexer": "re:.*self_attn\\.indexer\\.(wq_b|wk)$"}
-    return [pats.get(g, IGNORE_PATTERN.get(g, g)) for g in groups]
+    if "attention" in groups and "indexer" in groups:
+        groups.remove("indexer")
+    return [FP8_TARGET.get(g, IGNORE_PATTERN.get(g, g)) for g in groups]
 
 
 # ---------------------------------------------------------------------------------------------
-def _sglang_ignored(name: str, ignore: list[str]) -> bool:
-    """SGLang should_ignore_layer semantics: re: -> re.match; plain -> case-insensitive substring."""
+def _sglang_match(name: str, pat: str) -> bool:
+    """SGLang semantics: re: -> re.match; plain -> case-insensitive substring."""
     import re
 
-    for pat in ignore:
-        if pat.startswith("re:"):
-            if re.match(pat[3:], name):
-                return True
-        elif pat.lower() in name.lower():
-            return True
-    return False
+    return re.match(pat[3:], name) is not None if pat.startswith("re:") else pat.lower() in name.lower()
 
 
-def _ct_ignored(name: str, ignore: list[str]) -> bool:
+def _ct_match(name: str, pat: str) -> bool:
     from compressed_tensors.utils.match import match_name
 
-    return any(match_name(name, pat) for pat in ignore)
+    return match_name(name, pat)
+
+
+def _scheme_for(name: str, qc: dict, match) -> str:
+    """The config group an engine applies to a Linear called ``name`` ("bf16" if ignored): ignore
+    first, then name/regex targets, then the class target "Linear" (compressed-tensors and SGLang
+    both rank a name match above a class match)."""
+    if any(match(name, p) for p in qc["ignore"]):
+        return "bf16"
+    groups = qc["config_groups"]
+    for g, grp in groups.items():
+        if any(t != "Linear" and match(name, t) for t in grp["targets"]):
+            return g
+    for g, grp in groups.items():
+        if "Linear" in grp["targets"]:
+            return g
+    return "bf16"
 
 
 def validate_plan(plan: Plan, recipe: Recipe | None) -> None:
@@ -430,13 +462,18 @@ def validate_plan(plan: Plan, recipe: Recipe | None) -> None:
     for layer, qs in by_layer.items():
         if len(qs) > 1:
             raise QuantizeError(f"{layer}: some routed experts are INT4 and others are not; fused MoE kernels need one scheme for all experts of a layer (fix the recipe's ignore list)")
-    # the written ignore list must reproduce the plan's decisions, for compressed-tensors
-    # (checkpoint names, exact/regex) and for SGLang (its module names, fused ones included)
-    ignore = plan.quantization_config["ignore"]
-    for module, q in decision.items():
-        if recipe is None and _ct_ignored(module, ignore) == q:
-            raise QuantizeError(f"internal: ignore list {ignore} {'covers' if q else 'misses'} {module}; please report this")
-        for ename in arch.engine_module_names(module, cfg):
-            if _sglang_ignored(ename, ignore) == q:
-                what = "ignores" if q else "does not ignore"
-                raise QuantizeError(f"ignore list {what} engine module {ename} (checkpoint {module}, {'INT4' if q else 'high precision'}): SGLang would build it {'high precision' if q else 'as INT4'} and fail to load; add a pattern with re:.* that {'excludes' if q else 'matches'} it")
+    # the written config must reproduce the plan's decisions, for compressed-tensors (checkpoint
+    # names, exact/regex) and for SGLang (its module names, fused ones included)
+    qc = plan.quantization_config
+    expect = {"int4": "config_group_0", "keep_fp8": "config_group_1"}
+    for j in plan.jobs:
+        if j.module not in decision:
+            continue
+        want = expect.get(j.kind, "bf16")
+        got = _scheme_for(j.module, qc, _ct_match)
+        if recipe is None and got != want:
+            raise QuantizeError(f"internal: quantization_config puts {j.module} in {got}, the plan in {want}; please report this")
+        for ename in arch.engine_module_names(j.module, cfg):
+            got = _scheme_for(ename, qc, _sglang_match)
+            if got != want:
+                raise QuantizeError(f"quantization_config puts engine module {ename} (checkpoint {j.module}) in {got}, but the checkpoint holds it as {want}: SGLang would build the wrong layer and fail to load; fix the ignore list with re:.* patterns that {'match' if want == 'bf16' else 'exclude'} it")

@@ -14,6 +14,12 @@ from .conftest import dir_bytes, load_dir
 ARCHS = ["glm_moe_dsa", "kimi_k25"]
 
 
+def _no_scale_modules(src, scale_name):
+    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    mods = sorted({k[:-7] for k in idx if k.endswith(".weight") and f"{k[:-7]}.{scale_name}" not in idx})
+    return ["re:" + m.replace(".", r"\.") + "$" for m in mods]
+
+
 def _bf16_reference(src, out):
     """The FP8 source dequantized to BF16 by compressed-tensors' own FP8BlockDequantizer."""
     from compressed_tensors.entrypoints.convert import FP8BlockDequantizer, convert_checkpoint
@@ -167,3 +173,58 @@ def test_non_weight_files_copied_and_source_untouched(tiny, converted):
     assert m["tool"]["compressed_tensors"] == "0.19.0" and m["options"]["group_size"] == 32
     assert len(m["tensors"]) == 72 and all(0 < s["rel_err"] < 0.2 for s in m["tensors"])
     assert not (out / "model-00001-of-00003.safetensors.partial").exists()
+
+
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8_BLOCK"])
+def test_compressed_tensors_fp8_source(scheme, tiny, tmp_path):
+    """A compressed-tensors FP8 source (channel or block `weight_scale`, written by llmcompressor
+    itself): our output equals model_free_ptq run with compressed-tensors' own dequantizer."""
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor import model_free_ptq
+
+    fp8src = tmp_path / scheme
+    model_free_ptq(model_stub=str(tiny("llama", fp8_source=False)), save_directory=str(fp8src), scheme=scheme,
+                   ignore=["lm_head", "re:.*embed_tokens.*"], device="cpu")
+    ours = tmp_path / "ours"
+    res = convert(fp8src, ours, profile="all-linear", group_size=64)
+    assert res.plan["source_format"] == "ct-fp8" and res.tensors_int4 == 14
+    qc = json.loads((ours / "config.json").read_text())["quantization_config"]
+    ws = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64))
+    model_free_ptq(model_stub=str(fp8src), save_directory=str(tmp_path / "mfp"), scheme=ws, ignore=qc["ignore"],
+                   converter=CompressedTensorsDequantizer(str(fp8src), ignore=_no_scale_modules(fp8src, "weight_scale")), device="cpu")
+    a, b = load_dir(ours), load_dir(tmp_path / "mfp")
+    assert set(a) == set(b)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    _load_model(ours)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_keep_fp8(arch, tiny, converted, tmp_path):
+    """--keep-fp8: INT4 experts as usual; attention / shared / dense weights stay the vendor's FP8
+    bytes with their multiplier renamed to compressed-tensors' `weight_scale` (same semantics);
+    a second, regex-targeted float-quantized block group describes them (name matches outrank the
+    "Linear" class target in compressed-tensors and SGLang), and the config parses as
+    compressed-tensors' own QuantizationConfig. transformers 5.17 cannot load a mixed-precision
+    fused-MoE checkpoint (its expert conversion finds no tensors), so loading is not tested here."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    src = tiny(arch)
+    out = tmp_path / "kf"
+    convert(src, out, keep_fp8=True)
+    a, ref, s = load_dir(out), load_dir(converted(arch, group_size=32)), load_dir(src)
+    for k, v in a.items():
+        if k.endswith(("weight_packed", "weight_shape")) or (k.endswith("weight_scale") and k.replace("weight_scale", "weight_packed") in a):
+            assert torch.equal(v, ref[k])
+        elif v.dtype == torch.float8_e4m3fn:
+            assert torch.equal(v.view(torch.uint8), s[k].view(torch.uint8))
+            assert torch.equal(a[k[:-6] + "weight_scale"], s[k[:-6] + "weight_scale_inv"])
+    pre = "language_model." if arch == "kimi_k25" else ""
+    assert a[f"{pre}model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+    assert a[f"{pre}model.layers.1.mlp.shared_experts.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert a[f"{pre}model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision" and set(qc["config_groups"]) == {"config_group_0", "config_group_1"}
+    parsed = QuantizationConfig.model_validate(qc)
+    assert parsed.config_groups["config_group_1"].weights.strategy == "block"
+    assert sum(v.numel() * v.element_size() for v in a.values()) < sum(v.numel() * v.element_size() for v in ref.values())

@@ -59,6 +59,7 @@ IGNORE_PATTERN: dict[str, str] = {
     "embed": "re:.*embed_tokens.*",
     "attention": "re:.*self_attn.*",
     "indexer": "re:.*self_attn\\.indexer.*",
+    "indexer_weights": "re:.*self_attn\\.indexer\\.weights_proj.*",
     "shared": "re:.*shared_experts.*",
     "dense": "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
     "router": "re:.*mlp\\.gate$",
