@@ -118,7 +118,7 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict) -> t
         rows, k = w.shape
         g = options.group_size
         scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
-        if use_native and scale_dtype == torch.bfloat16:
+        if use_native and scale_dtype == torch.bfloat16 and native.supports(k, g) and (job.scale_format != "block" or job.block[1] % g == 0):
             packed, scale, (sq_err, sq_ref, max_err), bad = native.quant_rows(
                 w, s, job.scale_format, g, options.observer, (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM), job.block)
             if bad:

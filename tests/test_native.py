@@ -74,3 +74,20 @@ def test_pipeline_identical_without_native(tiny, tmp_path, monkeypatch):
     a, b = dir_bytes(tmp_path / "native"), dir_bytes(tmp_path / "torch")
     a.pop("quantize_manifest.json"), b.pop("quantize_manifest.json")
     assert a == b
+
+
+def test_every_fp8_code_decodes_exactly():
+    """All 256 e4m3 codes (subnormals, zeros, NaN) through both kernels."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    w = finite.repeat(1, 2)[:, :256].contiguous().view(torch.float8_e4m3fn)  # [1, 256]
+    w = w.repeat(128, 1).contiguous()
+    s = torch.full((1, 2), 0.5)
+    out, bad = native.dequant_rows(w, s, "block")
+    assert not bad and torch.equal(out, fp8.dequant_block(w, s))
+    for group in (32, 128):
+        ref = int4.quantize_pack(fp8.dequant_block(w, s), group)
+        packed, scale, _, bad = native.quant_rows(w, s, "block", group, "minmax")
+        assert not bad and torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
+    nan = torch.full((128, 128), 0xFF, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert native.dequant_rows(nan, torch.ones(1, 1), "block")[1]

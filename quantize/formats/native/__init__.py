@@ -100,6 +100,14 @@ def why_unavailable() -> str | None:
     return _why
 
 
+MAX_K = 65536  # quant.c MAXK: one row lives on the C stack
+
+
+def supports(k: int, group: int) -> bool:
+    """Shapes quant.c takes (others use the torch reference)."""
+    return k <= MAX_K and group % 16 == 0 and group <= 128 and k % group == 0
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
@@ -130,6 +138,8 @@ def quant_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | 
     w = w.contiguous()
     if scale_format == "block" and block[1] % group:
         raise ValueError(f"group {group} straddles {block[1]}-column FP8 blocks")
+    if not supports(K, group):
+        raise ValueError(f"quant.c does not take K={K} with group {group}")
     kind, s, br, bc, cols = _scale_args(w, scale, scale_format, block)
     packed = torch.empty((R, K // 8), dtype=torch.int32)
     sc = torch.empty((R, K // group), dtype=torch.bfloat16)
@@ -137,6 +147,8 @@ def quant_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | 
     src = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
     bad = L.quant_rows(_ptr(src), kind, _ptr(_LUT), _ptr(s), R, K, br, bc, cols, group, 0 if observer == "minmax" else 1,
                        mse[0], mse[1], mse[2], _ptr(packed), _ptr(sc), ctypes.addressof(stats))
+    if bad not in (0, 1):
+        raise ValueError(f"quant.c rejected K={K}, group {group}")
     return packed, sc, (stats[0], stats[1], stats[2]), bool(bad)
 
 

@@ -93,14 +93,17 @@ static inline float rbf_nn(float f) {
     return x.f;
 }
 
-/* float8_e4m3fn -> fp32 exactly, branchless: normal 2^(e-7)(1+m/8), subnormal m*2^-9, NaN */
+/* float8_e4m3fn -> fp32 exactly, vectorizable: normal 2^(e-7)(1+m/8), subnormal m*2^-9, 0x7F/0xFF NaN.
+ * Relies on fp32 subnormals not being flushed (no -ffast-math, FTZ/DAZ off): tested for all 256 codes. */
 static inline float fp8_dec(uint8_t c) {
-    uint32_t cc = c;
-    uint32_t sign = (cc & 0x80u) << 24, e = (cc >> 3) & 0xFu, m = cc & 7u;
-    fu32 sub, out;
-    sub.f = (float)(int32_t)m * 0.001953125f;
-    uint32_t bits = e ? (sign | ((e + 120u) << 23) | (m << 20)) : (sub.u | sign);
-    out.u = (cc & 0x7Fu) == 0x7Fu ? 0x7FC00000u : bits;
+    /* magnitude: reinterpret e.m as the top bits of an fp32 with exponent bias 127, then scale by
+       2^(127-7) = 2^120 (exact: subnormals become normal fp32); sign and NaN patched in */
+    int32_t cc = c;
+    fu32 mag, out;
+    mag.u = (uint32_t)(cc & 0x7F) << 20;
+    out.f = mag.f * 1.329227995784916e36f; /* 2^120 */
+    out.u |= (uint32_t)(cc & 0x80) << 24;
+    out.u = (cc & 0x7F) == 0x7F ? 0x7FC00000u : out.u;
     return out.f;
 }
 
@@ -168,8 +171,8 @@ static int row_minmax(float *w, int64_t K, int64_t g, uint8_t *packed, uint16_t 
 int quant_rows(const void *src, int src_kind, const float *lut, const float *sinv, int64_t R, int64_t K,
                int64_t br, int64_t bc, int64_t sinv_cols, int64_t g, int observer, int grid, int steps, float norm,
                uint8_t *packed, uint16_t *scale_out, double *stats) {
-    static __thread float wrow[MAXK];
-    static __thread float sc[MAXK / 16];
+    float wrow[MAXK];
+    float sc[MAXK / 16];
     double sq_err = 0.0, sq_ref = 0.0;
     float max_err = 0.f;
     int bad = 0;
@@ -224,7 +227,7 @@ int dequant_rows(const uint8_t *src, const float *lut, const float *sinv, int64_
     for (int64_t r = 0; r < R; r++) {
         for (int64_t c = 0; c < K; c++) {
             float sc = per_row == 2 ? sinv[0] : (per_row ? sinv[r] : sinv[(r / br) * sinv_cols + c / bc]);
-            float v = lut[src[r * K + c]] * sc;
+            float v = fp8_dec(src[r * K + c]) * sc;
             bad |= !(fabsf(v) <= 3.4028234e38f);
             out[r * K + c] = f2bf(v);
         }
