@@ -115,11 +115,17 @@ print(json.dumps({"seconds": time.time() - t0, "peak_rss": int(hwm) * 1024}))
 
 
 def run(kind: str, src: Path, out: Path) -> dict:
+    """One tool in its own process; the previous run's output is deleted and synced first so its
+    write-back does not bleed into this measurement."""
     shutil.rmtree(out, ignore_errors=True)
+    os.sync()
     p = subprocess.run([sys.executable, "-c", RUNNER, kind, str(src), str(out)], capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{kind} failed:\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+    return res
 
 
 def main() -> None:
