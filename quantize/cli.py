@@ -102,6 +102,63 @@ def plan(
     c.print(f"ignore: {s['ignore']}")
 
 
+@app.command("shard")
+def shard_cmd(
+    model: Path = typer.Argument(..., help="converted checkpoint (or, with --merge, a sharded folder)"),
+    out: Path = typer.Argument(..., help="output folder"),
+    tp: int = typer.Option(8, help="tensor-parallel size"),
+    merge: bool = typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT"),
+    max_part_gib: float = typer.Option(5.0, help="largest per-rank part file"),
+    overwrite: bool = typer.Option(False, "--overwrite"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Per-rank weights (model-rank-{r}-part-{p}.safetensors), group-aligned, checked against the
+    serving kernels' shape rules before anything is written; --merge reverses it."""
+    from . import shard as sh
+
+    if merge:
+        res = _run(sh.merge, model, out, overwrite=overwrite, emit=_emitter(json_out))
+        typer.echo(json.dumps(res) if json_out else f"merged {res['tensors']} tensors into {res['out']}")
+        return
+    m = _run(sh.shard, model, out, tp=tp, max_part_bytes=int(max_part_gib * 2**30), overwrite=overwrite, emit=_emitter(json_out))
+    if json_out:
+        typer.echo(json.dumps({"tp": m["tp"], "rank_bytes": m["rank_bytes"]}))
+    else:
+        typer.echo(f"TP {tp}: {len(m['tensors'])} tensors; bytes per rank: " + ", ".join(_bytes(b) for b in m["rank_bytes"]))
+
+
+@app.command("check")
+def check_cmd(
+    model: Path = typer.Argument(..., help="converted checkpoint, or a sharded folder"),
+    tp: Optional[int] = typer.Option(None, help="also check the serving kernels' shape rules at this TP"),
+    source: Optional[Path] = typer.Option(None, help="source checkpoint (FP8/BF16) for error/SNR, or the unsharded checkpoint of a sharded folder"),
+    tokens: int = typer.Option(8, help="random activation rows per kernel check"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Run the packed INT4 kernels on what was written against references; exit 1 on any failure."""
+    from .check import check as run_check
+
+    rep = _run(run_check, model, tp=tp, source=source, tokens=tokens)
+    if json_out:
+        typer.echo(json.dumps(rep.to_dict(), indent=1))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"check {model}" + (f" (sharded, TP {rep.tp})" if rep.sharded else ""))
+        for c in ("role", "tensors", "failed", "kernel rel. err", "source rel. err", "min SNR dB", "shard err"):
+            t.add_column(c)
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        for role, d in rep.summary().items():
+            t.add_row(role, str(d["tensors"]), str(d["failed"]), fmt(d["max_kernel_rel_err"], ".2e"), fmt(d["max_source_rel_err"], ".4f"),
+                      fmt(d["min_snr_db"], ".1f"), fmt(d["max_shard_err"], ".1e"))
+        Console().print(t)
+        for f in rep.failures[:20]:
+            typer.echo(f"FAIL {f}", err=True)
+    if not rep.ok:
+        raise typer.Exit(1)
+
+
 @app.command("list-archs")
 def list_archs():
     """Architectures the registry knows."""

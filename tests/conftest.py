@@ -1,4 +1,5 @@
 import glob
+import json
 import os
 from pathlib import Path
 
@@ -8,6 +9,8 @@ from safetensors import safe_open
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU in tests
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +22,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
 
     def get(arch: str, fp8_source: bool = True, **kw) -> Path:
-        key = (arch, fp8_source, tuple(sorted(kw.items())))
+        key = (arch, fp8_source, json.dumps(kw, sort_keys=True))
         if key not in cache:
             name = f"{arch}-{'fp8' if fp8_source else 'bf16'}-{len(cache)}"
             cache[key] = make_tiny(arch, root / name, fp8_source=fp8_source, **kw)
@@ -45,6 +48,10 @@ def converted(tiny, tmp_path_factory):
         return cache[key]
 
     return get
+
+
+# sized so TP 8 satisfies the serving kernels' rules (heads % 8, MoE intermediate / 8 % 64)
+TP8 = {"num_attention_heads": 8, "num_key_value_heads": 8, "moe_intermediate_size": 1024}
 
 
 def load_dir(d) -> dict[str, torch.Tensor]:
