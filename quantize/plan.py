@@ -182,7 +182,7 @@ def virtual_index(folder: Path, config: dict, arch: Architecture, source_format:
     block = tuple(qc.get("weight_block_size") or fp8.DEFAULT_BLOCK)
     dtype = {"float16": "F16", "float32": "F32"}.get(str(arch.text_config(config).get("torch_dtype") or config.get("torch_dtype") or config.get("dtype")), "BF16")
     pos = 0
-    for name, shape, role in arch.expected(arch.text_config(config) if arch.text_config_key is None else _with_prefix_cfg(config, arch)):
+    for name, shape, role in arch.expected(arch.text_config(config)):
         lin, _, keep = ROLES[role]
         if role == "router_bias":
             dt = "F32"
@@ -199,10 +199,6 @@ def virtual_index(folder: Path, config: dict, arch: Architecture, source_format:
             tensors[sname] = TensorRef(sname, "(config)", "F32", g, pos, pos + 4 * math.prod(g))
             pos += 4 * math.prod(g)
     return CheckpointIndex(folder, tensors, ["(config)"], config, {})
-
-
-def _with_prefix_cfg(config: dict, arch: Architecture) -> dict:
-    return arch.text_config(config)
 
 
 # ---------------------------------------------------------------------------------------------

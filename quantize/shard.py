@@ -64,7 +64,7 @@ def _int4_modules(index: CheckpointIndex) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def _split_of(arch, name: str, ref, int4: dict) -> tuple[str, int | None]:
+def _split_of(arch, name: str, ref) -> tuple[str, int | None]:
     role, _ = arch.role_of(name)
     split = ROLES[role][1]
     if name.endswith(".weight_shape") or role in ("norm", "router_bias") or len(ref.shape) == 0:
@@ -88,14 +88,11 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
         raise QuantizeError(f"{model / 'config.json'}: {heads} attention heads do not split over TP {tp}; use a TP that divides {heads}")
     splits: list[TensorSplit] = []
     for name, ref in index.tensors.items():
-        kind, dim = _split_of(arch, name, ref, int4)
+        kind, dim = _split_of(arch, name, ref)
         ts = TensorSplit(name, kind, dim, ref.shape, ref.dtype, ref.file)
-        module = name.rsplit(".", 1)[0]
         for r in range(tp):
             if dim is None:
-                shape = ref.shape
-                if name.endswith(".weight_shape") and module in int4:
-                    shape = ref.shape  # values rewritten per rank, shape unchanged
+                shape = ref.shape  # replicated; an INT4 weight_shape keeps its shape, values are per rank
             else:
                 if ref.shape[dim] % tp:
                     raise QuantizeError(f"{model / ref.file}: tensor {name} has {ref.shape[dim]} along dim {dim}, not divisible by TP {tp}; use a TP that divides it")
@@ -159,9 +156,10 @@ def _fits(n, k, g, tp, split, role, hidden) -> bool:
     return n_r % 64 == 0 and k_r % 128 == 0 and k_r % g == 0
 
 
-def _slices(t: torch.Tensor, ts: TensorSplit, tp: int, int4_full: tuple[int, int] | None) -> list[torch.Tensor]:
-    if ts.name.endswith(".weight_shape") and int4_full is not None:
-        return [torch.tensor(list(ts_shape), dtype=torch.int64) for ts_shape in int4_full]
+def _slices(t: torch.Tensor, ts: TensorSplit, tp: int, rank_shapes: list[tuple[int, int]] | None) -> list[torch.Tensor]:
+    """Per-rank pieces; an INT4 module's weight_shape becomes each rank's [N, K]."""
+    if rank_shapes is not None:
+        return [torch.tensor(list(shape), dtype=torch.int64) for shape in rank_shapes]
     if ts.dim is None:
         return [t] * tp
     return [c.contiguous() for c in torch.chunk(t, tp, dim=ts.dim)]
@@ -323,8 +321,9 @@ def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = 
                     if _sha(p) != rec["ranks"][r]["sha256"]:
                         w.abort()
                         raise QuantizeError(f"{sharded / rec['ranks'][r]['file']}: tensor {n} of rank {r} does not match its checksum; the file is corrupt, re-shard")
-                if n.endswith(".weight_shape") and rec["split"] == "rep" and pieces[0].numel() == 2 and rec["dtype"] == "I64":
-                    t = torch.tensor(_full_shape(m, n), dtype=torch.int64) if _full_shape(m, n) else pieces[0]
+                full = _full_shape(m, n) if n.endswith(".weight_shape") else None
+                if full is not None:
+                    t = torch.tensor(full, dtype=torch.int64)
                 elif rec["dim"] is None:
                     t = pieces[0]
                 else:
