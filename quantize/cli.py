@@ -50,13 +50,14 @@ def convert(
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUT (same options)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing quantize output in OUT"),
     workers: Optional[int] = typer.Option(None, help="compute threads (default: all cores)"),
+    device: str = typer.Option("cpu", help="cpu (default) or cuda: where the transforms run; same output"),
     json_out: bool = typer.Option(False, "--json", help="NDJSON progress events on stdout instead of a progress bar"),
 ):
     """Convert a checkpoint to group-wise symmetric INT4, streaming tensor by tensor."""
     from .convert import convert as run_convert
 
     res = _run(run_convert, source, out, group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8,
-               recipe=recipe, resume=resume, overwrite=overwrite, workers=workers, emit=_emitter(json_out))
+               recipe=recipe, resume=resume, overwrite=overwrite, workers=workers, device=device, emit=_emitter(json_out))
     if json_out:
         return
     from rich.console import Console

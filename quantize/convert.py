@@ -97,10 +97,13 @@ def _read(folder: Path, ref: TensorRef, fds: dict, slot: str) -> torch.Tensor:
     return read_tensor(folder, ref, fds, buf)
 
 
-def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict) -> tuple[list[torch.Tensor], dict | None]:
+def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, device: str = "cpu") -> tuple[list[torch.Tensor], dict | None]:
     w = _read(folder, job.src, fds, "w")
     s = _read(folder, job.scale, fds, "s").clone() if job.scale is not None else None
-    use_native = native.lib() is not None and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+    if device != "cpu":  # the torch reference path, on the GPU; same bits as on the CPU
+        w = w.to(device)
+        s = s.to(device) if s is not None else None
+    use_native = device == "cpu" and native.lib() is not None and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
     if job.kind == "dequant":
         if use_native and w.dtype == torch.float8_e4m3fn:
             out, bad = native.dequant_rows(w, s, job.scale_format, job.block)
@@ -108,12 +111,12 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict) -> t
                 _check_finite(job, torch.tensor(float("nan")))
             return [out], None
         rows = w.shape[0]
-        out = torch.empty(w.shape, dtype=torch.bfloat16)
+        out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
         for r0 in range(0, rows, ROW_CHUNK):
             r1 = min(rows, r0 + ROW_CHUNK)
             out[r0:r1] = _weight_rows(job, w, s, r0, r1)
         _check_finite(job, out)
-        return [out], None
+        return [out.cpu()], None
     if job.kind == "int4":
         rows, k = w.shape
         g = options.group_size
@@ -125,8 +128,8 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict) -> t
                 _check_finite(job, torch.tensor(float("nan")))
             sq_err_mm = native.quant_rows(w, s, job.scale_format, g, "minmax", block=job.block)[2][0] if options.observer != "minmax" else 0.0
         else:
-            packed = torch.empty(int4.packed_shape((rows, k)), dtype=torch.int32)
-            scale = torch.empty(int4.scale_shape((rows, k), g), dtype=scale_dtype)
+            packed = torch.empty(int4.packed_shape((rows, k)), dtype=torch.int32, device=w.device)
+            scale = torch.empty(int4.scale_shape((rows, k), g), dtype=scale_dtype, device=w.device)
             sq_err = sq_ref = max_err = sq_err_mm = 0.0
             for r0 in range(0, rows, ROW_CHUNK):
                 r1 = min(rows, r0 + ROW_CHUNK)
@@ -144,7 +147,7 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict) -> t
         stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0, "max_abs_err": max_err}
         if options.observer != "minmax":
             stats["rel_err_minmax"] = (sq_err_mm / sq_ref) ** 0.5 if sq_ref else 0.0
-        return [packed, scale, torch.tensor([rows, k], dtype=torch.int64)], stats
+        return [packed.cpu(), scale.cpu(), torch.tensor([rows, k], dtype=torch.int64)], stats
     raise AssertionError(job.kind)
 
 
@@ -193,10 +196,15 @@ def convert(
     resume: bool = False,
     overwrite: bool = False,
     workers: int | None = None,
+    device: str = "cpu",
     emit: Emit = null_emit,
 ) -> ConvertResult:
-    """FP8/BF16 checkpoint ``source`` -> compressed-tensors pack-quantized INT4 checkpoint ``out``."""
+    """FP8/BF16 checkpoint ``source`` -> compressed-tensors pack-quantized INT4 checkpoint ``out``.
+    ``device="cuda"`` runs the transforms on a GPU (same output bytes)."""
     t0 = time.time()
+    if device != "cpu":
+        if not device.startswith("cuda") or not torch.cuda.is_available():
+            raise QuantizeError(f"--device {device}: no CUDA device is available here; use --device cpu (the default)")
     src, out = Path(source), Path(out)
     options = ConvertOptions(group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8, recipe=recipe)
     plan = build_plan(src, options)
@@ -221,7 +229,7 @@ def convert(
     fds: dict = {}
     try:
         with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
-            done_bytes = _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes)
+            done_bytes = _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes, device)
         _finish(plan, src, out, record, ident, t0, emit)
     except BaseException as e:
         emit({"event": "error", "message": str(e)})
@@ -239,7 +247,7 @@ def convert(
     return res
 
 
-def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes) -> int:
+def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes, device="cpu") -> int:
     """Workers compute ahead inside a bounded window; this thread writes in plan order; a
     committer thread makes each finished shard durable (fsync, rename) and records it while the
     next shard is being computed and written."""
@@ -254,7 +262,7 @@ def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, do
             if nxt is None:
                 return
             si, j = nxt
-            fut = pool.submit(compute_job, j, src, options, fds) if j.kind in ("int4", "dequant") else None
+            fut = pool.submit(compute_job, j, src, options, fds, device) if j.kind in ("int4", "dequant") else None
             pending.append((si, j, fut))
 
     def commit(writer: StreamWriter, shard, sha: str, stats: list[dict]) -> None:

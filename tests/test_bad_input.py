@@ -163,3 +163,8 @@ def test_cli_error_is_one_line_nonzero(src, tmp_path):
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "model-00001-of-00003.safetensors" in lines[0]
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: --device cuda is valid here")
+def test_device_cuda_without_gpu(src, tmp_path):
+    _fails(src, tmp_path / "o", "no CUDA device", device="cuda")

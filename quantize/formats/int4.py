@@ -66,7 +66,7 @@ def _minmax_scale(absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tenso
     """absmax (scale_dtype) -> scale (scale_dtype), as compressed-tensors computes it."""
     s = (absmax.float() / HALF_RANGE).to(scale_dtype)
     eps = torch.finfo(scale_dtype).eps
-    return torch.where(s == 0, torch.tensor(eps, dtype=scale_dtype), s)
+    return torch.where(s == 0, torch.tensor(eps, dtype=scale_dtype, device=s.device), s)
 
 
 def _codes(wg: torch.Tensor, scale: torch.Tensor, work_dtype: torch.dtype) -> torch.Tensor:
@@ -104,7 +104,7 @@ def quantize_groups(
 def _mse_scale(wg: torch.Tensor, absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     """Per-group shrink search: for p in 1, 0.998, ..., 0.8 pick the scale minimising
     sum |w - dequant(quant(w))|^2.4 over the group."""
-    best_err = torch.full(absmax.shape, float("inf"))
+    best_err = torch.full(absmax.shape, float("inf"), device=absmax.device)
     best = _minmax_scale(absmax, scale_dtype)
     steps = int(MSE_MAXSHRINK * MSE_GRID)
     for i in range(steps + 1):
@@ -133,7 +133,7 @@ def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
     """int32 [out, ceil(k/8)] -> int8 [out, k] in [-8, 7]."""
     b = packed.contiguous().view(torch.uint8)
     out = b.shape[0]
-    u = torch.empty((out, b.shape[1] * 2), dtype=torch.uint8)
+    u = torch.empty((out, b.shape[1] * 2), dtype=torch.uint8, device=b.device)
     u[:, 0::2] = b & 0xF
     u[:, 1::2] = b >> 4
     return (u[:, :k].to(torch.int16) - OFFSET).to(torch.int8)
