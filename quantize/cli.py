@@ -77,12 +77,17 @@ def plan(
     profile: str = typer.Option("experts"),
     keep_fp8: bool = typer.Option(False, "--keep-fp8"),
     recipe: Optional[str] = typer.Option(None),
+    gpu_mem_gib: Optional[float] = typer.Option(None, help="GPU memory (default: H200, 140.4 GiB)"),
+    mem_fraction: Optional[float] = typer.Option(None, help="share for weights + KV cache (default 0.85)"),
+    reserve_gib: Optional[float] = typer.Option(None, help="kept free inside that share (default 4 GiB)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
-    """Show what convert would do, from headers (or config.json alone); reads no tensor data."""
+    """Show what convert would do, from headers (or config.json alone); reads no tensor data.
+    Includes KV-cache bytes per token and tokens per GPU for BF16 and FP8 caches."""
     from .convert import plan as run_plan
 
-    p = _run(run_plan, source, tp=tp, group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe)
+    p = _run(run_plan, source, tp=tp, group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe,
+             gpu_mem_gib=gpu_mem_gib, mem_fraction=mem_fraction, reserve_gib=reserve_gib)
     s = p.summary()
     if json_out:
         typer.echo(json.dumps(s, indent=1))
@@ -101,6 +106,10 @@ def plan(
     c.print(f"per GPU at TP{tp}: largest rank {_bytes(s['per_rank_source_bytes'])} -> {_bytes(s['per_rank_output_bytes'])} "
             f"(replicated tensors counted on every rank); even split {_bytes(s['even_split_source_bytes'])} -> {_bytes(s['even_split_output_bytes'])}")
     c.print(f"ignore: {s['ignore']}")
+    kv, kin = s["kv_bytes_per_token"], s["kv_capacity_inputs"]
+    c.print(f"KV cache ({kin['layout']}, {kin['layers']} layers, per GPU at TP{tp}): BF16 {kv['bf16']:,} B/token -> "
+            f"{s['kv_tokens_per_gpu']['bf16']:,} tokens; FP8 {kv['fp8']:,} B/token -> {s['kv_tokens_per_gpu']['fp8']:,} tokens "
+            f"(GPU {kin['gpu_mem_gib']} GiB x {kin['mem_fraction']} - weights {kin['weights_per_rank_gib']} GiB - reserve {kin['reserve_gib']} GiB)")
 
 
 @app.command("shard")

@@ -90,6 +90,7 @@ class Plan:
     config: dict
     source_total_bytes: int
     tp: int = 1
+    kv: object | None = None  # kvcache.KvCapacity, filled by ``quantize plan``
 
     @property
     def jobs(self) -> list[Job]:
@@ -149,6 +150,9 @@ class Plan:
             "even_split_source_bytes": -(-self.source_total_bytes // self.tp),
             "even_split_output_bytes": -(-self.output_bytes // self.tp),
             "ignore": self.quantization_config.get("ignore", []),
+            **({"kv_bytes_per_token": self.kv.kv_bytes_per_token, "kv_tokens_per_gpu": self.kv.kv_tokens_per_gpu,
+                "kv_capacity_inputs": {k: v for k, v in self.kv.to_dict().items() if k not in ("kv_bytes_per_token", "kv_tokens_per_gpu")}}
+               if self.kv is not None else {}),
         }
 
 
