@@ -169,6 +169,56 @@ def check_cmd(
         raise typer.Exit(1)
 
 
+@app.command("calibrate-kv")
+def calibrate_kv_cmd(
+    model: Path = typer.Argument(..., help="checkpoint folder (BF16, block FP8 or a quantize convert output) with its tokenizer"),
+    out: Optional[Path] = typer.Option(None, help="new checkpoint with the scales (not written for GLM-5 DSA)"),
+    data: Optional[str] = typer.Option(None, help="jsonl/txt/parquet file or folder, or hf:NAME; default: the shipped corpus"),
+    samples: int = typer.Option(512),
+    seq_len: int = typer.Option(2048),
+    target: str = typer.Option("sglang", help="sglang | vllm | compressed-tensors: which names the scales get"),
+    clip: Optional[float] = typer.Option(None, help="percentile clip (e.g. 0.9999) instead of absmax"),
+    stats_out: Optional[Path] = typer.Option(None, help="write per-layer statistics JSON (reusable with --stats)"),
+    stats: Optional[Path] = typer.Option(None, help="reuse a --stats-out file instead of recomputing"),
+    chat_template: bool = typer.Option(False, "--chat-template", help="wrap each sample in the tokenizer's chat template"),
+    overwrite: bool = typer.Option(False, "--overwrite"),
+    json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
+):
+    """FP8 (e4m3) KV-cache scales, one decoder layer at a time, with a per-layer report."""
+    from .calibrate.kv import calibrate_kv
+
+    res = _run(calibrate_kv, model, out, data=data, samples=samples, seq_len=seq_len, target=target, clip=clip,
+               stats_out=stats_out, stats=stats, chat_template=chat_template, overwrite=overwrite,
+               emit=_emitter(json_out) if not json_out else (lambda e: None))
+    if json_out:
+        typer.echo(json.dumps(res.to_dict(), indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"KV cache ({res.layout}) of {model}: {res.samples} samples, {res.tokens} tokens"
+                    + (f", {res.dropped_short} too short" if res.dropped_short else ""))
+    cols = ["layer", "amax", "p99.9", "scale", "overflow@1", "subnormal@1", "zero@1", "overflow@s", "subnormal@s"]
+    cols += ["attn err per-128"] if res.layout == "dsa" else ["attn err @1", "attn err @s"]
+    cols += ["risk"]
+    for c in cols:
+        t.add_column(c)
+    for r in res.layers:
+        row = [str(r.layer), f"{r.amax:.4g}", f"{r.percentile:.4g}", f"{r.scale:.4g}", f"{r.overflow_unit:.1e}", f"{r.subnormal_unit:.2%}",
+               f"{r.zero_unit:.2%}", f"{r.overflow_calibrated:.1e}", f"{r.subnormal_calibrated:.2%}"]
+        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        row += [fmt(r.attn_rel_err_tiles)] if res.layout == "dsa" else [fmt(r.attn_rel_err_unit), fmt(r.attn_rel_err_calibrated)]
+        row += ["[red]yes[/]" if r.at_risk else "no"]
+        t.add_row(*row)
+    c = Console()
+    c.print(t)
+    c.print(res.verdict)
+    if res.out:
+        c.print(f"wrote {len(res.written)} scale tensors ({res.target} names) into {res.out}")
+    if res.stats_path:
+        c.print(f"statistics: {res.stats_path}")
+
+
 @app.command("list-archs")
 def list_archs():
     """Architectures the registry knows."""

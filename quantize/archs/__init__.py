@@ -30,6 +30,7 @@ register(Architecture(
     fusions=MLA_FUSIONS,
     engine_mtp_name="model.decoder",
     attention="dsa",
+    hf={"module": "glm_moe_dsa", "prefix": "GlmMoeDsa", "mask_kwargs": {"allow_is_causal_skip": False}, "topk": True},
     expected=partial(mla_expected, dsa=True, mtp_embed=False),
     notes="GLM-5.x: MLA + DSA indexer, dense first layers, MTP layer at num_hidden_layers",
 ))
@@ -43,6 +44,7 @@ register(Architecture(
     global_rules=MLA_GLOBAL_RULES,
     fusions=MLA_FUSIONS,
     attention="mla",
+    hf={"module": "deepseek_v3", "prefix": "DeepseekV3"},
     expected=partial(mla_expected, dsa=False, mtp_embed=True),
     notes="DeepSeek-V3 / Kimi K2: MLA, MTP layer at num_hidden_layers",
 ))
@@ -57,6 +59,7 @@ register(Architecture(
     global_rules=MLA_GLOBAL_RULES,
     fusions=MLA_FUSIONS,
     attention="mla",
+    hf={"module": "deepseek_v3", "prefix": "DeepseekV3"},
     expected=partial(mla_expected, dsa=False, mtp_embed=True, prefix="language_model."),
     notes="Kimi K2.5/K2.6: deepseek_v3 text model under language_model., vision tower",
 ))
@@ -70,6 +73,7 @@ register(Architecture(
     global_rules=GQA_GLOBAL_RULES,
     fusions=GQA_FUSIONS,
     attention="gqa",
+    hf={"module": "llama", "prefix": "Llama"},
     expected=gqa_expected,
     notes="dense GQA decoders (Llama, Qwen2/3, Mistral)",
 ))

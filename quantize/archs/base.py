@@ -103,6 +103,9 @@ class Architecture:
     engine_mtp_name: str | None = None
     # MLA / DSA facts used by later stages
     attention: str = "mla"  # "mla" | "dsa" | "gqa"
+    # transformers' own text-model classes for layer-streamed calibration:
+    # {"module": "deepseek_v3", "prefix": "DeepseekV3", "mask_kwargs": {...}, "topk": bool}
+    hf: dict = field(default_factory=dict)
     # tensors from config alone: cfg(text) -> [(name, shape, role)]
     expected: Callable[[dict], list[tuple[str, tuple[int, ...], str]]] | None = None
     notes: str = ""

@@ -1,0 +1,127 @@
+"""Calibration text: jsonl / txt / parquet files or folders, a Hugging Face dataset (``hf:NAME``)
+when reachable or cached, or the small corpus shipped with the package; tokenized with the
+model's own tokenizer (chat template optional); samples shorter than 2 tokens dropped and counted."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import QuantizeError
+
+DEFAULT_CORPUS = Path(__file__).with_name("default_corpus.txt")
+TEXT_FIELDS = ("text", "content", "question", "query", "prompt")
+
+
+@dataclass
+class Samples:
+    ids: list[torch.Tensor]
+    texts_read: int
+    dropped_short: int
+    source: str
+
+
+def _texts_from_jsonl(path: Path) -> list[str]:
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QuantizeError(f"{path}:{n}: not valid JSON ({e.msg}); fix the line or pass another --data") from e
+        if isinstance(rec, str):
+            out.append(rec)
+            continue
+        if "question" in rec and "answer" in rec:  # GSM8K-style
+            out.append(f"{rec['question']}\n{rec['answer']}")
+            continue
+        field = next((f for f in TEXT_FIELDS if isinstance(rec.get(f), str)), None)
+        field = field or next((k for k, v in rec.items() if isinstance(v, str)), None)
+        if field is not None:
+            out.append(rec[field])
+    return out
+
+
+def _texts_from_parquet(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    cols = [c for c in TEXT_FIELDS if c in table.column_names] or [f.name for f in table.schema if str(f.type) in ("string", "large_string")]
+    if not cols:
+        raise QuantizeError(f"{path}: no text column (looked for {', '.join(TEXT_FIELDS)} or any string column)")
+    return [str(x) for x in table.column(cols[0]).to_pylist() if x]
+
+
+def _texts_from_txt(path: Path) -> list[str]:
+    return [p.strip() for p in path.read_text().split("\n\n") if p.strip()]
+
+
+READERS = {".jsonl": _texts_from_jsonl, ".json": _texts_from_jsonl, ".txt": _texts_from_txt, ".parquet": _texts_from_parquet}
+
+
+def load_texts(data: str | None) -> tuple[list[str], str]:
+    if data is None:
+        return _texts_from_txt(DEFAULT_CORPUS), "default corpus"
+    if data.startswith("hf:"):
+        name = data[3:]
+        try:
+            import datasets
+
+            ds = datasets.load_dataset(name, split="train")
+        except Exception as e:  # noqa: BLE001 - any failure to reach or find it is the same to the user
+            raise QuantizeError(f"--data {data}: dataset {name} is neither reachable nor cached ({type(e).__name__}); pass local files instead") from e
+        col = next((c for c in TEXT_FIELDS if c in ds.column_names), None)
+        if col is None:
+            raise QuantizeError(f"--data {data}: no text column among {ds.column_names}")
+        return [t for t in ds[col] if isinstance(t, str)], data
+    path = Path(data)
+    files = sorted(p for p in path.rglob("*") if p.suffix in READERS) if path.is_dir() else [path]
+    if not path.exists():
+        raise QuantizeError(f"--data {data}: no such file or folder")
+    if not files:
+        raise QuantizeError(f"--data {data}: no .jsonl, .txt or .parquet files in it")
+    texts: list[str] = []
+    for f in files:
+        reader = READERS.get(f.suffix)
+        if reader is None:
+            raise QuantizeError(f"{f}: unsupported calibration file type {f.suffix!r}; use .jsonl, .txt or .parquet")
+        texts += reader(f)
+    return texts, str(path)
+
+
+def load_tokenizer(model: Path):
+    from transformers import AutoTokenizer
+
+    if not any((model / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise QuantizeError(f"{model}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy the model's tokenizer into it")
+    try:
+        return AutoTokenizer.from_pretrained(str(model))
+    except Exception as e:  # noqa: BLE001
+        raise QuantizeError(f"{model}: the tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from e
+
+
+def build_samples(model: Path, data: str | None, samples: int, seq_len: int, chat_template: bool = False) -> Samples:
+    texts, source = load_texts(data)
+    tok = load_tokenizer(model)
+    ids: list[torch.Tensor] = []
+    dropped = 0
+    for text in texts:
+        if len(ids) >= samples:
+            break
+        if chat_template and getattr(tok, "chat_template", None):
+            enc = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+            enc = enc["input_ids"] if isinstance(enc, dict) else enc
+        else:
+            enc = tok(text, add_special_tokens=True)["input_ids"]
+        enc = list(enc)[:seq_len]
+        if len(enc) < 2:
+            dropped += 1
+            continue
+        ids.append(torch.tensor(enc, dtype=torch.long))
+    if not ids:
+        raise QuantizeError(f"--data {source}: no usable samples ({len(texts)} texts read, {dropped} shorter than 2 tokens); pass more or longer text")
+    return Samples(ids, len(texts), dropped, source)

@@ -1,0 +1,141 @@
+"""Run text through a model one decoder layer at a time, with transformers' own layer classes.
+
+The whole model is never instantiated: for each layer, its class (``DeepseekV3DecoderLayer``,
+``GlmMoeDsaDecoderLayer``, ``LlamaDecoderLayer``, ...) is built on the meta device, filled with
+that layer's tensors read from safetensors (BF16 as is, block/channel FP8 and our INT4 output
+dequantized on the fly, per-expert 2-D tensors stacked into transformers' fused expert
+parameters), run over the cached hidden states of every sample, and freed. Peak memory: one
+layer's weights plus the hidden states.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .. import archs
+from ..checkpoint.index import CheckpointIndex, read_tensor
+from ..errors import QuantizeError
+from ..formats import fp8, int4
+
+HF_BY_MODEL_TYPE = {"llama": ("llama", "Llama"), "qwen2": ("qwen2", "Qwen2"), "qwen3": ("qwen3", "Qwen3"),
+                    "mistral": ("mistral", "Mistral")}
+
+
+class LayerStreamer:
+    def __init__(self, model: str | Path, dtype: torch.dtype = torch.float32):
+        self.folder = Path(model)
+        self.index = CheckpointIndex.open(self.folder)
+        self.arch = archs.resolve(self.index.config, str(self.folder / "config.json"))
+        if not self.arch.hf:
+            raise QuantizeError(f"{self.folder / 'config.json'}: {self.arch.name} has no layer classes registered for calibration")
+        self.text = dict(self.arch.text_config(self.index.config))
+        mt = self.text.get("model_type")
+        mod, prefix = HF_BY_MODEL_TYPE.get(mt) or (self.arch.hf["module"], self.arch.hf["prefix"])
+        self.modeling = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
+        conf_mod = importlib.import_module(f"transformers.models.{mod}.configuration_{mod}")
+        self.prefix = prefix
+        cfg = {k: v for k, v in self.text.items() if k not in ("quantization_config", "architectures", "auto_map")}
+        self.config = getattr(conf_mod, prefix + "Config")(**cfg)
+        self.config._attn_implementation = "eager"
+        self.dtype = dtype
+        self.num_layers = int(self.config.num_hidden_layers)
+        if not any(self._layer_prefix(i) + "self_attn" in n for i in range(1) for n in self.index.tensors):
+            raise QuantizeError(f"{self.folder}: no attention tensors under {self._layer_prefix(0)}self_attn.*; nothing to calibrate")
+        self._fds: dict = {}
+
+    def _layer_prefix(self, i: int) -> str:
+        return f"{self.arch.prefix}model.layers.{i}."
+
+    # -- weights -------------------------------------------------------------------------------
+    def tensor(self, name: str) -> torch.Tensor:
+        """One parameter by on-disk name, dequantized to ``self.dtype``."""
+        t = self.index.tensors
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if name in t:
+            w = read_tensor(self.folder, t[name], self._fds)
+            if w.dtype == torch.float8_e4m3fn and base is not None:
+                for sname in (base + ".weight_scale_inv", base + ".weight_scale"):
+                    if sname in t:
+                        s = read_tensor(self.folder, t[sname], self._fds)
+                        if tuple(s.shape) == fp8.block_grid(tuple(w.shape)):
+                            return fp8.dequant_block(w, s, dtype=self.dtype)
+                        return fp8.dequant_channel(w, s, dtype=self.dtype)
+            return w.to(self.dtype)
+        if base is not None and base + ".weight_packed" in t:
+            packed = read_tensor(self.folder, t[base + ".weight_packed"], self._fds)
+            scale = read_tensor(self.folder, t[base + ".weight_scale"], self._fds)
+            shape = tuple(int(v) for v in read_tensor(self.folder, t[base + ".weight_shape"], self._fds).tolist())
+            return int4.dequantize_int4(packed, scale, shape, dtype=torch.float32).to(self.dtype)
+        raise QuantizeError(f"{self.folder}: tensor {name} (or its INT4/FP8 form) is missing; the checkpoint is incomplete")
+
+    def _param(self, prefix: str, key: str, n_experts: int) -> torch.Tensor:
+        """In-memory parameter ``key`` of the layer at ``prefix``: on-disk per-expert tensors are
+        stacked into transformers' fused ``experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]."""
+        m = re.fullmatch(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)", key)
+        if m:
+            base = prefix + m.group(1)
+            if m.group(2) == "gate_up_proj":
+                return torch.stack([torch.cat([self.tensor(f"{base}.{e}.gate_proj.weight"), self.tensor(f"{base}.{e}.up_proj.weight")])
+                                    for e in range(n_experts)])
+            return torch.stack([self.tensor(f"{base}.{e}.down_proj.weight") for e in range(n_experts)])
+        name = prefix + key
+        t = self.tensor(name)
+        return t.float() if name.endswith("e_score_correction_bias") else t
+
+    def layer(self, i: int) -> torch.nn.Module:
+        cls = getattr(self.modeling, self.prefix + "DecoderLayer")
+        with torch.device("meta"):
+            layer = cls(self.config, layer_idx=i)
+        state = layer.state_dict()
+        n_experts = int(getattr(self.config, "n_routed_experts", 0) or 0)
+        loaded = {k: self._param(self._layer_prefix(i), k, n_experts).to(v.dtype if v.dtype == torch.float32 else self.dtype)
+                  for k, v in state.items()}
+        layer.load_state_dict(loaded, strict=True, assign=True)
+        return layer.eval()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.tensor(f"{self.arch.prefix}model.embed_tokens.weight")
+        return torch.nn.functional.embedding(ids, w)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _context(self, hidden: torch.Tensor):
+        pos = torch.arange(hidden.shape[1]).unsqueeze(0)
+        rotary = getattr(self.modeling, self.prefix + "RotaryEmbedding")(self.config)
+        pe = rotary(hidden, position_ids=pos)
+        mask = self.modeling.create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                                past_key_values=None, position_ids=pos, **self.arch.hf.get("mask_kwargs", {}))
+        return pos, pe, mask
+
+    def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, cache=None, topk=None):
+        pos, pe, mask = self._context(hidden)
+        kw = {"prev_topk_indices": topk} if self.arch.hf.get("topk") else {}
+        with torch.no_grad():
+            out = layer(hidden, attention_mask=mask, position_embeddings=pe, position_ids=pos, past_key_values=cache,
+                        use_cache=False, **kw)
+        if isinstance(out, tuple):
+            return out[0], out[1] if len(out) > 1 else None
+        return out, None
+
+    def stream(self, samples: list[torch.Tensor], on_layer: Callable | None = None) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Yield (layer index, hidden states after that layer) for every layer; ``on_layer(i,
+        layer, hidden_in)`` runs first (observers, FP8 error measurement)."""
+        hidden = [self.embed(ids.unsqueeze(0)).to(self.dtype) for ids in samples]
+        for i in range(self.num_layers):
+            layer = self.layer(i)
+            if on_layer is not None:
+                on_layer(i, layer, hidden)
+            hidden = [self.run_layer(layer, h)[0] for h in hidden]
+            del layer
+            yield i, hidden
+
+    def close(self) -> None:
+        import os
+
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

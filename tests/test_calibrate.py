@@ -1,0 +1,156 @@
+"""calibrate-kv: layer streaming equals transformers' full forward; observed amax equals
+transformers' own DynamicCache; scales load in the target; bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from quantize.calibrate.kv import calibrate_kv
+from quantize.calibrate.runner import LayerStreamer
+from quantize.convert import convert
+from quantize.errors import QuantizeError
+
+from .conftest import load_dir
+
+
+def _full_model(path):
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg["architectures"][0].startswith("Kimi"):
+        m = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+        tm = m.model.language_model
+    else:
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tm = m.model
+    tm.config._attn_implementation = "eager"
+    return tm.float().eval()  # a decompressed INT4 model comes back in bf16: fp32 is exact from there
+
+
+CASES = [("llama", False, False), ("glm_moe_dsa", False, False), ("kimi_k25", False, False), ("kimi_k25", True, True), ("glm_moe_dsa", True, True)]
+
+
+@pytest.mark.parametrize("arch,fp8,int4", CASES, ids=["llama-bf16", "glm-bf16", "kimi-bf16", "kimi-int4", "glm-int4"])
+def test_layer_streaming_equals_full_forward(arch, fp8, int4, tiny, tmp_path):
+    path = tiny(arch, fp8_source=fp8)
+    if int4:  # our INT4 output, dequantized on the fly; transformers decompresses the same bits
+        convert(path, tmp_path / "int4")
+        path = tmp_path / "int4"
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    s = LayerStreamer(path)
+    ours = [h for _, h in s.stream([ids[0], ids[1]])]
+    tm = _full_model(path)
+    caps = []
+    hooks = [L.register_forward_hook(lambda mod, a, out: caps.append((out[0] if isinstance(out, tuple) else out).detach()))
+             for L in tm.layers[: s.num_layers]]
+    for b in range(2):
+        with torch.no_grad():
+            tm(input_ids=ids[b : b + 1])
+    for h in hooks:
+        h.remove()
+    for i in range(s.num_layers):
+        for b in range(2):
+            ref = caps[b * s.num_layers + i]
+            assert float((ours[i][b] - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["kimi_k25", "llama"])
+def test_amax_equals_transformers_dynamic_cache(arch, tiny, tmp_path):
+    """transformers' own DynamicCache holds exactly what the engines cache (MLA: kv_c_normed and
+    post-RoPE k_pe; GQA: K and V): its absmax per layer is the independent oracle."""
+    path = tiny(arch, fp8_source=False)
+    data = tmp_path / "d.jsonl"
+    texts = ["the a of to and in is it that for on with as be by", "what how many are or at from this"] * 2
+    data.write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    res = calibrate_kv(path, tmp_path / "out", data=str(data), samples=4, seq_len=64, target="compressed-tensors")
+    tm = _full_model(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    amax = {}
+    for t in texts[:4]:
+        cache = transformers.DynamicCache(config=tm.config)
+        with torch.no_grad():
+            tm(input_ids=torch.tensor([tok(t)["input_ids"]]), past_key_values=cache, use_cache=True)
+        for i, layer in enumerate(cache.layers):
+            k, v = layer.keys.abs().max().item(), layer.values.abs().max().item()
+            a = amax.setdefault(i, [0.0, 0.0])
+            a[0], a[1] = max(a[0], k), max(a[1], v)
+    for r in res.layers:
+        k, v = amax[r.layer]
+        if res.layout == "mla":  # keys = kv_c_normed (latent), values = k_pe (rope): one row
+            assert r.amax_latent == pytest.approx(k, rel=1e-5) and r.amax_rope == pytest.approx(v, rel=1e-5)
+            assert r.amax == pytest.approx(max(k, v), rel=1e-5)
+            assert r.scale == pytest.approx(max(k, v) / 448, rel=1e-5)
+        else:
+            assert r.k_amax == pytest.approx(k, rel=1e-5) and r.v_amax == pytest.approx(v, rel=1e-5)
+        assert r.overflow_calibrated == 0.0
+
+
+def test_sglang_names_for_mla_and_reuse_of_stats(tiny, tmp_path):
+    path = tiny("kimi_k25", fp8_source=False)
+    r1 = calibrate_kv(path, tmp_path / "o1", samples=8, seq_len=64, target="sglang", stats_out=tmp_path / "st.json")
+    t = load_dir(tmp_path / "o1")
+    names = [n for n in t if n.endswith(("k_scale", "v_scale"))]
+    assert sorted(names) == sorted(f"language_model.model.layers.{i}.self_attn.{p}" for i in range(3) for p in ("k_proj.k_scale", "v_proj.v_scale"))
+    for i, rep in enumerate(r1.layers):
+        k = t[f"language_model.model.layers.{i}.self_attn.k_proj.k_scale"]
+        assert k.shape == () and k.dtype == torch.float32
+        assert float(k) == float(t[f"language_model.model.layers.{i}.self_attn.v_proj.v_scale"]) == pytest.approx(rep.scale)
+    cfg = json.loads((tmp_path / "o1" / "config.json").read_text())
+    from compressed_tensors.quantization import QuantizationConfig
+
+    assert QuantizationConfig.model_validate(cfg["quantization_config"]).kv_cache_scheme.strategy == "tensor"
+    stats = json.loads((tmp_path / "st.json").read_text())
+    assert [x["layer"] for x in stats["layers"]] == [0, 1, 2] and all("amax" in x and "scale" in x for x in stats["layers"])
+    r2 = calibrate_kv(path, tmp_path / "o2", target="sglang", stats=tmp_path / "st.json")
+    assert load_dir(tmp_path / "o2")["language_model.model.layers.1.self_attn.k_proj.k_scale"] == t["language_model.model.layers.1.self_attn.k_proj.k_scale"]
+    assert r2.samples == r1.samples
+    # unchanged files are shared with (hard-linked to) the source, which is untouched
+    assert (tmp_path / "o1" / "model-00001-of-00003.safetensors").stat().st_ino == (path / "model-00001-of-00003.safetensors").stat().st_ino
+
+
+def test_compressed_tensors_target_loads_in_transformers(tiny, tmp_path):
+    path = tiny("llama", fp8_source=False)
+    res = calibrate_kv(path, tmp_path / "o", samples=8, seq_len=64, target="compressed-tensors")
+    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.float32)  # bf16 would round the scales
+    for r in res.layers:
+        attn = m.model.layers[r.layer].self_attn
+        assert float(attn.k_scale) == pytest.approx(r.k_scale, rel=1e-6)
+        assert float(attn.v_scale) == pytest.approx(r.v_scale, rel=1e-6)
+
+
+def test_glm_dsa_writes_no_scales_but_reports(tiny, tmp_path):
+    res = calibrate_kv(tiny("glm_moe_dsa", fp8_source=False), tmp_path / "o", samples=4, seq_len=32)
+    assert res.out is None and not (tmp_path / "o").exists()
+    assert "no checkpoint scale" in res.verdict
+    assert all(r.attn_rel_err_tiles is not None and 0 < r.attn_rel_err_tiles < 0.2 for r in res.layers)
+
+
+def test_bad_input(tiny, tmp_path):
+    path = tiny("llama", fp8_source=False)
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": ""}\n{"text": "a"}\n')
+    with pytest.raises(QuantizeError, match="no usable samples"):
+        calibrate_kv(path, tmp_path / "o", data=str(short))
+    notok = tmp_path / "notok"
+    shutil.copytree(path, notok)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (notok / f).unlink()
+    with pytest.raises(QuantizeError, match="no tokenizer"):
+        calibrate_kv(notok, tmp_path / "o2")
+    st = tmp_path / "st.json"
+    calibrate_kv(path, tmp_path / "o3", samples=2, seq_len=16, stats_out=st)
+    with pytest.raises(QuantizeError, match="another model"):
+        calibrate_kv(tiny("kimi_k25", fp8_source=False), tmp_path / "o4", stats=st)
+    noattn = tmp_path / "noattn"
+    shutil.copytree(path, noattn)
+    from safetensors.torch import save_file
+
+    for f in noattn.glob("*.safetensors"):
+        f.unlink()
+    (noattn / "model.safetensors.index.json").unlink()
+    save_file({"model.embed_tokens.weight": torch.zeros(512, 256)}, str(noattn / "model.safetensors"))
+    with pytest.raises(QuantizeError, match="no attention tensors"):
+        calibrate_kv(noattn, tmp_path / "o5")
+    with pytest.raises(QuantizeError, match="--target"):
+        calibrate_kv(path, tmp_path / "o6", target="trt")
