@@ -154,3 +154,57 @@ def test_bad_input(tiny, tmp_path):
         calibrate_kv(noattn, tmp_path / "o5")
     with pytest.raises(QuantizeError, match="--target"):
         calibrate_kv(path, tmp_path / "o6", target="trt")
+
+
+def test_layer_streaming_fp8_source_equals_ct_dequantized_forward(tiny, tmp_path):
+    """Block-FP8 weights dequantized on the fly: equal to transformers running the checkpoint that
+    compressed-tensors' own FP8BlockDequantizer wrote."""
+    from .test_convert import _bf16_reference
+
+    src = tiny("kimi_k25")
+    ref_dir = _bf16_reference(src, tmp_path / "ref")
+    ids = torch.randint(3, 500, (16,), generator=torch.Generator().manual_seed(2))
+    s = LayerStreamer(src)
+    ours = [h[0] for _, h in s.stream([ids])]
+    tm = _full_model(ref_dir)
+    caps = []
+    for L in tm.layers[: s.num_layers]:
+        L.register_forward_hook(lambda mod, a, out: caps.append((out[0] if isinstance(out, tuple) else out).detach()))
+    with torch.no_grad():
+        tm(input_ids=ids.unsqueeze(0))
+    for a, b in zip(ours, caps):
+        assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+def test_glm_amax_equals_independent_hooks(tiny, tmp_path):
+    """GLM-5 DSA caches expanded K/V, so the latent comes from a hook on kv_a_layernorm and k_pe from
+    the rope part of transformers' own DynamicCache keys."""
+    path = tiny("glm_moe_dsa", fp8_source=False)
+    text = "the a of to and in is it that for on with as be by this"
+    data = tmp_path / "d.txt"
+    data.write_text(text)
+    res = calibrate_kv(path, None, data=str(data), samples=1, seq_len=64)
+    tm = _full_model(path)
+    lat = {}
+    for i, L in enumerate(tm.layers):
+        L.self_attn.kv_a_layernorm.register_forward_hook(lambda m, a, out, i=i: lat.__setitem__(i, float(out.abs().max())))
+    cache = transformers.DynamicCache(config=tm.config)
+    ids = transformers.AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+    with torch.no_grad():
+        tm(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    rope = int(tm.config.qk_rope_head_dim)
+    for r in res.layers:
+        assert r.amax_latent == pytest.approx(lat[r.layer], rel=1e-5)
+        assert r.amax_rope == pytest.approx(float(cache.layers[r.layer].keys[..., -rope:].abs().max()), rel=1e-5)
+
+
+def test_parquet_and_folder_data(tiny, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "data"
+    d.mkdir()
+    pq.write_table(pa.table({"question": ["how many are in this", "what is it"], "n": [1, 2]}), d / "a.parquet")
+    (d / "b.txt").write_text("the a of to and\n\nin is it that for")
+    res = calibrate_kv(tiny("llama", fp8_source=False), tmp_path / "o", data=str(d), samples=10, seq_len=32)
+    assert res.samples == 4 and res.dropped_short == 0

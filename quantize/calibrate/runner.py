@@ -62,9 +62,10 @@ class LayerStreamer:
                 for sname in (base + ".weight_scale_inv", base + ".weight_scale"):
                     if sname in t:
                         s = read_tensor(self.folder, t[sname], self._fds)
+                        # bf16(fp8 * scale), as a BF16 checkpoint of the model (and convert) holds it
                         if tuple(s.shape) == fp8.block_grid(tuple(w.shape)):
-                            return fp8.dequant_block(w, s, dtype=self.dtype)
-                        return fp8.dequant_channel(w, s, dtype=self.dtype)
+                            return fp8.dequant_block(w, s).to(self.dtype)
+                        return fp8.dequant_channel(w, s).to(self.dtype)
             return w.to(self.dtype)
         if base is not None and base + ".weight_packed" in t:
             packed = read_tensor(self.folder, t[base + ".weight_packed"], self._fds)
