@@ -219,6 +219,36 @@ def calibrate_kv_cmd(
         c.print(f"statistics: {res.stats_path}")
 
 
+@app.command("eval")
+def eval_cmd(
+    candidate: Path = typer.Option(..., help="the converted model"),
+    baseline: Optional[Path] = typer.Option(None, help="the reference model (FP8/BF16)"),
+    kld: bool = typer.Option(False, "--kld", help="next-token KL divergence of candidate against baseline"),
+    text: Optional[Path] = typer.Option(None, help="plain text for --kld (default: shipped text)"),
+    tokens: int = typer.Option(8192, help="tokens of text to score"),
+    chunk: int = typer.Option(512, help="context length per chunk"),
+    save_baseline: Optional[Path] = typer.Option(None, help="save the baseline's log-probs (fp16 safetensors) for reuse"),
+    baseline_logits: Optional[Path] = typer.Option(None, help="reuse a --save-baseline file instead of running the baseline"),
+    out: Optional[Path] = typer.Option(None, help="write the report JSON here"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Fidelity of a converted model against its baseline (--kld: KL divergence, top-1 agreement, perplexity)."""
+    if not kld:
+        typer.echo("error: task evaluation through lm-eval (GSM8K, ARC, MMLU, MMLU-Pro, gated) is not implemented yet; "
+                   "pass --kld for the KL-divergence fidelity check", err=True)
+        raise typer.Exit(2)
+    from .evaluate.kld import kld as run_kld
+
+    rep = _run(run_kld, baseline, candidate, text=text, tokens=tokens, chunk=chunk, save_baseline=save_baseline,
+               baseline_logits=baseline_logits, out=out)
+    if json_out:
+        typer.echo(json.dumps(rep.to_dict(), indent=1))
+        return
+    typer.echo(f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}, median {rep.kld_median:.5f}, p99 {rep.kld_p99:.4f}, "
+               f"p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
+               f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f})")
+
+
 @app.command("list-archs")
 def list_archs():
     """Architectures the registry knows."""

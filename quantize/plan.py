@@ -326,7 +326,9 @@ def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles
                 fp8_roles: frozenset[str] = frozenset()) -> list[str]:
     """Engine-safe ignore patterns for every high-precision (BF16) Linear role present; roles kept
     FP8 (``--keep-fp8``) are targeted by their own config group instead of ignored."""
-    groups: list[str] = ["embed"] if "embed" in roles_present else []
+    # lm_head is never INT4, and exists in every engine even when tied to the embeddings (then the
+    # checkpoint has no lm_head tensor, but a "Linear" target would still build it as INT4)
+    groups: list[str] = (["embed"] if "embed" in roles_present else []) + ["lm_head"]
     if fp8_roles:
         # attention and shared/dense MLP stay FP8: ignore only the roles the vendor left BF16
         for role in sorted(roles_present):
@@ -334,7 +336,7 @@ def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles
                 g = KEEP_FP8_IGNORE.get(role, ROLE_GROUP.get(role))
                 if g and g not in groups:
                     groups.append(g)
-        return [IGNORE_PATTERN[g] for g in groups] + (["re:.*lm_head$"] if arch.prefix and "lm_head" in groups else [])
+        return [IGNORE_PATTERN[g] for g in groups] + (["re:.*lm_head$"] if "lm_head" in groups else [])
     for role in sorted(roles_present):
         if not ROLES[role][0] or profile_quantizes(options.profile, role):
             continue
@@ -346,8 +348,9 @@ def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles
         groups.remove("indexer")
     order = list(IGNORE_PATTERN)
     pats = [IGNORE_PATTERN[g] for g in sorted(groups, key=order.index)]
-    if arch.prefix and "lm_head" in groups:
-        # exact-name matchers (compressed-tensors on checkpoint names) see `language_model.lm_head`
+    if "lm_head" in groups:
+        # exact-name matchers see `language_model.lm_head` (Kimi on disk), and transformers' tying of
+        # lm_head to the embeddings (SmolLM2) honours only the regex form: write both
         pats.insert(1, "re:.*lm_head$")
     return pats
 

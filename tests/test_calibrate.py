@@ -115,8 +115,8 @@ def test_compressed_tensors_target_loads_in_transformers(tiny, tmp_path):
     m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.float32)  # bf16 would round the scales
     for r in res.layers:
         attn = m.model.layers[r.layer].self_attn
-        assert float(attn.k_scale) == pytest.approx(r.k_scale, rel=1e-6)
-        assert float(attn.v_scale) == pytest.approx(r.v_scale, rel=1e-6)
+        assert attn.k_scale.item() == pytest.approx(r.k_scale, rel=1e-6)
+        assert attn.v_scale.item() == pytest.approx(r.v_scale, rel=1e-6)
 
 
 def test_glm_dsa_writes_no_scales_but_reports(tiny, tmp_path):
