@@ -56,10 +56,11 @@ def test_layer_streaming_equals_full_forward(arch, fp8, int4, tiny, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["kimi_k25", "llama"])
-def test_amax_equals_transformers_dynamic_cache(arch, tiny, tmp_path):
+def test_amax_equals_transformers_dynamic_cache(arch, tiny, request, tmp_path):
     """transformers' own DynamicCache holds exactly what the engines cache (MLA: kv_c_normed and
-    post-RoPE k_pe; GQA: K and V): its absmax per layer is the independent oracle."""
-    path = tiny(arch, fp8_source=False)
+    post-RoPE k_pe; GQA: K and V): its absmax per layer is the independent oracle. (Kimi: our INT4
+    output, whose config can carry kv_cache_scheme; transformers decompresses the same bits.)"""
+    path = request.getfixturevalue("kimi_int4") if arch == "kimi_k25" else tiny(arch, fp8_source=False)
     data = tmp_path / "d.jsonl"
     texts = ["the a of to and in is it that for on with as be by", "what how many are or at from this"] * 2
     data.write_text("\n".join(json.dumps({"text": t}) for t in texts))
@@ -86,8 +87,29 @@ def test_amax_equals_transformers_dynamic_cache(arch, tiny, tmp_path):
         assert r.overflow_calibrated == 0.0
 
 
-def test_sglang_names_for_mla_and_reuse_of_stats(tiny, tmp_path):
-    path = tiny("kimi_k25", fp8_source=False)
+@pytest.fixture(scope="module")
+def kimi_int4(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kimi-int4") / "o"
+    convert(tiny("kimi_k25"), out)
+    return out
+
+
+def test_mla_compressed_tensors_target_loads_in_transformers(kimi_int4, tmp_path):
+    res = calibrate_kv(kimi_int4, tmp_path / "o", samples=4, seq_len=32, target="compressed-tensors")
+    m = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(tmp_path / "o", dtype=torch.float32)
+    for r in res.layers:
+        attn = m.model.language_model.layers[r.layer].self_attn
+        assert attn.k_scale.item() == pytest.approx(r.scale, rel=1e-6) and attn.v_scale.item() == pytest.approx(r.scale, rel=1e-6)
+
+
+def test_bf16_moe_needs_convert_first(tiny, tmp_path):
+    with pytest.raises(QuantizeError, match="run `quantize convert` first"):
+        calibrate_kv(tiny("kimi_k25", fp8_source=False), tmp_path / "o", samples=2, seq_len=16)
+    assert not (tmp_path / "o").exists()
+
+
+def test_sglang_names_for_mla_and_reuse_of_stats(kimi_int4, tmp_path):
+    path = kimi_int4
     r1 = calibrate_kv(path, tmp_path / "o1", samples=8, seq_len=64, target="sglang", stats_out=tmp_path / "st.json")
     t = load_dir(tmp_path / "o1")
     names = [n for n in t if n.endswith(("k_scale", "v_scale"))]

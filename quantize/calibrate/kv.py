@@ -442,6 +442,9 @@ def _write_checkpoint(model: Path, out: Path, streamer, reports, target: str, la
     qc = cfg.get("quantization_config")
     if qc and qc.get("quant_method") != "compressed-tensors":
         raise QuantizeError(f"{model / 'config.json'}: quant_method {qc.get('quant_method')!r}; kv_cache_scheme is a compressed-tensors field, so calibrate a BF16 or `quantize convert` output")
+    if not qc and int(streamer.text.get("n_routed_experts", 0) or 0):
+        raise QuantizeError(f"{model / 'config.json'}: a BF16 mixture-of-experts model has no compressed-tensors weight scheme to attach "
+                            f"kv_cache_scheme to (transformers' loader needs one for MoE); run `quantize convert` first and calibrate its output")
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
