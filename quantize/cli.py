@@ -223,30 +223,57 @@ def calibrate_kv_cmd(
 def eval_cmd(
     candidate: Path = typer.Option(..., help="the converted model"),
     baseline: Optional[Path] = typer.Option(None, help="the reference model (FP8/BF16)"),
-    kld: bool = typer.Option(False, "--kld", help="next-token KL divergence of candidate against baseline"),
+    tasks: str = typer.Option("gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro", help="comma-separated lm-eval tasks"),
+    limit: Optional[int] = typer.Option(None, help="documents per task (the same for both models)"),
+    data_dir: Optional[Path] = typer.Option(None, help="local copies in the layout of ../shared/data (default: the Hub)"),
+    max_drop: float = typer.Option(1.0, help="gate: fail a task whose drop exceeds this many points beyond noise"),
+    max_gen_toks: Optional[int] = typer.Option(None, help="cap generated tokens (GSM8K, MMLU-Pro) for quick runs"),
+    markdown: Optional[Path] = typer.Option(None, help="write the Markdown table (for the model card) here"),
+    kld: bool = typer.Option(False, "--kld", help="next-token KL divergence of candidate against baseline instead"),
     text: Optional[Path] = typer.Option(None, help="plain text for --kld (default: shipped text)"),
-    tokens: int = typer.Option(8192, help="tokens of text to score"),
-    chunk: int = typer.Option(512, help="context length per chunk"),
-    save_baseline: Optional[Path] = typer.Option(None, help="save the baseline's log-probs (fp16 safetensors) for reuse"),
-    baseline_logits: Optional[Path] = typer.Option(None, help="reuse a --save-baseline file instead of running the baseline"),
+    tokens: int = typer.Option(8192, help="--kld: tokens of text to score"),
+    chunk: int = typer.Option(512, help="--kld: context length per chunk"),
+    save_baseline: Optional[Path] = typer.Option(None, help="--kld: save the baseline's log-probs (fp16 safetensors) for reuse"),
+    baseline_logits: Optional[Path] = typer.Option(None, help="--kld: reuse a --save-baseline file instead of running the baseline"),
     out: Optional[Path] = typer.Option(None, help="write the report JSON here"),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Fidelity of a converted model against its baseline (--kld: KL divergence, top-1 agreement, perplexity)."""
-    if not kld:
-        typer.echo("error: task evaluation through lm-eval (GSM8K, ARC, MMLU, MMLU-Pro, gated) is not implemented yet; "
-                   "pass --kld for the KL-divergence fidelity check", err=True)
-        raise typer.Exit(2)
-    from .evaluate.kld import kld as run_kld
+    """Baseline against candidate: lm-eval tasks on the same items with paired CIs and a gate (exit 1
+    on failure), or --kld: KL divergence, top-1 agreement, perplexity."""
+    if kld:
+        from .evaluate.kld import kld as run_kld
 
-    rep = _run(run_kld, baseline, candidate, text=text, tokens=tokens, chunk=chunk, save_baseline=save_baseline,
-               baseline_logits=baseline_logits, out=out)
+        rep = _run(run_kld, baseline, candidate, text=text, tokens=tokens, chunk=chunk, save_baseline=save_baseline,
+                   baseline_logits=baseline_logits, out=out)
+        if json_out:
+            typer.echo(json.dumps(rep.to_dict(), indent=1))
+            return
+        typer.echo(f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}, median {rep.kld_median:.5f}, p99 {rep.kld_p99:.4f}, "
+                   f"p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
+                   f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f})")
+        return
+    if baseline is None:
+        typer.echo("error: --baseline is required", err=True)
+        raise typer.Exit(2)
+    from .evaluate.run import evaluate
+
+    rep = _run(evaluate, baseline, candidate, tasks=tasks, limit=limit, data_dir=data_dir, max_drop=max_drop, out=out,
+               markdown=markdown, max_gen_toks=max_gen_toks)
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=1))
-        return
-    typer.echo(f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}, median {rep.kld_median:.5f}, p99 {rep.kld_p99:.4f}, "
-               f"p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
-               f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f})")
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"{candidate} vs {baseline}" + (f" (limit {limit})" if limit else ""))
+        for c in ("task", "n", "baseline", "candidate", "delta", "95% CI", "gate"):
+            t.add_column(c)
+        for r in rep.tasks:
+            t.add_row(r.task, str(r.n), f"{r.baseline:.2f} ± {r.baseline_stderr:.2f}", f"{r.candidate:.2f} ± {r.candidate_stderr:.2f}",
+                      f"{r.delta:+.2f}", f"({r.ci_low:+.2f}, {r.ci_high:+.2f})", "pass" if r.passed else "[red]FAIL[/]")
+        Console().print(t)
+    if not rep.passed:
+        raise typer.Exit(1)
 
 
 @app.command("list-archs")

@@ -1,0 +1,144 @@
+"""``quantize eval``: baseline against candidate on the same items through lm-eval, with paired
+statistics and a gate.
+
+Both models run lm-eval's own task configs (prompts, few-shot, filters, metrics) on the same
+documents (same ``limit``, same seeds). From the per-sample results: each model's score +- stderr,
+the paired delta with a 95% bootstrap confidence interval (resampling documents, seeded), and a
+gate: a task fails when even the optimistic end of that interval is a drop larger than
+``max_drop`` points. ``mmlu`` / ``mmlu_pro`` pool their subjects' documents, which is the
+size-weighted mean of the subject scores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import QuantizeError
+from .tasks import task_configs
+
+FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
+
+
+@dataclass
+class TaskResult:
+    task: str
+    metric: str
+    n: int
+    baseline: float
+    baseline_stderr: float
+    candidate: float
+    candidate_stderr: float
+    delta: float
+    ci_low: float
+    ci_high: float
+    passed: bool
+
+
+@dataclass
+class EvalReport:
+    baseline: str
+    candidate: str
+    limit: int | None
+    max_drop: float
+    tasks: list[TaskResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.tasks)
+
+    def to_dict(self) -> dict:
+        return {"baseline": self.baseline, "candidate": self.candidate, "limit": self.limit, "max_drop": self.max_drop,
+                "passed": self.passed, "tasks": {t.task: asdict(t) for t in self.tasks}}
+
+    def markdown(self) -> str:
+        rows = ["| task | metric | n | baseline | candidate | delta (95% CI) | gate |", "|---|---|---:|---:|---:|---|---|"]
+        for t in self.tasks:
+            rows.append(f"| {t.task} | {t.metric} | {t.n} | {t.baseline:.2f} ± {t.baseline_stderr:.2f} | {t.candidate:.2f} ± {t.candidate_stderr:.2f} "
+                        f"| {t.delta:+.2f} ({t.ci_low:+.2f}, {t.ci_high:+.2f}) | {'pass' if t.passed else 'FAIL'} |")
+        return "\n".join(rows) + f"\n\nGate: a task fails when the 95% CI of (candidate - baseline) lies entirely below -{self.max_drop} points.\n"
+
+
+def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int) -> dict:
+    import lm_eval
+
+    if not (Path(path) / "config.json").exists():
+        raise QuantizeError(f"{path}: no config.json; pass a model folder")
+    try:
+        return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(path), "dtype": "float32"}, tasks=configs,
+                                       limit=limit, log_samples=True, batch_size=batch_size, device=device, random_seed=0,
+                                       numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    except QuantizeError:
+        raise
+    except FileNotFoundError as e:
+        raise QuantizeError(f"evaluation data missing: {e}") from e
+
+
+def _per_doc(samples: list[dict], metric: str) -> dict:
+    by_filter: dict[str, dict] = {}
+    for s in samples:
+        by_filter.setdefault(s.get("filter", "none"), {})[s["doc_id"]] = float(s[metric])
+    for f in FILTER_PREFERENCE:
+        if f in by_filter:
+            return by_filter[f]
+    return next(iter(by_filter.values()))
+
+
+def _metric(samples: list[dict]) -> str:
+    for m in ("acc", "exact_match", "acc_norm"):
+        if samples and m in samples[0]:
+            return m
+    raise QuantizeError(f"no accuracy metric in lm-eval's samples ({sorted(samples[0]) if samples else 'none'})")
+
+
+def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """(delta, ci_low, ci_high) in points (x100) of mean(b) - mean(a), paired bootstrap over documents."""
+    n = len(a)
+    rng = np.random.default_rng(seed)
+    deltas = []
+    for start in range(0, resamples, 1000):
+        idx = rng.integers(0, n, (min(1000, resamples - start), n))
+        deltas.append((b[idx].mean(1) - a[idx].mean(1)) * 100)
+    d = np.concatenate(deltas)
+    return float((b.mean() - a.mean()) * 100), float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))
+
+
+def evaluate(baseline: str | os.PathLike, candidate: str | os.PathLike, tasks: str = "gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro",
+             limit: int | None = None, data_dir: str | os.PathLike | None = None, max_drop: float = 1.0,
+             out: str | os.PathLike | None = None, markdown: str | os.PathLike | None = None, max_gen_toks: int | None = None,
+             device: str = "cpu", batch_size: int = 1, resamples: int = 10000) -> EvalReport:
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    configs, groups = task_configs(names, data_dir, max_gen_toks)
+    rb = _run_model(str(baseline), configs, limit, device, batch_size)
+    rc = _run_model(str(candidate), configs, limit, device, batch_size)
+    results = []
+    for t, subs in groups.items():
+        a_all, b_all, metric = [], [], None
+        for s in subs:
+            sb, sc = rb["samples"].get(s, []), rc["samples"].get(s, [])
+            if not sb:
+                continue
+            metric = metric or _metric(sb)
+            da, dc = _per_doc(sb, metric), _per_doc(sc, metric)
+            if set(da) != set(dc):
+                raise QuantizeError(f"{t}/{s}: the two models were scored on different documents; rerun both with the same --limit")
+            keys = sorted(da)
+            a_all += [da[k] for k in keys]
+            b_all += [dc[k] for k in keys]
+        if not a_all:
+            raise QuantizeError(f"{t}: no documents were scored; check --data-dir and --limit")
+        a, b = np.array(a_all), np.array(b_all)
+        n = len(a)
+        se = lambda x: float(x.std(ddof=1) / np.sqrt(n) * 100) if n > 1 else 0.0  # noqa: E731
+        delta, lo, hi = paired_stats(a, b, resamples)
+        results.append(TaskResult(t, metric, n, float(a.mean() * 100), se(a), float(b.mean() * 100), se(b), delta, lo, hi, hi >= -max_drop))
+    rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results)
+    if out is not None:
+        Path(out).write_text(json.dumps(rep.to_dict(), indent=1))
+    if markdown is not None:
+        Path(markdown).write_text(rep.markdown())
+    return rep

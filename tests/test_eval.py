@@ -1,0 +1,96 @@
+"""quantize eval through lm-eval on local data: same items, paired statistics, gate, bad input."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'quantize[eval]')")
+
+from quantize.convert import convert  # noqa: E402
+from quantize.errors import QuantizeError  # noqa: E402
+from quantize.evaluate.run import evaluate, paired_stats  # noqa: E402
+from quantize.evaluate.tasks import task_configs  # noqa: E402
+
+
+def _data(tmp_path):
+    """Tiny local copies in the formats of ../shared/data (GSM8K jsonl, ARC Mosaic jsonl)."""
+    d = tmp_path / "data"
+    (d / "gsm8k").mkdir(parents=True, exist_ok=True)
+    (d / "arc").mkdir(exist_ok=True)
+    qa = [{"question": f"Tom has {i} apples and buys {i + 1} more. How many?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"} for i in range(8)]
+    for split in ("train", "test"):
+        (d / "gsm8k" / f"{split}.jsonl").write_text("\n".join(json.dumps(x) for x in qa))
+    arc = [{"query": f"Question: What is {i} plus one?", "choices": [str(i), str(i + 1), str(i + 2), "seven"], "gold": 1} for i in range(6)]
+    for t in ("arc_easy", "arc_challenge"):
+        (d / "arc" / f"{t}.jsonl").write_text("\n".join(json.dumps(x) for x in arc))
+    return d
+
+
+@pytest.fixture(scope="module")
+def models(tiny, tmp_path_factory):
+    base = tiny("llama", fp8_source=False)
+    cand = tmp_path_factory.mktemp("ev") / "g32"
+    convert(base, cand, profile="all-linear")
+    return base, cand
+
+
+def test_eval_same_items_paired_and_reports(models, tmp_path):
+    base, cand = models
+    rep = evaluate(base, cand, tasks="arc_easy,gsm8k", limit=3, data_dir=_data(tmp_path), max_gen_toks=4,
+                   out=tmp_path / "r.json", markdown=tmp_path / "r.md", resamples=500)
+    assert [t.task for t in rep.tasks] == ["arc_easy", "gsm8k"] and all(t.n == 3 for t in rep.tasks)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    for t in ("arc_easy", "gsm8k"):
+        assert {"baseline", "candidate", "delta", "ci_low", "ci_high", "passed"} <= set(doc["tasks"][t])
+    assert "| arc_easy |" in (tmp_path / "r.md").read_text()
+    self_rep = evaluate(base, base, tasks="arc_easy", limit=3, data_dir=_data(tmp_path), resamples=200)
+    assert self_rep.tasks[0].delta == 0 and self_rep.tasks[0].ci_low == self_rep.tasks[0].ci_high == 0 and self_rep.passed
+
+
+def test_paired_bootstrap_and_gate():
+    a = np.array([1.0] * 80 + [0.0] * 20)
+    b = a.copy()
+    b[:10] = 0  # candidate loses 10 of 100 items: -10 points
+    d, lo, hi = paired_stats(a, b, 4000)
+    assert d == pytest.approx(-10.0) and lo < -10 < hi < -4  # a real drop: the CI excludes -1
+    d, lo, hi = paired_stats(a, a, 1000)
+    assert d == lo == hi == 0.0
+
+
+def test_unknown_task_suggests_and_missing_data_named(tmp_path):
+    with pytest.raises(QuantizeError, match="did you mean.*gsm8k"):
+        task_configs(["gsm8kk"], None)
+    with pytest.raises(QuantizeError, match=r"arc/arc_easy.jsonl: missing"):
+        task_configs(["arc_easy"], tmp_path)
+
+
+def test_mmlu_local_csv_keeps_answers_as_text(tmp_path):
+    """MMLU CSVs are read all-as-string with NA parsing off ('None' stays 'None')."""
+    from pathlib import Path
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not (shared / "mmlu").exists():
+        pytest.skip("../shared/data is not beside this checkout")
+    cfgs, groups = task_configs(["mmlu"], shared)
+    assert len(groups["mmlu"]) == 57 and all(c["dataset_path"] == "csv" for c in cfgs)
+    assert cfgs[0]["dataset_kwargs"]["keep_default_na"] is False
+    from lm_eval.api.task import ConfigurableTask
+
+    task = ConfigurableTask(config=cfgs[0])
+    doc = next(iter(task.test_docs()))
+    assert len(doc["choices"]) == 4 and isinstance(doc["answer"], int)
+
+
+def test_cli_gate_exit_code(models, tmp_path):
+    base, cand = models
+    p = subprocess.run([sys.executable, "-c", "from quantize.cli import app; app()", "eval", "--baseline", str(base), "--candidate", str(cand),
+                        "--tasks", "arc_easy", "--limit", "2", "--data-dir", str(_data(tmp_path)), "--json"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    doc = json.loads(p.stdout[p.stdout.index("{"):])
+    assert p.returncode == (0 if doc["passed"] else 1)
+    p = subprocess.run([sys.executable, "-c", "from quantize.cli import app; app()", "eval", "--baseline", str(base), "--candidate", str(cand),
+                        "--tasks", "arcc_easy"], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2 and "unknown task" in p.stderr
