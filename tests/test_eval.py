@@ -94,3 +94,24 @@ def test_cli_gate_exit_code(models, tmp_path):
     p = subprocess.run([sys.executable, "-c", "from quantize.cli import app; app()", "eval", "--baseline", str(base), "--candidate", str(cand),
                         "--tasks", "arcc_easy"], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2 and "unknown task" in p.stderr
+
+
+def test_served_candidate_equals_local(models, tmp_path):
+    """The candidate evaluated through an OpenAI-compatible server on loopback (what SGLang/vLLM
+    serve) scores the same items as the same model run locally."""
+    from .completions_server import serve
+
+    base, cand = models
+    data = _data(tmp_path)
+    local = evaluate(base, cand, tasks="arc_easy", limit=4, data_dir=data, resamples=200)
+    with serve(cand) as url:
+        served = evaluate(base, cand, tasks="arc_easy", limit=4, data_dir=data, resamples=200, base_url=url)
+    assert served.tasks[0].n == local.tasks[0].n == 4
+    assert served.tasks[0].candidate == local.tasks[0].candidate
+    assert served.tasks[0].baseline == local.tasks[0].baseline
+
+
+def test_unreachable_server_named(models, tmp_path):
+    base, cand = models
+    with pytest.raises(QuantizeError, match=r"http://127\.0\.0\.1:9: server not reachable"):
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), base_url="http://127.0.0.1:9")

@@ -63,13 +63,36 @@ class EvalReport:
         return "\n".join(rows) + f"\n\nGate: a task fails when the 95% CI of (candidate - baseline) lies entirely below -{self.max_drop} points.\n"
 
 
-def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int) -> dict:
+def served_model(url: str, timeout: float = 10.0) -> str:
+    """The model an OpenAI-compatible server (SGLang, vLLM) serves; one line naming the URL if it
+    cannot be reached."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as r:
+            data = json.loads(r.read())
+        return data["data"][0]["id"]
+    except (urllib.error.URLError, OSError, TimeoutError) as e:
+        raise QuantizeError(f"--base-url {url}: server not reachable ({getattr(e, 'reason', e)}); start it or fix the URL") from e
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+        raise QuantizeError(f"--base-url {url}: /v1/models did not answer like an OpenAI-compatible server") from e
+
+
+def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int, base_url: str | None = None) -> dict:
     import lm_eval
 
-    if not (Path(path) / "config.json").exists():
+    if not (Path(path) / "config.json").exists() and not (Path(path) / "tokenizer.json").exists():
         raise QuantizeError(f"{path}: no config.json; pass a model folder")
+    if base_url:  # the deployment as served: lm-eval's completions backend, the local folder's tokenizer
+        name = served_model(base_url)
+        model, args = "local-completions", {"base_url": base_url.rstrip("/") + "/v1/completions", "model": name,
+                                             "tokenizer": str(path), "tokenizer_backend": "huggingface",
+                                             "tokenized_requests": True, "num_concurrent": 1, "max_retries": 2}
+    else:
+        model, args = "hf", {"pretrained": str(path), "dtype": "float32"}
     try:
-        return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(path), "dtype": "float32"}, tasks=configs,
+        return lm_eval.simple_evaluate(model=model, model_args=args, tasks=configs,
                                        limit=limit, log_samples=True, batch_size=batch_size, device=device, random_seed=0,
                                        numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     except QuantizeError:
@@ -110,11 +133,17 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 def evaluate(baseline: str | os.PathLike, candidate: str | os.PathLike, tasks: str = "gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro",
              limit: int | None = None, data_dir: str | os.PathLike | None = None, max_drop: float = 1.0,
              out: str | os.PathLike | None = None, markdown: str | os.PathLike | None = None, max_gen_toks: int | None = None,
-             device: str = "cpu", batch_size: int = 1, resamples: int = 10000) -> EvalReport:
+             device: str = "cpu", batch_size: int = 1, resamples: int = 10000, base_url: str | None = None,
+             baseline_url: str | None = None) -> EvalReport:
+    """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
+    candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline."""
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     configs, groups = task_configs(names, data_dir, max_gen_toks)
-    rb = _run_model(str(baseline), configs, limit, device, batch_size)
-    rc = _run_model(str(candidate), configs, limit, device, batch_size)
+    for url in (base_url, baseline_url):
+        if url:
+            served_model(url)  # fail fast, before the baseline run
+    rb = _run_model(str(baseline), configs, limit, device, batch_size, baseline_url)
+    rc = _run_model(str(candidate), configs, limit, device, batch_size, base_url)
     results = []
     for t, subs in groups.items():
         a_all, b_all, metric = [], [], None
