@@ -231,6 +231,7 @@ def eval_cmd(
     markdown: Optional[Path] = typer.Option(None, help="write the Markdown table (for the model card) here"),
     base_url: Optional[str] = typer.Option(None, help="evaluate the candidate as served by an OpenAI-compatible server (SGLang/vLLM)"),
     baseline_url: Optional[str] = typer.Option(None, help="likewise for the baseline"),
+    device: str = typer.Option("cpu", help="where local models run: cpu or cuda"),
     kld: bool = typer.Option(False, "--kld", help="next-token KL divergence of candidate against baseline instead"),
     text: Optional[Path] = typer.Option(None, help="plain text for --kld (default: shipped text)"),
     tokens: int = typer.Option(8192, help="--kld: tokens of text to score"),
@@ -260,7 +261,7 @@ def eval_cmd(
     from .evaluate.run import evaluate
 
     rep = _run(evaluate, baseline, candidate, tasks=tasks, limit=limit, data_dir=data_dir, max_drop=max_drop, out=out,
-               markdown=markdown, max_gen_toks=max_gen_toks, base_url=base_url, baseline_url=baseline_url)
+               markdown=markdown, max_gen_toks=max_gen_toks, base_url=base_url, baseline_url=baseline_url, device=device)
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=1))
     else:

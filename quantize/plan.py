@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import archs
-from .archs.base import IGNORE_PATTERN, NEVER_INT4, ROLE_GROUP, ROLES, Architecture, profile_quantizes
+from .archs.base import IGNORE_PATTERN, ROLE_GROUP, ROLES, Architecture, profile_quantizes
 from .checkpoint.index import CheckpointIndex, TensorRef, load_config
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError

@@ -115,3 +115,11 @@ def test_unreachable_server_named(models, tmp_path):
     base, cand = models
     with pytest.raises(QuantizeError, match=r"http://127\.0\.0\.1:9: server not reachable"):
         evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), base_url="http://127.0.0.1:9")
+
+
+def test_malformed_data_file_named(models, tmp_path):
+    base, cand = models
+    d = _data(tmp_path)
+    (d / "arc" / "arc_easy.jsonl").write_text('{"query": "Question: x", "choices": ["a", "b"], "gold": 0}\n{not json\n')
+    with pytest.raises(QuantizeError, match=r"evaluation data could not be read.*arc_easy.jsonl"):
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=d)

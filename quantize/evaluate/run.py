@@ -99,6 +99,15 @@ def _run_model(path: str, configs: list, limit: int | None, device: str, batch_s
         raise
     except FileNotFoundError as e:
         raise QuantizeError(f"evaluation data missing: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a malformed data file surfaces from datasets' builders
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if type(e).__module__.startswith(("datasets", "pyarrow")) or type(cause).__module__.startswith(("datasets", "pyarrow", "json")):
+            files = [str(f) for c in configs if isinstance(c, dict) for f in (c.get("dataset_kwargs") or {}).get("data_files", {}).values()]
+            raise QuantizeError(f"evaluation data could not be read ({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "
+                                f"check {', '.join(files[:3]) or 'the data files'}") from e
+        raise
 
 
 def _per_doc(samples: list[dict], metric: str) -> dict:
