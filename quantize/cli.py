@@ -273,7 +273,8 @@ def eval_cmd(
             t.add_column(c)
         for r in rep.tasks:
             t.add_row(r.task, str(r.n), f"{r.baseline:.2f} ± {r.baseline_stderr:.2f}", f"{r.candidate:.2f} ± {r.candidate_stderr:.2f}",
-                      f"{r.delta:+.2f}", f"({r.ci_low:+.2f}, {r.ci_high:+.2f})", "pass" if r.passed else "[red]FAIL[/]")
+                      f"{r.delta:+.2f}", f"({r.ci_low:+.2f}, {r.ci_high:+.2f})",
+                      "[red]FAIL[/]" if not r.passed else ("pass" if r.conclusive else "[yellow]pass, inconclusive[/]"))
         Console().print(t)
     if not rep.passed:
         raise typer.Exit(1)

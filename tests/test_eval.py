@@ -58,6 +58,11 @@ def test_paired_bootstrap_and_gate():
     assert d == pytest.approx(-10.0) and lo < -10 < hi < -4  # a real drop: the CI excludes -1
     d, lo, hi = paired_stats(a, a, 1000)
     assert d == lo == hi == 0.0
+    from quantize.evaluate.run import TaskResult
+
+    wide = TaskResult("arc", "acc", 50, 26, 6, 18, 5, -8, -18, 0, passed=True, conclusive=False)
+    assert wide.verdict.startswith("pass (inconclusive")
+    assert TaskResult("arc", "acc", 50, 26, 6, 10, 5, -16, -25, -8, passed=False, conclusive=False).verdict == "FAIL"
 
 
 def test_unknown_task_suggests_and_missing_data_named(tmp_path):

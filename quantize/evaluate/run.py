@@ -37,6 +37,13 @@ class TaskResult:
     ci_low: float
     ci_high: float
     passed: bool
+    conclusive: bool = True  # False: the CI reaches below -max_drop too; more items are needed to be sure
+
+    @property
+    def verdict(self) -> str:
+        if not self.passed:
+            return "FAIL"
+        return "pass" if self.conclusive else "pass (inconclusive: the CI reaches below -max-drop; use a larger --limit)"
 
 
 @dataclass
@@ -53,14 +60,15 @@ class EvalReport:
 
     def to_dict(self) -> dict:
         return {"baseline": self.baseline, "candidate": self.candidate, "limit": self.limit, "max_drop": self.max_drop,
-                "passed": self.passed, "tasks": {t.task: asdict(t) for t in self.tasks}}
+                "passed": self.passed, "tasks": {t.task: {**asdict(t), "verdict": t.verdict} for t in self.tasks}}
 
     def markdown(self) -> str:
         rows = ["| task | metric | n | baseline | candidate | delta (95% CI) | gate |", "|---|---|---:|---:|---:|---|---|"]
         for t in self.tasks:
             rows.append(f"| {t.task} | {t.metric} | {t.n} | {t.baseline:.2f} ± {t.baseline_stderr:.2f} | {t.candidate:.2f} ± {t.candidate_stderr:.2f} "
-                        f"| {t.delta:+.2f} ({t.ci_low:+.2f}, {t.ci_high:+.2f}) | {'pass' if t.passed else 'FAIL'} |")
-        return "\n".join(rows) + f"\n\nGate: a task fails when the 95% CI of (candidate - baseline) lies entirely below -{self.max_drop} points.\n"
+                        f"| {t.delta:+.2f} ({t.ci_low:+.2f}, {t.ci_high:+.2f}) | {t.verdict} |")
+        return "\n".join(rows) + (f"\n\nGate: a task fails when the 95% CI of (candidate - baseline) lies entirely below -{self.max_drop} points; "
+                                   f"it passes conclusively when the whole CI lies above -{self.max_drop}.\n")
 
 
 def served_model(url: str, timeout: float = 10.0) -> str:
@@ -173,7 +181,8 @@ def evaluate(baseline: str | os.PathLike, candidate: str | os.PathLike, tasks: s
         n = len(a)
         se = lambda x: float(x.std(ddof=1) / np.sqrt(n) * 100) if n > 1 else 0.0  # noqa: E731
         delta, lo, hi = paired_stats(a, b, resamples)
-        results.append(TaskResult(t, metric, n, float(a.mean() * 100), se(a), float(b.mean() * 100), se(b), delta, lo, hi, hi >= -max_drop))
+        results.append(TaskResult(t, metric, n, float(a.mean() * 100), se(a), float(b.mean() * 100), se(b), delta, lo, hi,
+                                  hi >= -max_drop, lo >= -max_drop))
     rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results)
     if out is not None:
         Path(out).write_text(json.dumps(rep.to_dict(), indent=1))
