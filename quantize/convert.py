@@ -78,9 +78,13 @@ def _weight_rows(job: Job, w: torch.Tensor, s: torch.Tensor | None, r0: int, r1:
     return fp8.dequant_channel(rows, s if s.numel() == 1 else s.reshape(-1, 1)[r0:r1])
 
 
+def _nan_error(job: Job) -> QuantizeError:
+    return QuantizeError(f"{job.src.file}: tensor {job.name} contains NaN or Inf; the source weight is corrupt, re-download that shard")
+
+
 def _check_finite(job: Job, t: torch.Tensor) -> None:
     if not torch.isfinite(t).all():
-        raise QuantizeError(f"{job.src.file}: tensor {job.name} contains NaN or Inf; the source weight is corrupt, re-download that shard")
+        raise _nan_error(job)
 
 
 _tls = threading.local()
@@ -108,7 +112,7 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, devi
         if use_native and w.dtype == torch.float8_e4m3fn:
             out, bad = native.dequant_rows(w, s, job.scale_format, job.block)
             if bad:
-                _check_finite(job, torch.tensor(float("nan")))
+                raise _nan_error(job)
             return [out], None
         rows = w.shape[0]
         out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
@@ -125,7 +129,7 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, devi
             packed, scale, (sq_err, sq_ref, max_err), bad = native.quant_rows(
                 w, s, job.scale_format, g, options.observer, (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM), job.block)
             if bad:
-                _check_finite(job, torch.tensor(float("nan")))
+                raise _nan_error(job)
             sq_err_mm = native.quant_rows(w, s, job.scale_format, g, "minmax", block=job.block)[2][0] if options.observer != "minmax" else 0.0
         else:
             packed = torch.empty(int4.packed_shape((rows, k)), dtype=torch.int32, device=w.device)

@@ -366,26 +366,24 @@ def _measure(streamer, model, data, samples, seq_len, chat_template, clip, error
     tokens = sum(int(x.numel()) for x in batch.ids)
     emit({"event": "start", "stage": "calibrate-kv", "total_bytes": streamer.num_layers, "done_bytes": 0})
     reports: list[LayerReport] = []
-    hidden = [streamer.embed(ids.unsqueeze(0)).to(streamer.dtype) for ids in batch.ids]
-    topk = [None] * len(hidden)
-    for i in range(streamer.num_layers):
-        layer = streamer.layer(i)
-        obs = LayerObs()
-        handle = layer.self_attn.kv_a_layernorm.register_forward_hook(_latent_hook(obs, None)) if layout == "dsa" else None
-        inputs = [h for h in hidden[:error_samples]]
-        new_hidden, new_topk = [], []
-        for h, t in zip(hidden, topk):
-            o, tk = streamer.run_layer(layer, h, cache=ObservingCache(layout, obs, rope_dim), topk=t)
-            new_hidden.append(o)
-            new_topk.append(tk)
-        if handle is not None:
-            handle.remove()
-        rep = _report_layer(i, obs, layout, clip)
-        _attn_error(streamer, layer, inputs, layout, rope_dim, rep)
+    obs: dict[int, LayerObs] = {}
+    handles: list = []
+
+    def before(i, layer):
+        obs[i] = LayerObs()
+        if layout == "dsa":  # DSA hands the cache expanded K/V: the latent is observed on kv_a_layernorm
+            handles.append(layer.self_attn.kv_a_layernorm.register_forward_hook(_latent_hook(obs[i], None)))
+
+    def after(i, layer, inputs):
+        while handles:
+            handles.pop().remove()
+        rep = _report_layer(i, obs.pop(i), layout, clip)
+        _attn_error(streamer, layer, inputs[:error_samples], layout, rope_dim, rep)
         reports.append(rep)
-        hidden, topk = new_hidden, new_topk
-        del layer
         emit({"event": "tensor", "name": f"layer {i}", "done_bytes": i + 1})
+
+    for _ in streamer.stream(batch.ids, cache_for=lambda i: ObservingCache(layout, obs[i], rope_dim), before=before, after=after):
+        pass
     return reports, {"samples": len(batch.ids), "tokens": tokens, "dropped_short": batch.dropped_short, "data": batch.source}
 
 

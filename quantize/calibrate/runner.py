@@ -44,7 +44,7 @@ class LayerStreamer:
         self.config._attn_implementation = "eager"
         self.dtype = dtype
         self.num_layers = int(self.config.num_hidden_layers)
-        if not any(self._layer_prefix(i) + "self_attn" in n for i in range(1) for n in self.index.tensors):
+        if not any(n.startswith(self._layer_prefix(0) + "self_attn.") for n in self.index.tensors):
             raise QuantizeError(f"{self.folder}: no attention tensors under {self._layer_prefix(0)}self_attn.*; nothing to calibrate")
         self._fds: dict = {}
 
@@ -122,15 +122,22 @@ class LayerStreamer:
             return out[0], out[1] if len(out) > 1 else None
         return out, None
 
-    def stream(self, samples: list[torch.Tensor], on_layer: Callable | None = None) -> Iterator[tuple[int, list[torch.Tensor]]]:
-        """Yield (layer index, hidden states after that layer) for every layer; ``on_layer(i,
-        layer, hidden_in)`` runs first (observers, FP8 error measurement)."""
+    def stream(self, samples: list[torch.Tensor], cache_for: Callable | None = None, before: Callable | None = None,
+               after: Callable | None = None) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Yield (layer index, hidden states after that layer) for every layer. Per layer:
+        ``before(i, layer)`` (hooks), then every sample through the layer with
+        ``past_key_values=cache_for(i)``, then ``after(i, layer, inputs)`` with the layer's input
+        hidden states (e.g. to re-run attention under FP8). DSA top-k indices flow to the next layer."""
         hidden = [self.embed(ids.unsqueeze(0)).to(self.dtype) for ids in samples]
+        topk: list = [None] * len(hidden)
         for i in range(self.num_layers):
             layer = self.layer(i)
-            if on_layer is not None:
-                on_layer(i, layer, hidden)
-            hidden = [self.run_layer(layer, h)[0] for h in hidden]
+            if before is not None:
+                before(i, layer)
+            outs = [self.run_layer(layer, h, cache=cache_for(i) if cache_for else None, topk=t) for h, t in zip(hidden, topk)]
+            if after is not None:
+                after(i, layer, hidden)
+            hidden, topk = [o for o, _ in outs], [t for _, t in outs]
             del layer
             yield i, hidden
 
