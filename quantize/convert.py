@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.index import INDEX_NAME, TensorRef, read_tensor
+from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, read_tensor
 from .checkpoint.manifest import (
     JOB_DIR,
     MANIFEST,
@@ -287,7 +287,7 @@ def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, do
                     assert psi == si
                     if fut is None:  # copy / keep_fp8: stream bytes, no tensor in memory
                         for ref, entry in zip([job.src] + ([job.scale] if job.scale else []), job.outputs):
-                            _copy_checked(writer, entry.name, _fd(fds, src / ref.file), ref, copy_buf)
+                            _copy_checked(writer, entry.name, cached_fd(fds, src / ref.file), ref, copy_buf)
                     else:
                         tensors, st = fut.result()
                         for entry, t in zip(job.outputs, tensors):
@@ -313,13 +313,6 @@ def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, do
         for c in commits:
             c.result()
     return done_bytes
-
-
-def _fd(fds: dict, path: Path) -> int:
-    fd = fds.get(path)
-    if fd is None:
-        fd = fds[path] = os.open(path, os.O_RDONLY)
-    return fd
 
 
 FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

@@ -105,9 +105,7 @@ class Plan:
         src = out = 0.0
         for j in self.jobs:
             split = ROLES[j.role][1]
-            f = 1.0 / tp if split != "rep" and len(j.src.shape) >= 1 else 1.0
-            if j.role in ("norm", "router_bias"):
-                f = 1.0
+            f = 1.0 / tp if split != "rep" and len(j.src.shape) >= 1 else 1.0  # norms, router bias: "rep" in ROLES
             src += (j.src.nbytes + (j.scale.nbytes if j.scale else 0)) * f
             out += sum(e.nbytes for e in j.outputs) * f
         return int(math.ceil(src)), int(math.ceil(out))

@@ -26,7 +26,7 @@ import torch
 
 from . import archs
 from .archs.base import EXPERT_ROLES, ROLES
-from .checkpoint.index import INDEX_NAME, CheckpointIndex, read_tensor
+from .checkpoint.index import INDEX_NAME, CheckpointIndex, itemsize, read_tensor
 from .checkpoint.writer import Entry, StreamWriter, atomic_write_text
 from .errors import QuantizeError
 from .events import Emit, null_emit
@@ -189,7 +189,7 @@ def shard(model: str | os.PathLike, out: str | os.PathLike, tp: int = 8, max_par
         rank_parts: list[list[TensorSplit]] = [[]]
         size = 0
         for ts in splits:
-            b = math.prod(ts.rank_shapes[r]) * _itemsize(ts.dtype)
+            b = math.prod(ts.rank_shapes[r]) * itemsize(ts.dtype)
             if rank_parts[-1] and size + b > max_part_bytes:
                 rank_parts.append([])
                 size = 0
@@ -252,12 +252,6 @@ def shard(model: str | os.PathLike, out: str | os.PathLike, tp: int = 8, max_par
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     emit({"event": "done", "rank_bytes": rank_bytes})
     return manifest
-
-
-def _itemsize(dtype: str) -> int:
-    from .checkpoint.index import itemsize
-
-    return itemsize(dtype)
 
 
 def load_manifest(sharded: Path) -> dict:
@@ -335,7 +329,7 @@ def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = 
             w.finish()
     finally:
         reader.close()
-    index = {"metadata": {"total_size": sum(math.prod(t["shape"]) * _itemsize(t["dtype"]) for t in m["tensors"].values())},
+    index = {"metadata": {"total_size": sum(math.prod(t["shape"]) * itemsize(t["dtype"]) for t in m["tensors"].values())},
              "weight_map": {n: f for f, names in m["files"].items() for n in names}}
     atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2))
     for p in sorted(sharded.iterdir()):

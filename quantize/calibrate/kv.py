@@ -204,10 +204,6 @@ class LayerReport:
     why: str = ""
 
 
-def _layout(streamer: LayerStreamer) -> str:
-    return streamer.arch.attention
-
-
 def _fingerprint(streamer: LayerStreamer) -> str:
     keys = ("model_type", "num_hidden_layers", "hidden_size", "kv_lora_rank", "qk_rope_head_dim", "num_key_value_heads",
             "head_dim", "num_attention_heads", "vocab_size")
@@ -328,7 +324,7 @@ def calibrate_kv(
     if clip is not None and not 0.9 <= clip < 1.0:
         raise QuantizeError(f"--clip {clip}: a percentile between 0.9 and 1 (e.g. 0.9999), or leave it off for absmax")
     streamer = LayerStreamer(model)
-    layout = _layout(streamer)
+    layout = streamer.arch.attention
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     fp = _fingerprint(streamer)
     if out is not None and layout != "dsa":

@@ -196,20 +196,22 @@ def load_config(folder: Path) -> dict:
     return cfg
 
 
+def cached_fd(cache: dict, path: Path) -> int:
+    """A read-only descriptor for ``path``, opened once per cache (the caller closes them)."""
+    fd = cache.get(path)
+    if fd is None:
+        fd = cache[path] = os.open(path, os.O_RDONLY)
+    return fd
+
+
 def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None, buf: bytearray | None = None) -> torch.Tensor:
     """Read one tensor's bytes with pread (no mmap: page-cache pressure stays the kernel's, and
     RSS counts only this tensor). ``buf`` (at least ``ref.nbytes``) is reused when given; the
     returned tensor then aliases it."""
     buf = bytearray(ref.nbytes) if buf is None else buf
     path = folder / ref.file
-    fd = fd_cache.get(path) if fd_cache is not None else None
-    close = False
-    if fd is None:
-        fd = os.open(path, os.O_RDONLY)
-        if fd_cache is not None:
-            fd_cache[path] = fd
-        else:
-            close = True
+    close = fd_cache is None
+    fd = os.open(path, os.O_RDONLY) if close else cached_fd(fd_cache, path)
     try:
         view = memoryview(buf)[: ref.nbytes]
         got = 0

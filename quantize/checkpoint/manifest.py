@@ -129,17 +129,6 @@ def write_manifest(out: Path, manifest: dict) -> None:
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
-
 def is_quantize_output(out: Path) -> bool:
     return (out / JOB_DIR / JOB_FILE).exists() or (out / MANIFEST).exists()
 
