@@ -84,7 +84,7 @@ def plan(
 ):
     """Show what convert would do, from headers (or config.json alone); reads no tensor data.
     Includes KV-cache bytes per token and tokens per GPU for BF16 and FP8 caches."""
-    from .convert import plan as run_plan
+    from .plan import plan as run_plan
 
     p = _run(run_plan, source, tp=tp, group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe,
              gpu_mem_gib=gpu_mem_gib, mem_fraction=mem_fraction, reserve_gib=reserve_gib)

@@ -386,20 +386,3 @@ def _error_summary(stats: list[dict]) -> dict:
             d["mse_vs_minmax_sq_err_reduction"] = 1 - sum(r * r for r in rel) / max(sum(m * m for m in mm), 1e-30)
         out[role] = d
     return out
-
-
-def plan(source: str | os.PathLike, tp: int = 1, group_size: int = 32, profile: str = "experts",
-         keep_fp8: bool = False, recipe: str | None = None, gpu_mem_gib: float | None = None,
-         mem_fraction: float | None = None, reserve_gib: float | None = None) -> Plan:
-    """``quantize plan``: the conversion plan from headers (or config.json alone), no tensor data,
-    with KV-cache capacity per GPU (``Plan.kv``) for the given GPU memory inputs."""
-    from . import kvcache
-
-    if tp < 1:
-        raise QuantizeError(f"--tp {tp}: must be at least 1")
-    p = build_plan(Path(source), ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe), tp=tp, allow_config_only=True)
-    p.kv = kvcache.capacity(p.arch, p.config, p.per_rank_bytes(tp)[1], tp,
-                            gpu_mem_gib if gpu_mem_gib is not None else kvcache.H200_GIB,
-                            mem_fraction if mem_fraction is not None else kvcache.DEFAULT_MEM_FRACTION,
-                            reserve_gib if reserve_gib is not None else kvcache.DEFAULT_RESERVE_GIB)
-    return p

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -478,3 +479,21 @@ def validate_plan(plan: Plan, recipe: Recipe | None) -> None:
             got = _scheme_for(ename, qc, _sglang_match)
             if got != want:
                 raise QuantizeError(f"quantization_config puts engine module {ename} (checkpoint {j.module}) in {got}, but the checkpoint holds it as {want}: SGLang would build the wrong layer and fail to load; fix the ignore list with re:.* patterns that {'match' if want == 'bf16' else 'exclude'} it")
+
+
+# ---------------------------------------------------------------------------------------------
+def plan(source: str | os.PathLike, tp: int = 1, group_size: int = 32, profile: str = "experts",
+         keep_fp8: bool = False, recipe: str | None = None, gpu_mem_gib: float | None = None,
+         mem_fraction: float | None = None, reserve_gib: float | None = None) -> Plan:
+    """``quantize plan``: the conversion plan from headers (or config.json alone), no tensor data,
+    with KV-cache capacity per GPU (``Plan.kv``) for the given GPU memory inputs."""
+    from . import kvcache
+
+    if tp < 1:
+        raise QuantizeError(f"--tp {tp}: must be at least 1")
+    p = build_plan(Path(source), ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe), tp=tp, allow_config_only=True)
+    p.kv = kvcache.capacity(p.arch, p.config, p.per_rank_bytes(tp)[1], tp,
+                            gpu_mem_gib if gpu_mem_gib is not None else kvcache.H200_GIB,
+                            mem_fraction if mem_fraction is not None else kvcache.DEFAULT_MEM_FRACTION,
+                            reserve_gib if reserve_gib is not None else kvcache.DEFAULT_RESERVE_GIB)
+    return p

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from quantize.archs import REGISTRY
-from quantize.convert import convert, plan
+from quantize.convert import convert
+from quantize.plan import plan
 from quantize.errors import QuantizeError
 from quantize.recipe import load_recipe
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import quantize.checkpoint.index as index_mod
-from quantize.convert import plan
+from quantize.plan import plan
 from quantize.errors import QuantizeError
 
 GiB = 2**30
