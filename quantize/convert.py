@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -24,25 +23,15 @@ from pathlib import Path
 import torch
 
 from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, read_tensor
-from .checkpoint.manifest import (
-    JOB_DIR,
-    MANIFEST,
-    JobRecord,
-    is_quantize_output,
-    remove_output,
-    source_identity,
-    source_revision,
-    tool_versions,
-    write_manifest,
-)
-from .checkpoint.writer import COPY_CHUNK, StreamWriter, atomic_write_text
+from .checkpoint.manifest import source_identity, source_revision, tool_versions, write_manifest
+from .checkpoint.output import Output, side_files
+from .checkpoint.writer import COPY_CHUNK, StreamWriter
 from .errors import QuantizeError
 from .events import Emit, null_emit
 from .formats import fp8, int4, native
 from .plan import ConvertOptions, Job, Plan, build_plan
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
-SKIP_COPY = {INDEX_NAME, "config.json", MANIFEST}
 
 
 @dataclass
@@ -167,24 +156,6 @@ def _torch_threads(n: int):
         torch.set_num_threads(old)
 
 
-def _prepare_out(src: Path, out: Path, resume: bool, overwrite: bool) -> None:
-    s, o = src.resolve(), out.resolve()
-    if s == o or o.is_relative_to(s) or s.is_relative_to(o):
-        raise QuantizeError(f"{out}: the output folder overlaps the source {src}; choose an OUT outside it (the source is never modified)")
-    if out.exists() and any(out.iterdir()):
-        if resume:
-            return
-        if overwrite:
-            if not is_quantize_output(out):
-                raise QuantizeError(f"{out}: exists and was not written by quantize; --overwrite only replaces quantize outputs, remove it yourself")
-            remove_output(out)
-        else:
-            raise QuantizeError(f"{out}: already exists; pass --resume to continue an interrupted run or --overwrite to replace it")
-    elif resume and not (out / JOB_DIR).exists():
-        raise QuantizeError(f"{out}: nothing to resume (no {JOB_DIR}/job.json); drop --resume")
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def _job_key(plan: Plan, ident: dict) -> dict:
     return {"options": asdict(plan.options), "plan": plan.fingerprint(), "source": ident}
 
@@ -213,35 +184,38 @@ def convert(
     options = ConvertOptions(group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8, recipe=recipe)
     plan = build_plan(src, options)
     options = plan.options  # a recipe may have set group size / observer
-    _prepare_out(src, out, resume, overwrite)
+    sides = side_files(src)  # a dangling symlink is named before any shard is written
     ident = source_identity(src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}])
     key = _job_key(plan, ident)
-    if resume and (out / JOB_DIR / "job.json").exists():
-        record = JobRecord.load(out)
-        record.check_key(key)
-    else:
-        record = JobRecord.create(out, key)
-    workers = max(1, workers or os.cpu_count() or 1)
-    todo = [s for s in plan.shards if not record.done(s.file, out)]
-    resumed = len(plan.shards) - len(todo)
-    for s in plan.shards:
-        if s not in todo:
-            emit({"event": "skip", "file": s.file})
-    total = sum(s.source_bytes for s in plan.shards)
-    done_bytes = total - sum(s.source_bytes for s in todo)
-    emit({"event": "start", "stage": "convert", "total_bytes": total, "done_bytes": done_bytes, "shards": len(plan.shards), "workers": workers})
-    fds: dict = {}
-    try:
-        with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
-            done_bytes = _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes, device)
-        _finish(plan, src, out, record, ident, t0, emit)
-    except BaseException as e:
-        emit({"event": "error", "message": str(e)})
-        raise
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    stats = [s for shard in record.data["stats"].values() for s in shard]
+    inputs = [src] + ([Path(options.recipe)] if options.recipe else [])
+    with Output.open(out, "convert", inputs, resume=resume, overwrite=overwrite, key=key) as o:
+        if o.resumed:
+            o.check_key(key)
+        workers = max(1, workers or os.cpu_count() or 1)
+        kept = o.kept([s.file for s in plan.shards], workers)
+        todo = [s for s in plan.shards if s.file not in kept]
+        resumed = len(plan.shards) - len(todo)
+        for s in plan.shards:
+            if s.file in kept:
+                emit({"event": "skip", "file": s.file})
+        total = sum(s.source_bytes for s in plan.shards)
+        done_bytes = total - sum(s.source_bytes for s in todo)
+        kernels = _kernel_path(device, emit)
+        emit({"event": "start", "stage": "convert", "total_bytes": total, "done_bytes": done_bytes, "shards": len(plan.shards),
+              "workers": workers, "kernels": kernels["path"]})
+        fds: dict = {}
+        try:
+            with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
+                done_bytes = _execute(plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device)
+            _finish(plan, src, o, sides, ident, t0, kernels, emit)
+        except BaseException as e:
+            emit({"event": "error", "message": str(e)})
+            raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        record = o.record
+    stats = [s for shard in record["stats"].values() for s in shard]
     rel = [s["rel_err"] for s in stats]
     seconds = time.time() - t0
     res = ConvertResult(str(out), plan.summary(), seconds, total, plan.output_bytes, len(rel),
@@ -251,7 +225,7 @@ def convert(
     return res
 
 
-def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, done_bytes, device="cpu") -> int:
+def _execute(plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu") -> int:
     """Workers compute ahead inside a bounded window; this thread writes in plan order; a
     committer thread makes each finished shard durable (fsync, rename) and records it while the
     next shard is being computed and written."""
@@ -271,7 +245,7 @@ def _execute(plan, todo, src, out, options, record, pool, workers, fds, emit, do
 
     def commit(writer: StreamWriter, shard, sha: str, stats: list[dict]) -> None:
         writer.commit()
-        record.mark_done(shard.file, sha, writer.bytes_written, stats)
+        output.mark_done(shard.file, sha, writer.bytes_written, stats)
         emit({"event": "shard", "file": shard.file, "bytes": writer.bytes_written, "sha256": sha})
 
     copy_buf = bytearray(COPY_CHUNK)
@@ -332,43 +306,45 @@ def _copy_checked(writer: StreamWriter, name: str, fd: int, ref: TensorRef, buf:
     writer.copy_bytes(name, fd, ref.start, ref.nbytes, buf, on_chunk=check)
 
 
-def _finish(plan: Plan, src: Path, out: Path, record: JobRecord, ident: dict, t0: float, emit: Emit) -> None:
-    # non-weight files: tokenizer, generation config, chat template, custom code
-    for p in sorted(src.iterdir()):
-        if p.name.startswith(".") or p.suffix == ".safetensors" or p.name in SKIP_COPY or p.name.endswith(".partial"):
-            continue
-        if p.suffix in (".bin", ".pt", ".pth", ".ckpt"):
-            continue
-        dst = out / p.name
-        if p.is_dir():
-            shutil.copytree(p, dst, dirs_exist_ok=True)
-        else:
-            shutil.copy2(p, dst)
+def _kernel_path(device: str, emit: Emit) -> dict:
+    """Which transform path runs (recorded in the manifest); a fallback is one warning line."""
+    if device != "cpu":
+        return {"path": "torch", "device": device, "reason": "the torch reference path runs on the GPU"}
+    st = native.status()
+    if st["path"] != "native" and st.get("reason") and "QUANTIZE_NATIVE=0" not in st["reason"]:
+        emit({"event": "warning", "message": f"native kernels unavailable ({st['reason']}); using the torch path (same output, slower)"})
+    return {**st, "device": device}
+
+
+def _finish(plan: Plan, src: Path, o: Output, sides: list[Path], ident: dict, t0: float, kernels: dict, emit: Emit) -> None:
+    copied = o.copy_side_files(sides)
     weight_map = {e.name: s.file for s in plan.shards for e in s.entries}
     index = {"metadata": {"total_size": sum(e.nbytes for s in plan.shards for e in s.entries)},
              "weight_map": dict(sorted(weight_map.items()))}
-    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2))
+    o.write_json(INDEX_NAME, index, sort_keys=False, indent=2)
     config = json.loads((src / "config.json").read_text())
     config.pop("quantization_config", None)
     if plan.arch.text_config_key and isinstance(config.get(plan.arch.text_config_key), dict):
         config[plan.arch.text_config_key].pop("quantization_config", None)
     config["quantization_config"] = plan.quantization_config
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True))
-    stats = [s for f in plan.shards for s in record.data["stats"].get(f.file, [])]
+    o.write_json("config.json", config, indent=2)
+    stats = [s for f in plan.shards for s in o.record["stats"].get(f.file, [])]
     manifest = {
+        "kind": "convert",
         "tool": tool_versions(),
         "source": {"path": str(src.resolve()), "revision": source_revision(src), "files": ident, "format": plan.source_format},
         "options": asdict(plan.options),
+        "kernels": kernels,
         "plan": plan.summary(),
         "dropped_source_tensors": plan.dropped,
-        "outputs": record.data["shards"],
+        "copied_from_source": copied,
+        "outputs": o.record["shards"],
         "error_summary": _error_summary(stats),
         "tensors": stats,
         "seconds": round(time.time() - t0, 3),
     }
-    record.data["state"] = "complete"
-    record.save()
-    write_manifest(out, manifest)
+    o.complete()
+    write_manifest(o, manifest)
 
 
 def _error_summary(stats: list[dict]) -> dict:

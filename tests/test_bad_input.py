@@ -144,15 +144,15 @@ def test_no_space_left(src, tmp_path, monkeypatch):
 
 
 def test_output_inside_source_refused(src):
-    _fails(src, src / "out", "overlaps the source")
+    _fails(src, src / "out", "overlaps the input")
 
 
 def test_overwrite_only_replaces_quantize_outputs(src, tmp_path):
     other = tmp_path / "mine"
     other.mkdir()
     (other / "precious.txt").write_text("x")
-    _fails(src, other, "already exists")
-    _fails(src, other, "not written by quantize", overwrite=True)
+    _fails(src, other, "did not write it")
+    _fails(src, other, "did not write it", overwrite=True)
     assert (other / "precious.txt").exists()
 
 

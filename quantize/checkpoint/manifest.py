@@ -4,18 +4,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import platform
 import subprocess
 from pathlib import Path
 
-from ..errors import QuantizeError
 from .index import read_header
-from .writer import atomic_write_text
+from .output import sha256_file
 
 JOB_DIR = ".quantize"
-JOB_FILE = "job.json"
 MANIFEST = "quantize_manifest.json"
 
 
@@ -77,66 +73,21 @@ def tool_versions() -> dict:
     return v
 
 
-class JobRecord:
-    def __init__(self, out: Path, data: dict):
-        self.out = out
-        self.data = data
-
-    @property
-    def path(self) -> Path:
-        return self.out / JOB_DIR / JOB_FILE
-
-    @classmethod
-    def create(cls, out: Path, key: dict) -> "JobRecord":
-        (out / JOB_DIR).mkdir(parents=True, exist_ok=True)
-        rec = cls(out, {"state": "running", "key": key, "shards": {}, "stats": {}})
-        rec.save()
-        return rec
-
-    @classmethod
-    def load(cls, out: Path) -> "JobRecord":
-        path = out / JOB_DIR / JOB_FILE
-        try:
-            data = json.loads(path.read_text())
-            data["key"], data["shards"]
-        except FileNotFoundError as e:
-            raise QuantizeError(f"{path}: no job record, so {out} was not written by an interrupted convert; use --overwrite or another OUT") from e
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise QuantizeError(f"{path}: job record is corrupt; rerun with --overwrite") from e
-        return cls(out, data)
-
-    def check_key(self, key: dict) -> None:
-        old = self.data["key"]
-        diff = [k for k in sorted(set(old) | set(key)) if old.get(k) != key.get(k)]
-        if diff:
-            raise QuantizeError(f"{self.path}: --resume with different {', '.join(diff)} than the interrupted run; rerun with the same options, or --overwrite to start over")
-
-    def mark_done(self, file: str, sha256: str, nbytes: int, stats: list[dict]) -> None:
-        self.data["shards"][file] = {"sha256": sha256, "bytes": nbytes}
-        self.data["stats"][file] = stats
-        self.save()
-
-    def done(self, file: str, out: Path) -> bool:
-        rec = self.data["shards"].get(file)
-        p = out / file
-        return bool(rec) and p.exists() and p.stat().st_size == rec["bytes"]
-
-    def save(self) -> None:
-        atomic_write_text(self.path, json.dumps(self.data, indent=1, sort_keys=True))
+def file_records(o, weights: dict[str, dict] | None = None) -> dict[str, dict]:
+    """SHA-256 and size of every file in the output (the record's figures for shards hashed as
+    they were written; the rest hashed here), the manifest and the job record excepted."""
+    weights = weights or {}
+    out = {}
+    for p in sorted(o.path.rglob("*")):
+        rel = p.relative_to(o.path).as_posix()
+        if rel.split("/")[0] == JOB_DIR or rel == MANIFEST or not p.is_file():
+            continue
+        out[rel] = weights.get(rel) or {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    return out
 
 
-def write_manifest(out: Path, manifest: dict) -> None:
-    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
-
-
-def is_quantize_output(out: Path) -> bool:
-    return (out / JOB_DIR / JOB_FILE).exists() or (out / MANIFEST).exists()
-
-
-def remove_output(out: Path) -> None:
-    import shutil
-
-    if out.is_dir():
-        shutil.rmtree(out)
-    elif out.exists():
-        os.unlink(out)
+def write_manifest(o, manifest: dict, name: str = MANIFEST) -> None:
+    """The manifest, written last: its presence means the output is complete, and ``files``
+    lets ``quantize check`` (and push) prove every byte."""
+    manifest = {**manifest, "files": file_records(o, o.record.get("shards"))}
+    o.write_json(name, manifest)

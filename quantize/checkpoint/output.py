@@ -1,0 +1,331 @@
+"""The one output layer: every command that writes a folder (convert, shard, merge, calibrate-kv,
+make-tiny, demo) opens it through ``Output.open``, which owns the guard, the lock, the job record,
+the copier of the source's side files and the atomic small-file writes.
+
+The guard. ``--overwrite`` and ``--resume`` act only on a folder whose record
+(``OUT/.quantize/job.json``) says this tool wrote it for the same kind of job; never on a folder
+that equals, contains or lies inside any input; never through a symlink. A folder without our
+record is never deleted or written into, whatever the flags say. ``--resume`` where nothing was
+written yet (OUT missing or empty) starts the job, so a retry loop converges.
+
+The lock. ``OUT/.quantize/lock`` is held with ``flock`` for the whole run: a second run into the same
+OUT is refused in one line, so two ``--resume`` or two ``--overwrite`` runs cannot interleave.
+
+The record is written before anything else (and, on ``--overwrite``, before the old contents are
+removed), so a folder killed at any point is still recognisably ours. Kept shards are trusted on
+``--resume`` only when their SHA-256 matches the record.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import QuantizeError
+
+RECORD_DIR = ".quantize"
+RECORD = "job.json"
+LOCK = "lock"
+TMP_SUFFIX = ".partial"
+HASH_CHUNK = 8 << 20
+
+# What a checkpoint needs besides its weights and the config.json each command writes itself:
+# generation config, tokenizer and chat template files, processor configs, custom code named by
+# auto_map, the card and licence. Never `original/*.pth`, stray weights or folders.
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model",
+    "*.tiktoken", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json", "configuration_*.py", "modeling_*.py", "tokenization_*.py",
+    "processing_*.py", "image_processing*.py", "README.md", "LICENSE", "LICENSE.*", "NOTICE",
+)
+
+
+def _oserror(path: Path, e: OSError, doing: str) -> QuantizeError:
+    """One line for the ways a filesystem says no."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return QuantizeError(f"{path}: no space left on the output disk while {doing}; free space and rerun with --resume")
+    if e.errno == errno.EROFS:
+        return QuantizeError(f"{path}: the output filesystem is read-only; choose an OUT on a writable disk")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return QuantizeError(f"{path}: permission denied while {doing}; choose an OUT you can write")
+    if e.errno == errno.ENAMETOOLONG:
+        return QuantizeError(f"{path}: file name too long for this filesystem; choose a shorter OUT")
+    if e.errno == errno.ENOTDIR:
+        return QuantizeError(f"{path}: a part of this path is a file, not a folder; choose another OUT")
+    return QuantizeError(f"{path}: {e.strerror or e} while {doing}")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` under a temporary name, fsync, rename: a reader sees the old file or the new
+    one, never half of one. Disk full / read-only become one line."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise _oserror(path, e, f"writing {path.name}") from e
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def confined(folder: Path, name: str, what: str) -> Path:
+    """``folder / name`` for a name read from one of our own records: a plain relative path that
+    stays inside ``folder`` (no absolute path, no ``..``, no symlink out)."""
+    p = Path(name)
+    if not name or p.is_absolute() or ".." in p.parts or not (folder / p).resolve().is_relative_to(folder.resolve()):
+        raise QuantizeError(f"{what}: names {name!r}, a path outside {folder}; the record is corrupt or hostile, re-create it")
+    return folder / p
+
+
+def _cache_root(folder: Path) -> Path | None:
+    """The Hugging Face cache repo (``models--org--name``) of a ``.../snapshots/<rev>`` folder."""
+    if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
+        return folder.parent.parent
+    return None
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def read_record(out: Path) -> dict | None:
+    """The job record of ``out``, None when there is none; a record that is not ours is None too."""
+    path = out / RECORD_DIR / RECORD
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {"kind": None, "corrupt": True}
+    if not isinstance(data, dict):
+        return {"kind": None, "corrupt": True}
+    data.setdefault("kind", "convert" if "key" in data and "shards" in data else None)  # records before kinds: convert's
+    return data
+
+
+def _has_content(out: Path) -> bool:
+    """Anything in ``out`` besides an empty record folder (a run that died before its record)."""
+    for p in out.iterdir():
+        if p.name == RECORD_DIR and p.is_dir() and not p.is_symlink():
+            if any(q.name != LOCK for q in p.iterdir()):
+                return True
+            continue
+        return True
+    return False
+
+
+class Output:
+    """An output folder opened for one job: locked, recorded, guarded. Use as a context manager
+    (the lock is released on exit; a finished job calls ``complete`` first)."""
+
+    def __init__(self, path: Path, kind: str, lock_fd: int, record: dict, resumed: bool):
+        self.path = path
+        self.kind = kind
+        self._lock_fd = lock_fd
+        self.record = record
+        self.resumed = resumed
+
+    # -- opening -----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, out: str | os.PathLike, kind: str, inputs: list[str | os.PathLike] = (), resume: bool = False,
+             overwrite: bool = False, key: dict | None = None) -> "Output":
+        out = Path(out)
+        if resume and overwrite:
+            raise QuantizeError(f"{out}: --resume and --overwrite together; pass one of them")
+        if out.is_symlink():
+            raise QuantizeError(f"{out}: is a symlink; pass the real folder (outputs are never written through a symlink)")
+        if out.exists() and not out.is_dir():
+            raise QuantizeError(f"{out}: exists and is a file, not a folder; choose another OUT")
+        o = out.resolve()
+        for i in inputs:
+            ip = Path(i).resolve()
+            roots = [ip] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
+            if any(_overlaps(o, r) for r in roots):
+                raise QuantizeError(f"{out}: overlaps the input {i}; choose an OUT outside it (inputs are never modified)")
+        cls._check_state(out, kind, resume, overwrite)
+        try:
+            (out / RECORD_DIR).mkdir(parents=True, exist_ok=True)
+            fd = os.open(out / RECORD_DIR / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _oserror(out, e, "creating the output folder") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise QuantizeError(f"{out}: another quantize run is writing this folder{f' (pid {holder})' if holder else ''}; wait for it to end or choose another OUT") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            # state again, under the lock: another run may have changed it since the first look
+            cls._check_state(out, kind, resume, overwrite, locked=True)
+            record = read_record(out)
+            resumed = bool(resume and record and record.get("kind") == kind)
+            if not resumed:
+                record = {"kind": kind, "inputs": [str(Path(i).resolve()) for i in inputs], "state": "running", "key": key or {},
+                          "shards": {}, "stats": {}}
+            self = cls(out, kind, fd, record, resumed)
+            self.save()  # ours from here on, whatever happens next
+            if not resumed:
+                self._clear()
+            return self
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @staticmethod
+    def _check_state(out: Path, kind: str, resume: bool, overwrite: bool, locked: bool = False) -> None:
+        if not out.exists() or not _has_content(out):
+            return  # nothing written yet: start (``--resume`` included)
+        rec = read_record(out)
+        if rec is None or rec.get("corrupt") and not rec.get("kind"):
+            what = "has no quantize job record" if rec is None else "has a corrupt quantize job record"
+            raise QuantizeError(f"{out}: exists and {what}, so this tool did not write it and will not touch it; choose another OUT or remove it yourself")
+        if rec.get("kind") != kind:
+            raise QuantizeError(f"{out}: holds a `quantize {rec.get('kind')}` output, not a {kind} one; choose another OUT for {kind}")
+        if not (resume or overwrite):
+            raise QuantizeError(f"{out}: already exists; pass --resume to continue an interrupted run or --overwrite to replace it")
+
+    # -- record --------------------------------------------------------------------------------
+    @property
+    def record_path(self) -> Path:
+        return self.path / RECORD_DIR / RECORD
+
+    def save(self) -> None:
+        write_text_atomic(self.record_path, json.dumps(self.record, indent=1, sort_keys=True))
+
+    def check_key(self, key: dict) -> None:
+        """On resume: the options and inputs must be the interrupted run's."""
+        old = self.record.get("key") or {}
+        diff = [k for k in sorted(set(old) | set(key)) if old.get(k) != key.get(k)]
+        if diff:
+            raise QuantizeError(f"{self.record_path}: --resume with different {', '.join(diff)} than the interrupted run; rerun with the same options, or --overwrite to start over")
+
+    def mark_done(self, file: str, sha256: str, nbytes: int, stats: list[dict] | None = None) -> None:
+        self.record["shards"][file] = {"sha256": sha256, "bytes": nbytes}
+        if stats is not None:
+            self.record["stats"][file] = stats
+        self.save()
+
+    def kept(self, files: list[str], workers: int = 4) -> set[str]:
+        """Of ``files``, those already written whose SHA-256 matches the record (read in full:
+        size alone does not prove a shard). A mismatch is dropped from the record, to be redone."""
+        cand = [f for f in files if (rec := self.record["shards"].get(f)) and (self.path / f).is_file()
+                and (self.path / f).stat().st_size == rec["bytes"]]
+        with ThreadPoolExecutor(max(1, min(workers, len(cand) or 1))) as pool:
+            shas = list(pool.map(lambda f: sha256_file(self.path / f), cand))
+        good = {f for f, s in zip(cand, shas) if s == self.record["shards"][f]["sha256"]}
+        for f in list(self.record["shards"]):
+            if f in files and f not in good:
+                del self.record["shards"][f]
+                self.record["stats"].pop(f, None)
+        self.save()
+        return good
+
+    def complete(self) -> None:
+        self.record["state"] = "complete"
+        self.save()
+
+    # -- writing -------------------------------------------------------------------------------
+    def _clear(self) -> None:
+        """Remove what an earlier job of ours left (``--overwrite``), keeping only the lock and the
+        record just written."""
+        for p in list(self.path.iterdir()):
+            if p.name == RECORD_DIR:
+                for q in p.iterdir():
+                    if q.name not in (LOCK, RECORD):
+                        _remove(q)
+                continue
+            _remove(p)
+
+    def write_text(self, name: str, text: str) -> Path:
+        path = self.path / name
+        write_text_atomic(path, text)
+        return path
+
+    def write_json(self, name: str, obj, sort_keys: bool = True, indent: int = 1) -> Path:
+        return self.write_text(name, json.dumps(obj, indent=indent, sort_keys=sort_keys, default=str))
+
+    def copy_side_files(self, files: list[Path], link: bool = False) -> list[str]:
+        """Copy the source's side files (from ``side_files``) by content; ``link`` hard-links
+        where possible (unchanged weights of calibrate-kv), copying across filesystems."""
+        names = []
+        for p in files:
+            dst = self.path / p.name
+            tmp = dst.with_name(dst.name + TMP_SUFFIX)
+            try:
+                if tmp.exists():
+                    tmp.unlink()
+                if link:
+                    try:
+                        os.link(p.resolve(), tmp)
+                    except OSError:
+                        shutil.copyfile(p, tmp)
+                else:
+                    shutil.copyfile(p, tmp)  # follows a snapshot's symlink: the content, not the link
+                os.replace(tmp, dst)
+            except OSError as e:
+                raise _oserror(dst, e, f"copying {p.name}") from e
+            names.append(p.name)
+        return names
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> "Output":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+
+
+def side_files(src: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
+    """The source's side files to copy, checked before any shard is written: a dangling symlink
+    or one that leaves both the folder and its Hub cache is named in one line."""
+    src = Path(src)
+    root = src.resolve()
+    cache = _cache_root(src)
+    out = []
+    for p in sorted(src.iterdir()):
+        if not any(fnmatch.fnmatch(p.name, pat) for pat in patterns):
+            continue
+        if p.is_symlink():
+            target = p.resolve()
+            if not target.exists():
+                raise QuantizeError(f"{p}: dangling symlink (its target {os.readlink(p)} is missing); re-download it or remove the link")
+            if not (target.is_relative_to(root) or (cache is not None and target.is_relative_to(cache.resolve()))):
+                raise QuantizeError(f"{p}: symlink to {target}, outside the checkpoint and its Hub cache; copy the file in instead")
+        if not p.is_file():
+            continue
+        out.append(p)
+    return out
