@@ -1,5 +1,13 @@
 """The C kernels equal the torch reference (itself tested against compressed-tensors) bit for bit,
-directly and through the whole convert pipeline."""
+directly and through the whole convert pipeline; every way the build can fail falls back to the
+torch path with one warning and the same output."""
+
+import os
+import shlex
+import shutil
+import tempfile
+import time
+import warnings
 
 import pytest
 import torch
@@ -9,9 +17,12 @@ from quantize.formats import fp8, int4, native
 
 from .conftest import dir_bytes
 
-pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"native kernels unavailable: {native.why_unavailable()}")
+needs_native = pytest.mark.skipif(native.lib() is None, reason=f"native kernels unavailable: {native.why_unavailable()}")
+HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))
+needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 
 
+@needs_native
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("shape", [(256, 384), (576, 256), (130, 512)])
 def test_fp8_block_minmax_bit_identical(shape, group):
@@ -27,6 +38,7 @@ def test_fp8_block_minmax_bit_identical(shape, group):
     assert me == ref.max_abs_err
 
 
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_float_sources_bit_identical(dtype):
     w = (torch.randn(64, 512, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)
@@ -35,6 +47,7 @@ def test_float_sources_bit_identical(dtype):
     assert torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
 
 
+@needs_native
 def test_channel_fp8_and_dequant_bit_identical():
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     s = (w.abs().amax(1, keepdim=True) / 448).float()
@@ -49,6 +62,7 @@ def test_channel_fp8_and_dequant_bit_identical():
     assert torch.equal(out, fp8.dequant_channel(q, s))
 
 
+@needs_native
 def test_mse_agrees_with_reference():
     w = (torch.randn(128, 512, generator=torch.Generator().manual_seed(3)) ** 3 * 0.02).to(torch.bfloat16)
     ref = int4.quantize_pack(w, 32, "mse")
@@ -58,6 +72,7 @@ def test_mse_agrees_with_reference():
     assert (se / sr) ** 0.5 == pytest.approx(ref.rel_err, rel=1e-3)
 
 
+@needs_native
 def test_nan_detected():
     q, s = fp8.quant_block(torch.randn(128, 128))
     q.view(torch.uint8)[3, 3] = 0x7F
@@ -65,6 +80,7 @@ def test_nan_detected():
     assert native.dequant_rows(q, s, "block")[1]
 
 
+@needs_native
 def test_pipeline_identical_without_native(tiny, tmp_path, monkeypatch):
     src = tiny("glm_moe_dsa")
     convert(src, tmp_path / "native")
@@ -76,6 +92,7 @@ def test_pipeline_identical_without_native(tiny, tmp_path, monkeypatch):
     assert a == b
 
 
+@needs_native
 def test_every_fp8_code_decodes_exactly():
     """All 256 e4m3 codes (subnormals, zeros, NaN) through both kernels."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -91,3 +108,151 @@ def test_every_fp8_code_decodes_exactly():
         assert not bad and torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
     nan = torch.full((128, 128), 0xFF, dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert native.dequant_rows(nan, torch.ones(1, 1), "block")[1]
+
+
+# ---- the build never crashes: each failure falls back to the torch path, once, visibly ----
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """tiny("glm_moe_dsa") converted with the default build (the native path where a compiler exists)."""
+    native._reset()
+    out = tmp_path_factory.mktemp("ref") / "out"
+    convert(tiny("glm_moe_dsa"), out)
+    return out
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A clean build attempt: no CC override, an empty cache, the module's memo forgotten."""
+    for var in ("CC", "QUANTIZE_NATIVE", "QUANTIZE_CC_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("QUANTIZE_CACHE", str(tmp_path / "cache"))
+    native._reset()
+    yield monkeypatch
+    native._reset()  # later tests build again under the restored environment
+
+
+def _script(path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _same_output(tiny, reference, out):
+    convert(tiny("glm_moe_dsa"), out)
+    a, b = dir_bytes(reference), dir_bytes(out)
+    a.pop("quantize_manifest.json"), b.pop("quantize_manifest.json")
+    assert a == b
+
+
+def _falls_back(tiny, reference, out, reason: str) -> dict:
+    """status() says torch with `reason`, exactly one RuntimeWarning is raised however often the kernels
+    are asked for, and a conversion is still bit-identical to the reference."""
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        st = native.status()
+        assert native.lib() is None and native.status() == st
+        _same_output(tiny, reference, out)
+    assert st["path"] == "torch" and st["library"] is None
+    assert reason in st["reason"], st["reason"]
+    assert native.why_unavailable() == st["reason"]
+    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert msgs == [f"quantize: native kernels unavailable ({st['reason']}); using the torch path (same output, slower)"]
+    return st
+
+
+def test_cc_not_found_falls_back(fresh, tiny, reference, tmp_path):
+    fresh.setenv("CC", "ccache-that-does-not-exist gcc")
+    _falls_back(tiny, reference, tmp_path / "out", "'ccache-that-does-not-exist' from CC='ccache-that-does-not-exist gcc' not found")
+
+
+def test_cc_timeout_falls_back(fresh, tiny, reference, tmp_path):
+    """A hanging compiler (and its children) is killed after QUANTIZE_CC_TIMEOUT s; no second attempt."""
+    fresh.setenv("CC", _script(tmp_path / "hang", "echo started >> \"$0.log\"\nsleep 60\n"))
+    fresh.setenv("QUANTIZE_CC_TIMEOUT", "1")
+    t0 = time.monotonic()
+    _falls_back(tiny, reference, tmp_path / "out", "timed out after 1 s")
+    assert time.monotonic() - t0 < 15  # the sleeping child was killed too (it holds the pipes)
+    assert (tmp_path / "hang.log").read_text() == "started\n"
+
+
+def test_cc_failure_falls_back_with_stderr(fresh, tiny, reference, tmp_path):
+    fresh.setenv("CC", _script(tmp_path / "bad", "echo 'noise' >&2\necho 'cc1: fatal error: simulated failure' >&2\nexit 1\n"))
+    _falls_back(tiny, reference, tmp_path / "out", "C compile failed: cc1: fatal error: simulated failure")
+    assert not list((tmp_path / "cache").glob("*.so*"))  # no half-written files left
+
+
+def test_unloadable_library_falls_back(fresh, tiny, reference, tmp_path):
+    """A "compiler" that exits 0 but writes garbage: the .so does not load."""
+    body = 'while [ $# -gt 0 ]; do [ "$1" = -o ] && echo garbage > "$2"; shift; done\nexit 0\n'
+    fresh.setenv("CC", _script(tmp_path / "junk", body))
+    _falls_back(tiny, reference, tmp_path / "out", "cannot load")
+
+
+def test_no_cache_and_no_temp_folder_falls_back(fresh, tiny, reference, tmp_path):
+    """The cache cannot be created (its parent is a regular file: true even for root) nor a temp folder."""
+    (tmp_path / "afile").write_text("")
+    fresh.setenv("QUANTIZE_CACHE", str(tmp_path / "afile" / "cache"))
+    fresh.setattr(tempfile, "tempdir", str(tmp_path / "afile" / "tmp"))
+    fresh.setenv("CC", _script(tmp_path / "cc", "exit 1\n"))  # found, never reached
+    _falls_back(tiny, reference, tmp_path / "out", f"cache folder {tmp_path / 'afile' / 'cache'} is not writable")
+
+
+@needs_cc
+def test_unwritable_cache_builds_in_temp_folder(fresh, tiny, reference, tmp_path):
+    (tmp_path / "afile").write_text("")
+    fresh.setenv("QUANTIZE_CACHE", str(tmp_path / "afile" / "cache"))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        st = native.status()
+    assert st["path"] == "native" and st["reason"] is None, st
+    assert os.path.isfile(st["library"]) and not st["library"].startswith(str(tmp_path / "afile"))
+    assert not [w for w in rec if issubclass(w.category, RuntimeWarning)]
+    _same_output(tiny, reference, tmp_path / "out")
+
+
+@needs_cc
+def test_cc_with_arguments(fresh, tiny, reference, tmp_path):
+    """CC is a word list (CC="ccache gcc"): with ccache if installed, else a wrapper taking the compiler."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if shutil.which("ccache"):
+        fresh.setenv("CCACHE_DIR", str(tmp_path / "ccache"))
+        argv = ["ccache", cc]
+    else:
+        argv = [_script(tmp_path / "wrap", 'echo "$@" > "$0.log"\nexec "$@"\n'), cc]
+    fresh.setenv("CC", shlex.join(argv))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        st = native.status()
+    assert st == {"path": "native", "reason": None, "compiler": argv, "library": st["library"]}
+    assert st["library"].startswith(str(tmp_path / "cache"))
+    assert not [w for w in rec if issubclass(w.category, RuntimeWarning)]
+    if argv[0].endswith("wrap"):
+        assert (tmp_path / "wrap.log").read_text().startswith(cc + " ")
+    w = (torch.randn(64, 512, generator=torch.Generator().manual_seed(4)) * 0.05).to(torch.bfloat16)
+    ref = int4.quantize_pack(w, 32)
+    packed, scale, _, _ = native.quant_rows(w, None, None, 32, "minmax")
+    assert torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
+    _same_output(tiny, reference, tmp_path / "out")
+
+
+def test_disabled_is_silent(fresh):
+    fresh.setenv("QUANTIZE_NATIVE", "0")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert native.status() == {"path": "torch", "reason": "disabled by QUANTIZE_NATIVE=0", "compiler": None, "library": None}
+        assert native.lib() is None
+    assert not rec
+
+
+def test_native_active_where_compiler_exists(fresh):
+    """The CI assertion: where a C compiler exists, conversions run the native kernels (a real build
+    into an empty cache, honouring the environment's CC)."""
+    if not HAS_CC or os.environ.get("QUANTIZE_NATIVE") == "0":
+        pytest.skip("no C compiler, or QUANTIZE_NATIVE=0")
+    if "CC" in os.environ:  # keep the CI's own compiler choice
+        fresh.setenv("CC", os.environ["CC"])
+    st = native.status()
+    assert st["path"] == "native", st
+    assert st["compiler"] and os.path.isfile(st["library"])

@@ -1,29 +1,43 @@
 """Fused conversion kernels in C (quant.c), compiled on first use with the machine's C compiler
 and loaded with ctypes (which releases the GIL during the call, so worker threads run in
-parallel). Bit-identical to the torch reference in ``formats/int4.py``/``fp8.py`` (tested); when
-no compiler is available, or ``QUANTIZE_NATIVE=0``, callers fall back to that reference.
+parallel). Bit-identical to the torch reference in ``formats/int4.py``/``fp8.py`` (tested).
+
+The build never crashes the caller: a missing or failing compiler (``CC``, parsed like a shell
+word list, so ``CC="ccache gcc"`` works), a compiler that runs past ``QUANTIZE_CC_TIMEOUT``
+seconds (default 120), an unwritable cache folder (``QUANTIZE_CACHE``, default
+``~/.cache/quantize``; a private temp folder is used instead) or a library that does not load
+all fall back to the torch reference, with one ``RuntimeWarning`` per process. ``QUANTIZE_NATIVE=0``
+selects the torch path silently. ``status()`` says which path runs and why.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
 
 SRC = Path(__file__).with_name("quant.c")
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+CC_TIMEOUT = 120.0  # seconds; QUANTIZE_CC_TIMEOUT overrides
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-_why: str | None = None
+_why: str | None = None  # why the build attempt failed (None: it worked, or was not tried yet)
+_compiler: list[str] | None = None
+_library: str | None = None
+_warned = False
 _LUT: torch.Tensor | None = None
 
 P = ctypes.c_void_p
@@ -45,59 +59,206 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def _compile() -> ctypes.CDLL | None:
-    global _why
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _disabled() -> bool:
+    return os.environ.get("QUANTIZE_NATIVE", "1") == "0"
+
+
+class _Unavailable(Exception):
+    """The build attempt failed; the message is the reason."""
+
+
+def _compiler_argv() -> list[str]:
+    env = os.environ.get("CC", "").strip()
+    if env:
+        try:
+            argv = shlex.split(env)
+        except ValueError as e:
+            raise _Unavailable(f"cannot parse CC={env!r}: {e}") from None
+        if not argv:
+            raise _Unavailable(f"cannot parse CC={env!r}")
+        if shutil.which(argv[0]) is None:
+            raise _Unavailable(f"compiler {argv[0]!r} from CC={env!r} not found")
+        return argv
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
-        _why = "no C compiler found (install gcc); using the slower torch path"
-        return None
+        raise _Unavailable("no C compiler found: install gcc or set CC")
+    return [cc]
+
+
+def _timeout() -> float:
+    try:
+        t = float(os.environ.get("QUANTIZE_CC_TIMEOUT") or CC_TIMEOUT)
+    except ValueError:
+        return CC_TIMEOUT
+    return t if t > 0 else CC_TIMEOUT
+
+
+def _writable_dir(d: Path) -> bool:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=d, suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+        return True
+    except OSError:
+        return False
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:
+        return False
+
+
+_private: list[str] = []
+
+
+def _private_dir() -> Path:
+    """A private temp folder for this process's build (removed at exit)."""
+    if not _private:
+        d = tempfile.mkdtemp(prefix="quantize-native-")
+        _private.append(d)
+        atexit.register(shutil.rmtree, d, True)
+    return Path(_private[0])
+
+
+def _run_compiler(cmd: list[str], timeout: float) -> tuple[int, str]:
+    """-> (returncode, stderr); raises _Unavailable on a hang or a compiler that does not start."""
+    try:
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    except OSError as e:
+        raise _Unavailable(f"cannot run {shlex.join(cmd[:1])} ({e.strerror or e})") from None
+    try:
+        _, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:  # the whole group: ccache/gcc wrappers start children of their own
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            p.kill()
+        p.communicate()
+        raise _Unavailable(f"C compiler timed out after {timeout:g} s (QUANTIZE_CC_TIMEOUT)") from None
+    return p.returncode, err or ""
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.quant_rows.restype = ctypes.c_int
+    lib.quant_rows.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, I64, I64, I64, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_float, P, P, P]
+    lib.dequant_rows.restype = ctypes.c_int
+    lib.dequant_rows.argtypes = [P, P, P, I64, I64, I64, I64, I64, ctypes.c_int, P]
+    return lib
+
+
+def _compile() -> ctypes.CDLL:
+    """Build (or find in the cache) and load quant.c; raises _Unavailable with the reason."""
+    global _compiler, _library
+    argv = _compiler_argv()
+    _compiler = argv
     src = SRC.read_bytes()
+    timeout = _timeout()
+    cache = _cache_dir()
+    dirs = [cache]
+    why = "C compile failed"
     for extra in (["-march=native"], []):
         flags = FLAGS + extra
-        key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_key().encode()).hexdigest()[:16]
-        out = _cache_dir() / f"quant-{platform.machine()}-{key}.so"
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-            os.close(fd)
-            r = subprocess.run([cc, *flags, "-o", tmp, str(SRC), "-lm"], capture_output=True, text=True)
-            if r.returncode != 0:
-                os.unlink(tmp)
-                _why = f"C compile failed ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}); using the torch path"
-                continue
-            os.replace(tmp, out)
+        key = hashlib.sha256(src + " ".join(argv + flags).encode() + _cpu_key().encode()).hexdigest()[:16]
+        name = f"quant-{platform.machine()}-{key}.so"
+        out = next((d / name for d in dirs if _is_file(d / name)), None)
+        if out is None:
+            if not _writable_dir(dirs[-1]):
+                try:
+                    dirs.append(_private_dir())
+                except OSError as e:
+                    raise _Unavailable(f"cache folder {cache} is not writable and no temp folder ({e.strerror or e})") from None
+            out = dirs[-1] / name
+            try:
+                fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+                os.close(fd)
+            except OSError as e:
+                raise _Unavailable(f"cannot write in {out.parent} ({e.strerror or e})") from None
+            try:
+                rc, err = _run_compiler([*argv, *flags, "-o", tmp, str(SRC), "-lm"], timeout)
+                if rc != 0:
+                    lines = err.strip().splitlines()
+                    why = f"C compile failed: {lines[-1].strip() if lines else f'exit status {rc}'}"
+                    continue
+                os.replace(tmp, out)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         try:
-            lib = ctypes.CDLL(str(out))
-        except OSError as e:
-            _why = f"cannot load {out} ({e}); using the torch path"
+            lib = _bind(ctypes.CDLL(str(out)))
+        except (OSError, AttributeError) as e:
+            why = f"cannot load {out} ({e})"
             continue
-        lib.quant_rows.restype = ctypes.c_int
-        lib.quant_rows.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, I64, I64, I64, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_float, P, P, P]
-        lib.dequant_rows.restype = ctypes.c_int
-        lib.dequant_rows.argtypes = [P, P, P, I64, I64, I64, I64, I64, ctypes.c_int, P]
-        _why = None
+        _library = str(out)
         return lib
-    return None
+    raise _Unavailable(why)
+
+
+def _warn_once(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        # stacklevel 4: the line that called lib() or status() (via _ensure)
+        warnings.warn(f"quantize: native kernels unavailable ({reason}); using the torch path (same output, slower)",
+                      RuntimeWarning, stacklevel=4)
+
+
+def _ensure() -> None:
+    """The one-time build attempt (thread-safe); warns once when it fails."""
+    global _lib, _tried, _why, _LUT
+    if _tried:
+        return
+    with _lock:
+        if _tried:
+            return
+        if _LUT is None:
+            _LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().contiguous()
+        try:
+            _lib, _why = _compile(), None
+        except _Unavailable as e:
+            _lib, _why = None, str(e)
+        except Exception as e:  # never crash the caller: the torch path always works
+            _lib, _why = None, f"{type(e).__name__}: {e}"
+        _tried = True
+    if _why is not None:
+        _warn_once(_why)
 
 
 def lib() -> ctypes.CDLL | None:
     """The compiled kernels, or None (then ``why_unavailable()`` says why)."""
-    global _lib, _tried, _why, _LUT
-    if os.environ.get("QUANTIZE_NATIVE", "1") == "0":
-        _why = "disabled by QUANTIZE_NATIVE=0"
+    if _disabled():
         return None
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _lib = _compile()
-                _LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().contiguous()
-                _tried = True
+    _ensure()
     return _lib
 
 
 def why_unavailable() -> str | None:
+    if _disabled():
+        return "disabled by QUANTIZE_NATIVE=0"
     return _why
+
+
+def status() -> dict:
+    """Which conversion path runs: {"path": "native" | "torch", "reason": str | None (why torch),
+    "compiler": the compiler argv or None, "library": the loaded .so or None}. Builds on first call."""
+    if _disabled():
+        return {"path": "torch", "reason": "disabled by QUANTIZE_NATIVE=0", "compiler": None, "library": None}
+    _ensure()
+    if _lib is not None:
+        return {"path": "native", "reason": None, "compiler": list(_compiler or []), "library": _library}
+    return {"path": "torch", "reason": _why, "compiler": list(_compiler) if _compiler else None, "library": None}
+
+
+def _reset() -> None:
+    """Forget the build attempt and the warning (tests only); the next lib()/status() tries again."""
+    global _lib, _tried, _why, _compiler, _library, _warned
+    with _lock:
+        _lib, _tried, _why, _compiler, _library, _warned = None, False, None, None, None, False
+        _private.clear()  # a new private folder next time (an old one is still removed at exit)
 
 
 MAX_K = 65536  # quant.c MAXK: one row lives on the C stack
