@@ -10,6 +10,13 @@ replicated. INT4 tensors split in whole int32 words and whole groups along K (``
 the serving kernels' rules at that TP before anything is written. The manifest records, per
 tensor, how it was split and the SHA-256 of every slice, so ``merge`` and ``check`` can prove
 the split exact.
+
+This is a VERIFICATION layout, not an engine load format: both engines' ``sharded_state`` loaders
+want their live model's runtime names after post-processing (fused, Marlin-repacked), which only the
+engine can write (../shared/FORMATS.md §9). So files live under ``rank-RR/part-PPP.safetensors``
+(no engine globs them, and OUT has no config.json at its top: an engine pointed at it refuses it),
+and the unsharded checkpoint's own files (config, index, tokenizer, manifest) under ``unsharded/``,
+from which ``--merge`` restores the original folder byte for byte.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,13 +32,20 @@ import torch
 
 from . import archs
 from .archs.base import EXPERT_ROLES, ROLES
-from .checkpoint.index import INDEX_NAME, CheckpointIndex, itemsize, read_tensor
-from .checkpoint.writer import Entry, StreamWriter, atomic_write_text
+from .checkpoint.index import INDEX_NAME, CheckpointIndex, _refs_from_header, itemsize, read_tensor
+from .checkpoint.manifest import MANIFEST as QUANTIZE_MANIFEST
+from .checkpoint.output import SIDE_FILES, Output, confined, side_files
+from .checkpoint.writer import Entry, StreamWriter
 from .errors import QuantizeError
 from .events import Emit, null_emit
 
-PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+PATTERN = "rank-{rank:02d}/part-{part:03d}.safetensors"
 MANIFEST = "shard_manifest.json"
+UNSHARDED = "unsharded"  # the unsharded checkpoint's non-weight files, for --merge
+CARRIED = SIDE_FILES + ("config.json", INDEX_NAME, QUANTIZE_MANIFEST)
+LAYOUT_NOTE = ("verification layout: per-rank slices under checkpoint names, for proving the split exact and sizing ranks; "
+               "not an engine load format (SGLang/vLLM sharded_state files hold the engine's runtime tensors and only the "
+               "engine can write them: SGLang --load-format presharded, or save_sharded_model on a GPU node)")
 MARLIN_GROUPS = (-1, 32, 64, 128)
 DEFAULT_MAX_PART = 5 << 30
 
@@ -103,57 +116,57 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
     return index, splits, int4
 
 
+def marlin_violation(n: int, k: int, g: int, tp: int, split: str, role: str, hidden: int) -> str | None:
+    """The first serving-kernel rule (Marlin / MoE Marlin, ../shared/FORMATS.md §4.4) that an INT4
+    module [N, K] with group ``g`` breaks at TP ``tp``, or None."""
+    if g not in MARLIN_GROUPS:
+        return f"group size {g} is not one of Marlin's {MARLIN_GROUPS[1:]}"
+    if (split in ("col", "vocab") and n % tp) or (split == "row" and k % tp):
+        return f"{'N' if split != 'row' else 'K'} = {n if split != 'row' else k} does not divide over TP {tp}"
+    n_r = n // tp if split in ("col", "vocab") else n
+    k_r = k // tp if split == "row" else k
+    if split == "row" and (k_r % 8 or k_r % g):
+        return f"K per rank {k_r} is not whole int32 words and whole groups of {g}"
+    if role in EXPERT_ROLES:
+        if hidden and hidden % 128:
+            return f"MoE Marlin needs hidden_size % 128 == 0, got {hidden}"
+        inter_r = n_r if split == "col" else k_r
+        if inter_r % max(64, g):
+            return f"MoE Marlin needs intermediate per rank % max(64, group) == 0, got {inter_r} with group {g}"
+        return None
+    if n_r % 64:
+        return f"Marlin needs N per rank % 64 == 0, got {n_r}"
+    if k_r % 128:
+        return f"Marlin needs K per rank % 128 == 0, got {k_r}"
+    if k_r % g:
+        return f"K per rank {k_r} is not a multiple of group {g}"
+    return None
+
+
 def _check_rules(arch, index: CheckpointIndex, splits: list[TensorSplit], int4: dict, tp: int) -> None:
-    """Marlin / MoE-Marlin shape rules per rank (../shared/FORMATS.md §4.4), before any write."""
+    """Marlin / MoE-Marlin shape rules per rank, before any write; a violation names the tensor,
+    the rule and a TP that works."""
     by_name = {s.name: s for s in splits}
-    text = arch.text_config(index.config)
-    hidden = int(text.get("hidden_size", 0))
+    hidden = int(arch.text_config(index.config).get("hidden_size", 0))
     for module, (n, k, g) in int4.items():
         s = by_name[module + ".weight_packed"]
         role, _ = arch.role_of(module + ".weight")
-        n_r = n // tp if s.split in ("col", "vocab") else n
-        k_r = k // tp if s.split == "row" else k
-        where = f"{index.folder / s.file}: tensor {module}"
-
-        def fail(rule: str, fix: str):
-            raise QuantizeError(f"{where} at TP {tp}: {rule}; {fix}")
-
-        if g not in MARLIN_GROUPS:
-            fail(f"group size {g} is not one of Marlin's {MARLIN_GROUPS[1:]}", "convert again with --group-size 32, 64 or 128")
-        alt = [t for t in (1, 2, 4, 8, 16) if t != tp and _fits(n, k, g, t, s.split, role, hidden)]
-        fix = f"use --tp {' or '.join(map(str, alt))}" if alt else "convert with a smaller --group-size"
-        if s.split == "row" and (k_r % 8 or k_r % g):
-            fail(f"K per rank {k_r} is not whole int32 words and whole groups of {g}", fix)
-        if role in EXPERT_ROLES:
-            inter_r = n_r if s.split == "col" else k_r
-            if hidden and hidden % 128:
-                fail(f"MoE Marlin needs hidden_size % 128 == 0, got {hidden}", "this model cannot use INT4 Marlin MoE")
-            if inter_r % max(64, g):
-                fail(f"MoE Marlin needs intermediate per rank % max(64, group) == 0, got {inter_r} with group {g}", fix)
+        rule = marlin_violation(n, k, g, tp, s.split, role, hidden)
+        if rule is None:
+            continue
+        if rule.startswith("group size"):
+            fix = "convert again with --group-size 32, 64 or 128"
+        elif rule.startswith("MoE Marlin needs hidden"):
+            fix = "this model cannot use INT4 Marlin MoE"
         else:
-            if n_r % 64:
-                fail(f"Marlin needs N per rank % 64 == 0, got {n_r}", fix)
-            if k_r % 128:
-                fail(f"Marlin needs K per rank % 128 == 0, got {k_r}", fix)
-            if k_r % g:
-                fail(f"K per rank {k_r} is not a multiple of group {g}", fix)
+            alt = [t for t in (1, 2, 4, 8, 16) if t != tp and marlin_violation(n, k, g, t, s.split, role, hidden) is None]
+            fix = f"use --tp {' or '.join(map(str, alt))}" if alt else "convert with a smaller --group-size"
+        raise QuantizeError(f"{index.folder / s.file}: tensor {module} at TP {tp}: {rule}; {fix}")
     # fused sets must share one scheme
     for module in int4:
         for member in arch.fused_members(module):
             if member != module and (member + ".weight") in by_name:
                 raise QuantizeError(f"{index.folder}: {module} is INT4 but {member}, which the engines fuse with it, is not; convert both alike")
-
-
-def _fits(n, k, g, tp, split, role, hidden) -> bool:
-    n_r = n // tp if split in ("col", "vocab") else n
-    k_r = k // tp if split == "row" else k
-    if (split in ("col", "vocab") and n % tp) or (split == "row" and k % tp):
-        return False
-    if split == "row" and (k_r % 8 or k_r % g):
-        return False
-    if role in EXPERT_ROLES:
-        return (n_r if split == "col" else k_r) % max(64, g) == 0
-    return n_r % 64 == 0 and k_r % 128 == 0 and k_r % g == 0
 
 
 def _slices(t: torch.Tensor, ts: TensorSplit, tp: int, rank_shapes: list[tuple[int, int]] | None) -> list[torch.Tensor]:
@@ -171,18 +184,14 @@ def _sha(t: torch.Tensor) -> str:
 
 def shard(model: str | os.PathLike, out: str | os.PathLike, tp: int = 8, max_part_bytes: int = DEFAULT_MAX_PART,
           overwrite: bool = False, emit: Emit = null_emit) -> dict:
-    """Write ``out/model-rank-{r}-part-{p}.safetensors`` for r < tp plus a manifest."""
+    """Write ``out/rank-RR/part-PPP.safetensors`` for r < tp, the unsharded folder's own files
+    under ``out/unsharded/``, and ``shard_manifest.json`` (last)."""
     model, out = Path(model), Path(out)
     if tp < 1:
         raise QuantizeError(f"--tp {tp}: must be at least 1")
     index, splits, int4 = plan_shard(model, tp)  # every rule checked before anything is written
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise QuantizeError(f"{out}: already exists; pass --overwrite or choose another folder")
-        if not (out / MANIFEST).exists():
-            raise QuantizeError(f"{out}: exists and is not a quantize shard output; remove it yourself")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    carried = side_files(model, CARRIED)
+    by_name = {ts.name: ts for ts in splits}
     # per-rank part layout, precomputed
     parts: list[list[list[TensorSplit]]] = []
     for r in range(tp):
@@ -197,87 +206,115 @@ def shard(model: str | os.PathLike, out: str | os.PathLike, tp: int = 8, max_par
             size += b
         parts.append(rank_parts)
     part_of = [{x.name: p for p, lst in enumerate(parts[r]) for x in lst} for r in range(tp)]
-    writers: list[StreamWriter | None] = [None] * tp
-    part_idx = [-1] * tp
-    manifest_tensors: dict[str, dict] = {}
-    fds: dict = {}
-    emit({"event": "start", "stage": "shard", "total_bytes": index.total_bytes, "done_bytes": 0})
-    done = 0
-    try:
-        for ts in splits:
-            t = read_tensor(index.folder, index.tensors[ts.name], fds)
-            module = ts.name.rsplit(".", 1)[0]
-            full = None
-            if ts.name.endswith(".weight_shape") and module in int4:
-                pk = next(s for s in splits if s.name == module + ".weight_packed")
-                n, k, _ = int4[module]
-                full = [(n // tp if pk.split in ("col", "vocab") else n, k // tp if pk.split == "row" else k)] * tp
-            pieces = _slices(t, ts, tp, full)
-            rec = {"split": ts.split, "dim": ts.dim, "shape": list(ts.shape), "dtype": ts.dtype, "file": ts.file,
-                   "sha256": _sha(t), "ranks": []}
-            for r, piece in enumerate(pieces):
-                p = part_of[r][ts.name]
-                if p != part_idx[r]:
-                    if writers[r] is not None:
-                        writers[r].finish()
-                    part_idx[r] = p
-                    writers[r] = StreamWriter(out / PATTERN.format(rank=r, part=p), [Entry(x.name, x.dtype, x.rank_shapes[r]) for x in parts[r][p]],
-                                              {"format": "pt", "tp_rank": str(r), "tp_size": str(tp)})
-                writers[r].write_tensor(ts.name, piece)
-                fname = PATTERN.format(rank=r, part=part_idx[r])
-                rec["ranks"].append({"file": fname, "shape": list(piece.shape), "sha256": _sha(piece)})
-            manifest_tensors[ts.name] = rec
-            done += index.tensors[ts.name].nbytes
-            emit({"event": "tensor", "name": ts.name, "kind": ts.split, "done_bytes": done})
-        for w in writers:
-            if w is not None:
-                w.finish()
-    except BaseException:
-        for w in writers:
-            if w is not None and w.tmp.exists():
-                w.abort()
-        raise
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    for p in sorted(model.iterdir()):
-        if p.is_file() and p.suffix != ".safetensors" and p.name not in (INDEX_NAME, MANIFEST) and not p.name.endswith(".partial"):
-            shutil.copy2(p, out / p.name)
-    rank_bytes = [sum((out / PATTERN.format(rank=r, part=p)).stat().st_size for p in range(len(parts[r]))) for r in range(tp)]
-    files_order: dict[str, list[str]] = {}
-    for name, ref in index.tensors.items():
-        files_order.setdefault(ref.file, []).append(name)
-    manifest = {"tp": tp, "pattern": PATTERN, "source": str(model.resolve()), "architecture": archs.resolve(index.config).name,
-                "files": files_order, "rank_bytes": rank_bytes, "tensors": manifest_tensors}
-    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
+    with Output.open(out, "shard", [model], overwrite=overwrite, key={"tp": tp, "max_part_bytes": max_part_bytes}) as o:
+        for r in range(tp):
+            (out / PATTERN.format(rank=r, part=0)).parent.mkdir(exist_ok=True)
+        writers: list[StreamWriter | None] = [None] * tp
+        part_idx = [-1] * tp
+        manifest_tensors: dict[str, dict] = {}
+        fds: dict = {}
+        emit({"event": "start", "stage": "shard", "total_bytes": index.total_bytes, "done_bytes": 0})
+        done = 0
+
+        def finish(r: int) -> None:
+            sha = writers[r].finish()
+            o.mark_done(PATTERN.format(rank=r, part=part_idx[r]), sha, writers[r].bytes_written)
+
+        try:
+            for ts in splits:
+                t = read_tensor(index.folder, index.tensors[ts.name], fds)
+                module = ts.name.rsplit(".", 1)[0]
+                full = None
+                if ts.name.endswith(".weight_shape") and module in int4:
+                    pk = by_name[module + ".weight_packed"]
+                    n, k, _ = int4[module]
+                    full = [(n // tp if pk.split in ("col", "vocab") else n, k // tp if pk.split == "row" else k)] * tp
+                pieces = _slices(t, ts, tp, full)
+                rec = {"split": ts.split, "dim": ts.dim, "shape": list(ts.shape), "dtype": ts.dtype, "file": ts.file,
+                       "sha256": _sha(t), "ranks": []}
+                for r, piece in enumerate(pieces):
+                    p = part_of[r][ts.name]
+                    if p != part_idx[r]:
+                        if writers[r] is not None:
+                            finish(r)
+                        part_idx[r] = p
+                        writers[r] = StreamWriter(out / PATTERN.format(rank=r, part=p), [Entry(x.name, x.dtype, x.rank_shapes[r]) for x in parts[r][p]],
+                                                  {"format": "pt", "tp_rank": str(r), "tp_size": str(tp), "layout": "quantize-verification"})
+                    writers[r].write_tensor(ts.name, piece)
+                    rec["ranks"].append({"file": PATTERN.format(rank=r, part=part_idx[r]), "shape": list(piece.shape), "sha256": _sha(piece)})
+                manifest_tensors[ts.name] = rec
+                done += index.tensors[ts.name].nbytes
+                emit({"event": "tensor", "name": ts.name, "kind": ts.split, "done_bytes": done})
+            for r in range(tp):
+                if writers[r] is not None:
+                    finish(r)
+        except BaseException:
+            for w in writers:
+                if w is not None and w.tmp.exists():
+                    w.abort()
+            raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        (out / UNSHARDED).mkdir(exist_ok=True)
+        unsharded = Output(out / UNSHARDED, "shard", None, o.record, False)  # same lock and record
+        names = unsharded.copy_side_files(carried)
+        rank_bytes = [sum((out / PATTERN.format(rank=r, part=p)).stat().st_size for p in range(len(parts[r]))) for r in range(tp)]
+        files_order: dict[str, list[str]] = {}
+        for name, ref in index.tensors.items():
+            files_order.setdefault(ref.file, []).append(name)
+        manifest = {"kind": "shard", "layout": LAYOUT_NOTE, "tp": tp, "pattern": PATTERN, "source": str(model.resolve()),
+                    "architecture": archs.resolve(index.config).name, "files": files_order, "unsharded_files": names,
+                    "rank_bytes": rank_bytes, "tensors": manifest_tensors}
+        o.complete()
+        o.write_json(MANIFEST, manifest, sort_keys=False)
     emit({"event": "done", "rank_bytes": rank_bytes})
     return manifest
 
 
 def load_manifest(sharded: Path) -> dict:
+    """The shard manifest, with every path it names checked to stay inside ``sharded``."""
     path = sharded / MANIFEST
     try:
-        return json.loads(path.read_text())
+        m = json.loads(path.read_text())
+        tp = int(m["tp"])
+        tensors, files = m["tensors"], m["files"]
+        if tp < 1 or not isinstance(tensors, dict) or not isinstance(files, dict):
+            raise TypeError
+        for rec in tensors.values():
+            if len(rec["ranks"]) != tp:
+                raise TypeError
+            for r in rec["ranks"]:
+                confined(sharded, r["file"], str(path))
+        for f in files:
+            if "/" in f or "\\" in f or not f.endswith(".safetensors"):
+                raise QuantizeError(f"{path}: names output file {f!r}, which is not a plain *.safetensors name; the manifest is corrupt or hostile, re-shard")
+        for f in m.get("unsharded_files", []):
+            confined(sharded / UNSHARDED, f, str(path))
     except FileNotFoundError as e:
         raise QuantizeError(f"{path}: missing; {sharded} is not a quantize shard output") from e
     except json.JSONDecodeError as e:
         raise QuantizeError(f"{path}: corrupt ({e.msg}); re-shard") from e
+    except (KeyError, TypeError, ValueError) as e:
+        raise QuantizeError(f"{path}: not a shard manifest (tp, files, tensors with one rank record per rank); re-shard") from e
+    return m
 
 
 class RankReader:
-    """Tensors of one sharded folder, by (rank, name)."""
+    """Tensors of one sharded folder, by (rank, name); files only from the (confined) manifest."""
 
     def __init__(self, sharded: Path, manifest: dict):
         self.folder = sharded
         self.manifest = manifest
         self.refs: dict[tuple[int, str], object] = {}
-        from .checkpoint.index import _refs_from_header
-
-        files = {r["file"] for t in manifest["tensors"].values() for r in t["ranks"]}
-        for f in sorted(files):
-            if not (sharded / f).exists():
-                raise QuantizeError(f"{sharded / f}: missing rank file; re-shard")
-            rank = int(f.split("-rank-")[1].split("-")[0])
+        files: dict[str, int] = {}
+        for t in manifest["tensors"].values():
+            for rank, r in enumerate(t["ranks"]):
+                files.setdefault(r["file"], rank)
+        for f, rank in sorted(files.items()):
+            path = confined(sharded, f, str(sharded / MANIFEST))
+            if not path.exists():
+                raise QuantizeError(f"{path}: missing rank file; re-shard")
             for name, ref in _refs_from_header(sharded, f).items():
                 self.refs[(rank, name)] = ref
         self.fds: dict = {}
@@ -294,47 +331,45 @@ class RankReader:
 
 
 def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False, emit: Emit = null_emit) -> dict:
-    """Reassemble the unsharded checkpoint (same files, order and tensors) from per-rank files."""
+    """Reassemble the unsharded checkpoint (same files, order, tensors and side files) from
+    per-rank files; every slice and every reassembled tensor is checked against the manifest."""
     sharded, out = Path(sharded), Path(out)
     m = load_manifest(sharded)
     tp = m["tp"]
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise QuantizeError(f"{out}: already exists; pass --overwrite or choose another folder")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    carried = [confined(sharded / UNSHARDED, f, str(sharded / MANIFEST)) for f in m.get("unsharded_files", [])]
     reader = RankReader(sharded, m)
     try:
-        for fname, names in m["files"].items():
-            entries = [Entry(n, m["tensors"][n]["dtype"], tuple(m["tensors"][n]["shape"])) for n in names]
-            w = StreamWriter(out / fname, entries, {"format": "pt"})
-            for n in names:
-                rec = m["tensors"][n]
-                pieces = [reader.get(r, n) for r in range(tp)]
-                for r, p in enumerate(pieces):
-                    if _sha(p) != rec["ranks"][r]["sha256"]:
+        with Output.open(out, "merge", [sharded], overwrite=overwrite) as o:
+            for fname, names in m["files"].items():
+                entries = [Entry(n, m["tensors"][n]["dtype"], tuple(m["tensors"][n]["shape"])) for n in names]
+                w = StreamWriter(out / fname, entries, {"format": "pt"})
+                for n in names:
+                    rec = m["tensors"][n]
+                    pieces = [reader.get(r, n) for r in range(tp)]
+                    for r, p in enumerate(pieces):
+                        if _sha(p) != rec["ranks"][r]["sha256"]:
+                            w.abort()
+                            raise QuantizeError(f"{sharded / rec['ranks'][r]['file']}: tensor {n} of rank {r} does not match its checksum; the file is corrupt, re-shard")
+                    full = _full_shape(m, n) if n.endswith(".weight_shape") else None
+                    if full is not None:
+                        t = torch.tensor(full, dtype=torch.int64)
+                    elif rec["dim"] is None:
+                        t = pieces[0]
+                    else:
+                        t = torch.cat(pieces, dim=rec["dim"])
+                    if _sha(t) != rec["sha256"]:
                         w.abort()
-                        raise QuantizeError(f"{sharded / rec['ranks'][r]['file']}: tensor {n} of rank {r} does not match its checksum; the file is corrupt, re-shard")
-                full = _full_shape(m, n) if n.endswith(".weight_shape") else None
-                if full is not None:
-                    t = torch.tensor(full, dtype=torch.int64)
-                elif rec["dim"] is None:
-                    t = pieces[0]
-                else:
-                    t = torch.cat(pieces, dim=rec["dim"])
-                if _sha(t) != rec["sha256"]:
-                    w.abort()
-                    raise QuantizeError(f"{sharded}: reassembled {n} differs from the tensor that was sharded; the shard is inconsistent")
-                w.write_tensor(n, t)
-            w.finish()
+                        raise QuantizeError(f"{sharded}: reassembled {n} differs from the tensor that was sharded; the shard is inconsistent")
+                    w.write_tensor(n, t)
+                o.mark_done(fname, w.finish(), w.bytes_written)
+            o.copy_side_files(carried)
+            if not (out / INDEX_NAME).exists():
+                index = {"metadata": {"total_size": sum(math.prod(t["shape"]) * itemsize(t["dtype"]) for t in m["tensors"].values())},
+                         "weight_map": {n: f for f, names in m["files"].items() for n in names}}
+                o.write_json(INDEX_NAME, index, sort_keys=False, indent=2)
+            o.complete()
     finally:
         reader.close()
-    index = {"metadata": {"total_size": sum(math.prod(t["shape"]) * itemsize(t["dtype"]) for t in m["tensors"].values())},
-             "weight_map": {n: f for f, names in m["files"].items() for n in names}}
-    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2))
-    for p in sorted(sharded.iterdir()):
-        if p.is_file() and not p.name.startswith("model-rank-") and p.name != MANIFEST:
-            shutil.copy2(p, out / p.name)
     emit({"event": "done"})
     return {"out": str(out), "tensors": len(m["tensors"])}
 

@@ -37,7 +37,10 @@ def test_shard_merge_identity_and_check(arch, tp, int4, tmp_path):
     src = int4(arch)
     m = shard(src, tmp_path / "sh", tp=tp, max_part_bytes=1 << 20)
     assert len(m["rank_bytes"]) == tp
-    assert len({p.name for p in (tmp_path / "sh").glob("model-rank-0-part-*.safetensors")}) > 1  # parts split
+    assert len({p.name for p in (tmp_path / "sh").glob("rank-00/part-*.safetensors")}) > 1  # parts split
+    # a verification layout, not an engine's: no sharded_state file names, no config.json an engine could load from
+    assert not list((tmp_path / "sh").rglob("model-rank-*")) and not (tmp_path / "sh" / "config.json").exists()
+    assert "not an engine load format" in m["layout"]
     t = m["tensors"]
     pre = "language_model." if arch == "kimi_k25" else ""
     assert t[f"{pre}model.layers.1.mlp.experts.0.down_proj.weight_packed"]["split"] == "row"
@@ -47,15 +50,15 @@ def test_shard_merge_identity_and_check(arch, tp, int4, tmp_path):
     assert t[f"{pre}model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]["split"] == "rep"
     assert t[f"{pre}model.layers.1.mlp.gate.weight"]["split"] == "rep"
     # per-rank INT4 slices: K split in whole words and groups, weight_shape rewritten
-    rank1 = load_dir(tmp_path / "sh")  # last rank wins per name: shapes are per rank anyway
+    rank1 = load_dir(tmp_path / "sh" / "rank-01")
     dn = f"{pre}model.layers.1.mlp.experts.0.down_proj"
     assert rank1[dn + ".weight_shape"].tolist() == [256, 1024 // tp]
     assert rank1[dn + ".weight_scale"].shape == (256, 1024 // tp // 32)
     merge(tmp_path / "sh", tmp_path / "merged")
     a, b = dir_bytes(src), dir_bytes(tmp_path / "merged")
+    assert sorted(a) == sorted(b) and "config.json" in a and "quantize_manifest.json" in a
     for f in a:
-        if f.endswith(".safetensors"):
-            assert a[f] == b[f], f  # byte-identical files, not only tensors
+        assert a[f] == b[f], f  # byte-identical files (weights, index, config, tokenizer, manifest)
     rep = check(tmp_path / "sh")
     assert rep.ok, rep.failures
     assert max(r.shard_max_err for r in rep.rows) < 1e-5
@@ -70,7 +73,7 @@ def test_check_converted_with_source(tiny, int4):
 
 
 def _corrupt(folder, name, rank, fn):
-    f = next(p for p in sorted(folder.glob(f"model-rank-{rank}-part-*.safetensors")) if name in safe_open(p, "pt").keys())
+    f = next(p for p in sorted(folder.glob(f"rank-{rank:02d}/part-*.safetensors")) if name in safe_open(p, "pt").keys())
     with safe_open(f, "pt") as fh:
         t = {k: fh.get_tensor(k) for k in fh.keys()}
         meta = fh.metadata()
