@@ -1,9 +1,11 @@
 """Lazy view of a safetensors checkpoint: name -> TensorRef(file, dtype, shape, offsets).
 
 Only headers are read here. ``CheckpointIndex.open`` validates everything that can be validated
-without tensor data before any work starts: the index names only files inside the folder, every
-file exists and its header parses, every index entry is in the file it names, and every tensor's
-bytes lie inside the file (a truncated shard is caught here, not 90% into a run).
+without tensor data before any work starts: config.json's fields we read, the index's shape, the
+index names only files inside the folder (or, for a Hugging Face cache snapshot, symlinks into the
+same cache's blobs/), every file exists and its header passes the safetensors format's own rules
+(``read_header``: the tensors tile the data exactly, so a truncated or corrupt shard is caught here,
+not 90% into a run), and every index entry is in the file it names.
 """
 
 from __future__ import annotations
@@ -70,52 +72,159 @@ class TensorRef:
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """-> (header dict, data start offset). Raises QuantizeError naming the file."""
+    """-> (header dict, data start offset), checked by the safetensors format's own rules before a
+    byte of data is trusted: a length of at most 100 MB, UTF-8 JSON starting with '{' (trailing
+    space padding allowed), an optional ``__metadata__`` of strings, every other entry exactly
+    ``dtype``/``shape``/``data_offsets`` with ``end - begin == prod(shape) * itemsize``, and the
+    tensors, by offset, tiling the data exactly (from byte 0 to the end of the file, no gap, no
+    overlap, no trailing bytes). Raises QuantizeError naming the file (and tensor). Reads the
+    header only."""
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
                 raise QuantizeError(f"{path}: file is {size} bytes, too short for a safetensors header; re-download it")
             (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER or 8 + n > size:
+            if n > MAX_HEADER:
+                raise QuantizeError(f"{path}: header length {n} exceeds the safetensors limit of {MAX_HEADER} bytes; the file is corrupt or not safetensors, re-download it")
+            if 8 + n > size:
                 raise QuantizeError(f"{path}: header length {n} does not fit in a {size}-byte file; the file is truncated or not safetensors, re-download it")
-            header = json.loads(f.read(n))
+            text = f.read(n)
     except OSError as e:
         raise QuantizeError(f"{path}: cannot read ({e.strerror})") from e
+    if not text.startswith(b"{"):
+        raise QuantizeError(f"{path}: header must start with '{{' (it starts with {text[:8]!r}); the file is corrupt or not safetensors, re-download it")
+    try:
+        header = json.loads(text.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QuantizeError(f"{path}: header is not valid JSON; the file is corrupt or not safetensors, re-download it") from e
+        raise QuantizeError(f"{path}: header is not valid UTF-8 JSON; the file is corrupt or not safetensors, re-download it") from e
     if not isinstance(header, dict):
         raise QuantizeError(f"{path}: header is not a JSON object; re-download it")
+    _check_header(path, header, size - 8 - n, 8 + n)
     return header, 8 + n
 
 
-def _refs_from_header(folder: Path, fname: str) -> dict[str, TensorRef]:
-    path = folder / fname
-    header, base = read_header(path)
-    size = path.stat().st_size
-    refs: dict[str, TensorRef] = {}
+_CORRUPT = "the header is corrupt, re-download the file"
+_INFO_KEYS = {"dtype", "shape", "data_offsets"}
+# dtypes the safetensors format defines; DTYPES (above) are the ones this tool reads
+ST_DTYPES = set(DTYPES) | {"U16", "U32", "U64", "F4", "F6_E2M3", "F6_E3M2", "C64"}
+
+
+def _is_uint(x) -> bool:
+    return type(x) is int and x >= 0  # not bool, not float
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _check_header(path: Path, header: dict, data_len: int, base: int) -> None:
+    spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
         if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise QuantizeError(f"{path}: __metadata__ must be an object of strings to strings, not {_short(info)}; {_CORRUPT}")
             continue
-        dt = info.get("dtype")
+        if not isinstance(info, dict) or info.keys() != _INFO_KEYS:
+            got = sorted(info) if isinstance(info, dict) else type(info).__name__
+            raise QuantizeError(f"{path}: tensor {name}: entry must be an object with exactly dtype, shape and data_offsets (got {got}); {_CORRUPT}")
+        dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dt, str) or dt not in ST_DTYPES:
+            raise QuantizeError(f"{path}: tensor {name}: dtype {_short(dt)} is not a safetensors dtype; {_CORRUPT}")
         if dt not in DTYPES:
             raise QuantizeError(f"{path}: tensor {name} has dtype {dt!r}, which this tool does not read")
-        shape = tuple(int(x) for x in info["shape"])
-        b, e = info["data_offsets"]
-        if e - b != math.prod(shape) * itemsize(dt):
-            raise QuantizeError(f"{path}: tensor {name} declares shape {list(shape)} {dt} but {e - b} bytes; the header is corrupt, re-download the file")
-        if base + e > size:
-            raise QuantizeError(f"{path}: tensor {name} ends at byte {base + e} but the file has {size} bytes; the shard is truncated, re-download it")
-        refs[name] = TensorRef(name, fname, dt, shape, base + b, base + e)
-    return refs
+        if type(shape) is not list or not all(_is_uint(x) for x in shape):
+            raise QuantizeError(f"{path}: tensor {name}: shape {_short(shape)} must be a list of non-negative integers; {_CORRUPT}")
+        if type(offs) is not list or len(offs) != 2 or not all(_is_uint(x) for x in offs) or offs[0] > offs[1]:
+            raise QuantizeError(f"{path}: tensor {name}: data_offsets {_short(offs)} must be [begin, end] integers with 0 <= begin <= end; {_CORRUPT}")
+        b, e = offs
+        if e - b != math.prod(shape) * DTYPES[dt][1]:
+            raise QuantizeError(f"{path}: tensor {name} declares shape {shape} {dt} but {e - b} bytes; {_CORRUPT}")
+        spans.append((b, e, name))
+    # by offset, the tensors must tile the data buffer exactly (safetensors' Metadata::validate)
+    spans.sort()
+    pos, prev = 0, None
+    for b, e, name in spans:
+        if b < pos:
+            raise QuantizeError(f"{path}: tensor {name} (data bytes {b}..{e}) overlaps {prev}, which ends at {pos}; {_CORRUPT}")
+        if b > pos:
+            after = "the start of the data" if prev is None else f"{prev}, which ends at {pos}"
+            raise QuantizeError(f"{path}: tensor {name} begins at data byte {b}, leaving a gap of {b - pos} bytes after {after}; {_CORRUPT}")
+        pos, prev = e, name
+    if pos > data_len:
+        raise QuantizeError(f"{path}: tensor {prev} ends at byte {base + pos} but the file has {base + data_len} bytes; the shard is truncated, re-download it")
+    if pos < data_len:
+        raise QuantizeError(f"{path}: {data_len - pos} trailing bytes after the last tensor{f' ({prev})' if prev else ''}; safetensors refuses such a file (MetadataIncompleteBuffer), re-download it")
+
+
+def _refs_from_header(folder: Path, fname: str) -> dict[str, TensorRef]:
+    header, base = read_header(folder / fname)
+    return {
+        name: TensorRef(name, fname, info["dtype"], tuple(info["shape"]), base + info["data_offsets"][0], base + info["data_offsets"][1])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _hf_blobs(root: Path) -> Path | None:
+    """``<cache>/models--org--name/blobs`` when ``root`` (resolved) is ``.../snapshots/<rev>``."""
+    if root.parent.name == "snapshots":
+        return (root.parent.parent / "blobs").resolve()
+    return None
 
 
 def _inside(folder: Path, fname: str) -> bool:
+    """``fname`` stays in ``folder``: no absolute path or ``..``, and symlinks resolve inside the
+    folder or, for a Hugging Face cache snapshot, to a file of the same cache repo's ``blobs/``."""
     p = Path(fname)
     if p.is_absolute() or ".." in p.parts:
         return False
-    return (folder / p).resolve().is_relative_to(folder.resolve())
+    root = folder.resolve()
+    real = (folder / p).resolve()
+    if real.is_relative_to(root):
+        return True
+    blobs = _hf_blobs(root)
+    return blobs is not None and real.parent == blobs
+
+
+def _check_weight_file(folder: Path, idx_path: Path, fname: object) -> None:
+    p = Path(fname)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise QuantizeError(f"{idx_path}: entry {fname!r} points outside {folder}; the index is unsafe, fix it")
+    path = folder / p
+    if path.is_symlink() and not path.exists():
+        raise QuantizeError(f"{path}: dangling symlink to {os.readlink(path)} (the file it names is gone, e.g. an interrupted download); re-download it")
+    if not _inside(folder, fname):
+        raise QuantizeError(f"{path}: symlink points outside {folder} to {path.resolve()}; only links into the folder or its Hugging Face cache's blobs/ are followed, copy the file in instead")
+
+
+def _revision(folder: Path) -> str | None:
+    """The Hub commit: the folder name of a cache snapshot (``.../snapshots/<rev>``), else the one
+    ``hf download --local-dir`` records (first line of ``.cache/huggingface/download/*.metadata``)."""
+    root = folder.resolve()
+    if root.parent.name == "snapshots":
+        return root.name
+    for meta in sorted((folder / ".cache" / "huggingface" / "download").glob("*.metadata")):
+        try:
+            first = meta.read_text().split("\n", 1)[0].strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if first:
+            return first
+    return None
+
+
+def _load_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise QuantizeError(f"{path}: cannot read ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        raise QuantizeError(f"{path}: not UTF-8 text; fix or replace the {what}") from e
+    except json.JSONDecodeError as e:
+        raise QuantizeError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the {what}") from e
 
 
 @dataclass
@@ -125,6 +234,7 @@ class CheckpointIndex:
     files: list[str]  # safetensors files in order
     config: dict
     index_metadata: dict
+    revision: str | None = None  # Hub commit of a cache snapshot or a `hf download --local-dir` folder
 
     @classmethod
     def open(cls, folder: str | os.PathLike) -> "CheckpointIndex":
@@ -136,12 +246,18 @@ class CheckpointIndex:
         weight_map: dict[str, str] | None = None
         meta: dict = {}
         if idx_path.exists():
-            try:
-                idx = json.loads(idx_path.read_text())
-                weight_map = idx["weight_map"]
-                meta = idx.get("metadata", {}) or {}
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise QuantizeError(f"{idx_path}: not a valid safetensors index (needs a 'weight_map' object); fix or delete it") from e
+            idx = _load_json(idx_path, "index (or delete it)")
+            if not isinstance(idx, dict) or not isinstance(idx.get("weight_map"), dict):
+                raise QuantizeError(f"{idx_path}: not a valid safetensors index (needs a 'weight_map' object of tensor name -> file name); fix or delete it")
+            weight_map = idx["weight_map"]
+            for name, f in weight_map.items():
+                if not isinstance(f, str) or not f:
+                    raise QuantizeError(f"{idx_path}: weight_map maps {name} to {_short(f)}, not a file name; fix or regenerate the index")
+            meta = idx.get("metadata")
+            if meta is None:
+                meta = {}
+            elif not isinstance(meta, dict):
+                raise QuantizeError(f"{idx_path}: 'metadata' must be an object, not {type(meta).__name__}; fix or regenerate the index")
             files = list(dict.fromkeys(weight_map.values()))
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -151,8 +267,7 @@ class CheckpointIndex:
                 raise QuantizeError(f"{folder / pickles[0]}: pickle checkpoints (.bin/.pt) are not read, since loading them can execute code; convert the model to safetensors first")
             raise QuantizeError(f"{folder}: no *.safetensors files and no {INDEX_NAME}; pass a safetensors checkpoint folder")
         for f in files:
-            if not _inside(folder, f):
-                raise QuantizeError(f"{idx_path}: entry {f!r} points outside {folder}; the index is unsafe, fix it")
+            _check_weight_file(folder, idx_path, f)
             if not (folder / f).exists():
                 missing = [x for x in files if not (folder / x).exists()]
                 raise QuantizeError(f"{folder / f}: missing ({len(missing)} of {len(files)} shards named by the index are absent: {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}); download them")
@@ -170,7 +285,7 @@ class CheckpointIndex:
             extra = [n for n in tensors if n not in weight_map]
             if extra:
                 raise QuantizeError(f"{folder / tensors[extra[0]].file}: holds {extra[0]} which the index does not list; the index is stale, regenerate it")
-        return cls(folder, tensors, files, config, meta)
+        return cls(folder, tensors, files, config, meta, _revision(folder))
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -187,13 +302,35 @@ def load_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.exists():
         raise QuantizeError(f"{path}: missing; a checkpoint needs its config.json (architectures, sizes)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise QuantizeError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from e
+    cfg = _load_json(path, "file")
     if not isinstance(cfg, dict):
         raise QuantizeError(f"{path}: not a JSON object; fix the file")
+    check_config(cfg, path)
     return cfg
+
+
+def check_config(cfg: dict, where: Path | str) -> None:
+    """The config.json fields this tool reads have the types it reads them as."""
+    arch = cfg.get("architectures")
+    if arch is not None and (type(arch) is not list or not all(isinstance(a, str) for a in arch)):
+        raise QuantizeError(f"{where}: 'architectures' must be a list of class names, not {_short(arch)}; fix the file")
+    _check_quant_config(cfg, where, "")
+    text = cfg.get("text_config")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise QuantizeError(f"{where}: 'text_config' must be an object, not {type(text).__name__}; fix the file")
+        _check_quant_config(text, where, "text_config.")
+
+
+def _check_quant_config(cfg: dict, where: Path | str, prefix: str) -> None:
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return
+    if not isinstance(qc, dict):
+        raise QuantizeError(f"{where}: '{prefix}quantization_config' must be an object, not {type(qc).__name__}; fix the file")
+    block = qc.get("weight_block_size")
+    if block is not None and (type(block) is not list or len(block) != 2 or not all(_is_uint(x) and x > 0 for x in block)):
+        raise QuantizeError(f"{where}: '{prefix}quantization_config.weight_block_size' must be two positive integers like [128, 128], not {_short(block)}; fix the file")
 
 
 def cached_fd(cache: dict, path: Path) -> int:
