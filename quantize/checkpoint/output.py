@@ -124,6 +124,25 @@ def read_record(out: Path) -> dict | None:
     return data
 
 
+def _busy(out: Path, holder: str) -> QuantizeError:
+    return QuantizeError(f"{out}: another quantize run is writing this folder{f' (pid {holder})' if holder else ''}; wait for it to end or choose another OUT")
+
+
+def _refuse_if_busy(out: Path) -> None:
+    """Probe the lock of an existing output without creating anything: a run in progress is named
+    before any other verdict on the folder."""
+    lock = out / RECORD_DIR / LOCK
+    if out.is_symlink() or not lock.is_file() or lock.is_symlink():
+        return
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(out, os.pread(fd, 64, 0).decode(errors="replace").strip()) from None
+    finally:
+        os.close(fd)
+
+
 def _has_content(out: Path) -> bool:
     """Anything in ``out`` besides an empty record folder (a run that died before its record)."""
     for p in out.iterdir():
@@ -153,11 +172,15 @@ class Output:
         out = Path(out)
         if resume and overwrite:
             raise QuantizeError(f"{out}: --resume and --overwrite together; pass one of them")
-        if out.is_symlink():
-            raise QuantizeError(f"{out}: is a symlink; pass the real folder (outputs are never written through a symlink)")
-        if out.exists() and not out.is_dir():
-            raise QuantizeError(f"{out}: exists and is a file, not a folder; choose another OUT")
-        o = out.resolve()
+        try:
+            if out.is_symlink():
+                raise QuantizeError(f"{out}: is a symlink; pass the real folder (outputs are never written through a symlink)")
+            if out.exists() and not out.is_dir():
+                raise QuantizeError(f"{out}: exists and is a file, not a folder; choose another OUT")
+            o = out.resolve()
+            _refuse_if_busy(out)
+        except OSError as e:
+            raise _oserror(out, e, "looking at the output folder") from e
         for i in inputs:
             ip = Path(i).resolve()
             roots = [ip] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
@@ -174,7 +197,7 @@ class Output:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
             os.close(fd)
-            raise QuantizeError(f"{out}: another quantize run is writing this folder{f' (pid {holder})' if holder else ''}; wait for it to end or choose another OUT") from None
+            raise _busy(out, holder) from None
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)

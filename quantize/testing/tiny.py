@@ -21,6 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..archs import REGISTRY
+from ..checkpoint.manifest import write_manifest
+from ..checkpoint.output import Output
+from ..errors import QuantizeError
 from ..archs.base import ROLES
 from ..formats import fp8
 
@@ -95,12 +98,22 @@ def make_tiny(
     num_shards: int = 3,
     overrides: dict | None = None,
     mtp: bool = True,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a tiny ``arch`` checkpoint to ``out`` and return the path."""
+    """Write a tiny ``arch`` checkpoint to ``out`` (through the guarded output layer) and return
+    the path."""
     if arch not in TINY:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY)}")
+        raise QuantizeError(f"make-tiny {arch}: unknown tiny architecture; choose one of {', '.join(TINY)}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    key = {"arch": arch, "fp8_source": fp8_source, "seed": seed, "num_shards": num_shards, "overrides": overrides, "mtp": mtp}
+    with Output.open(out, "make-tiny", [], overwrite=overwrite, key=key) as o:
+        _make(arch, out, fp8_source, seed, num_shards, overrides, mtp)
+        o.complete()
+        write_manifest(o, {"kind": "make-tiny", "options": key})
+    return out
+
+
+def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, overrides: dict | None, mtp: bool) -> None:
     torch.manual_seed(seed)
     cfg, model = _build_model(arch, overrides)
     model = model.to(torch.bfloat16).eval()
@@ -162,7 +175,6 @@ def make_tiny(
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "max_new_tokens": 16}, indent=2))
     (out / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>")
     _write_tokenizer(out, int(text["vocab_size"]))
-    return out
 
 
 def _natural(name: str):
