@@ -1,15 +1,21 @@
 """``quantize check``: run the packed INT4 kernels on exactly what was written and compare with
 references; check shapes against the serving kernels' rules; for a sharded folder, prove the split.
 
-Per INT4 tensor: our unpack equals compressed-tensors' ``unpack_from_int32`` bit for bit; the CPU
-kernel (and Triton on a GPU) on random activations equals the fp32 reference within tolerance;
-with ``source``, the error against the source weight (FP8 dequantized or BF16): relative error and
-SNR. Sharded: every slice matches its manifest checksum, and the concatenation of column-parallel
-outputs and the sum of row-parallel partial products equal the unsharded product (fp32).
+Every file against the SHA-256 that ``quantize_manifest.json`` records for it (a missing, changed
+or unrecorded weight file fails, named). Per INT4 tensor: our unpack equals compressed-tensors'
+``unpack_from_int32`` bit for bit; the CPU kernel (and Triton on a GPU) on random activations
+equals the fp32 reference within tolerance. With ``source``: EVERY tensor against what the source
+implies, exactly — copies byte for byte, FP8 dequantized to BF16 bit for bit, INT4 re-quantized
+from the source with the recorded group size and observer (round-to-nearest is deterministic) and
+compared code for code and scale for scale — plus each INT4 tensor's relative error and SNR against
+the source. A zeroed o_proj or a few flipped bytes anywhere fail, naming the tensor. Sharded: every
+slice matches its manifest checksum, and the concatenation of column-parallel outputs and the sum
+of row-parallel partial products equal the unsharded product (fp32).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -19,9 +25,12 @@ import torch
 
 from . import archs
 from .checkpoint.index import CheckpointIndex, read_tensor
+from .checkpoint.manifest import MANIFEST as QUANTIZE_MANIFEST
+from .checkpoint.output import RECORD_DIR, confined, sha256_file
+from .checkpoint.reader import FP8_SCALE_NAMES, WeightReader
 from .errors import QuantizeError
 from .events import Emit, null_emit
-from .formats import fp8
+from .formats import int4 as int4_fmt
 from .formats.int4 import unpack_int4
 from .kernels.cpu import CpuW4A16
 from .kernels.reference import w4a16_reference
@@ -50,6 +59,7 @@ class CheckReport:
     sharded: bool
     rows: list[Row]
     failures: list[str]
+    verified: dict = field(default_factory=dict)  # what was proven: files by SHA-256, tensors against the source
 
     @property
     def ok(self) -> bool:
@@ -57,7 +67,7 @@ class CheckReport:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "tp": self.tp, "sharded": self.sharded, "ok": self.ok, "failures": self.failures,
-                "summary": self.summary(), "tensors": [asdict(r) for r in self.rows]}
+                "verified": self.verified, "summary": self.summary(), "tensors": [asdict(r) for r in self.rows]}
 
     def summary(self) -> dict:
         out: dict[str, dict] = {}
@@ -94,18 +104,117 @@ def _kernel_err(x: torch.Tensor, packed, scale, shape) -> tuple[float, torch.Ten
     return err, ref
 
 
-def _source_weight(src: CheckpointIndex, module: str) -> torch.Tensor | None:
-    name = module + ".weight"
-    if name not in src.tensors:
+def verify_files(model: Path) -> tuple[list[str], dict]:
+    """Every file against its SHA-256 in ``quantize_manifest.json``; weight files the manifest does
+    not record fail too. -> (failures, manifest)."""
+    path = model / QUANTIZE_MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest.get("files") or manifest["outputs"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except FileNotFoundError:
+        return [f"{path}: missing, so no file can be proven; the output is incomplete or was not written by quantize"], {}
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        return [f"{path}: not a quantize manifest (needs per-file SHA-256 under 'files'); the output is corrupt"], {}
+    failures = []
+    for name, rec in sorted(files.items()):
+        p = confined(model, name, str(path))
+        if not p.is_file():
+            failures.append(f"{p}: recorded in the manifest but missing")
+        elif p.stat().st_size != rec.get("bytes") or sha256_file(p) != rec.get("sha256"):
+            failures.append(f"{p}: SHA-256 differs from the manifest; the file changed after it was written")
+    for p in sorted(model.rglob("*.safetensors")):
+        rel = p.relative_to(model).as_posix()
+        if rel.split("/")[0] != RECORD_DIR and rel not in files:
+            failures.append(f"{p}: a weight file the manifest does not record")
+    return failures, manifest
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None when bit-identical, else how they differ."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype}{list(a.shape)} where the source implies {b.dtype}{list(b.shape)}"
+    av, bv = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    if torch.equal(av, bv):
         return None
-    w = read_tensor(src.folder, src.tensors[name])
-    for sname in (module + ".weight_scale_inv", module + ".weight_scale"):
-        if w.dtype == torch.float8_e4m3fn and sname in src.tensors:
-            s = read_tensor(src.folder, src.tensors[sname])
-            if tuple(s.shape) == fp8.block_grid(tuple(w.shape)):
-                return fp8.dequant_block(w, s, dtype=torch.float32)
-            return fp8.dequant_channel(w, s, dtype=torch.float32)
-    return w.float()
+    n = int((a.reshape(-1).view(torch.uint8).view(-1, a.element_size()) != b.reshape(-1).view(torch.uint8).view(-1, b.element_size())).any(1).sum())
+    return f"{n} of {a.numel()} values differ"
+
+
+KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "k_proj.k_scale", "v_proj.v_scale")
+
+
+def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: dict, rows: dict[str, "Row"],
+                          max_source_rel_err: float, emit: Emit = null_emit) -> tuple[list[str], int]:
+    """Every output tensor against what the source implies, exactly. -> (failures, tensors proven)."""
+    o, s = WeightReader(out), WeightReader(src)
+    observer = options.get("observer") or "minmax"
+    failures: list[str] = []
+    proven = 0
+    accounted: set[str] = set()
+    try:
+        names = [n for n in src.tensors if n.rpartition(".")[2] not in FP8_SCALE_NAMES + ("input_scale",)
+                 or n.rpartition(".")[0] + ".weight" not in src.tensors]
+        emit({"event": "start", "stage": "check against source", "total_bytes": len(names), "done_bytes": 0})
+        for i, name in enumerate(names):
+            emit({"event": "tensor", "name": name, "done_bytes": i + 1})
+            base = name[: -len(".weight")] if name.endswith(".weight") else None
+            where = f"{out.folder}: tensor {name}"
+            if name in out.tensors:
+                got, ref = o.raw(name), s.raw(name)
+                accounted.add(name)
+                if got.dtype == ref.dtype:  # a copy, or an FP8 weight kept FP8 with its scale
+                    d = _diff(got, ref)
+                    if d is None and got.dtype == torch.float8_e4m3fn:
+                        sc = s.fp8_scale(name)
+                        kept = base + ".weight_scale"
+                        accounted.add(kept)
+                        d = _diff(o.raw(kept), s.raw(sc[0].name)) if sc and kept in out.tensors else "its scale is missing"
+                elif ref.dtype == torch.float8_e4m3fn:
+                    d = _diff(got, s.weight(name, torch.bfloat16))
+                else:
+                    d = f"{got.dtype} where the source holds {ref.dtype}"
+                if d:
+                    failures.append(f"{where}: differs from the source ({d})")
+                else:
+                    proven += 1
+                continue
+            if base is not None and base + ".weight_packed" in out.tensors:
+                accounted.update(base + x for x in (".weight_packed", ".weight_scale", ".weight_shape"))
+                packed, scale = o.raw(base + ".weight_packed"), o.raw(base + ".weight_scale")
+                shape = [int(v) for v in o.raw(base + ".weight_shape").tolist()]
+                ref_shape = list(src.tensors[name].shape)
+                if shape != ref_shape or scale.shape[0] != shape[0] or shape[1] % scale.shape[1]:
+                    failures.append(f"{where}: INT4 shape {shape} / scale {list(scale.shape)} do not fit the source {ref_shape}")
+                    continue
+                fp8src = s.scheme(name).startswith("fp8")
+                w = s.weight(name, torch.bfloat16 if fp8src else src.tensors[name].torch_dtype)
+                g = shape[1] // scale.shape[1]
+                exp = int4_fmt.quantize_pack(w, g, observer, scale.dtype)
+                d = _diff(packed, exp.packed) or _diff(scale, exp.scale)
+                if d:
+                    failures.append(f"{where}: INT4 codes/scales differ from re-quantizing the source (group {g}, observer {observer}: {d})")
+                else:
+                    proven += 1
+                row = rows.get(base)
+                if row is not None:
+                    ref32 = w.float()
+                    deq = int4_fmt.dequantize_int4(packed, scale, tuple(shape), dtype=torch.float32)
+                    err, refn = float((deq - ref32).norm()), float(ref32.norm())
+                    row.source_rel_err = err / refn if refn else 0.0
+                    row.snr_db = 20 * math.log10(refn / err) if err > 0 else float("inf")
+                    if row.source_rel_err > max_source_rel_err:
+                        row.failures.append(f"{base}: relative error {row.source_rel_err:.3f} against the source exceeds {max_source_rel_err}")
+                continue
+            failures.append(f"{where}: in the source but not in the output")
+        for name in out.tensors:
+            if name not in accounted and not name.endswith(KV_SCALE_SUFFIXES):
+                failures.append(f"{out.folder}: tensor {name} is in the output but nothing in the source implies it")
+    finally:
+        o.close()
+        s.close()
+    return failures, proven
 
 
 def check(model: str | os.PathLike, tp: int | None = None, source: str | os.PathLike | None = None,
@@ -115,7 +224,8 @@ def check(model: str | os.PathLike, tp: int | None = None, source: str | os.Path
         return _check_sharded(model, source, tokens, seed, emit)
     index = CheckpointIndex.open(model)
     arch = archs.resolve(index.config, str(model / "config.json"))
-    failures: list[str] = []
+    failures, manifest = verify_files(model)
+    verified = {"files_sha256": len((manifest.get("files") or manifest.get("outputs") or {})) - len(failures)}
     if tp:
         try:
             plan_shard(model, tp)
@@ -145,23 +255,15 @@ def check(model: str | os.PathLike, tp: int | None = None, source: str | os.Path
         row.kernel_rel_err, _ = _kernel_err(x, packed, scale, shape)
         if not row.kernel_rel_err <= KERNEL_RTOL:
             row.failures.append(f"{m}: W4A16 kernel differs from the reference (rel. error {row.kernel_rel_err:.3g} > {KERNEL_RTOL})")
-        if src is not None:
-            w = _source_weight(src, m)
-            if w is None:
-                row.failures.append(f"{m}: not in the source checkpoint {source}")
-            else:
-                deq = ours.float().view(shape[0], scale.shape[1], -1).mul_(scale.float().unsqueeze(-1)).view(shape)
-                err = float((deq - w).norm())
-                ref = float(w.norm())
-                row.source_rel_err = err / ref if ref else 0.0
-                row.snr_db = 20 * math.log10(ref / err) if err > 0 else float("inf")
-                if row.source_rel_err > max_source_rel_err:
-                    row.failures.append(f"{m}: relative error {row.source_rel_err:.3f} against the source exceeds {max_source_rel_err}")
         rows.append(row)
         emit({"event": "tensor", "name": m, "done_bytes": i + 1})
+    if src is not None:
+        bad, proven = verify_against_source(index, src, manifest.get("options") or {}, {r.tensor: r for r in rows}, max_source_rel_err, emit)
+        failures += bad
+        verified["tensors_exact_vs_source"] = proven
     failures += [f for r in rows for f in r.failures]
     emit({"event": "done"})
-    return CheckReport(str(model), tp, False, rows, failures)
+    return CheckReport(str(model), tp, False, rows, failures, verified)
 
 
 def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) -> CheckReport:

@@ -18,9 +18,9 @@ from typing import Callable, Iterator
 import torch
 
 from .. import archs
-from ..checkpoint.index import CheckpointIndex, read_tensor
+from ..checkpoint.index import CheckpointIndex
+from ..checkpoint.reader import WeightReader
 from ..errors import QuantizeError
-from ..formats import fp8, int4
 
 HF_BY_MODEL_TYPE = {"llama": ("llama", "Llama"), "qwen2": ("qwen2", "Qwen2"), "qwen3": ("qwen3", "Qwen3"),
                     "mistral": ("mistral", "Mistral")}
@@ -46,33 +46,16 @@ class LayerStreamer:
         self.num_layers = int(self.config.num_hidden_layers)
         if not any(n.startswith(self._layer_prefix(0) + "self_attn.") for n in self.index.tensors):
             raise QuantizeError(f"{self.folder}: no attention tensors under {self._layer_prefix(0)}self_attn.*; nothing to calibrate")
-        self._fds: dict = {}
+        self.reader = WeightReader(self.index)
 
     def _layer_prefix(self, i: int) -> str:
         return f"{self.arch.prefix}model.layers.{i}."
 
     # -- weights -------------------------------------------------------------------------------
     def tensor(self, name: str) -> torch.Tensor:
-        """One parameter by on-disk name, dequantized to ``self.dtype``."""
-        t = self.index.tensors
-        base = name[: -len(".weight")] if name.endswith(".weight") else None
-        if name in t:
-            w = read_tensor(self.folder, t[name], self._fds)
-            if w.dtype == torch.float8_e4m3fn and base is not None:
-                for sname in (base + ".weight_scale_inv", base + ".weight_scale"):
-                    if sname in t:
-                        s = read_tensor(self.folder, t[sname], self._fds)
-                        # bf16(fp8 * scale), as a BF16 checkpoint of the model (and convert) holds it
-                        if tuple(s.shape) == fp8.block_grid(tuple(w.shape)):
-                            return fp8.dequant_block(w, s).to(self.dtype)
-                        return fp8.dequant_channel(w, s).to(self.dtype)
-            return w.to(self.dtype)
-        if base is not None and base + ".weight_packed" in t:
-            packed = read_tensor(self.folder, t[base + ".weight_packed"], self._fds)
-            scale = read_tensor(self.folder, t[base + ".weight_scale"], self._fds)
-            shape = tuple(int(v) for v in read_tensor(self.folder, t[base + ".weight_shape"], self._fds).tolist())
-            return int4.dequantize_int4(packed, scale, shape, dtype=torch.float32).to(self.dtype)
-        raise QuantizeError(f"{self.folder}: tensor {name} (or its INT4/FP8 form) is missing; the checkpoint is incomplete")
+        """One parameter by on-disk name, dequantized to ``self.dtype`` (FP8 as bf16(fp8 * scale),
+        as a BF16 checkpoint of the model and convert hold it; INT4 unpacked)."""
+        return self.reader.weight(name, self.dtype)
 
     def _param(self, prefix: str, key: str, n_experts: int) -> torch.Tensor:
         """In-memory parameter ``key`` of the layer at ``prefix``: on-disk per-expert tensors are
@@ -142,8 +125,4 @@ class LayerStreamer:
             yield i, hidden
 
     def close(self) -> None:
-        import os
-
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.reader.close()

@@ -1,0 +1,118 @@
+"""quantize check verifies everything it can: every file against the manifest's SHA-256, and with
+--source every tensor against what the source implies (copies and FP8 dequantization bit for bit,
+INT4 re-quantized code for code)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantize.check import check
+from quantize.checkpoint.output import sha256_file
+
+
+@pytest.fixture
+def out(converted, tmp_path):
+    d = tmp_path / "o"
+    shutil.copytree(converted("glm_moe_dsa", group_size=32, observer="mse"), d)
+    return d
+
+
+def _edit(folder, name, fn, fix_manifest=False):
+    idx = json.loads((folder / "model.safetensors.index.json").read_text())
+    f = folder / idx["weight_map"][name]
+    with safe_open(f, "pt") as fh:
+        t = {k: fh.get_tensor(k) for k in fh.keys()}
+        meta = fh.metadata()
+    fn(t)
+    save_file(t, str(f), metadata=meta)
+    if fix_manifest:  # a change the manifest was (wrongly) updated for: only the source can tell
+        m = json.loads((folder / "quantize_manifest.json").read_text())
+        m["files"][f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        (folder / "quantize_manifest.json").write_text(json.dumps(m))
+    return f
+
+
+def test_clean_output_proves_every_file_and_tensor(out, tiny):
+    rep = check(out, source=tiny("glm_moe_dsa"))
+    assert rep.ok, rep.failures
+    n_files = len(json.loads((out / "quantize_manifest.json").read_text())["files"])
+    assert rep.verified["files_sha256"] == n_files > 5
+    n_out = sum(1 for _ in out.glob("*.safetensors"))
+    assert n_out >= 2
+    from quantize.checkpoint.index import CheckpointIndex
+
+    idx = CheckpointIndex.open(out)
+    n_int4 = sum(1 for n in idx.tensors if n.endswith(".weight_packed"))
+    n_plain = sum(1 for n in idx.tensors if not n.endswith((".weight_packed", ".weight_scale", ".weight_shape")))
+    assert rep.verified["tensors_exact_vs_source"] == n_int4 + n_plain
+
+
+def test_changed_file_fails_its_sha(out):
+    f = _edit(out, "model.layers.0.self_attn.o_proj.weight", lambda t: t["model.layers.0.self_attn.o_proj.weight"].zero_())
+    rep = check(out)
+    assert not rep.ok and any(f.name in x and "SHA-256" in x for x in rep.failures)
+
+
+def test_missing_or_unrecorded_files(out):
+    (out / "tokenizer.json").unlink()
+    (out / "extra.safetensors").write_bytes((out / "model-00001-of-00003.safetensors").read_bytes())
+    rep = check(out)
+    assert any("tokenizer.json" in x and "missing" in x for x in rep.failures)
+    assert any("extra.safetensors" in x and "does not record" in x for x in rep.failures)
+
+
+def test_no_manifest_fails(out):
+    (out / "quantize_manifest.json").unlink()
+    rep = check(out)
+    assert not rep.ok and any("quantize_manifest.json" in x and "missing" in x for x in rep.failures)
+
+
+@pytest.mark.parametrize("name,how", [
+    ("model.layers.0.self_attn.o_proj.weight", "zero"),                  # BF16 (dequantized FP8) attention
+    ("model.layers.1.input_layernorm.weight", "flip"),                  # a norm copied as is
+    ("model.layers.1.mlp.gate.e_score_correction_bias", "flip"),         # fp32 router bias
+    ("model.layers.2.mlp.experts.5.down_proj.weight_packed", "flip"),   # INT4 codes
+    ("model.layers.1.mlp.experts.0.up_proj.weight_scale", "flip"),      # INT4 scales
+])
+def test_source_catches_any_changed_tensor(out, tiny, name, how):
+    def fn(t):
+        x = t[name]
+        if how == "zero":
+            x.zero_()
+        else:
+            raw = x.view(torch.uint8).view(-1)
+            raw[:3] ^= 0x10  # a few flipped bits
+    _edit(out, name, fn, fix_manifest=True)
+    assert check(out).ok  # the manifest alone cannot see it now
+    rep = check(out, source=tiny("glm_moe_dsa"))
+    assert not rep.ok
+    module = name.rsplit(".", 1)[0]
+    assert any(module in x and "differ" in x for x in rep.failures), rep.failures
+
+
+def test_source_catches_a_dropped_or_added_tensor(out, tiny):
+    name = "model.layers.1.post_attention_layernorm.weight"
+
+    def fn(t):
+        t["model.layers.1.extra.weight"] = t.pop(name)
+    _edit(out, name, fn, fix_manifest=True)
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["model.layers.1.extra.weight"] = idx["weight_map"].pop(name)
+    (out / "model.safetensors.index.json").write_text(json.dumps(idx))
+    rep = check(out, source=tiny("glm_moe_dsa"))
+    assert any(name in x and "not in the output" in x for x in rep.failures)
+    assert any("model.layers.1.extra.weight" in x and "nothing in the source" in x for x in rep.failures)
+
+
+def test_cli_check_names_the_tensor_and_exits_1(out, tiny):
+    name = "model.layers.0.self_attn.o_proj.weight"
+    _edit(out, name, lambda t: t[name].zero_(), fix_manifest=True)
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "check", str(out), "--source", str(tiny("glm_moe_dsa"))],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and name in p.stderr
