@@ -73,8 +73,8 @@ def convert(
 def plan(
     source: Path = typer.Argument(..., help="checkpoint folder, or a folder / config.json with no weights"),
     tp: int = typer.Option(1, help="tensor parallelism for per-rank bytes"),
-    group_size: int = typer.Option(32),
-    profile: str = typer.Option("experts"),
+    group_size: Optional[int] = typer.Option(None, help="INT4 group size: 32, 64 or 128 (default 32, or the recipe's)"),
+    profile: Optional[str] = typer.Option(None, help="experts (default) or all-linear; with --recipe the recipe decides"),
     keep_fp8: bool = typer.Option(False, "--keep-fp8"),
     recipe: Optional[str] = typer.Option(None),
     gpu_mem_gib: Optional[float] = typer.Option(None, help="GPU memory (default: H200, 140.4 GiB)"),
@@ -231,7 +231,7 @@ def eval_cmd(
     markdown: Optional[Path] = typer.Option(None, help="write the Markdown table (for the model card) here"),
     base_url: Optional[str] = typer.Option(None, help="evaluate the candidate as served by an OpenAI-compatible server (SGLang/vLLM)"),
     baseline_url: Optional[str] = typer.Option(None, help="likewise for the baseline"),
-    device: str = typer.Option("cpu", help="where local models run: cpu or cuda"),
+    device: str = typer.Option("cpu", help="where local models run (lm-eval tasks and --kld): cpu or cuda"),
     kld: bool = typer.Option(False, "--kld", help="next-token KL divergence of candidate against baseline instead"),
     text: Optional[Path] = typer.Option(None, help="plain text for --kld (default: shipped text)"),
     tokens: int = typer.Option(8192, help="--kld: tokens of text to score"),
@@ -247,7 +247,7 @@ def eval_cmd(
         from .evaluate.kld import kld as run_kld
 
         rep = _run(run_kld, baseline, candidate, text=text, tokens=tokens, chunk=chunk, save_baseline=save_baseline,
-                   baseline_logits=baseline_logits, out=out)
+                   baseline_logits=baseline_logits, out=out, device=device)
         if json_out:
             typer.echo(json.dumps(rep.to_dict(), indent=1))
             return

@@ -12,7 +12,7 @@ import json
 import math
 import os
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import archs
@@ -27,21 +27,44 @@ SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zer
 CT_VERSION = "0.19.0"
 
 
+DEFAULT_GROUP_SIZE = 32
+DEFAULT_PROFILE = "experts"
+DEFAULT_OBSERVER = "minmax"
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
-    group_size: int = 32
-    profile: str = "experts"
-    observer: str = "minmax"
+    """None: not given by the user. ``resolve`` fills it from the recipe or the defaults (group 32,
+    profile experts, observer minmax); a built plan's options are never None."""
+
+    group_size: int | None = None
+    profile: str | None = None
+    observer: str | None = None
     keep_fp8: bool = False
     recipe: str | None = None
 
     def validate(self) -> None:
-        if self.group_size not in int4.SUPPORTED_GROUP_SIZES:
+        if self.group_size is not None and self.group_size not in int4.SUPPORTED_GROUP_SIZES:
             raise QuantizeError(f"--group-size {self.group_size}: not served by the engines' INT4 kernels; use one of {', '.join(map(str, int4.SUPPORTED_GROUP_SIZES))}")
-        if self.profile not in archs.base.PROFILES:
+        if self.profile is not None and self.profile not in archs.base.PROFILES:
             raise QuantizeError(f"--profile {self.profile}: unknown; use one of {', '.join(archs.base.PROFILES)}")
-        if self.observer not in int4.OBSERVERS:
+        if self.observer is not None and self.observer not in int4.OBSERVERS:
             raise QuantizeError(f"--observer {self.observer}: unknown; use one of {', '.join(int4.OBSERVERS)}")
+
+    def resolve(self, recipe: Recipe | None) -> "ConvertOptions":
+        """The options the plan runs with: explicit values, else the recipe's, else the defaults. A
+        flag that contradicts the recipe is refused rather than silently replaced."""
+        if recipe is None:
+            return replace(self, group_size=self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZE,
+                           profile=self.profile or DEFAULT_PROFILE, observer=self.observer or DEFAULT_OBSERVER)
+        if self.group_size is not None and self.group_size != recipe.group_size:
+            raise QuantizeError(f"--group-size {self.group_size} conflicts with group_size {recipe.group_size} in {recipe.path}; drop the flag or edit the recipe")
+        if self.observer is not None and recipe.observer is not None and self.observer != recipe.observer:
+            raise QuantizeError(f"--observer {self.observer} conflicts with observer {recipe.observer} in {recipe.path}; drop the flag or edit the recipe")
+        if self.profile is not None and self.profile != DEFAULT_PROFILE:
+            raise QuantizeError(f"--profile {self.profile} conflicts with {recipe.path}, whose targets and ignore list decide what is INT4; drop the flag or edit the recipe")
+        return replace(self, group_size=recipe.group_size, profile=DEFAULT_PROFILE,
+                       observer=self.observer or recipe.observer or DEFAULT_OBSERVER)
 
 
 @dataclass
@@ -216,9 +239,7 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
     options.validate()
     folder = Path(source)
     recipe = load_recipe(options.recipe) if options.recipe else None
-    if recipe is not None:
-        options = ConvertOptions(group_size=recipe.group_size, profile=options.profile,
-                                 observer=recipe.observer or options.observer, keep_fp8=options.keep_fp8, recipe=options.recipe)
+    options = options.resolve(recipe)  # never None from here on: plan.options is what the record and manifest hold
     has_tensors = folder.is_dir() and (any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").exists())
     if has_tensors or not allow_config_only:
         index = CheckpointIndex.open(folder)
@@ -363,35 +384,20 @@ def quantization_config(arch: Architecture, config: dict, options: ConvertOption
         ignore, targets = list(recipe.ignore), list(recipe.targets)
     else:
         ignore, targets = ignore_list(arch, config, options, roles, fp8_roles), ["Linear"]
-    groups = {
-        "config_group_0": {
-            "format": "pack-quantized",
-            "input_activations": None,
-            "output_activations": None,
-            "targets": targets,
-            "weights": int4.weights_args(options.group_size),
-        }
-    }
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    # compressed-tensors' own models, dumped as its 0.19 writes them (llmcompressor's update_config)
+    groups = {"config_group_0": QuantizationScheme(targets=targets, format="pack-quantized",
+                                                   weights=QuantizationArgs.model_validate(int4.weights_args(options.group_size)))}
     kept = sorted({j.module for s in shards for j in s.jobs if j.kind == "keep_fp8"})
-    if kept:
-        groups["config_group_1"] = {
-            "format": "float-quantized",
-            "input_activations": {"actorder": None, "block_structure": None, "dynamic": True, "group_size": 128, "num_bits": 8, "observer": None, "observer_kwargs": {}, "scale_dtype": None, "strategy": "group", "symmetric": True, "type": "float", "zp_dtype": None},
-            "output_activations": None,
-            "targets": keep_fp8_targets(arch, shards),
-            "weights": {"actorder": None, "block_structure": [128, 128], "dynamic": False, "group_size": None, "num_bits": 8, "observer": None, "observer_kwargs": {}, "scale_dtype": None, "strategy": "block", "symmetric": True, "type": "float", "zp_dtype": None},
-        }
-    return {
-        "config_groups": groups,
-        "format": "mixed-precision" if kept else "pack-quantized",
-        "global_compression_ratio": None,
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
-        "transform_config": {},
-        "version": CT_VERSION,
-    }
+    if kept:  # the vendor's 128x128 block FP8 weights, dynamic per-128-group FP8 activations
+        groups["config_group_1"] = QuantizationScheme(
+            targets=keep_fp8_targets(arch, shards), format="float-quantized",
+            weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128], dynamic=False),
+            input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group", group_size=128, dynamic=True))
+    qc = QuantizationConfig(config_groups=groups, format="mixed-precision" if kept else "pack-quantized", ignore=ignore,
+                            quantization_status="compressed", kv_cache_scheme=None, global_compression_ratio=None)
+    return {"version": CT_VERSION, "quant_method": "compressed-tensors", "transform_config": {}, **qc.model_dump(mode="json")}
 
 
 # --keep-fp8: the BF16 indexer head is ignored on its own; everything else of attention is FP8
@@ -482,18 +488,32 @@ def validate_plan(plan: Plan, recipe: Recipe | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-def plan(source: str | os.PathLike, tp: int = 1, group_size: int = 32, profile: str = "experts",
+def plan(source: str | os.PathLike, tp: int = 1, group_size: int | None = None, profile: str | None = None,
          keep_fp8: bool = False, recipe: str | None = None, gpu_mem_gib: float | None = None,
          mem_fraction: float | None = None, reserve_gib: float | None = None) -> Plan:
     """``quantize plan``: the conversion plan from headers (or config.json alone), no tensor data,
-    with KV-cache capacity per GPU (``Plan.kv``) for the given GPU memory inputs."""
+    with KV-cache capacity per GPU (``Plan.kv``) for the given GPU memory inputs. ``group_size`` /
+    ``profile`` None: not given (the recipe's, else 32 / experts)."""
     from . import kvcache
 
     if tp < 1:
         raise QuantizeError(f"--tp {tp}: must be at least 1")
+    # kvcache.capacity's inputs, checked before any file is read
+    gpu = gpu_mem_gib if gpu_mem_gib is not None else kvcache.H200_GIB
+    frac = mem_fraction if mem_fraction is not None else kvcache.DEFAULT_MEM_FRACTION
+    reserve = reserve_gib if reserve_gib is not None else kvcache.DEFAULT_RESERVE_GIB
+    if not (gpu > 0 and math.isfinite(gpu)):
+        raise QuantizeError(f"--gpu-mem-gib {gpu}: GPU memory must be a positive number of GiB (e.g. 140.4 for an H200)")
+    if not 0 < frac <= 1:
+        raise QuantizeError(f"--mem-fraction {frac}: the share of GPU memory for weights and KV cache must be in (0, 1] (e.g. 0.85)")
+    if not (reserve >= 0 and math.isfinite(reserve)):
+        raise QuantizeError(f"--reserve-gib {reserve}: the memory kept free must be 0 or more GiB (e.g. 4)")
     p = build_plan(Path(source), ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe), tp=tp, allow_config_only=True)
-    p.kv = kvcache.capacity(p.arch, p.config, p.per_rank_bytes(tp)[1], tp,
-                            gpu_mem_gib if gpu_mem_gib is not None else kvcache.H200_GIB,
-                            mem_fraction if mem_fraction is not None else kvcache.DEFAULT_MEM_FRACTION,
-                            reserve_gib if reserve_gib is not None else kvcache.DEFAULT_RESERVE_GIB)
+    # the same rule as ``quantize shard``: attention heads split evenly over the ranks
+    heads = int(p.arch.text_config(p.config).get("num_attention_heads", tp))
+    if heads % tp:
+        where = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+        fits = [t for t in range(1, heads + 1) if heads % t == 0 and t <= 64]
+        raise QuantizeError(f"--tp {tp}: {heads} attention heads in {where} do not split over TP {tp}; use a TP that divides {heads} ({', '.join(map(str, fits))})")
+    p.kv = kvcache.capacity(p.arch, p.config, p.per_rank_bytes(tp)[1], tp, gpu, frac, reserve)
     return p

@@ -28,6 +28,12 @@ def _full_model(path):
     return tm.float().eval()  # a decompressed INT4 model comes back in bf16: fp32 is exact from there
 
 
+def _num_layers(path) -> int:
+    """Decoder layers in config.json (Kimi: under text_config); the MTP layer is not cached."""
+    cfg = json.loads((path / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["num_hidden_layers"])
+
+
 CASES = [("llama", False, False), ("glm_moe_dsa", False, False), ("kimi_k25", False, False), ("kimi_k25", True, True), ("glm_moe_dsa", True, True)]
 
 
@@ -40,6 +46,7 @@ def test_layer_streaming_equals_full_forward(arch, fp8, int4, tiny, tmp_path):
     ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(1))
     s = LayerStreamer(path)
     ours = [h for _, h in s.stream([ids[0], ids[1]])]
+    assert len(ours) == s.num_layers == _num_layers(path)
     tm = _full_model(path)
     caps = []
     hooks = [L.register_forward_hook(lambda mod, a, out: caps.append((out[0] if isinstance(out, tuple) else out).detach()))
@@ -76,6 +83,7 @@ def test_amax_equals_transformers_dynamic_cache(arch, tiny, request, tmp_path):
             k, v = layer.keys.abs().max().item(), layer.values.abs().max().item()
             a = amax.setdefault(i, [0.0, 0.0])
             a[0], a[1] = max(a[0], k), max(a[1], v)
+    assert [r.layer for r in res.layers] == list(range(_num_layers(path))) == sorted(amax)
     for r in res.layers:
         k, v = amax[r.layer]
         if res.layout == "mla":  # keys = kv_c_normed (latent), values = k_pe (rope): one row
@@ -97,6 +105,7 @@ def kimi_int4(tiny, tmp_path_factory):
 def test_mla_compressed_tensors_target_loads_in_transformers(kimi_int4, tmp_path):
     res = calibrate_kv(kimi_int4, tmp_path / "o", samples=4, seq_len=32, target="compressed-tensors")
     m = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(tmp_path / "o", dtype=torch.float32)
+    assert [r.layer for r in res.layers] == list(range(_num_layers(kimi_int4)))
     for r in res.layers:
         attn = m.model.language_model.layers[r.layer].self_attn
         assert attn.k_scale.item() == pytest.approx(r.scale, rel=1e-6) and attn.v_scale.item() == pytest.approx(r.scale, rel=1e-6)
@@ -111,6 +120,7 @@ def test_bf16_moe_needs_convert_first(tiny, tmp_path):
 def test_sglang_names_for_mla_and_reuse_of_stats(kimi_int4, tmp_path):
     path = kimi_int4
     r1 = calibrate_kv(path, tmp_path / "o1", samples=8, seq_len=64, target="sglang", stats_out=tmp_path / "st.json")
+    assert len(r1.layers) == _num_layers(path) == 3
     t = load_dir(tmp_path / "o1")
     names = [n for n in t if n.endswith(("k_scale", "v_scale"))]
     assert sorted(names) == sorted(f"language_model.model.layers.{i}.self_attn.{p}" for i in range(3) for p in ("k_proj.k_scale", "v_proj.v_scale"))
@@ -135,6 +145,7 @@ def test_compressed_tensors_target_loads_in_transformers(tiny, tmp_path):
     path = tiny("llama", fp8_source=False)
     res = calibrate_kv(path, tmp_path / "o", samples=8, seq_len=64, target="compressed-tensors")
     m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.float32)  # bf16 would round the scales
+    assert [r.layer for r in res.layers] == list(range(_num_layers(path)))
     for r in res.layers:
         attn = m.model.layers[r.layer].self_attn
         assert attn.k_scale.item() == pytest.approx(r.k_scale, rel=1e-6)
@@ -142,7 +153,9 @@ def test_compressed_tensors_target_loads_in_transformers(tiny, tmp_path):
 
 
 def test_glm_dsa_writes_no_scales_but_reports(tiny, tmp_path):
-    res = calibrate_kv(tiny("glm_moe_dsa", fp8_source=False), tmp_path / "o", samples=4, seq_len=32)
+    path = tiny("glm_moe_dsa", fp8_source=False)
+    res = calibrate_kv(path, tmp_path / "o", samples=4, seq_len=32)
+    assert [r.layer for r in res.layers] == list(range(_num_layers(path)))
     assert res.out is None and not (tmp_path / "o").exists()
     assert "no checkpoint scale" in res.verdict
     assert all(r.attn_rel_err_tiles is not None and 0 < r.attn_rel_err_tiles < 0.2 for r in res.layers)
@@ -194,6 +207,7 @@ def test_layer_streaming_fp8_source_equals_ct_dequantized_forward(tiny, tmp_path
         L.register_forward_hook(lambda mod, a, out: caps.append((out[0] if isinstance(out, tuple) else out).detach()))
     with torch.no_grad():
         tm(input_ids=ids.unsqueeze(0))
+    assert len(ours) == len(caps) == _num_layers(src)
     for a, b in zip(ours, caps):
         assert float((a - b).norm() / b.norm()) < 1e-5
 
@@ -215,6 +229,7 @@ def test_glm_amax_equals_independent_hooks(tiny, tmp_path):
     with torch.no_grad():
         tm(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
     rope = int(tm.config.qk_rope_head_dim)
+    assert [r.layer for r in res.layers] == list(range(_num_layers(path))) == sorted(lat)
     for r in res.layers:
         assert r.amax_latent == pytest.approx(lat[r.layer], rel=1e-5)
         assert r.amax_rope == pytest.approx(float(cache.layers[r.layer].keys[..., -rope:].abs().max()), rel=1e-5)
@@ -228,5 +243,52 @@ def test_parquet_and_folder_data(tiny, tmp_path):
     d.mkdir()
     pq.write_table(pa.table({"question": ["how many are in this", "what is it"], "n": [1, 2]}), d / "a.parquet")
     (d / "b.txt").write_text("the a of to and\n\nin is it that for")
-    res = calibrate_kv(tiny("llama", fp8_source=False), tmp_path / "o", data=str(d), samples=10, seq_len=32)
-    assert res.samples == 4 and res.dropped_short == 0
+    path = tiny("llama", fp8_source=False)
+    res = calibrate_kv(path, tmp_path / "o", data=str(d), samples=10, seq_len=32)
+    assert res.samples == 4 and res.dropped_short == 0 and len(res.layers) == _num_layers(path)
+
+
+def test_sample_options_refused_before_the_model_is_opened(tiny, tmp_path, monkeypatch):
+    import quantize.calibrate.kv as kv
+
+    def boom(*a, **k):
+        raise AssertionError("the model was opened before the options were checked")
+
+    monkeypatch.setattr(kv, "LayerStreamer", boom)
+    path = tiny("llama", fp8_source=False)
+    for kw, msg in [(dict(samples=0), r"^--samples 0: must be at least 1"), (dict(samples=-5), r"^--samples -5: "),
+                    (dict(seq_len=0), r"^--seq-len 0: must be at least 2 tokens"), (dict(seq_len=1), r"^--seq-len 1: ")]:
+        with pytest.raises(QuantizeError, match=msg):
+            calibrate_kv(path, tmp_path / "o", **kw)
+    assert not (tmp_path / "o").exists()
+
+
+def test_binary_and_undecodable_data_files_named(tiny, tmp_path):
+    """Binary or non-UTF-8 calibration files are refused in one line naming the file (they used to
+    surface as a UnicodeDecodeError or a pyarrow traceback)."""
+    import re
+    import subprocess
+    import sys
+
+    path = tiny("llama", fp8_source=False)
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.txt").write_text("the a of to and in is it that for")
+    binary = d / "b.jsonl"
+    binary.write_bytes(b'{"text": "ok"}\n' + bytes(range(256)))
+    with pytest.raises(QuantizeError, match=rf"^{re.escape(str(binary))}: binary data \(NUL byte at offset 15\), not text; pass UTF-8"):
+        calibrate_kv(path, tmp_path / "o1", data=str(d), samples=2, seq_len=16)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(QuantizeError, match=rf"^{re.escape(str(latin))}: not UTF-8 text \(byte 0xe9 at offset 3\); re-encode it as UTF-8"):
+        calibrate_kv(path, tmp_path / "o2", data=str(latin), samples=2, seq_len=16)
+    fake = tmp_path / "fake.parquet"
+    fake.write_bytes(b"PAR1 this is not a parquet file")
+    with pytest.raises(QuantizeError, match=rf"^{re.escape(str(fake))}: not a readable Parquet file \(.*\); pass another --data$"):
+        calibrate_kv(path, tmp_path / "o3", data=str(fake), samples=2, seq_len=16)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes("\ufeff".encode() + b'{"text": "the a of to and in is it that for"}\n')
+    assert calibrate_kv(path, tmp_path / "o4", data=str(bom), samples=2, seq_len=16).samples == 1  # a UTF-8 BOM is fine
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "calibrate-kv", str(path), "--out", str(tmp_path / "o5"), "--data", str(latin)],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and f"{latin}: not UTF-8 text" in p.stderr

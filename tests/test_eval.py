@@ -128,3 +128,73 @@ def test_malformed_data_file_named(models, tmp_path):
     (d / "arc" / "arc_easy.jsonl").write_text('{"query": "Question: x", "choices": ["a", "b"], "gold": 0}\n{not json\n')
     with pytest.raises(QuantizeError, match=r"evaluation data could not be read.*arc_easy.jsonl"):
         evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=d)
+
+
+def _arc(d, golds, n=10):
+    """ARC items with one-token answers (the tiny tokenizer is per character): a choice's
+    log-likelihood is then the model's preference, not its length."""
+    items = [{"query": f"Question: Which letter comes after '{w}' in a sentence about item {i}?",
+              "choices": ["b", "c", "d", "e"], "gold": golds[i]}
+             for i, w in enumerate(["it", "of", "is", "and", "to", "in", "for", "on", "as", "by"][:n])]
+    (d / "arc" / "arc_easy.jsonl").write_text("\n".join(json.dumps(x) for x in items))
+
+
+def _negated_head(base, out):
+    """The baseline with its output layer negated: it prefers what the baseline finds least likely."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(base, out)
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            if "lm_head.weight" not in fh.keys():
+                continue
+            t = {k: fh.get_tensor(k) for k in fh.keys()}
+            meta = fh.metadata()
+        t["lm_head.weight"] = -t["lm_head.weight"]
+        save_file(t, str(f), metadata=meta)
+        return out
+    raise AssertionError("no lm_head.weight")
+
+
+def test_gate_fails_on_a_real_drop_and_cli_exits_1(models, tmp_path):
+    """The gate's failing path on real models: ARC items whose gold answer is the baseline's own
+    choice (baseline 100%), against the baseline with its output layer negated. The drop is far
+    beyond -max-drop, so the task and the report fail, and `quantize eval` exits 1."""
+    from quantize.evaluate.run import _run_model
+
+    base, _ = models
+    data = _data(tmp_path)
+    _arc(data, [0] * 10)
+    configs, _ = task_configs(["arc_easy"], data)
+    picks = {s["doc_id"]: int(np.argmax([ll for ll, _ in s["filtered_resps"]])) for s in _run_model(str(base), configs, None, "cpu", 1)["samples"]["arc_easy"]}
+    assert sorted(picks) == list(range(10))
+    _arc(data, [picks[i] for i in range(10)])
+    bad = _negated_head(base, tmp_path / "negated")
+    rep = evaluate(base, bad, tasks="arc_easy", data_dir=data, max_drop=1.0, resamples=2000, out=tmp_path / "r.json")
+    t = rep.tasks[0]
+    assert t.n == 10 and t.baseline == 100.0 and t.candidate <= 50.0
+    assert t.ci_high < -1.0 and t.passed is False and t.verdict == "FAIL" and rep.passed is False
+    assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval", "--baseline", str(base), "--candidate", str(bad),
+                        "--tasks", "arc_easy", "--data-dir", str(data), "--json"], capture_output=True, text=True, cwd=tmp_path)
+    doc = json.loads(p.stdout[p.stdout.index("{"):])
+    assert doc["passed"] is False and doc["tasks"]["arc_easy"]["verdict"] == "FAIL"
+    assert p.returncode == 1, p.stderr[-2000:]
+    # the same items against the baseline itself pass: the failure is the drop, not the data
+    assert evaluate(base, base, tasks="arc_easy", data_dir=data, resamples=200).passed
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
+def test_cuda_device_without_gpu_refused_before_running(models, tmp_path, monkeypatch):
+    import quantize.evaluate.run as run
+
+    monkeypatch.setattr(run, "_run_model", lambda *a, **k: pytest.fail("a model ran"))
+    base, cand = models
+    with pytest.raises(QuantizeError, match=r"^--device cuda: no CUDA GPU is visible here; use --device cpu$"):
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), device="cuda")
+    with pytest.raises(QuantizeError, match=r"^--device gpu0: unknown; use cpu, cuda or cuda:N$"):
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), device="gpu0")

@@ -2,8 +2,11 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from quantize.convert import convert
 from quantize.errors import QuantizeError
@@ -51,3 +54,31 @@ def test_different_tokenizers_refused(pair, tiny, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(QuantizeError, match="tokenizer differs"):
         kld(base, other, tokens=100)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_cuda_device_without_gpu_refused_in_one_line(pair, tmp_path):
+    """`quantize eval --kld --device cuda` reaches kld (it used to be dropped, the models ran on the
+    CPU) and, with no GPU, is refused in one line before anything loads."""
+    base, cand = pair
+    with pytest.raises(QuantizeError, match=r"^--device cuda: no CUDA GPU is visible here; use --device cpu$"):
+        kld(base, cand, tokens=50, device="cuda")
+    with pytest.raises(QuantizeError, match=r"^--device cuda:1: no CUDA GPU"):
+        kld(base, cand, tokens=50, device="cuda:1")
+    with pytest.raises(QuantizeError, match=r"^--device tpu: unknown; use cpu, cuda or cuda:N$"):
+        kld(base, cand, tokens=50, device="tpu")
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval", "--kld", "--baseline", str(base), "--candidate", str(cand),
+                        "--tokens", "50", "--chunk", "32", "--device", "cuda"], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == "error: --device cuda: no CUDA GPU is visible here; use --device cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kld_on_gpu_equals_cpu(pair, tmp_path):
+    base, cand = pair
+    cpu = kld(base, cand, tokens=300, chunk=64)
+    gpu = kld(base, cand, tokens=300, chunk=64, device="cuda", save_baseline=tmp_path / "b.st")
+    assert gpu.tokens == cpu.tokens == 300
+    assert gpu.kld_mean == pytest.approx(cpu.kld_mean, rel=1e-3) and gpu.top1_agreement == pytest.approx(cpu.top1_agreement, abs=0.01)
+    assert gpu.ppl_candidate == pytest.approx(cpu.ppl_candidate, rel=1e-4)
+    reused = kld(None, cand, tokens=300, chunk=64, device="cuda", baseline_logits=tmp_path / "b.st")
+    assert reused.kld_mean == pytest.approx(cpu.kld_mean, rel=1e-2)

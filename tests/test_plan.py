@@ -1,13 +1,15 @@
 """plan: from headers (or config.json alone), no tensor data; published GLM-5 figures."""
 
+import io
 import json
+import os
+import struct
 import subprocess
 import sys
 
 import pytest
 
-import quantize.checkpoint.index as index_mod
-from quantize.plan import plan
+from quantize.plan import ConvertOptions, build_plan, plan
 from quantize.errors import QuantizeError
 
 GiB = 2**30
@@ -48,12 +50,61 @@ def test_mtp_layers_counted(glm5_config_dir, tmp_path):
     assert 10.5 * GiB < with_mtp["source_bytes"] - without["source_bytes"] < 11.5 * GiB  # one MoE layer + eh_proj + head
 
 
-def test_plan_reads_no_tensor_data(tiny, monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("plan read tensor data")
+def _rchar() -> int:
+    """Bytes this process has read through read(2)/pread(2)/readv(2)/... so far, from any library."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
-    monkeypatch.setattr(index_mod, "read_tensor", boom)
-    s = plan(tiny("kimi_k25"), tp=2).summary()
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_plan_reads_no_tensor_data(tiny, monkeypatch):
+    """Counts the bytes the process really reads while planning: every read-family system call of
+    any library (the kernel's rchar), and, per call, where in which file each os-level read
+    (os.read/pread/readv/preadv, which read_tensor uses) lands. config.json, the index and each
+    shard's 8-byte length + JSON header may be read; no byte at or past a shard's data start."""
+    src = tiny("kimi_k25")
+    shards = sorted(src.glob("*.safetensors"))
+    data_start = {}
+    for f in shards:
+        with open(f, "rb") as fh:
+            data_start[str(f.resolve())] = 8 + struct.unpack("<Q", fh.read(8))[0]
+    small = sum((src / n).stat().st_size for n in ("config.json", "model.safetensors.index.json"))
+    # buffered header reads may run ahead to the end of the buffer (one buffer per shard at most)
+    buf = max(io.DEFAULT_BUFFER_SIZE, *(f.stat().st_blksize for f in shards))
+    allowed = small + sum(-(-n // buf) * buf for n in data_start.values()) + 1024  # + reading /proc/self/io
+    tensor_bytes = sum(f.stat().st_size for f in shards) - sum(data_start.values())
+    assert tensor_bytes > 50 * (allowed - small - sum(data_start.values()))  # the bound sees any real read
+    plan(tiny("kimi_k25"), tp=2)  # modules imported lazily are read here, outside the count
+
+    reads: list[tuple[str, int | None, int]] = []
+
+    def spy(name):
+        real = getattr(os, name)
+
+        def wrapper(fd, *args):
+            try:
+                off = args[-1] if name in ("pread", "preadv") else os.lseek(fd, 0, os.SEEK_CUR)
+            except OSError:
+                off = None  # a pipe
+            got = real(fd, *args)
+            try:
+                path = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                path = "?"
+            reads.append((path, off, len(got) if isinstance(got, bytes) else got))
+            return got
+
+        monkeypatch.setattr(os, name, wrapper)
+
+    for name in ("read", "pread", "readv", "preadv"):
+        spy(name)
+    before = _rchar()
+    s = plan(src, tp=2).summary()
+    read = _rchar() - before
+    monkeypatch.undo()
+    into_data = [(p, off, n) for p, off, n in reads if p in data_start and (off is None or off + n > data_start[p])]
+    assert into_data == []
+    assert read <= allowed, f"plan read {read} bytes; headers, config.json and the index are at most {allowed}"
     assert s["roles"]["expert_down"] == {"int4": 24} and s["roles"]["vision"]["copy"] > 0
     assert s["per_rank_output_bytes"] < s["output_bytes"]
 
@@ -108,3 +159,69 @@ def test_kv_capacity_glm5_dsa_layout(glm5_config_dir):
 def test_kv_capacity_gqa_splits_heads(tiny):
     s = plan(tiny("llama", fp8_source=False), tp=2).summary()
     assert s["kv_bytes_per_token"]["bf16"] == 2 * 2 * (2 // 2) * 64 * 2  # layers x K,V x kv heads/rank x head_dim x 2 B
+
+
+def test_plan_refuses_bad_capacity_inputs_and_tp(tiny, glm5_config_dir):
+    """Each refused in one line naming the option, before the KV capacity is computed from it."""
+    src = tiny("kimi_k25")  # 4 attention heads
+    for kw, msg in [(dict(mem_fraction=0.0), r"--mem-fraction 0\.0: .* \(0, 1\]"), (dict(mem_fraction=1.5), r"--mem-fraction 1\.5: "),
+                    (dict(mem_fraction=float("nan")), r"--mem-fraction nan: "), (dict(gpu_mem_gib=-80.0), r"--gpu-mem-gib -80\.0: .*positive"),
+                    (dict(gpu_mem_gib=0.0), r"--gpu-mem-gib 0\.0: "), (dict(reserve_gib=-1.0), r"--reserve-gib -1\.0: "),
+                    (dict(tp=3), r"--tp 3: 4 attention heads in .*config\.json do not split over TP 3; use a TP that divides 4 \(1, 2, 4\)")]:
+        with pytest.raises(QuantizeError, match=msg) as e:
+            plan(src, **kw)
+        assert "\n" not in str(e.value)
+    # the full-size GLM-5 config: 64 heads, which TP 6 does not divide
+    with pytest.raises(QuantizeError, match=r"--tp 6: 64 attention heads"):
+        plan(glm5_config_dir, tp=6)
+    assert plan(src, tp=4, mem_fraction=1.0, reserve_gib=0.0).kv.mem_fraction == 1.0  # the edges are allowed
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "plan", str(src), "--mem-fraction", "2"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--mem-fraction 2.0" in p.stderr
+
+
+def test_kimi_text_config_heads_decide_tp(tmp_path):
+    d = _kimi_k26_config_dir(tmp_path)
+    with pytest.raises(QuantizeError, match=r"--tp 48: 64 attention heads"):
+        plan(d, tp=48)
+
+
+def _recipe(tmp_path, group=32, observer=None):
+    f = tmp_path / f"r{group}{observer or ''}.yaml"
+    obs = f", observer: {observer}" if observer else ""
+    f.write_text(f"""quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: ["lm_head", "re:.*embed_tokens.*"]
+      config_groups:
+        group_0:
+          targets: ["re:.*mlp\\\\.experts\\\\..*"]
+          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: {group}{obs}}}
+""")
+    return str(f)
+
+
+def test_recipe_conflicting_flags_refused_and_resolved_options_recorded(tiny, tmp_path):
+    """An explicit --group-size / --observer / non-default --profile that contradicts the recipe is
+    refused in one line (it used to be replaced silently); values not given come from the recipe,
+    else the defaults, and the plan's options (what the resume record and manifest hold) are the
+    resolved ones, never None."""
+    src = tiny("glm_moe_dsa")
+    r128, r64mse = _recipe(tmp_path, 128), _recipe(tmp_path, 64, "mse")
+    with pytest.raises(QuantizeError, match=rf"^--group-size 64 conflicts with group_size 128 in {r128}; drop the flag or edit the recipe$"):
+        plan(src, recipe=r128, group_size=64)
+    with pytest.raises(QuantizeError, match=rf"^--profile all-linear conflicts with {r128}, whose targets and ignore list decide what is INT4"):
+        plan(src, recipe=r128, profile="all-linear")
+    with pytest.raises(QuantizeError, match=rf"^--observer minmax conflicts with observer mse in {r64mse}; drop the flag or edit the recipe$"):
+        build_plan(src, ConvertOptions(observer="minmax", recipe=r64mse))
+    assert plan(src, recipe=r128).options == ConvertOptions(group_size=128, profile="experts", observer="minmax", recipe=r128)
+    assert plan(src, recipe=r128, group_size=128, profile="experts").options.group_size == 128  # agreeing flags are fine
+    assert build_plan(src, ConvertOptions(recipe=r64mse)).options.observer == "mse"
+    assert build_plan(src, ConvertOptions(observer="mse", recipe=r128)).options.observer == "mse"  # the recipe names no observer
+    p = plan(src)
+    assert p.options == ConvertOptions(group_size=32, profile="experts", observer="minmax")
+    assert p.summary()["options"] == {"group_size": 32, "profile": "experts", "observer": "minmax", "keep_fp8": False, "recipe": None}
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "plan", str(src), "--recipe", r128, "--group-size", "32"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip() == f"error: --group-size 32 conflicts with group_size 128 in {r128}; drop the flag or edit the recipe"
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "plan", str(src), "--recipe", r128, "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(p.stdout)["options"]["group_size"] == 128

@@ -24,9 +24,32 @@ class Samples:
     source: str
 
 
+def validate_sample_options(samples: int, seq_len: int) -> None:
+    """``--samples`` / ``--seq-len``, checked before the model or the data is touched."""
+    if samples < 1:
+        raise QuantizeError(f"--samples {samples}: must be at least 1 (e.g. 512)")
+    if seq_len < 2:  # a sample needs a token and the next one; shorter samples are dropped
+        raise QuantizeError(f"--seq-len {seq_len}: must be at least 2 tokens (e.g. 2048)")
+
+
+def _read_text(path: Path) -> str:
+    """A calibration file's text: UTF-8 (a BOM is dropped); binary or other encodings named in one line."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise QuantizeError(f"{path}: cannot read ({e.strerror}); pass another --data") from e
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise QuantizeError(f"{path}: binary data (NUL byte at offset {nul}), not text; pass UTF-8 .jsonl/.txt or a .parquet file as --data")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise QuantizeError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); re-encode it as UTF-8 or pass another --data") from e
+
+
 def _texts_from_jsonl(path: Path) -> list[str]:
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -49,7 +72,10 @@ def _texts_from_jsonl(path: Path) -> list[str]:
 def _texts_from_parquet(path: Path) -> list[str]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
+        raise QuantizeError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:120]}); pass another --data") from e
     cols = [c for c in TEXT_FIELDS if c in table.column_names] or [f.name for f in table.schema if str(f.type) in ("string", "large_string")]
     if not cols:
         raise QuantizeError(f"{path}: no text column (looked for {', '.join(TEXT_FIELDS)} or any string column)")
@@ -57,7 +83,7 @@ def _texts_from_parquet(path: Path) -> list[str]:
 
 
 def _texts_from_txt(path: Path) -> list[str]:
-    return [p.strip() for p in path.read_text().split("\n\n") if p.strip()]
+    return [p.strip() for p in _read_text(path).split("\n\n") if p.strip()]
 
 
 READERS = {".jsonl": _texts_from_jsonl, ".json": _texts_from_jsonl, ".txt": _texts_from_txt, ".parquet": _texts_from_parquet}

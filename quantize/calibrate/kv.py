@@ -27,20 +27,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from compressed_tensors.quantization import QuantizationArgs
+
 from ..checkpoint.index import INDEX_NAME
 from ..checkpoint.writer import atomic_write_text
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
-from .data import build_samples
+from .data import build_samples, validate_sample_options
 from .runner import LayerStreamer
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
 E4M3_ZERO_BELOW = 2.0**-10  # half the smallest subnormal (2^-9): rounds to zero
 TARGETS = ("sglang", "vllm", "compressed-tensors")
-KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
-                   "block_structure": None, "dynamic": False, "actorder": None, "scale_dtype": None, "zp_dtype": None,
-                   "observer": None, "observer_kwargs": {}}
+KV_CACHE_SCHEME = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False).model_dump(mode="json")
 STATS_VERSION = 1
 
 
@@ -319,6 +319,7 @@ def calibrate_kv(
     emit: Emit = null_emit,
 ) -> KvResult:
     model = Path(model)
+    validate_sample_options(samples, seq_len)
     if target not in TARGETS:
         raise QuantizeError(f"--target {target}: unknown; use one of {', '.join(TARGETS)}")
     if clip is not None and not 0.9 <= clip < 1.0:

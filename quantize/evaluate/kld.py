@@ -46,7 +46,21 @@ class KldReport:
         return asdict(self)
 
 
-def _load(path: Path, dtype: torch.dtype):
+def check_device(device: str) -> torch.device:
+    """``--device`` for local models: cpu, or cuda / cuda:N when that GPU is visible; one line otherwise."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise QuantizeError(f"--device {device}: unknown; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise QuantizeError(f"--device {device}: no CUDA GPU is visible here; use --device cpu")
+    dev = torch.device(device)
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise QuantizeError(f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) are visible; use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return dev
+
+
+def _load(path: Path, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
     import transformers
 
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else None
@@ -59,7 +73,7 @@ def _load(path: Path, dtype: torch.dtype):
         m = cls.from_pretrained(str(path), dtype=dtype)
     except Exception as e:  # noqa: BLE001 - surface one line naming the model
         raise QuantizeError(f"{path}: transformers cannot load this model ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
-    return m.to(dtype).eval()
+    return m.to(device=device, dtype=dtype).eval()
 
 
 def _tokenizer(path: Path):
@@ -74,8 +88,9 @@ def _same_tokenizer(a, b, text: str, pa: Path, pb: Path) -> None:
 
 
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [len(ids), vocab] in fp32, on the model's device."""
     with torch.no_grad():
-        out = model(input_ids=ids.unsqueeze(0))
+        out = model(input_ids=ids.unsqueeze(0).to(model.device))
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
@@ -89,8 +104,11 @@ def kld(
     baseline_logits: str | os.PathLike | None = None,
     dtype: str = "float32",
     out: str | os.PathLike | None = None,
+    device: str = "cpu",
     emit: Emit = null_emit,
 ) -> KldReport:
+    """``device``: where both models run (cpu, cuda, cuda:N); the statistics are the same."""
+    dev = check_device(device)  # before anything is read or loaded
     cand_path = Path(candidate)
     text_path = Path(text) if text else DEFAULT_TEXT
     try:
@@ -117,8 +135,8 @@ def kld(
         meta = saved["meta"]
         if meta["token_ids_sha"] != _sha_ids(ids, chunk):
             raise QuantizeError(f"{baseline_logits}: saved for another text, token count or chunk size; recompute it with --save-baseline")
-    base_model = _load(Path(baseline), tdtype) if saved is None else None
-    cand_model = _load(cand_path, tdtype)
+    base_model = _load(Path(baseline), tdtype, dev) if saved is None else None
+    cand_model = _load(cand_path, tdtype, dev)
     if base_model is not None and base_model.config.vocab_size != cand_model.config.vocab_size:
         raise QuantizeError(f"{cand_path}: vocabulary {cand_model.config.vocab_size} differs from the baseline's {base_model.config.vocab_size}")
 
@@ -133,19 +151,19 @@ def kld(
     emit({"event": "start", "stage": "kld", "total_bytes": len(chunks), "done_bytes": 0})
     try:
         for i, c in enumerate(chunks):
-            target = c[1:]
+            target = c[1:].to(dev)
             if saved is not None:
-                lb = read_tensor(saved["folder"], saved["refs"][f"chunk.{i}"]).float()
+                lb = read_tensor(saved["folder"], saved["refs"][f"chunk.{i}"]).float().to(dev)
             else:
                 lb = _logprobs(base_model, c[:-1])
                 if writer is not None:
-                    writer.write_tensor(f"chunk.{i}", lb.to(torch.float16))
+                    writer.write_tensor(f"chunk.{i}", lb.to(torch.float16).cpu())
             lc = _logprobs(cand_model, c[:-1])
             if lb.shape != lc.shape:
                 raise QuantizeError(f"{cand_path}: logits shape {tuple(lc.shape)} differs from the baseline's {tuple(lb.shape)}")
             pb = lb.exp()
             kl = (pb * (lb - lc)).sum(-1).clamp_min(0)
-            kl_all.append(kl)
+            kl_all.append(kl.cpu())
             agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
             nll_b -= float(lb.gather(-1, target.unsqueeze(-1)).sum())
             nll_c -= float(lc.gather(-1, target.unsqueeze(-1)).sum())

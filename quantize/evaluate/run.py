@@ -154,6 +154,10 @@ def evaluate(baseline: str | os.PathLike, candidate: str | os.PathLike, tasks: s
              baseline_url: str | None = None) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline."""
+    if not (base_url and baseline_url):  # a model runs here: refuse a GPU that is not there before anything loads
+        from .kld import check_device
+
+        check_device(device)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     configs, groups = task_configs(names, data_dir, max_gen_toks)
     for url in (base_url, baseline_url):

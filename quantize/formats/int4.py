@@ -168,18 +168,9 @@ def quantize_pack(
 
 
 def weights_args(group_size: int, observer: str | None = None) -> dict:
-    """The ``weights`` QuantizationArgs dict compressed-tensors 0.19 writes for W4A16."""
-    return {
-        "actorder": None,
-        "block_structure": None,
-        "dynamic": False,
-        "group_size": group_size,
-        "num_bits": NUM_BITS,
-        "observer": observer,
-        "observer_kwargs": {},
-        "scale_dtype": None,
-        "strategy": "group",
-        "symmetric": True,
-        "type": "int",
-        "zp_dtype": None,
-    }
+    """The ``weights`` QuantizationArgs dict compressed-tensors 0.19 writes for W4A16, from its own
+    pydantic model."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=NUM_BITS, type="int", symmetric=True, strategy="group", group_size=group_size,
+                            dynamic=False, observer=observer).model_dump(mode="json")
