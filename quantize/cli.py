@@ -42,9 +42,9 @@ def _bytes(n: int) -> str:
 def convert(
     source: Path = typer.Argument(..., help="source checkpoint folder (block FP8, compressed-tensors FP8, or BF16/FP16)"),
     out: Path = typer.Argument(..., help="output folder (must not exist unless --resume/--overwrite)"),
-    group_size: int = typer.Option(32, help="INT4 group size along K: 32, 64 or 128"),
-    profile: str = typer.Option("experts", help="experts (routed experts INT4, Kimi's layout) or all-linear"),
-    observer: str = typer.Option("minmax", help="minmax (bit-identical to compressed-tensors RTN) or mse (clipping search)"),
+    group_size: Optional[int] = typer.Option(None, help="INT4 group size along K: 32 (default), 64 or 128"),
+    profile: Optional[str] = typer.Option(None, help="experts (default: routed experts INT4, Kimi's layout) or all-linear"),
+    observer: Optional[str] = typer.Option(None, help="minmax (default, bit-identical to compressed-tensors RTN), mse (clipping search), fullrange (all 16 codes: scale = signed extreme / -8), fullrange-mse"),
     keep_fp8: bool = typer.Option(False, "--keep-fp8", help="leave non-INT4 FP8 weights FP8 (block) instead of BF16"),
     recipe: Optional[str] = typer.Option(None, help="llm-compressor recipe YAML (targets / ignore / group size)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUT (same options)"),
@@ -162,7 +162,12 @@ def check_cmd(
         for role, d in rep.summary().items():
             t.add_row(role, str(d["tensors"]), str(d["failed"]), fmt(d["max_kernel_rel_err"], ".2e"), fmt(d["max_source_rel_err"], ".4f"),
                       fmt(d["min_snr_db"], ".1f"), fmt(d["max_shard_err"], ".1e"))
-        Console().print(t)
+        c = Console()
+        c.print(t)
+        v = rep.verified
+        if v:
+            c.print(f"proven: {v.get('files_sha256', 0)} files by SHA-256 against the manifest"
+                    + (f"; {v['tensors_exact_vs_source']} tensors exactly against the source" if "tensors_exact_vs_source" in v else ""))
         for f in rep.failures[:20]:
             typer.echo(f"FAIL {f}", err=True)
     if not rep.ok:
@@ -172,24 +177,27 @@ def check_cmd(
 @app.command("calibrate-kv")
 def calibrate_kv_cmd(
     model: Path = typer.Argument(..., help="checkpoint folder (BF16, block FP8 or a quantize convert output) with its tokenizer"),
-    out: Optional[Path] = typer.Option(None, help="new checkpoint with the scales (not written for GLM-5 DSA)"),
+    out: Optional[Path] = typer.Option(None, help="new checkpoint: the scales (compressed-tensors target, GQA) or, with --fold, the folded MLA model; without it, the report only"),
     data: Optional[str] = typer.Option(None, help="jsonl/txt/parquet file or folder, or hf:NAME; default: the shipped corpus"),
     samples: int = typer.Option(512),
     seq_len: int = typer.Option(2048),
-    target: str = typer.Option("sglang", help="sglang | vllm | compressed-tensors: which names the scales get"),
+    target: str = typer.Option("sglang", help="sglang | vllm | compressed-tensors: the engine the artifact is for (MLA on sglang/vllm: unit scale, no scales written)"),
     clip: Optional[float] = typer.Option(None, help="percentile clip (e.g. 0.9999) instead of absmax"),
+    fold: bool = typer.Option(False, "--fold", help="MLA: fold the cache range into the weights (exact, powers of two) so the engines' unit-scale FP8 cache is in range"),
+    fold_headroom: float = typer.Option(2.0, help="--fold keeps the cache's amax at or below 448 / headroom"),
     stats_out: Optional[Path] = typer.Option(None, help="write per-layer statistics JSON (reusable with --stats)"),
     stats: Optional[Path] = typer.Option(None, help="reuse a --stats-out file instead of recomputing"),
     chat_template: bool = typer.Option(False, "--chat-template", help="wrap each sample in the tokenizer's chat template"),
     overwrite: bool = typer.Option(False, "--overwrite"),
     json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ):
-    """FP8 (e4m3) KV-cache scales, one decoder layer at a time, with a per-layer report."""
+    """What FP8 (e4m3) does to the KV cache, layer by layer, and what each engine can use of it;
+    writes scales or a folded model where that is what the engine needs."""
     from .calibrate.kv import calibrate_kv
 
     res = _run(calibrate_kv, model, out, data=data, samples=samples, seq_len=seq_len, target=target, clip=clip,
-               stats_out=stats_out, stats=stats, chat_template=chat_template, overwrite=overwrite,
-               emit=_emitter(json_out) if not json_out else (lambda e: None))
+               fold=fold, fold_headroom=fold_headroom, stats_out=stats_out, stats=stats, chat_template=chat_template,
+               overwrite=overwrite, emit=_emitter(json_out) if not json_out else (lambda e: None))
     if json_out:
         typer.echo(json.dumps(res.to_dict(), indent=1))
         return
@@ -200,21 +208,30 @@ def calibrate_kv_cmd(
                     + (f", {res.dropped_short} too short" if res.dropped_short else ""))
     cols = ["layer", "amax", "p99.9", "scale", "overflow@1", "subnormal@1", "zero@1", "overflow@s", "subnormal@s"]
     cols += ["attn err per-128"] if res.layout == "dsa" else ["attn err @1", "attn err @s"]
+    cols += ["fold latent", "fold rope", "|q_abs| after", "|q_pe| after"] if res.fold else []
     cols += ["risk"]
     for c in cols:
         t.add_column(c)
-    for r in res.layers:
+    for i, r in enumerate(res.layers):
         row = [str(r.layer), f"{r.amax:.4g}", f"{r.percentile:.4g}", f"{r.scale:.4g}", f"{r.overflow_unit:.1e}", f"{r.subnormal_unit:.2%}",
                f"{r.zero_unit:.2%}", f"{r.overflow_calibrated:.1e}", f"{r.subnormal_calibrated:.2%}"]
         fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
         row += [fmt(r.attn_rel_err_tiles)] if res.layout == "dsa" else [fmt(r.attn_rel_err_unit), fmt(r.attn_rel_err_calibrated)]
+        if res.fold:
+            f = res.fold[i]
+            g = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+            row += [f"x{f['latent']:g}", f"x{f['rope']:g}", g(f["q_absorbed_amax_after"]), g(f["q_pe_amax_after"])]
         row += ["[red]yes[/]" if r.at_risk else "no"]
         t.add_row(*row)
     c = Console()
     c.print(t)
     c.print(res.verdict)
+    for f in res.fold:
+        for note in f["notes"]:
+            c.print(f"[yellow] !! layer {f['layer']}: {note}")
     if res.out:
-        c.print(f"wrote {len(res.written)} scale tensors ({res.target} names) into {res.out}")
+        what = "tensors folded" if fold else f"scale tensors ({res.target} names)"
+        c.print(f"wrote {len(res.written)} {what} into {res.out}")
     if res.stats_path:
         c.print(f"statistics: {res.stats_path}")
 
@@ -296,30 +313,25 @@ def make_tiny(
     fp8_source: bool = typer.Option(True, "--fp8-source/--bf16-source"),
     seed: int = typer.Option(0),
     num_shards: int = typer.Option(3),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier make-tiny output in OUT"),
 ):
     """Write a tiny checkpoint of a real architecture (transformers classes, vendor FP8 layout)."""
     from .testing.tiny import make_tiny as run
 
-    try:
-        p = run(arch, out, fp8_source=fp8_source, seed=seed, num_shards=num_shards)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    typer.echo(str(p))
+    typer.echo(str(_run(run, arch, out, fp8_source=fp8_source, seed=seed, num_shards=num_shards, overwrite=overwrite)))
 
 
 @app.command()
 def demo(out: Path = typer.Option(Path("demo-out"), help="working folder"),
          json_out: bool = typer.Option(False, "--json")):
     """The main job on the embedded default: tiny GLM-5 and Kimi K2.5 FP8 checkpoints -> INT4."""
-    from .testing.tiny import make_tiny as mk
-
     from .convert import convert as run_convert
+    from .testing.tiny import make_tiny as mk
 
     for arch in ("glm_moe_dsa", "kimi_k25"):
         src = out / f"{arch}-fp8"
-        if not (src / "config.json").exists():
-            mk(arch, src)
+        if not (src / "quantize_manifest.json").exists():  # a finished make-tiny output
+            _run(mk, arch, src, overwrite=True)
         typer.echo(f"== {arch}: {src} -> {out / (arch + '-w4a16-g32')}", err=True)
         res = _run(run_convert, src, out / f"{arch}-w4a16-g32", overwrite=True, emit=_emitter(json_out))
         typer.echo(f"   {res.tensors_int4} INT4 tensors, {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)}, "

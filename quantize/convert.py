@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, read_tensor
-from .checkpoint.manifest import source_identity, source_revision, tool_versions, write_manifest
+from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, hub_revision, read_tensor
+from .checkpoint.manifest import source_identity, tool_versions, write_manifest
 from .checkpoint.output import Output, side_files
 from .checkpoint.writer import COPY_CHUNK, StreamWriter
 from .errors import QuantizeError
@@ -114,7 +114,8 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, devi
         rows, k = w.shape
         g = options.group_size
         scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
-        if use_native and scale_dtype == torch.bfloat16 and native.supports(k, g) and (job.scale_format != "block" or job.block[1] % g == 0):
+        if (use_native and scale_dtype == torch.bfloat16 and options.observer in int4.NATIVE_OBSERVERS and native.supports(k, g)
+                and (job.scale_format != "block" or job.block[1] % g == 0)):
             packed, scale, (sq_err, sq_ref, max_err), bad = native.quant_rows(
                 w, s, job.scale_format, g, options.observer, (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM), job.block)
             if bad:
@@ -163,9 +164,9 @@ def _job_key(plan: Plan, ident: dict) -> dict:
 def convert(
     source: str | os.PathLike,
     out: str | os.PathLike,
-    group_size: int = 32,
-    profile: str = "experts",
-    observer: str = "minmax",
+    group_size: int | None = None,
+    profile: str | None = None,
+    observer: str | None = None,
     keep_fp8: bool = False,
     recipe: str | None = None,
     resume: bool = False,
@@ -175,6 +176,8 @@ def convert(
     emit: Emit = null_emit,
 ) -> ConvertResult:
     """FP8/BF16 checkpoint ``source`` -> compressed-tensors pack-quantized INT4 checkpoint ``out``.
+    ``group_size``/``profile``/``observer`` left None take the recipe's values or the defaults
+    (32, experts, minmax); an explicit value that contradicts the recipe is refused.
     ``device="cuda"`` runs the transforms on a GPU (same output bytes)."""
     t0 = time.time()
     if device != "cpu":
@@ -332,7 +335,7 @@ def _finish(plan: Plan, src: Path, o: Output, sides: list[Path], ident: dict, t0
     manifest = {
         "kind": "convert",
         "tool": tool_versions(),
-        "source": {"path": str(src.resolve()), "revision": source_revision(src), "files": ident, "format": plan.source_format},
+        "source": {"path": str(src.resolve()), "revision": hub_revision(src), "files": ident, "format": plan.source_format},
         "options": asdict(plan.options),
         "kernels": kernels,
         "plan": plan.summary(),

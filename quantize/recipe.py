@@ -113,5 +113,5 @@ def load_recipe(path: str | Path) -> Recipe:
     if observer in ("static_minmax", "memoryless_minmax"):
         observer = "minmax"
     if observer is not None and observer not in OBSERVERS:
-        raise QuantizeError(f"{path}: observer {observer!r} is not supported; use minmax or mse")
+        raise QuantizeError(f"{path}: observer {observer!r} is not supported; use one of {', '.join(OBSERVERS)}")
     return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"))

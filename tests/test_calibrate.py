@@ -111,34 +111,41 @@ def test_mla_compressed_tensors_target_loads_in_transformers(kimi_int4, tmp_path
         assert attn.k_scale.item() == pytest.approx(r.scale, rel=1e-6) and attn.v_scale.item() == pytest.approx(r.scale, rel=1e-6)
 
 
-def test_bf16_moe_needs_convert_first(tiny, tmp_path):
+def test_bf16_moe_needs_convert_first_for_ct_scales(tiny, tmp_path):
+    """transformers' loader needs a compressed-tensors weight scheme to carry kv_cache_scheme on a
+    MoE model; the report alone needs nothing."""
     with pytest.raises(QuantizeError, match="run `quantize convert` first"):
-        calibrate_kv(tiny("kimi_k25", fp8_source=False), tmp_path / "o", samples=2, seq_len=16)
+        calibrate_kv(tiny("kimi_k25", fp8_source=False), tmp_path / "o", samples=2, seq_len=16, target="compressed-tensors")
     assert not (tmp_path / "o").exists()
+    res = calibrate_kv(tiny("kimi_k25", fp8_source=False), None, samples=2, seq_len=16)
+    assert len(res.layers) == 3
 
 
-def test_sglang_names_for_mla_and_reuse_of_stats(kimi_int4, tmp_path):
+def test_mla_engine_target_report_stats_reuse_and_fold(kimi_int4, tmp_path):
+    """sglang/vllm cache MLA at unit scale: no scale tensors are written; the report and its stats
+    are reusable, and --fold from reused stats writes the folded model (hard-linking what it
+    does not change)."""
     path = kimi_int4
-    r1 = calibrate_kv(path, tmp_path / "o1", samples=8, seq_len=64, target="sglang", stats_out=tmp_path / "st.json")
+    r1 = calibrate_kv(path, None, samples=8, seq_len=64, target="sglang", stats_out=tmp_path / "st.json")
     assert len(r1.layers) == _num_layers(path) == 3
-    t = load_dir(tmp_path / "o1")
-    names = [n for n in t if n.endswith(("k_scale", "v_scale"))]
-    assert sorted(names) == sorted(f"language_model.model.layers.{i}.self_attn.{p}" for i in range(3) for p in ("k_proj.k_scale", "v_proj.v_scale"))
-    for i, rep in enumerate(r1.layers):
-        k = t[f"language_model.model.layers.{i}.self_attn.k_proj.k_scale"]
-        assert k.shape == () and k.dtype == torch.float32
-        assert float(k) == float(t[f"language_model.model.layers.{i}.self_attn.v_proj.v_scale"]) == pytest.approx(rep.scale)
-    cfg = json.loads((tmp_path / "o1" / "config.json").read_text())
-    from compressed_tensors.quantization import QuantizationConfig
-
-    assert QuantizationConfig.model_validate(cfg["quantization_config"]).kv_cache_scheme.strategy == "tensor"
+    assert r1.out is None and r1.written == [] and "UNIT scale" in r1.verdict
     stats = json.loads((tmp_path / "st.json").read_text())
-    assert [x["layer"] for x in stats["layers"]] == [0, 1, 2] and all("amax" in x and "scale" in x for x in stats["layers"])
-    r2 = calibrate_kv(path, tmp_path / "o2", target="sglang", stats=tmp_path / "st.json")
-    assert load_dir(tmp_path / "o2")["language_model.model.layers.1.self_attn.k_proj.k_scale"] == t["language_model.model.layers.1.self_attn.k_proj.k_scale"]
-    assert r2.samples == r1.samples
-    # unchanged files are shared with (hard-linked to) the source, which is untouched
-    assert (tmp_path / "o1" / "model-00001-of-00003.safetensors").stat().st_ino == (path / "model-00001-of-00003.safetensors").stat().st_ino
+    assert [x["layer"] for x in stats["layers"]] == [0, 1, 2] and all("amax" in x and "scale" in x and x["q_absorbed_amax"] for x in stats["layers"])
+    with pytest.raises(QuantizeError, match="no scale to write"):
+        calibrate_kv(path, tmp_path / "o1", target="vllm", stats=tmp_path / "st.json")
+    r2 = calibrate_kv(path, tmp_path / "o2", target="sglang", stats=tmp_path / "st.json", fold=True)
+    assert r2.samples == r1.samples and len(r2.layers) == 3 and r2.written
+    t = load_dir(tmp_path / "o2")
+    assert not [n for n in t if n.endswith(("k_scale", "v_scale"))]
+    cfg = json.loads((tmp_path / "o2" / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"] is None
+    # shards holding no folded tensor are shared with (hard-linked to) the source, which is untouched
+    idx = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    touched = {idx[n] for n in r2.written}
+    kept = [f for f in sorted(set(idx.values())) if f not in touched]
+    assert kept, "every shard holds a folded tensor: the hard-link path is not exercised"
+    for f in kept:
+        assert (tmp_path / "o2" / f).stat().st_ino == (path / f).stat().st_ino
 
 
 def test_compressed_tensors_target_loads_in_transformers(tiny, tmp_path):
@@ -154,9 +161,12 @@ def test_compressed_tensors_target_loads_in_transformers(tiny, tmp_path):
 
 def test_glm_dsa_writes_no_scales_but_reports(tiny, tmp_path):
     path = tiny("glm_moe_dsa", fp8_source=False)
-    res = calibrate_kv(path, tmp_path / "o", samples=4, seq_len=32)
+    with pytest.raises(QuantizeError, match="nothing to write"):
+        calibrate_kv(path, tmp_path / "o", samples=4, seq_len=32)
+    assert not (tmp_path / "o").exists()
+    res = calibrate_kv(path, None, samples=4, seq_len=32)
     assert [r.layer for r in res.layers] == list(range(_num_layers(path)))
-    assert res.out is None and not (tmp_path / "o").exists()
+    assert res.out is None
     assert "no checkpoint scale" in res.verdict
     assert all(r.attn_rel_err_tiles is not None and 0 < r.attn_rel_err_tiles < 0.2 for r in res.layers)
 
@@ -176,7 +186,7 @@ def test_bad_input(tiny, tmp_path):
     st = tmp_path / "st.json"
     calibrate_kv(path, tmp_path / "o3", samples=2, seq_len=16, stats_out=st)
     with pytest.raises(QuantizeError, match="another model"):
-        calibrate_kv(tiny("kimi_k25", fp8_source=False), tmp_path / "o4", stats=st)
+        calibrate_kv(tiny("kimi_k25", fp8_source=False), None, stats=st)
     noattn = tmp_path / "noattn"
     shutil.copytree(path, noattn)
     from safetensors.torch import save_file

@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,8 +28,12 @@ from safetensors.torch import save_file
 
 from compressed_tensors.quantization import QuantizationArgs
 
-from ..checkpoint.index import INDEX_NAME
-from ..checkpoint.writer import atomic_write_text
+from ..checkpoint.index import INDEX_NAME, cached_fd, hub_revision, read_header
+from ..checkpoint.manifest import tool_versions, write_manifest
+from ..checkpoint.output import SIDE_FILES, TMP_SUFFIX, Output, side_files, write_text_atomic
+from ..checkpoint.writer import Entry, StreamWriter
+from . import fold as folding
+from .fold import FoldFactors
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
 from .data import build_samples, validate_sample_options
@@ -42,6 +45,7 @@ E4M3_ZERO_BELOW = 2.0**-10  # half the smallest subnormal (2^-9): rounds to zero
 TARGETS = ("sglang", "vllm", "compressed-tensors")
 KV_CACHE_SCHEME = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False).model_dump(mode="json")
 STATS_VERSION = 1
+CARRIED = SIDE_FILES  # the model's own manifest is not carried: a fresh one is written
 
 
 class Hist:
@@ -200,6 +204,8 @@ class LayerReport:
     attn_rel_err_unit: float | None = None
     attn_rel_err_calibrated: float | None = None
     attn_rel_err_tiles: float | None = None
+    q_absorbed_amax: float | None = None  # MLA: max |q_nope x W_UK| (what FlashMLA casts to e4m3 with the latent)
+    q_pe_amax: float | None = None  # MLA: max |RoPE(q_pe)|
     at_risk: bool = False
     why: str = ""
 
@@ -229,6 +235,27 @@ def _report_layer(i: int, obs: LayerObs, layout: str, clip: float | None) -> Lay
         r.k_scale = (obs.k.quantile(clip) if clip else obs.k.amax) / E4M3_MAX
         r.v_scale = (obs.v.quantile(clip) if clip else obs.v.amax) / E4M3_MAX
     return r
+
+
+def _query_amax(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], rep: LayerReport) -> None:
+    """MLA: the largest |absorbed query| (q_nope x W_UK, per head, kv_lora_rank wide) and |RoPE(q_pe)|:
+    what a fold divides by its factors, and what SGLang's FlashMLA FP8 path casts to e4m3."""
+    attn, norm = layer.self_attn, layer.input_layernorm
+    nope, rope, heads = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.num_heads
+    w_uk = attn.kv_b_proj.weight.float().view(heads, nope + attn.v_head_dim, -1)[:, :nope]  # [H, nope, R]
+    qa = qp = 0.0
+    with torch.no_grad():
+        for h in inputs:
+            x = norm(h)
+            q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+            q = q.view(*h.shape[:-1], heads, nope + rope).transpose(-3, -2).float()  # [B, H, S, nope+rope]
+            q_nope, q_pe = q[..., :nope], q[..., nope:]
+            _, pe, _ = streamer._context(h)
+            cos, sin = pe
+            q_pe, _ = streamer.modeling.apply_rotary_pos_emb(q_pe, q_pe, cos.float(), sin.float())
+            qa = max(qa, float(torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk).abs().max()))
+            qp = max(qp, float(q_pe.abs().max()))
+    rep.q_absorbed_amax, rep.q_pe_amax = qa, qp
 
 
 def _attn_error(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layout: str, rope_dim: int, rep: LayerReport) -> None:
@@ -296,6 +323,8 @@ class KvResult:
     verdict: str
     written: list[str]
     stats_path: str | None = None
+    engine_scale: str = ""  # what the target engine does with this layout's cache scale
+    fold: list[dict] = field(default_factory=list)  # per layer, with --fold
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -315,46 +344,120 @@ def calibrate_kv(
     stats: str | os.PathLike | None = None,
     chat_template: bool = False,
     error_samples: int = 8,
+    fold: bool = False,
+    fold_headroom: float = 2.0,
     overwrite: bool = False,
     emit: Emit = null_emit,
 ) -> KvResult:
+    """The per-layer KV report for any model the tool reads; with ``out``, a new checkpoint that
+    the target engine uses as intended (../shared/FORMATS.md §9):
+
+    - MLA, ``target`` sglang/vllm: both engines cache the MLA row at unit scale and use no
+      checkpoint scale, so no scale and no ``kv_cache_scheme`` is written; ``fold`` writes the
+      exactly reparametrised model whose unit-scale cache sees a good e4m3 range.
+    - ``target`` compressed-tensors (transformers): ``self_attn.k_scale``/``v_scale`` and
+      ``kv_cache_scheme``.
+    - GQA: K and V scales under the names the engines load, and ``kv_cache_scheme``.
+    - GLM-5 DSA: the report only (the engines compute per-128 scales when they write the cache).
+    """
     model = Path(model)
     validate_sample_options(samples, seq_len)
     if target not in TARGETS:
         raise QuantizeError(f"--target {target}: unknown; use one of {', '.join(TARGETS)}")
     if clip is not None and not 0.9 <= clip < 1.0:
         raise QuantizeError(f"--clip {clip}: a percentile between 0.9 and 1 (e.g. 0.9999), or leave it off for absmax")
+    if not fold_headroom >= 1.0:
+        raise QuantizeError(f"--fold-headroom {fold_headroom}: must be at least 1 (the cache's amax is kept at or below 448 / headroom)")
     streamer = LayerStreamer(model)
     layout = streamer.arch.attention
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     fp = _fingerprint(streamer)
-    if out is not None and layout != "dsa":
-        out = Path(out)
-        if out.exists() and any(out.iterdir()) and not overwrite:
-            raise QuantizeError(f"{out}: already exists; pass --overwrite or choose another folder")
-        if out.resolve() == model.resolve():
-            raise QuantizeError(f"{out}: is the model folder; the source is never modified, choose another OUT")
-    elif layout != "dsa":
-        raise QuantizeError("--out is required: scales are written into a new checkpoint")
-    if stats is not None:
-        reports, meta = _load_stats(Path(stats), fp, streamer)
-    else:
-        reports, meta = _measure(streamer, model, data, samples, seq_len, chat_template, clip, error_samples, layout, rope_dim, emit)
-    streamer.close()
+    mode = _mode(model, layout, target, fold, out is not None)
+    if stats_out is not None and Path(stats_out).resolve().is_relative_to(model.resolve()):
+        raise QuantizeError(f"--stats-out {stats_out}: inside the model folder {model}, which is never modified; write it elsewhere")
+    output = None
+    loaded = _load_stats(Path(stats), fp, streamer) if stats is not None else None
+    if mode == "fold" and loaded is not None and any(r.q_absorbed_amax is None for r in loaded[0]):
+        raise QuantizeError(f"{stats}: written before query statistics were recorded; --fold needs them, recompute the stats with --stats-out")
+    if mode is not None:
+        if mode == "scales":
+            _check_writable_config(model, streamer)  # before the long measurement
+        carried = side_files(model, CARRIED) + [model / f for f in streamer.index.files]
+        output = Output.open(out, "calibrate-kv", [model] + ([Path(stats)] if stats else []) + ([Path(data)] if data and Path(data).exists() else []),
+                             overwrite=overwrite)
+    try:
+        if loaded is not None:
+            reports, meta = loaded
+        else:
+            reports, meta = _measure(streamer, model, data, samples, seq_len, chat_template, clip, error_samples, layout, rope_dim, emit)
+        result = _finish(model, output, carried if output else [], streamer, reports, meta, fp, target, layout, clip, stats_out, mode, fold_headroom)
+    finally:
+        streamer.close()
+        if output is not None:
+            output.close()
+    emit({"event": "done", "written": len(result.written)})
+    return result
+
+
+def _mode(model: Path, layout: str, target: str, fold: bool, writing: bool) -> str | None:
+    """What an ``--out`` checkpoint holds: "scales", "fold", or None (report only); bad
+    combinations refused in one line before anything is measured."""
+    if fold:
+        if layout != "mla":
+            why = ("GLM-5 DSA's FP8 cache carries per-128 dynamic scales, so there is no range to fold" if layout == "dsa"
+                   else "it is an MLA reparametrisation and this model caches K and V per head (GQA); use the scales instead")
+            raise QuantizeError(f"{model}: --fold does not apply: {why}")
+        if target == "compressed-tensors":
+            raise QuantizeError("--fold with --target compressed-tensors: transformers applies the calibrated k_scale itself; "
+                                "fold for the engines (--target sglang or vllm), or drop --fold")
+        if not writing:
+            raise QuantizeError("--fold writes a new checkpoint: pass --out")
+        return "fold"
+    if not writing:
+        return None
+    if layout == "dsa":
+        raise QuantizeError(f"{model}: GLM-5 DSA: the engines compute per-128 KV scales when they write the cache, so there is "
+                            f"nothing to write; drop --out for the report")
+    if layout == "mla" and target in ("sglang", "vllm"):
+        raise QuantizeError(f"--target {target}: {ENGINE_MLA[target]} So there is no scale to write; drop --out for the report, "
+                            f"add --fold to write a model whose unit-scale cache is in range, or --target compressed-tensors for transformers")
+    return "scales"
+
+
+ENGINE_MLA = {
+    "sglang": ("SGLang writes the MLA cache without a scale (mem_cache/memory_pool.py) and its fa3 backend, the H200 default, "
+               "ignores k_scale for 576-wide rows (FlashMLA would mis-apply it), and kv_cache_scheme in config.json would "
+               "silently switch its cache to FP8."),
+    "vllm": ("vLLM's compressed-tensors path attaches no KV-cache scales to MLAAttention, so MLA runs at unit scale "
+             "(\"k_scale is not loaded\")."),
+}
+
+
+def _finish(model, output, carried, streamer, reports, meta, fp, target, layout, clip, stats_out, mode, headroom) -> "KvResult":
+    if len(reports) != streamer.num_layers:
+        raise QuantizeError(f"{model}: calibration produced {len(reports)} layer reports for {streamer.num_layers} layers; rerun")
     for r in reports:
         _risk(r, layout)
     result = _verdict(str(model), target, layout, reports, meta)
+    if layout == "mla":
+        factors = _fold_factors(streamer, reports, headroom)
+        result.fold = [f.to_dict() for f in factors]
+        if mode != "fold":
+            moves = [f"layer {f.layer}: latent x{f.latent:g}, rope x{f.rope:g}" for f in factors if (f.latent, f.rope) != (1.0, 1.0)]
+            result.verdict += (f" --fold (headroom {headroom:g}) would scale the cached row by powers of two: "
+                               + ("; ".join(moves[:4]) + ("; ..." if len(moves) > 4 else "") if moves else "nothing to move") + ".")
     if stats_out is not None:
         doc = {"version": STATS_VERSION, "model": str(model), "fingerprint": fp, "layout": layout, "clip": clip, **meta,
                "layers": [r.__dict__ for r in reports]}
-        atomic_write_text(Path(stats_out), json.dumps(doc, indent=1))
+        write_text_atomic(Path(stats_out), json.dumps(doc, indent=1))
         result.stats_path = str(stats_out)
-    if layout == "dsa":
-        result.out = None
+    if output is None:
         return result
-    result.written = _write_checkpoint(model, Path(out), streamer, reports, target, layout, overwrite)
-    result.out = str(out)
-    emit({"event": "done", "written": len(result.written)})
+    if mode == "fold":
+        result.written = _write_folded(model, output, carried, streamer, reports, headroom, result)
+    else:
+        result.written = _write_checkpoint(model, output, carried, streamer, reports, target, layout, result)
+    result.out = str(output.path)
     return result
 
 
@@ -376,6 +479,8 @@ def _measure(streamer, model, data, samples, seq_len, chat_template, clip, error
             handles.pop().remove()
         rep = _report_layer(i, obs.pop(i), layout, clip)
         _attn_error(streamer, layer, inputs[:error_samples], layout, rope_dim, rep)
+        if layout == "mla":
+            _query_amax(streamer, layer, inputs, rep)
         reports.append(rep)
         emit({"event": "tensor", "name": f"layer {i}", "done_bytes": i + 1})
 
@@ -404,16 +509,28 @@ def _verdict(model: str, target: str, layout: str, reports: list[LayerReport], m
         verdict = (f"GLM-5 DSA: engines write the FP8 cache with per-128 dynamic scales; no checkpoint scale is used or written. "
                    f"Worst attention-output error of that layout: {worst:.4f}.")
         safe = True
+    elif layout == "mla":
+        engine = ENGINE_MLA.get(target, "transformers applies the calibrated self_attn.k_scale (compressed-tensors' kv_cache_scheme).")
+        if target in ENGINE_MLA:
+            head = f"{target}: the MLA cache is e4m3 at UNIT scale, whatever the checkpoint holds ({engine})"
+        else:
+            head = f"compressed-tensors: {engine}"
+        if risky:
+            verdict = (f"{head} Unit scale is NOT safe: layers {risky} are at risk ({reports[risky[0]].why}); "
+                       f"use --fold so the unit-scale cache sees a good range.")
+            safe = False
+        else:
+            verdict = (f"{head} Unit scale is safe for this model: no layer overflows e4m3 or loses >10% of its values below "
+                       f"the normal range, and the attention error stays close to the calibrated scale's.")
+            safe = True
     elif risky:
         verdict = f"Unit scale is NOT safe for this model: layers {risky} are at risk ({reports[risky[0]].why}). Use the calibrated scales."
         safe = False
     else:
-        verdict = ("Unit scale (what SGLang applies to the MLA cache today) is safe for this model: no layer overflows e4m3 and "
-                   "the attention error stays close to the calibrated scale's." if layout == "mla" else
-                   "Unit scale is safe for this model: no layer overflows e4m3.")
+        verdict = "Unit scale is safe for this model: no layer overflows e4m3."
         safe = True
     return KvResult(model, None, target, layout, reports, meta.get("samples") or 0, meta.get("tokens") or 0,
-                    meta.get("dropped_short") or 0, safe, verdict, [])
+                    meta.get("dropped_short") or 0, safe, verdict, [], engine_scale=ENGINE_MLA.get(target, "") if layout == "mla" else "")
 
 
 def _scale_tensors(streamer, reports: list[LayerReport], target: str, layout: str) -> dict[str, torch.Tensor]:
@@ -432,45 +549,114 @@ def _scale_tensors(streamer, reports: list[LayerReport], target: str, layout: st
     return out
 
 
-def _write_checkpoint(model: Path, out: Path, streamer, reports, target: str, layout: str, overwrite: bool) -> list[str]:
-    cfg = json.loads((model / "config.json").read_text())
+def _fold_factors(streamer, reports: list[LayerReport], headroom: float) -> list[FoldFactors]:
+    out = []
+    for r in reports:
+        n = folding.layer_names(streamer.arch.prefix, r.layer, streamer.text)
+        f = FoldFactors(r.layer, latent_amax_before=r.amax_latent or 0.0, rope_amax_before=r.amax_rope or 0.0,
+                        q_absorbed_amax_before=r.q_absorbed_amax, q_pe_amax_before=r.q_pe_amax)
+        f.latent, note = folding.choose_factor(f.latent_amax_before, r.q_absorbed_amax, headroom, "latent")
+        f.notes += [note] if note else []
+        blocker = folding.rope_fold_blocker(streamer.reader, n)
+        if blocker:
+            f.notes.append(f"rope: not folded, {blocker}")
+        else:
+            f.rope, note = folding.choose_factor(f.rope_amax_before, r.q_pe_amax, headroom, "rope")
+            f.notes += [note] if note else []
+        out.append(f)
+    return out
+
+
+def _write_folded(model: Path, output: Output, carried: list[Path], streamer, reports, headroom: float, result) -> list[str]:
+    """The folded model: shards holding a changed tensor are rewritten (unchanged tensors copied
+    byte for byte, streamed), the others hard-linked; config and index as the source's (no scale,
+    no kv_cache_scheme); a fresh manifest with the factors and the changed tensors."""
+    out, index, reader = output.path, streamer.index, streamer.reader
+    changed: dict[str, torch.Tensor] = {}
+    factors = [FoldFactors(**{k: v for k, v in d.items() if k in FoldFactors.__dataclass_fields__}) for d in result.fold]
+    for f in factors:
+        try:
+            changed.update(folding.fold_changes(reader, folding.layer_names(streamer.arch.prefix, f.layer, streamer.text), f.latent, f.rope))
+        except ValueError as e:
+            raise QuantizeError(f"{model}: layer {f.layer} cannot be folded exactly ({e})") from e
+    by_file: dict[str, list] = {}
+    for ref in index.tensors.values():
+        by_file.setdefault(ref.file, []).append(ref)
+    weights = {model / f for f in index.files}
+    output.copy_side_files([p for p in carried if p not in weights] + [model / "config.json"])
+    output.copy_side_files([model / f for f in index.files if not any(r.name in changed for r in by_file[f])], link=True)
+    fds: dict = {}
+    try:
+        for fname in index.files:
+            refs = sorted(by_file[fname], key=lambda r: r.start)
+            if not any(r.name in changed for r in refs):
+                continue
+            header, _ = read_header(model / fname)
+            w = StreamWriter(out / fname, [Entry(r.name, r.dtype, r.shape) for r in refs], header.get("__metadata__"))
+            try:
+                for r in refs:
+                    if r.name in changed:
+                        w.write_tensor(r.name, changed[r.name])
+                    else:
+                        w.copy_bytes(r.name, cached_fd(fds, model / fname), r.start, r.nbytes)
+                output.mark_done(fname, w.finish(), w.bytes_written)
+            except BaseException:
+                w.abort()
+                raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if (model / INDEX_NAME).exists():
+        output.copy_side_files([model / INDEX_NAME])
+    output.complete()
+    write_manifest(output, {"kind": "calibrate-kv", "mode": "fold", "tool": tool_versions(),
+                            "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
+                            "target": result.target, "layout": result.layout, "fold_headroom": headroom,
+                            "fold": result.fold, "changed_tensors": sorted(changed),
+                            "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out", "fold")}})
+    return sorted(changed)
+
+
+def _check_writable_config(model: Path, streamer) -> None:
+    cfg = streamer.index.config
     qc = cfg.get("quantization_config")
     if qc and qc.get("quant_method") != "compressed-tensors":
         raise QuantizeError(f"{model / 'config.json'}: quant_method {qc.get('quant_method')!r}; kv_cache_scheme is a compressed-tensors field, so calibrate a BF16 or `quantize convert` output")
     if not qc and int(streamer.text.get("n_routed_experts", 0) or 0):
         raise QuantizeError(f"{model / 'config.json'}: a BF16 mixture-of-experts model has no compressed-tensors weight scheme to attach "
                             f"kv_cache_scheme to (transformers' loader needs one for MoE); run `quantize convert` first and calibrate its output")
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for p in sorted(model.iterdir()):
-        if p.name in ("config.json", INDEX_NAME) or p.name.startswith("."):
-            continue
-        dst = out / p.name
-        if p.is_dir():
-            shutil.copytree(p, dst)
-            continue
-        try:
-            os.link(p, dst)  # unchanged files are shared with the source, never modified
-        except OSError:
-            shutil.copy2(p, dst)
-    tensors = _scale_tensors(streamer, reports, target, layout)
-    save_file(tensors, str(out / "kv_scales.safetensors"), metadata={"format": "pt"})
-    idx_path = model / INDEX_NAME
-    if idx_path.exists():
-        idx = json.loads(idx_path.read_text())
-    else:
-        from safetensors import safe_open
 
-        idx = {"metadata": {}, "weight_map": {}}
-        for f in sorted(model.glob("*.safetensors")):
-            with safe_open(f, "pt") as fh:
-                idx["weight_map"].update({k: f.name for k in fh.keys()})
+
+def _write_checkpoint(model: Path, output: Output, carried: list[Path], streamer, reports, target: str, layout: str, result) -> list[str]:
+    """The model's weights (hard-linked where possible: shared, never modified), its side files,
+    the scales in ``kv_scales.safetensors``, index and config with ``kv_cache_scheme``, and a
+    fresh manifest covering every file (the source's manifest is not carried: its hashes would
+    not cover the new config and scales)."""
+    out = output.path
+    cfg = json.loads((model / "config.json").read_text())
+    qc = cfg.get("quantization_config")
+    weights = {model / f for f in streamer.index.files}
+    output.copy_side_files([p for p in carried if p not in weights])
+    output.copy_side_files([p for p in carried if p in weights], link=True)
+    tensors = _scale_tensors(streamer, reports, target, layout)
+    tmp = out / ("kv_scales.safetensors" + TMP_SUFFIX)
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / "kv_scales.safetensors")
+    except OSError as e:
+        raise QuantizeError(f"{out / 'kv_scales.safetensors'}: cannot write ({e.strerror}); free space or choose another OUT") from e
+    idx = {"metadata": dict(streamer.index.index_metadata),
+           "weight_map": {n: r.file for n, r in streamer.index.tensors.items()}}
     idx["weight_map"].update({k: "kv_scales.safetensors" for k in tensors})
-    atomic_write_text(out / INDEX_NAME, json.dumps(idx, indent=2))
+    output.write_json(INDEX_NAME, idx, sort_keys=False, indent=2)
     qc = dict(qc) if qc else {"config_groups": {}, "format": "dense", "ignore": [], "quant_method": "compressed-tensors",
                               "quantization_status": "compressed", "version": "0.19.0"}
     qc["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
     cfg["quantization_config"] = qc
-    atomic_write_text(out / "config.json", json.dumps(cfg, indent=2, sort_keys=True))
+    output.write_json("config.json", cfg, indent=2)
+    output.complete()
+    write_manifest(output, {"kind": "calibrate-kv", "tool": tool_versions(), "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
+                            "target": target, "layout": layout, "kv_cache_scheme": qc["kv_cache_scheme"],
+                            "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out")},
+                            "scales": sorted(tensors)})
     return sorted(tensors)

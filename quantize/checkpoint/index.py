@@ -168,14 +168,14 @@ def _refs_from_header(folder: Path, fname: str) -> dict[str, TensorRef]:
     }
 
 
-def _hf_blobs(root: Path) -> Path | None:
+def hf_blobs(root: Path) -> Path | None:
     """``<cache>/models--org--name/blobs`` when ``root`` (resolved) is ``.../snapshots/<rev>``."""
     if root.parent.name == "snapshots":
         return (root.parent.parent / "blobs").resolve()
     return None
 
 
-def _inside(folder: Path, fname: str) -> bool:
+def inside(folder: Path, fname: str) -> bool:
     """``fname`` stays in ``folder``: no absolute path or ``..``, and symlinks resolve inside the
     folder or, for a Hugging Face cache snapshot, to a file of the same cache repo's ``blobs/``."""
     p = Path(fname)
@@ -185,7 +185,7 @@ def _inside(folder: Path, fname: str) -> bool:
     real = (folder / p).resolve()
     if real.is_relative_to(root):
         return True
-    blobs = _hf_blobs(root)
+    blobs = hf_blobs(root)
     return blobs is not None and real.parent == blobs
 
 
@@ -196,11 +196,11 @@ def _check_weight_file(folder: Path, idx_path: Path, fname: object) -> None:
     path = folder / p
     if path.is_symlink() and not path.exists():
         raise QuantizeError(f"{path}: dangling symlink to {os.readlink(path)} (the file it names is gone, e.g. an interrupted download); re-download it")
-    if not _inside(folder, fname):
+    if not inside(folder, fname):
         raise QuantizeError(f"{path}: symlink points outside {folder} to {path.resolve()}; only links into the folder or its Hugging Face cache's blobs/ are followed, copy the file in instead")
 
 
-def _revision(folder: Path) -> str | None:
+def hub_revision(folder: Path) -> str | None:
     """The Hub commit: the folder name of a cache snapshot (``.../snapshots/<rev>``), else the one
     ``hf download --local-dir`` records (first line of ``.cache/huggingface/download/*.metadata``)."""
     root = folder.resolve()
@@ -285,7 +285,7 @@ class CheckpointIndex:
             extra = [n for n in tensors if n not in weight_map]
             if extra:
                 raise QuantizeError(f"{folder / tensors[extra[0]].file}: holds {extra[0]} which the index does not list; the index is stale, regenerate it")
-        return cls(folder, tensors, files, config, meta, _revision(folder))
+        return cls(folder, tensors, files, config, meta, hub_revision(folder))
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

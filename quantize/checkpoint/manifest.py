@@ -37,16 +37,6 @@ def source_identity(folder: Path, files: list[str]) -> dict:
     return out
 
 
-def source_revision(folder: Path) -> str | None:
-    """The Hub commit of a snapshot folder (``.../snapshots/<sha>``) or a local-dir download."""
-    if folder.resolve().parent.name == "snapshots":
-        return folder.resolve().name
-    metas = sorted((folder / ".cache" / "huggingface" / "download").glob("*.metadata"))
-    if metas:
-        return metas[0].read_text().splitlines()[0]
-    return None
-
-
 def tool_versions() -> dict:
     import compressed_tensors
     import safetensors
@@ -71,6 +61,22 @@ def tool_versions() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return v
+
+
+def command_line() -> str | None:
+    """The ``quantize`` command this process runs, as one shell line (``sys.argv`` after the
+    program, quoted with shlex), for the manifest; None when called as a library (pytest, a
+    script, a notebook), so nothing is recorded that was not typed."""
+    import shlex
+    import sys
+
+    argv = list(getattr(sys, "argv", None) or [])
+    if not argv:
+        return None
+    prog = Path(argv[0])
+    if prog.name != "quantize" and not (prog.parent.name == "quantize" and prog.name in ("cli.py", "__main__.py")):
+        return None
+    return shlex.join(["quantize", *argv[1:]])
 
 
 def file_records(o, weights: dict[str, dict] | None = None) -> dict[str, dict]:

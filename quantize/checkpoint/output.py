@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import QuantizeError
+from .index import hf_blobs, inside
 
 RECORD_DIR = ".quantize"
 RECORD = "job.json"
@@ -100,9 +101,8 @@ def confined(folder: Path, name: str, what: str) -> Path:
 
 def _cache_root(folder: Path) -> Path | None:
     """The Hugging Face cache repo (``models--org--name``) of a ``.../snapshots/<rev>`` folder."""
-    if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
-        return folder.parent.parent
-    return None
+    blobs = hf_blobs(Path(folder).resolve())
+    return blobs.parent if blobs is not None else None
 
 
 def _overlaps(a: Path, b: Path) -> bool:
@@ -336,18 +336,15 @@ def side_files(src: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
     """The source's side files to copy, checked before any shard is written: a dangling symlink
     or one that leaves both the folder and its Hub cache is named in one line."""
     src = Path(src)
-    root = src.resolve()
-    cache = _cache_root(src)
     out = []
     for p in sorted(src.iterdir()):
         if not any(fnmatch.fnmatch(p.name, pat) for pat in patterns):
             continue
         if p.is_symlink():
-            target = p.resolve()
-            if not target.exists():
+            if not p.exists():
                 raise QuantizeError(f"{p}: dangling symlink (its target {os.readlink(p)} is missing); re-download it or remove the link")
-            if not (target.is_relative_to(root) or (cache is not None and target.is_relative_to(cache.resolve()))):
-                raise QuantizeError(f"{p}: symlink to {target}, outside the checkpoint and its Hub cache; copy the file in instead")
+            if not inside(src, p.name):
+                raise QuantizeError(f"{p}: symlink to {p.resolve()}, outside the checkpoint and its Hub cache; copy the file in instead")
         if not p.is_file():
             continue
         out.append(p)

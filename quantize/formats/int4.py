@@ -11,6 +11,12 @@ Pure tensor math, no I/O. The layout (../shared/FORMATS.md §1):
 scale becomes bf16's eps), ``q = round(clamp(bf16(w / scale), -8, 7))``, everything rounded to bf16
 where torch's bf16 eager ops round. ``mse`` searches a per-group shrink of the range
 (compressed-tensors' ``memoryless_mse`` grid: 100 steps down to 0.8, error norm 2.4).
+
+``fullrange`` uses all 16 codes: ``scale = bf16(e / -8)`` where ``e`` is the group's extreme value
+WITH its sign, so ``e`` lands on code -8 and the other side reaches +7 (llama.cpp's Q4_0 and
+AutoRound use this grid). The scale is negative when ``e`` is positive: to every dequantizer it is
+just a number (``q * scale``), so the file format is unchanged. ``fullrange-mse`` runs the shrink
+search on that grid.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ QMIN, QMAX = -8, 7
 OFFSET = 8  # uint4b8: stored = q + 8
 HALF_RANGE = 7.5  # (QMAX - QMIN) / 2, compressed-tensors' symmetric divisor
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-OBSERVERS = ("minmax", "mse")
+OBSERVERS = ("minmax", "mse", "fullrange", "fullrange-mse")
+NATIVE_OBSERVERS = ("minmax", "mse")  # what quant.c implements; the others run the torch path
 
 # compressed-tensors memoryless_mse defaults (observers/mse.py): grid, maxshrink, norm
 MSE_GRID = 100
@@ -69,6 +76,18 @@ def _minmax_scale(absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tenso
     return torch.where(s == 0, torch.tensor(eps, dtype=scale_dtype, device=s.device), s)
 
 
+def _fullrange_scale(extreme: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """signed extreme (scale_dtype) -> scale putting it on code -8 (a zero scale becomes eps)."""
+    s = (extreme.float() / QMIN).to(scale_dtype)
+    eps = torch.finfo(scale_dtype).eps
+    return torch.where(s == 0, torch.tensor(eps, dtype=scale_dtype, device=s.device), s)
+
+
+def _signed_extreme(wq: torch.Tensor) -> torch.Tensor:
+    """[..., g] -> the element of largest magnitude, with its sign (first one on ties)."""
+    return wq.gather(-1, wq.abs().argmax(-1, keepdim=True)).squeeze(-1)
+
+
 def _codes(wg: torch.Tensor, scale: torch.Tensor, work_dtype: torch.dtype) -> torch.Tensor:
     """wg float32 [..., G, g], scale [..., G] -> integer codes as float32 in [-8, 7]."""
     x = (wg / scale.float().unsqueeze(-1)).to(work_dtype).float()
@@ -92,24 +111,27 @@ def quantize_groups(
         raise ValueError(f"unknown observer {observer!r}; choose one of {', '.join(OBSERVERS)}")
     wq = w.to(scale_dtype)  # the module dtype compressed-tensors quantizes from
     wg = wq.float().view(out, k // group_size, group_size)
-    absmax = wq.view(out, k // group_size, group_size).abs().amax(-1)
-    if observer == "minmax":
-        scale = _minmax_scale(absmax, scale_dtype)
+    groups = wq.view(out, k // group_size, group_size)
+    if observer in ("minmax", "mse"):
+        absmax = groups.abs().amax(-1)
+        scale = _minmax_scale(absmax, scale_dtype) if observer == "minmax" else _mse_scale(wg, absmax, scale_dtype)
     else:
-        scale = _mse_scale(wg, absmax, scale_dtype)
+        extreme = _signed_extreme(groups)
+        scale = _fullrange_scale(extreme, scale_dtype) if observer == "fullrange" else _mse_scale(wg, extreme, scale_dtype, _fullrange_scale)
     q = _codes(wg, scale, scale_dtype)
     return q.to(torch.int8).view(out, k), scale
 
 
-def _mse_scale(wg: torch.Tensor, absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+def _mse_scale(wg: torch.Tensor, absmax: torch.Tensor, scale_dtype: torch.dtype, grid=_minmax_scale) -> torch.Tensor:
     """Per-group shrink search: for p in 1, 0.998, ..., 0.8 pick the scale minimising
-    sum |w - dequant(quant(w))|^2.4 over the group."""
+    sum |w - dequant(quant(w))|^2.4 over the group. ``grid`` maps the (shrunk) range to a scale:
+    compressed-tensors' absmax / 7.5, or the full-range signed extreme / -8."""
     best_err = torch.full(absmax.shape, float("inf"), device=absmax.device)
-    best = _minmax_scale(absmax, scale_dtype)
+    best = grid(absmax, scale_dtype)
     steps = int(MSE_MAXSHRINK * MSE_GRID)
     for i in range(steps + 1):
         p = 1.0 - i / MSE_GRID
-        cand = _minmax_scale((absmax.float() * p).to(scale_dtype), scale_dtype)
+        cand = grid((absmax.float() * p).to(scale_dtype), scale_dtype)
         q = _codes(wg, cand, scale_dtype)
         err = (q.mul_(cand.float().unsqueeze(-1)).sub_(wg)).abs_().pow_(MSE_NORM).sum(-1)
         better = err < best_err
