@@ -338,6 +338,63 @@ def demo(out: Path = typer.Option(Path("demo-out"), help="working folder"),
                    f"mean rel. error {res.mean_rel_err:.4f}", err=True)
 
 
+@app.command("card")
+def card_cmd(
+    model: Path = typer.Argument(..., metavar="DIR", help="a quantize output (convert, or calibrate-kv --out)"),
+    eval: Optional[list[Path]] = typer.Option(None, "--eval", help="a `quantize eval --out`, `eval --kld --out` or `check --json` report (repeatable; default: those of the last card)"),
+):
+    """Write DIR/README.md, the model card, from the folder's own records: metadata for the Hub
+    (base_model, licence carried from the source's card, model-index from the eval reports), how it
+    was made, the quantization, KV-cache, check and eval results, and launch lines."""
+    from .publish.card import card
+
+    res = _run(card, model, eval=eval)
+    typer.echo(f"wrote {res.path}" + (f" ({', '.join(r['kind'] for r in res.reports)} reports)" if res.reports else ""))
+    for n in res.notes:
+        typer.echo(f"note: {n}", err=True)
+
+
+@app.command("push")
+def push_cmd(
+    model: Path = typer.Argument(..., metavar="DIR", help="a quantize output (convert, or calibrate-kv --out)"),
+    repo_id: str = typer.Argument(..., metavar="REPO_ID", help="namespace/name on the Hub (HF_ENDPOINT selects another Hub)"),
+    private: bool = typer.Option(False, "--private", help="create the repo private (an existing repo keeps its visibility)"),
+    revision: Optional[str] = typer.Option(None, help="branch to commit to (created from main if missing; default main)"),
+    create_pr: bool = typer.Option(False, "--create-pr", help="open a pull request instead of committing to the branch"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check the folder and list the files and bytes that would go up; needs no token"),
+    message: Optional[str] = typer.Option(None, help="commit message (default: Upload <folder> (quantize <version>))"),
+    batch_gib: float = typer.Option(32.0, help="commit after about this many GiB of weights: what is committed survives an interruption"),
+):
+    """Check DIR (every index entry, config.json, every file's SHA-256 against the manifest) and
+    upload it to the Hub, with its card; an interrupted push resumes without resending finished
+    files. The token (HF_TOKEN or `hf auth login`) is never printed."""
+    from .publish.push import push
+
+    def emit(e: dict) -> None:
+        if e.get("event") == "start":
+            typer.echo(f"{e['files']} files ({_bytes(e['bytes'])}) to upload in {e['commits']} commit(s); {e['skipped']} already on the Hub", err=True)
+        elif e.get("event") == "commit":
+            typer.echo(f"commit {e['index']}/{e['of']}: {e['files']} files, {_bytes(e['bytes'])} ({e['oid'][:12]})", err=True)
+        elif e.get("event") == "error":
+            typer.echo("", err=True)  # the upload's progress bar may have left its line open
+
+    res = _run(push, model, repo_id, private=private, revision=revision, create_pr=create_pr, dry_run=dry_run, message=message,
+               batch_gib=batch_gib, emit=emit)
+    w = max([len(f.path) for f in res.files] + [4])
+    if res.dry_run:
+        for f in res.files:
+            typer.echo(f"{f.path:<{w}}  {f.bytes:>14,} B")
+        typer.echo(f"{len(res.files)} files, {res.total_bytes:,} bytes ({_bytes(res.total_bytes)}) would go to {repo_id}@{res.revision}"
+                   + (" as a pull request" if create_pr else "") + "; nothing was sent")
+    else:
+        where = res.pr_url or f"{res.url or repo_id}" + (f" (branch {res.revision})" if res.revision != "main" else "")
+        typer.echo(f"pushed {sum(f.status == 'uploaded' for f in res.files)} files ({_bytes(res.sent_bytes)}) in {len(res.commits)} commit(s); "
+                   f"{sum(f.status == 'on the Hub already' for f in res.files)} already on the Hub: {where}")
+    typer.echo(res.card)
+    if res.not_uploaded:
+        typer.echo(f"not uploaded (the manifest does not prove them): {', '.join(res.not_uploaded)}", err=True)
+
+
 def main():  # pragma: no cover
     app()
 

@@ -1,0 +1,350 @@
+"""``quantize push``: upload a quantize output to the Hugging Face Hub (or the Hub at HF_ENDPOINT).
+
+Pre-flight, before a byte goes up: the folder is a finished quantize output (its manifest), every
+index entry is present and every header valid (``CheckpointIndex.open``), config.json parses, and
+every file matches the SHA-256 the manifest records (``quantize check``'s ``verify_files``); a
+tampered or incomplete folder is refused, naming the file. Only what the manifest proves goes up,
+plus the manifest and the card: never ``.quantize/`` (the job record, lock and push state) nor
+``*.partial``. The card is (re)generated unless README.md is one the user wrote.
+
+Resume. Files are committed in batches (``batch_gib`` of weights per commit, the small files with
+the last batch, so config.json and the index land last). Before uploading, the Hub is asked which
+files it already holds at the target revision (``paths-info``): a file whose LFS SHA-256 (or git
+blob id) equals ours is not sent again. Within an interrupted batch, LFS objects that were uploaded
+but not yet committed are not sent again either: the LFS batch API answers "already present" for
+them (with Xet storage, hf_xet deduplicates the chunks). ``.quantize/push.json`` keeps the pull
+request of a ``--create-pr`` push so a rerun continues it, and what each commit carried.
+
+The token comes from ``huggingface_hub.get_token()`` (HF_TOKEN or the saved login) and goes only
+into the request headers; it is never printed, logged, or written to any file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..checkpoint.index import CheckpointIndex
+from ..checkpoint.manifest import MANIFEST
+from ..checkpoint.output import RECORD_DIR, TMP_SUFFIX, confined, sha256_file, write_text_atomic
+from ..errors import QuantizeError
+from ..events import Emit, null_emit
+from .card import README, folder_lock, load_manifest, readme_kind, render, verify, write_card
+
+STATE = "push.json"  # in .quantize/
+DEFAULT_BATCH_GIB = 32.0
+PATHS_INFO_CHUNK = 100
+
+
+@dataclass
+class PushFile:
+    path: str
+    bytes: int
+    sha256: str
+    status: str = "to upload"  # "to upload" | "on the Hub already" | "uploaded"
+
+
+@dataclass
+class PushResult:
+    model: str
+    repo_id: str
+    revision: str
+    dry_run: bool
+    files: list[PushFile]
+    not_uploaded: list[str]  # files in the folder that the manifest does not prove
+    card: str  # what happened to README.md
+    commits: list[str] = field(default_factory=list)
+    pr_url: str | None = None
+    url: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(f.bytes for f in self.files if f.status == "uploaded")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes, "sent_bytes": self.sent_bytes}
+
+
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise QuantizeError(f"REPO_ID {repo_id!r}: {str(e).splitlines()[0]}; use namespace/name, e.g. my-org/GLM-5-W4A16") from None
+    if repo_id.count("/") != 1:
+        raise QuantizeError(f"REPO_ID {repo_id!r}: name the namespace too (namespace/name, e.g. my-org/{repo_id})")
+
+
+def _upload_set(folder: Path, manifest: dict) -> tuple[list[PushFile], list[str]]:
+    """The files that go up (every file the manifest proves, README.md, the manifest) and the
+    folder's other files, which do not."""
+    recorded = manifest.get("files") or {}
+    files = []
+    for name, rec in sorted(recorded.items()):
+        if name == README:
+            continue
+        p = confined(folder, name, str(folder / MANIFEST))
+        files.append(PushFile(name, int(rec["bytes"]), str(rec["sha256"])))
+        if not p.is_file():
+            raise QuantizeError(f"{p}: recorded in the manifest but missing; the folder is incomplete, nothing was pushed")
+    weights = [f for f in files if f.path.endswith(".safetensors")]
+    rest = [f for f in files if not f.path.endswith(".safetensors")]
+    taken = {f.path for f in files} | {README, MANIFEST}
+    others = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if rel.split("/")[0] in (RECORD_DIR, ".cache") or rel in taken or not p.is_file() or p.name.endswith(TMP_SUFFIX):
+            continue
+        others.append(rel)
+    return weights + rest, others
+
+
+def _finish_set(folder: Path, files: list[PushFile]) -> list[PushFile]:
+    """``files`` then the manifest, then the card (the repo shows a card once everything is up)."""
+    out = list(files)
+    for name in (MANIFEST, README):
+        p = folder / name
+        if p.is_file():
+            out.append(PushFile(name, p.stat().st_size, sha256_file(p)))
+    return out
+
+
+def _batches(files: list[PushFile], batch_bytes: int) -> list[list[PushFile]]:
+    """Weights in batches of about ``batch_bytes``; everything else with the last batch."""
+    weights = [f for f in files if f.path.endswith(".safetensors")]
+    rest = [f for f in files if not f.path.endswith(".safetensors")]
+    out: list[list[PushFile]] = []
+    size = 0
+    for f in weights:
+        if not out or (size + f.bytes > batch_bytes and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(f)
+        size += f.bytes
+    if rest:
+        if out:
+            out[-1] += rest
+        else:
+            out.append(rest)
+    return out
+
+
+def _scrub(msg: str, token: str | None) -> str:
+    if token:
+        msg = msg.replace(token, "***")
+    return " ".join(msg.split())
+
+
+def _why(e: BaseException, token: str | None) -> str:
+    """The first line of an exception and of its causes (huggingface_hub wraps an upload's HTTP
+    error in a RuntimeError)."""
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if first and first not in parts:
+            parts.append(first)
+        e = e.__cause__ or e.__context__
+    return _scrub(": ".join(parts[:3]), token)
+
+
+def _status(e: BaseException) -> int | None:
+    while e is not None:
+        r = getattr(e, "response", None)
+        if r is not None and getattr(r, "status_code", None):
+            return int(r.status_code)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _load_state(folder: Path, key: dict) -> dict:
+    try:
+        st = json.loads((folder / RECORD_DIR / STATE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        st = None
+    if not isinstance(st, dict) or st.get("key") != key:
+        st = {"key": key, "pr_revision": None, "pr_url": None, "commits": []}
+    return st
+
+
+def _save_state(folder: Path, st: dict) -> None:
+    write_text_atomic(folder / RECORD_DIR / STATE, json.dumps(st, indent=1))
+
+
+def _on_hub(api, repo_id: str, revision: str, files: list[PushFile], folder: Path) -> set[str]:
+    """The files the Hub holds at ``revision`` with exactly our content."""
+    from huggingface_hub.utils.sha import git_hash
+
+    remote = {}
+    paths = [f.path for f in files]
+    for i in range(0, len(paths), PATHS_INFO_CHUNK):
+        for r in api.get_paths_info(repo_id, paths[i:i + PATHS_INFO_CHUNK], revision=revision, repo_type="model"):
+            remote[r.path] = r
+    same = set()
+    for f in files:
+        r = remote.get(f.path)
+        if r is None or getattr(r, "size", None) != f.bytes:
+            continue
+        lfs = getattr(r, "lfs", None)
+        if lfs is not None:
+            if lfs.sha256 == f.sha256:
+                same.add(f.path)
+        elif f.bytes <= 64 << 20 and r.blob_id == git_hash((folder / f.path).read_bytes()):
+            same.add(f.path)
+    return same
+
+
+def push(model: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None, create_pr: bool = False,
+         dry_run: bool = False, message: str | None = None, batch_gib: float = DEFAULT_BATCH_GIB, emit: Emit = null_emit) -> PushResult:
+    """``quantize push``: check ``model`` and upload it to ``repo_id`` (created if missing;
+    ``private`` for a new repo), on branch ``revision`` (created from main if missing) or, with
+    ``create_pr``, as a pull request; ``dry_run`` checks and lists, needs no token, sends nothing.
+    A rerun after an interruption sends only what the Hub does not hold yet."""
+    from .. import __version__
+
+    folder = Path(model)
+    _check_repo_id(repo_id)
+    if not batch_gib > 0:
+        raise QuantizeError(f"--batch-gib {batch_gib}: must be a positive number of GiB per commit (default {DEFAULT_BATCH_GIB:g})")
+    if revision is not None and (not revision.strip() or revision != revision.strip()):
+        raise QuantizeError(f"--revision {revision!r}: not a branch name")
+    if message is not None and not message.strip():
+        raise QuantizeError("--message: empty; give a commit message or leave the option out")
+    token = None
+    if not dry_run:
+        from huggingface_hub import constants, get_token
+
+        token = get_token()
+        if not token:
+            raise QuantizeError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN to a token with write access "
+                                "(`quantize push --dry-run` needs none)")
+        if constants.is_offline_mode():
+            raise QuantizeError("HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, so huggingface_hub sends no request; set HF_HUB_OFFLINE=0 to push")
+    manifest = load_manifest(folder)
+    base = revision or "main"
+    lock = None if dry_run else folder_lock(folder)  # a dry run writes nothing, not even the lock's pid
+    if lock is not None:
+        lock.__enter__()
+    try:
+        index = CheckpointIndex.open(folder)  # config.json, index, every entry present, every header valid
+        del index
+        failures, proven = verify(folder)
+        if failures:
+            raise QuantizeError(f"{failures[0]}; the folder is not what quantize wrote, so nothing was pushed"
+                                + (f" ({len(failures) - 1} more)" if len(failures) > 1 else ""))
+        files, others = _upload_set(folder, manifest)
+        kind = readme_kind(folder, manifest)
+        if kind == "user":
+            card = "README.md: the card you wrote, uploaded as it is"
+        elif dry_run:
+            text = render(folder, manifest, _stored(folder), repo_id, proven).text.encode()
+            card = f"README.md: would be {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
+        else:
+            write_card(folder, manifest, None, repo_id, proven)
+            card = f"README.md: {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
+        files = _finish_set(folder, files)
+        if dry_run and kind != "user":  # the card as it would be written
+            files = [f for f in files if f.path != README] + [PushFile(README, len(text), hashlib.sha256(text).hexdigest())]
+        res = PushResult(str(folder), repo_id, base, dry_run, files, others, card)
+        if dry_run:
+            return res
+        endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
+        try:
+            _upload(folder, res, token, endpoint, private, revision, create_pr,
+                    message or f"Upload {folder.resolve().name} (quantize {__version__})", int(batch_gib * 2**30), emit)
+        except QuantizeError as e:
+            emit({"event": "error", "message": str(e)})  # ends a progress line the upload left open
+            raise
+        return res
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def _stored(folder: Path) -> list[dict]:
+    from .card import _stored_reports
+
+    return _stored_reports(folder)
+
+
+def _upload(folder: Path, res: PushResult, token: str, endpoint: str | None, private: bool, revision: str | None,
+            create_pr: bool, message: str, batch_bytes: int, emit: Emit) -> None:
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
+
+    api = HfApi(endpoint=endpoint, token=token)
+    repo_id, base = res.repo_id, res.revision
+    key = {"endpoint": endpoint or constants.ENDPOINT, "repo_id": repo_id, "revision": base, "create_pr": create_pr}
+    stage = "creating the repo"
+    try:
+        res.url = str(api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model"))
+        if revision and revision != "main" and not revision.startswith("refs/"):
+            stage = f"creating branch {revision}"
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        st = _load_state(folder, key)
+        target = st.get("pr_revision") or base
+        stage = f"asking which files {repo_id}@{target} already holds"
+        try:
+            same = _on_hub(api, repo_id, target, res.files, folder)
+        except RevisionNotFoundError:
+            if target == base:
+                raise
+            st = {"key": key, "pr_revision": None, "pr_url": None, "commits": []}  # that pull request is gone: open another
+            target = base
+            same = _on_hub(api, repo_id, target, res.files, folder)
+        res.pr_url = st.get("pr_url")
+        for f in res.files:
+            if f.path in same:
+                f.status = "on the Hub already"
+        todo = [f for f in res.files if f.path not in same]
+        batches = _batches(todo, batch_bytes)
+        emit({"event": "start", "stage": "push", "files": len(todo), "skipped": len(same), "commits": len(batches),
+              "bytes": sum(f.bytes for f in todo)})
+        earlier = len(st["commits"])  # an interrupted run's commits count too: (2/3), (3/3) after a resume
+        for i, batch in enumerate(batches, 1):
+            first_pr = create_pr and not st.get("pr_revision")
+            ops = []
+            for f in batch:
+                op = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(folder / f.path))
+                op.upload_info.sha256 = bytes.fromhex(f.sha256)  # proven by the pre-flight: no second read to hash
+                ops.append(op)
+            stage = f"uploading commit {i}/{len(batches)} ({', '.join(f.path for f in batch[:3])}{', ...' if len(batch) > 3 else ''})"
+            n = earlier + len(batches)
+            info = api.create_commit(repo_id, ops, commit_message=message if n == 1 else f"{message} ({earlier + i}/{n})",
+                                     revision=base if first_pr else target, create_pr=True if first_pr else None, repo_type="model")
+            if first_pr:
+                st["pr_revision"], st["pr_url"] = info.pr_revision, info.pr_url
+                target, res.pr_url = info.pr_revision, info.pr_url
+            st["commits"].append({"oid": info.oid, "files": {f.path: f.sha256 for f in batch}})
+            _save_state(folder, st)
+            res.commits.append(info.oid)
+            for f in batch:
+                f.status = "uploaded"
+            emit({"event": "commit", "index": i, "of": len(batches), "oid": info.oid, "files": len(batch),
+                  "bytes": sum(f.bytes for f in batch)})
+    except QuantizeError:
+        raise
+    except (HfHubHTTPError, RuntimeError, ValueError, OSError) as e:
+        code = _status(e)
+        if code == 401:
+            raise QuantizeError(f"the Hub at {key['endpoint']} refused the token (401) while {stage}; log in again with "
+                                "`hf auth login` or set HF_TOKEN to a token with write access") from None
+        if code == 403 and stage == "creating the repo":
+            raise QuantizeError(f"REPO_ID {repo_id}: the token may not create or write this repo (403); use a namespace you can write to") from None
+        raise QuantizeError(f"push to {repo_id} failed while {stage}: {_why(e, token)}; rerun the same command to resume "
+                            "(files already on the Hub are not sent again)") from None
+    except Exception as e:  # noqa: BLE001 - httpx transport errors (connection refused, timeouts)
+        import httpx
+
+        if isinstance(e, httpx.HTTPError):
+            raise QuantizeError(f"push to {repo_id} failed while {stage}: {_why(e, token)}; check HF_ENDPOINT and the network, then rerun "
+                                "the same command to resume (files already on the Hub are not sent again)") from None
+        raise

@@ -1,0 +1,215 @@
+"""quantize card: README.md from the folder's own records: Hub metadata (base_model from a cache
+snapshot, licence carried from the source's card, model-index from eval reports), how it was made,
+bits per weight and per-GPU figures from the headers, KV/check/eval sections only from records,
+launch lines that fit; never over a card the user wrote."""
+
+import json
+import math
+import shutil
+import sys
+
+import pytest
+import yaml
+
+from quantize.check import verify_files
+from quantize.checkpoint.index import CheckpointIndex, read_tensor
+from quantize.checkpoint.manifest import command_line
+from quantize.convert import convert
+from quantize.errors import QuantizeError
+from quantize.publish.card import MARKER, bits_per_weight, card, tp_figures
+
+from .conftest import TP8
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+SOURCE_CARD = "---\nlicense: other\nlicense_name: glm-license\nlicense_link: LICENSE\nlibrary_name: transformers\n---\n# GLM-5-FP8\n\nThe vendor's card.\n"
+
+
+def _meta(text: str) -> dict:
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("\n---\n", 1)[0][4:])
+
+
+@pytest.fixture
+def folder(converted, tmp_path):
+    d = tmp_path / "glm-int4"
+    shutil.copytree(converted("glm_moe_dsa", group_size=32), d)
+    return d
+
+
+def test_card_from_a_hub_snapshot_carries_base_model_and_licence(tiny, tmp_path):
+    snap = tmp_path / "hub" / "models--zai-org--GLM-5-FP8" / "snapshots" / REV
+    shutil.copytree(tiny("glm_moe_dsa"), snap, ignore=shutil.ignore_patterns(".quantize", "quantize_manifest.json"))
+    (snap / "README.md").write_text(SOURCE_CARD)
+    out = tmp_path / "GLM-5-W4A16"
+    convert(snap, out)
+    assert (out / "README.md").read_text() == SOURCE_CARD  # the conversion copied the source's card
+    res = card(out)
+    text = (out / "README.md").read_text()
+    assert res.text == text and MARKER in text and res.readme_was == "source"
+    meta = _meta(text)
+    assert meta["base_model"] == "zai-org/GLM-5-FP8" and meta["base_model_relation"] == "quantized"
+    assert (meta["license"], meta["license_name"], meta["license_link"]) == ("other", "glm-license", "LICENSE")
+    assert meta["library_name"] == "transformers" and {"int4", "w4a16", "compressed-tensors", "glm_moe_dsa"} <= set(meta["tags"])
+    assert "model-index" not in meta  # no eval report: nothing claimed
+    assert f"at revision `{REV}`" in text and "source format | block FP8" in text
+    assert "a library call (its manifest records no command line)" in text
+    assert "group size 32" in text and "observer `minmax`" in text
+    assert "Not measured for this folder" in text and "No evaluation report attached" in text
+    # tiny GLM-5 has 4 heads: TP 8 is refused with the reason, the figures and launch lines use TP 4
+    assert "TP 8 | does not fit:" in text and "4 attention heads" in text
+    assert f"--model-path {out.resolve()} --tp 4 --kv-cache-dtype fp8_e4m3" in text
+    assert "--tp 8" not in text
+    # the source's card is kept in the record; the folder still proves every file
+    assert (out / ".quantize" / "source_README.md").read_text() == SOURCE_CARD
+    assert verify_files(out)[0] == []
+    # regenerated: still ours, still carrying the licence (from the kept copy)
+    again = card(out, repo_id="my-org/GLM-5-W4A16")
+    assert again.readme_was == "ours" and _meta(again.text)["license"] == "other"
+    assert "--model-path my-org/GLM-5-W4A16 --tp 4" in again.text and "# GLM-5-W4A16" in again.text
+
+
+def _eval_report(candidate, baseline="/models/GLM-5-FP8", limit=200):
+    from quantize.evaluate.run import EvalReport, TaskResult
+
+    tasks = [TaskResult("gsm8k", "exact_match", 200, 61.5, 3.44, 60.0, 3.46, -1.5, -3.5, 0.5, True, False),
+             TaskResult("arc_challenge", "acc_norm", 200, 52.0, 3.5, 51.25, 3.5, -0.75, -2.0, 0.5, True, True)]
+    return EvalReport(baseline, str(candidate), limit, 1.0, tasks).to_dict()
+
+
+def _kld_report(candidate):
+    from quantize.evaluate.kld import KldReport
+
+    return KldReport("/models/GLM-5-FP8", str(candidate), 8192, 512, 0.01234, 0.005, 0.1, 0.3, 1.2, 0.955, 5.1, 5.2, 1.0196, "kld_default.txt").to_dict()
+
+
+def _check_report(model):
+    from quantize.check import CheckReport, Row
+
+    rows = [Row("model.layers.1.mlp.experts.0.gate_proj", "expert_gate", kernel_rel_err=0.004, source_rel_err=0.095, snr_db=20.4)]
+    return CheckReport(str(model), 4, False, rows, [], {"files_sha256": 9, "tensors_exact_vs_source": 154}).to_dict()
+
+
+def test_eval_kld_and_check_reports_become_tables_and_model_index(folder, tmp_path):
+    from huggingface_hub import ModelCard
+
+    files = {}
+    for kind, rep in (("eval", _eval_report(folder)), ("kld", _kld_report(folder)), ("check", _check_report(folder))):
+        files[kind] = tmp_path / f"{kind}.json"
+        files[kind].write_text(json.dumps(rep))
+    res = card(folder, eval=list(files.values()), repo_id="my-org/glm-int4")
+    assert [r["kind"] for r in res.reports] == ["eval", "kld", "check"]
+    mc = ModelCard((folder / "README.md").read_text())  # as the Hub parses it
+    ev = {e.dataset_type: e for e in mc.data.eval_results}
+    assert set(ev) == {"openai/gsm8k", "allenai/ai2_arc"}
+    assert ev["openai/gsm8k"].metric_type == "exact_match" and ev["openai/gsm8k"].metric_value == 60.0
+    assert ev["allenai/ai2_arc"].metric_type == "acc_norm" and ev["allenai/ai2_arc"].metric_value == 51.25
+    assert ev["allenai/ai2_arc"].dataset_config == "ARC-Challenge" and "200 items (--limit 200)" in ev["allenai/ai2_arc"].metric_name
+    assert mc.data.model_name == "glm-int4"
+    text = res.text
+    assert "| gsm8k | exact_match | 200 | 61.50 ± 3.44 | 60.00 ± 3.46 | -1.50 (-3.50, +0.50) |" in text
+    assert "| 0.01234 |" in text and "95.50%" in text  # the KLD row
+    assert "passed; 154 tensors exactly against the source" in text and "| expert_gate | 1 | 0 |" in text
+    # a later card (as push writes it) keeps the reports
+    again = card(folder, repo_id="my-org/glm-int4")
+    assert len(ModelCard(again.text).data.eval_results) == 2 and "| 0.01234 |" in again.text
+
+
+def test_reports_that_are_not_reports_or_of_another_model_are_refused(folder, converted, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hello": 1}')
+    with pytest.raises(QuantizeError, match="--eval .*bad.json"):
+        card(folder, eval=[bad])
+    bad.write_text("not json")
+    with pytest.raises(QuantizeError, match="not a JSON report"):
+        card(folder, eval=[bad])
+    with pytest.raises(QuantizeError, match="no such file"):
+        card(folder, eval=[tmp_path / "missing.json"])
+    other = converted("glm_moe_dsa", group_size=128)  # another quantize output, other weights
+    rep = tmp_path / "other.json"
+    rep.write_text(json.dumps(_eval_report(other)))
+    with pytest.raises(QuantizeError, match="other weights"):
+        card(folder, eval=[rep])
+    # the converted folder this one was copied from has the same weights: accepted
+    rep.write_text(json.dumps(_eval_report(converted("glm_moe_dsa", group_size=32))))
+    assert card(folder, eval=[rep]).reports
+    assert not (tmp_path / "bad.json.partial").exists()
+
+
+def test_bits_per_weight_and_tp8_figures_from_the_headers(tiny, tmp_path):
+    from quantize.plan import plan
+
+    src = tiny("glm_moe_dsa", overrides=TP8)
+    out = tmp_path / "g128"
+    convert(src, out, group_size=128)
+    idx = CheckpointIndex.open(out)
+    bpw = bits_per_weight(idx)
+    # independently: every INT4 module's stored bits over N x K
+    mods = [n[: -len(".weight_packed")] for n in idx.tensors if n.endswith(".weight_packed")]
+    bits = sum(idx.tensors[m + s].nbytes * 8 for m in mods for s in (".weight_packed", ".weight_scale", ".weight_shape"))
+    weights = sum(math.prod(read_tensor(out, idx.tensors[m + ".weight_shape"]).tolist()) for m in mods)
+    assert bpw["int4"] == pytest.approx(bits / weights) and bpw["int4_weights"] == weights
+    assert 4 + 16 / 128 < bpw["int4"] < 4 + 16 / 128 + 0.01
+    assert bpw["weights"] == bpw["int4_weights"] + bpw["high_precision_weights"]
+    assert 16 <= bpw["high_precision"] < 16.01  # BF16 everywhere else (a few small F32 router biases)
+    tpf = tp_figures(out, idx)
+    assert tpf["tp"] == 8 and tpf["refused"] == []
+    p = plan(src, tp=8, group_size=128).summary()
+    # plan divides every split tensor by 8; the serving split keeps each INT4 module's 16-byte
+    # weight_shape whole on every rank
+    assert tpf["per_gpu_bytes"] - p["per_rank_output_bytes"] == len(mods) * 16 * 7 // 8
+    assert tpf["kv"]["kv_bytes_per_token"] == p["kv_bytes_per_token"]
+    assert abs(tpf["kv"]["kv_tokens_per_gpu"]["fp8"] - p["kv_tokens_per_gpu"]["fp8"]) <= 2
+    text = card(out).text
+    assert "--tp 8 --kv-cache-dtype fp8_e4m3" in text and "--tensor-parallel-size 8 --kv-cache-dtype fp8_e4m3" in text
+    assert f"{bpw['int4']:.3f} (4-bit codes + BF16 scale per 128" in text
+    assert f"FP8 e4m3: {tpf['kv']['kv_tokens_per_gpu']['fp8']:,} tokens" in text
+
+
+def test_never_over_a_users_card_nor_a_tampered_folder(folder):
+    (folder / "README.md").write_text("# mine\n")
+    with pytest.raises(QuantizeError, match="a card someone wrote"):
+        card(folder)
+    assert (folder / "README.md").read_text() == "# mine\n"
+    (folder / "README.md").unlink()
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(QuantizeError, match=f"{shard.name}.*SHA-256"):
+        card(folder)
+    assert not (folder / "README.md").exists()
+
+
+def test_not_a_quantize_output(tiny, tmp_path):
+    d = tmp_path / "plain"
+    shutil.copytree(tiny("glm_moe_dsa"), d)
+    with pytest.raises(QuantizeError, match="make-tiny"):  # the tiny fixture's own manifest
+        card(d)
+    (d / "quantize_manifest.json").unlink()
+    with pytest.raises(QuantizeError, match="not a finished quantize output"):
+        card(d)
+
+
+def test_calibrate_kv_fold_output_card_follows_its_conversion(converted, tmp_path):
+    from quantize.calibrate.kv import calibrate_kv
+
+    q = converted("deepseek_v3", group_size=32)
+    out = tmp_path / "fold"
+    calibrate_kv(q, out, fold=True, samples=4, seq_len=48)
+    text = card(out).text
+    assert f"Measured by `quantize calibrate-kv` on `{q}` (before the fold below): mla cache, target sglang" in text
+    assert "Folded factors" in text and "| 0 | x" in text
+    assert "group size 32" in text and "observer `minmax`" in text  # from the conversion's manifest
+    assert "# convert: a library call" in text and "# calibrate-kv: a library call" in text
+    assert verify_files(out)[0] == []
+
+
+def test_command_line_records_only_the_cli(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/quantize", "convert", "/m/src dir", "/m/out", "--group-size", "32"])
+    assert command_line() == "quantize convert '/m/src dir' /m/out --group-size 32"
+    monkeypatch.setattr(sys, "argv", ["/repo/quantize/cli.py", "push", "d", "o/r"])
+    assert command_line() == "quantize push d o/r"
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/pytest", "-q"])
+    assert command_line() is None
+    monkeypatch.setattr(sys, "argv", [])
+    assert command_line() is None

@@ -1,0 +1,312 @@
+"""quantize push against a Hub on loopback (tests/hub_server.py, reached through HF_ENDPOINT): the
+files and commits that arrive, the card, pre-flight refusals that send nothing, the token nowhere
+but the request headers, and resumption that does not send finished files again."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantize.check import verify_files
+from quantize.errors import QuantizeError
+from quantize.publish.push import push
+
+from .hub_server import serve
+
+TOKEN = "hf_SeCrEtToKeN123"
+REPO = "test-org/glm-int4"
+SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+
+
+@pytest.fixture
+def folder(converted, tmp_path):
+    d = tmp_path / "glm-int4"
+    shutil.copytree(converted("glm_moe_dsa", group_size=32), d)
+    return d
+
+
+@pytest.fixture
+def hub():
+    with serve(TOKEN) as (url, state):
+        yield url, state
+
+
+def _env(url: str, tmp_path: Path, token: str | None = TOKEN) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE")}
+    env.update(HF_ENDPOINT=url, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_XET="1", HF_HOME=str(tmp_path / "hf-home"))
+    if token:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def _quantize(args, env, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quantize.cli", *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def inproc(monkeypatch, tmp_path):
+    """push() in this process: the conftest's offline switch off, LFS transfer, an empty HF_HOME."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-saved-token"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+    def use(url: str) -> None:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+
+    return use
+
+
+def _front_matter(text: str) -> dict:
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("\n---\n", 1)[0][4:])
+
+
+def _token_nowhere(folder: Path, state, *outputs: str) -> None:
+    """The token is in no output, no file of the folder (records included), no file or commit
+    message the Hub received; it did reach the Hub, in the Authorization header only."""
+    for out in outputs:
+        assert TOKEN not in out
+    for p in folder.rglob("*"):
+        if p.is_file():
+            assert TOKEN.encode() not in p.read_bytes(), p
+    for repo in state.repos.values():
+        for c in repo.commits.values():
+            assert TOKEN not in c.summary + c.description
+            for path in c.tree:
+                assert TOKEN.encode() not in (repo.file(path, c.ref) or b""), path
+    assert f"Bearer {TOKEN}" in state.auth_seen
+
+
+def _main_files(state, repo=REPO, ref="main") -> dict[str, bytes]:
+    r = state.repos[repo]
+    return {p: r.file(p, ref) for p in r.tree(ref)}
+
+
+def test_dry_run_lists_files_and_bytes_needs_no_token_and_sends_nothing(folder, tmp_path):
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    r = _quantize(["push", folder, REPO, "--dry-run"], _env("http://127.0.0.1:9", tmp_path, token=None))  # nothing listens there
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((folder / "quantize_manifest.json").read_text())
+    lines = dict(line.rsplit(None, 2)[:2] for line in r.stdout.splitlines() if line.endswith(" B"))
+    expect = set(manifest["files"]) | {"quantize_manifest.json", "README.md"}
+    assert set(lines) == expect
+    for name in expect - {"README.md"}:
+        assert int(lines[name].replace(",", "")) == (folder / name).stat().st_size
+    total = sum(int(v.replace(",", "")) for v in lines.values())
+    assert f"{len(expect)} files, {total:,} bytes" in r.stdout and "nothing was sent" in r.stdout
+    assert "README.md: would be generated" in r.stdout
+    assert not any(".quantize" in k for k in lines)
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before  # writes nothing, not even the lock
+
+
+def test_push_sends_proven_files_and_card_token_only_in_headers(folder, hub, tmp_path):
+    url, state = hub
+    (folder / "notes.txt").write_text("scratch")  # not proven by the manifest: stays home
+    r = _quantize(["push", folder, REPO, "--private", "--message", "first INT4 upload"], _env(url, tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert state.unknown == []
+    repo = state.repos[REPO]
+    assert repo.private is True
+    files = _main_files(state)
+    manifest = json.loads((folder / "quantize_manifest.json").read_text())
+    assert set(files) == set(manifest["files"]) | {"quantize_manifest.json", "README.md", ".gitattributes"}
+    for name, data in files.items():
+        if name != ".gitattributes":
+            assert data == (folder / name).read_bytes(), name
+    assert not any(p.startswith(".quantize") or p.endswith(".partial") or p == "notes.txt" for p in files)
+    assert "notes.txt" in r.stderr  # named as not uploaded
+    # one commit on top of the repo's first, with the message; the weights as LFS objects
+    hist = repo.history()
+    assert [c.summary for c in hist[1:]] == ["first INT4 upload"]
+    assert set(hist[-1].added) == set(files) - {".gitattributes"}
+    assert all(repo.tree("main")[s].lfs_sha256 == manifest["files"][s]["sha256"] for s in SHARDS)
+    # the card: generated, the same on the Hub as at home, its metadata what the Hub reads
+    card = files["README.md"].decode()
+    assert card == (folder / "README.md").read_text()
+    meta = _front_matter(card)
+    assert meta["library_name"] == "transformers" and "int4" in meta["tags"] and "compressed-tensors" in meta["tags"]
+    assert "base_model" not in meta  # a local source: the card says why instead
+    assert "base_model is not set" in card
+    assert f"--model-path {REPO} " in card and "--kv-cache-dtype fp8_e4m3" in card
+    # the folder still proves every file (the manifest now records the card)
+    assert verify_files(folder)[0] == []
+    _token_nowhere(folder, state, r.stdout, r.stderr)
+    # pushing again sends nothing: every file is on the Hub with our content
+    n = len(state.requests)
+    r2 = _quantize(["push", folder, REPO], _env(url, tmp_path))
+    assert r2.returncode == 0, r2.stderr
+    assert not [q for q in state.requests[n:] if q.method == "PUT" or "/commit/" in q.path]
+    assert "pushed 0 files" in r2.stdout and f"{len(files) - 1} already on the Hub" in r2.stdout
+
+
+def test_interrupted_push_resumes_without_resending_committed_files(folder, hub, tmp_path):
+    url, state = hub
+    state.fail_put = {2}  # the second shard's upload is refused: the run stops there
+    env = _env(url, tmp_path)
+    r = _quantize(["push", folder, REPO, "--batch-gib", "0.001"], env)  # one shard per commit
+    assert r.returncode == 2
+    err = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "rerun the same command to resume" in err[0] and SHARDS[1] in err[0]
+    assert "Traceback" not in r.stderr
+    repo = state.repos[REPO]
+    assert set(repo.tree("main")) == {".gitattributes", SHARDS[0]}  # the first commit stands
+    r = _quantize(["push", folder, REPO, "--batch-gib", "0.001"], env)
+    assert r.returncode == 0, r.stderr
+    man = json.loads((folder / "quantize_manifest.json").read_text())["files"]
+    assert state.puts_of(man[SHARDS[0]]["sha256"], ok_only=False) == 1  # never sent again
+    assert state.puts_of(man[SHARDS[1]]["sha256"], ok_only=False) == 2  # refused once, then sent
+    assert state.puts_of(man[SHARDS[2]]["sha256"], ok_only=False) == 1
+    assert [c.summary.rsplit(" ", 1)[-1] for c in repo.history()[1:]] == ["(1/3)", "(2/3)", "(3/3)"]
+    files = _main_files(state)
+    assert all(files[n] == (folder / n).read_bytes() for n in [*man, "quantize_manifest.json"])
+    _token_nowhere(folder, state, r.stdout, r.stderr)
+
+
+def test_upload_not_yet_committed_is_not_sent_again(folder, hub, tmp_path):
+    """One commit for everything; the run stops at the second shard, after the first was uploaded
+    but before any commit: the rerun's LFS batch finds the first stored and does not send it."""
+    url, state = hub
+    state.fail_put = {2}  # huggingface_hub uploads a commit's files in parallel: which one fails varies
+    env = _env(url, tmp_path)
+    assert _quantize(["push", folder, REPO], env).returncode == 2
+    assert set(state.repos[REPO].tree("main")) == {".gitattributes"}
+    stored = {q.lfs_oid for q in state.requests if q.method == "PUT" and q.status == 200}
+    failed = {q.lfs_oid for q in state.requests if q.method == "PUT" and q.status == 403}
+    assert stored and len(failed) == 1
+    r = _quantize(["push", folder, REPO], env)
+    assert r.returncode == 0, r.stderr
+    for oid in stored:  # uploaded before the interruption: never sent again
+        assert state.puts_of(oid, ok_only=False) == 1
+    assert state.puts_of(failed.pop(), ok_only=False) == 2
+    assert len(state.repos[REPO].history()) == 2  # the repo's first commit and ours
+    assert all(_main_files(state)[s] == (folder / s).read_bytes() for s in SHARDS)
+
+
+def test_killed_push_resumes_without_resending(folder, hub, tmp_path):
+    url, state = hub
+    state.stall_put = {2}  # hold the second shard's upload open, then kill the process mid-upload
+    env = _env(url, tmp_path)
+    cmd = [sys.executable, "-m", "quantize.cli", "push", str(folder), REPO, "--batch-gib", "0.001"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert state.stalled.wait(180), "the upload never started"
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+        state.release.set()
+    out, err = (x.decode() for x in p.communicate(timeout=30))
+    assert set(state.repos[REPO].tree("main")) == {".gitattributes", SHARDS[0]}
+    assert json.loads((folder / ".quantize" / "push.json").read_text())["commits"][0]["files"].keys() == {SHARDS[0]}
+    r = _quantize(["push", folder, REPO, "--batch-gib", "0.001"], env)
+    assert r.returncode == 0, r.stderr
+    man = json.loads((folder / "quantize_manifest.json").read_text())["files"]
+    assert state.puts_of(man[SHARDS[0]]["sha256"], ok_only=False) == 1
+    assert "2 already on the Hub" not in r.stdout and "1 already on the Hub" in r.stdout
+    assert all(_main_files(state)[s] == (folder / s).read_bytes() for s in SHARDS)
+    _token_nowhere(folder, state, out, err, r.stdout, r.stderr)
+
+
+def test_create_pr_and_its_resume_continue_one_pull_request(folder, hub, tmp_path):
+    url, state = hub
+    state.fail_put = {2}
+    env = _env(url, tmp_path)
+    assert _quantize(["push", folder, REPO, "--create-pr", "--batch-gib", "0.001"], env).returncode == 2
+    r = _quantize(["push", folder, REPO, "--create-pr", "--batch-gib", "0.001"], env)
+    assert r.returncode == 0, r.stderr
+    repo = state.repos[REPO]
+    assert repo.prs == 1 and "/discussions/1" in r.stdout
+    assert set(repo.tree("main")) == {".gitattributes"}  # main untouched
+    pr = _main_files(state, ref="refs/pr/1")
+    assert all(pr[s] == (folder / s).read_bytes() for s in SHARDS) and "README.md" in pr
+    assert json.loads((folder / ".quantize" / "push.json").read_text())["pr_revision"] == "refs/pr/1"
+
+
+def test_revision_branch_and_user_card_in_process(folder, hub, inproc):
+    url, state = hub
+    inproc(url)
+    (folder / "README.md").write_text("# my own card\n\nwritten by me\n")
+    res = push(folder, REPO, revision="w4a16-g32")
+    assert res.card.startswith("README.md: the card you wrote")
+    assert (folder / "README.md").read_text() == "# my own card\n\nwritten by me\n"  # never overwritten
+    assert state.repos[REPO].file("README.md", "w4a16-g32") == b"# my own card\n\nwritten by me\n"
+    assert set(state.repos[REPO].tree("main")) == {".gitattributes"}
+    assert all(state.repos[REPO].file(s, "w4a16-g32") == (folder / s).read_bytes() for s in SHARDS)
+    assert res.sent_bytes == res.total_bytes == sum((folder / f.path).stat().st_size for f in res.files)
+
+
+def test_preflight_refuses_tampered_or_incomplete_folders_before_any_request(folder, hub, tmp_path, inproc):
+    url, state = hub
+    inproc(url)
+    # a flipped byte in a shard's data: named, with exit 2 and one line from the CLI
+    shard = folder / SHARDS[1]
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    r = _quantize(["push", folder, REPO], _env(url, tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and SHARDS[1] in r.stderr and "SHA-256" in r.stderr
+    assert "nothing was pushed" in r.stderr
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # a missing shard: the index names it
+    moved = shard.rename(folder.parent / "away.safetensors")
+    with pytest.raises(QuantizeError, match=SHARDS[1]):
+        push(folder, REPO)
+    moved.rename(shard)
+    # a broken config.json
+    cfg = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(cfg[:-20])
+    with pytest.raises(QuantizeError, match="config.json"):
+        push(folder, REPO)
+    (folder / "config.json").write_text(cfg)
+    # an unrecorded weight file
+    (folder / "extra.safetensors").write_bytes((folder / SHARDS[0]).read_bytes())
+    with pytest.raises(QuantizeError, match="extra.safetensors"):
+        push(folder, REPO)
+    (folder / "extra.safetensors").unlink()
+    # not a quantize output at all
+    (folder / "quantize_manifest.json").rename(folder.parent / "m.json")
+    with pytest.raises(QuantizeError, match="not a finished quantize output"):
+        push(folder, REPO)
+    assert state.requests == []  # nothing reached the Hub
+    assert not (folder / "README.md").exists()
+
+
+def test_token_and_repo_id_errors_are_one_line(folder, inproc, monkeypatch):
+    for bad in ("a/b/c", "org/bad--name", "no-namespace", "org/.hidden"):
+        with pytest.raises(QuantizeError, match="REPO_ID"):
+            push(folder, bad)
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(QuantizeError, match="hf auth login") as e:
+        push(folder, REPO)
+    assert "\n" not in str(e.value) and "HF_TOKEN" in str(e.value)
+    assert push(folder, REPO, dry_run=True).dry_run  # a dry run needs no token
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(QuantizeError, match="HF_HUB_OFFLINE"):
+        push(folder, REPO)
+
+
+def test_unreachable_hub_is_one_line_without_token(folder, inproc, monkeypatch):
+    inproc("http://127.0.0.1:9")
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setattr(_http.time, "sleep", lambda s: None)  # the client's own retries, without their waits
+    t = time.time()
+    with pytest.raises(QuantizeError, match="rerun the same command") as e:
+        push(folder, REPO)
+    assert TOKEN not in str(e.value) and "\n" not in str(e.value) and time.time() - t < 120
