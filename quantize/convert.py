@@ -29,7 +29,7 @@ from .checkpoint.writer import COPY_CHUNK, StreamWriter
 from .errors import QuantizeError
 from .events import Emit, null_emit
 from .formats import fp8, int4, native
-from .plan import ConvertOptions, Job, Plan, build_plan
+from .plan import ConvertOptions, Job, Plan, build_plan, check_with_compressed_tensors
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
 
@@ -185,8 +185,11 @@ def convert(
             raise QuantizeError(f"--device {device}: no CUDA device is available here; use --device cpu (the default)")
     src, out = Path(source), Path(out)
     options = ConvertOptions(group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8, recipe=recipe)
-    plan = build_plan(src, options)
+    plan = build_plan(src, options, ct_check=False)
     options = plan.options  # a recipe may have set group size / observer
+    # compressed-tensors (seconds to import) is needed only for the config written at the end and an
+    # internal check of it: both run on a thread beside the first tensors
+    ct = ThreadPoolExecutor(1, thread_name_prefix="ct").submit(_ct_config, plan)
     sides = side_files(src)  # a dangling symlink is named before any shard is written
     ident = source_identity(src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}])
     key = _job_key(plan, ident)
@@ -210,6 +213,7 @@ def convert(
         try:
             with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
                 done_bytes = _execute(plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device)
+            ct.result()  # the config and its check, before anything presents the output as complete
             _finish(plan, src, o, sides, ident, t0, kernels, emit)
         except BaseException as e:
             emit({"event": "error", "message": str(e)})
@@ -307,6 +311,11 @@ def _copy_checked(writer: StreamWriter, name: str, fd: int, ref: TensorRef, buf:
             if t is not None and not torch.isfinite(t).all():
                 raise QuantizeError(f"{ref.file}: tensor {ref.name} contains NaN or Inf; the source is corrupt, re-download that shard")
     writer.copy_bytes(name, fd, ref.start, ref.nbytes, buf, on_chunk=check)
+
+
+def _ct_config(plan: Plan) -> dict:
+    check_with_compressed_tensors(plan)
+    return plan.quantization_config
 
 
 def _kernel_path(device: str, emit: Emit) -> dict:

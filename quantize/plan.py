@@ -17,10 +17,11 @@ from pathlib import Path
 
 from . import archs
 from .archs.base import IGNORE_PATTERN, ROLE_GROUP, ROLES, Architecture, profile_quantizes
-from .checkpoint.index import CheckpointIndex, TensorRef, load_config
+from .checkpoint.index import CheckpointIndex, TensorRef, check_config, load_config
+from .checkpoint.reader import fp8_scale_format
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError
-from .formats import fp8, int4
+from .formats import layout
 from .recipe import Recipe, load_recipe
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zero_point", "weight_global_scale")
@@ -44,12 +45,12 @@ class ConvertOptions:
     recipe: str | None = None
 
     def validate(self) -> None:
-        if self.group_size is not None and self.group_size not in int4.SUPPORTED_GROUP_SIZES:
-            raise QuantizeError(f"--group-size {self.group_size}: not served by the engines' INT4 kernels; use one of {', '.join(map(str, int4.SUPPORTED_GROUP_SIZES))}")
+        if self.group_size is not None and self.group_size not in layout.SUPPORTED_GROUP_SIZES:
+            raise QuantizeError(f"--group-size {self.group_size}: not served by the engines' INT4 kernels; use one of {', '.join(map(str, layout.SUPPORTED_GROUP_SIZES))}")
         if self.profile is not None and self.profile not in archs.base.PROFILES:
             raise QuantizeError(f"--profile {self.profile}: unknown; use one of {', '.join(archs.base.PROFILES)}")
-        if self.observer is not None and self.observer not in int4.OBSERVERS:
-            raise QuantizeError(f"--observer {self.observer}: unknown; use one of {', '.join(int4.OBSERVERS)}")
+        if self.observer is not None and self.observer not in layout.OBSERVERS:
+            raise QuantizeError(f"--observer {self.observer}: unknown; use one of {', '.join(layout.OBSERVERS)}")
 
     def resolve(self, recipe: Recipe | None) -> "ConvertOptions":
         """The options the plan runs with: explicit values, else the recipe's, else the defaults. A
@@ -110,11 +111,21 @@ class Plan:
     source_format: str  # "fp8-block" | "ct-fp8" | "float"
     shards: list[ShardPlan]
     dropped: list[str]  # source tensors consumed as scales or dropped (input_scale)
-    quantization_config: dict
+    config_view: dict  # ignore + each config group's targets: what the engines match (no compressed-tensors import)
     config: dict
     source_total_bytes: int
     tp: int = 1
     kv: object | None = None  # kvcache.KvCapacity, filled by ``quantize plan``
+    recipe: Recipe | None = None
+    _qc: dict | None = field(default=None, repr=False)
+
+    @property
+    def quantization_config(self) -> dict:
+        """The ``quantization_config`` written to config.json, from compressed-tensors' own models
+        (built on first use: ``quantize plan`` never needs it, nor the import)."""
+        if self._qc is None:
+            self._qc = quantization_config(self.arch, self.config, self.options, self.recipe, self.shards)
+        return self._qc
 
     @property
     def jobs(self) -> list[Job]:
@@ -138,7 +149,7 @@ class Plan:
         """Hash of everything that determines the output bytes."""
         h = hashlib.sha256()
         h.update(json.dumps(asdict(self.options), sort_keys=True).encode())
-        h.update(json.dumps(self.quantization_config, sort_keys=True).encode())
+        h.update(json.dumps(self.config_view, sort_keys=True).encode())  # the config is a function of it and the options
         for s in self.shards:
             h.update(s.file.encode())
             for j in s.jobs:
@@ -171,7 +182,7 @@ class Plan:
             # under the TP plan (q_a/kv_a, the DSA indexer, router and norms are replicated)
             "even_split_source_bytes": -(-self.source_total_bytes // self.tp),
             "even_split_output_bytes": -(-self.output_bytes // self.tp),
-            "ignore": self.quantization_config.get("ignore", []),
+            "ignore": self.config_view["ignore"],
             **({"kv_bytes_per_token": self.kv.kv_bytes_per_token, "kv_tokens_per_gpu": self.kv.kv_tokens_per_gpu,
                 "kv_capacity_inputs": {k: v for k, v in self.kv.to_dict().items() if k not in ("kv_bytes_per_token", "kv_tokens_per_gpu")}}
                if self.kv is not None else {}),
@@ -205,7 +216,7 @@ def virtual_index(folder: Path, config: dict, arch: Architecture, source_format:
     if arch.expected is None:
         raise QuantizeError(f"{folder}: no safetensors here, and {arch.name} cannot be planned from config.json alone")
     tensors: dict[str, TensorRef] = {}
-    block = tuple(qc.get("weight_block_size") or fp8.DEFAULT_BLOCK)
+    block = tuple(qc.get("weight_block_size") or layout.DEFAULT_BLOCK)
     dtype = {"float16": "F16", "float32": "F32"}.get(str(arch.text_config(config).get("torch_dtype") or config.get("torch_dtype") or config.get("dtype")), "BF16")
     pos = 0
     for name, shape, role in arch.expected(arch.text_config(config)):
@@ -220,7 +231,7 @@ def virtual_index(folder: Path, config: dict, arch: Architecture, source_format:
         tensors[name] = TensorRef(name, "(config)", dt, shape, pos, pos + n)
         pos += n
         if dt == "F8_E4M3":
-            g = fp8.block_grid(shape, block)
+            g = layout.block_grid(shape, block)
             sname = name[: -len("weight")] + "weight_scale_inv"
             tensors[sname] = TensorRef(sname, "(config)", "F32", g, pos, pos + 4 * math.prod(g))
             pos += 4 * math.prod(g)
@@ -235,7 +246,9 @@ def _decide_by_recipe(recipe: Recipe, module: str) -> bool:
     return targeted and not any(match_name(module, i) for i in recipe.ignore)
 
 
-def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_config_only: bool = False) -> Plan:
+def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_config_only: bool = False, ct_check: bool = True) -> Plan:
+    """``ct_check``: also match the config with compressed-tensors' own matcher (convert does; the
+    header-only ``quantize plan`` keeps to the engines' matching, without importing it)."""
     options.validate()
     folder = Path(source)
     recipe = load_recipe(options.recipe) if options.recipe else None
@@ -252,7 +265,7 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
     source_format, src_qc = detect_source_format(config, arch, where)
     if index is None:
         index = virtual_index(folder, config, arch, source_format, src_qc)
-    block = tuple(src_qc.get("weight_block_size") or fp8.DEFAULT_BLOCK)
+    block = tuple(src_qc.get("weight_block_size") or layout.DEFAULT_BLOCK)
 
     jobs_by_file: dict[str, list[Job]] = defaultdict(list)
     dropped: list[str] = []
@@ -275,11 +288,7 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
             job.scale = tensors[sname]
             job.block = block
             consumed.add(sname)
-            job.scale_format = "block" if source_format == "fp8-block" else _ct_scale_format(job.scale, ref, folder)
-            if job.scale_format == "block":
-                want = fp8.block_grid(ref.shape, block)
-                if tuple(job.scale.shape) != want:
-                    raise QuantizeError(f"{folder / job.scale.file}: {sname} has shape {list(job.scale.shape)}, but a {list(ref.shape)} weight with {block[0]}x{block[1]} blocks needs {list(want)} (ceil grid); the checkpoint is corrupt")
+            job.scale_format = fp8_scale_format(ref, job.scale, block, folder)  # one decision, shared with the reader
         elif ref.dtype.startswith("F8"):
             raise QuantizeError(f"{folder / ref.file}: tensor {name} has dtype {ref.dtype}; only e4m3 FP8 weights are read")
         is_weight2d = param == "weight" and len(ref.shape) == 2 and ROLES[role][0]
@@ -291,8 +300,8 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
                 job.kind = "int4"
                 sdt = "BF16" if is_fp8 or ref.dtype == "BF16" else ref.dtype
                 job.outputs = [
-                    Entry(f"{module}.weight_packed", "I32", int4.packed_shape((out, k))),
-                    Entry(f"{module}.weight_scale", sdt, int4.scale_shape((out, k), options.group_size) if k % options.group_size == 0 else (out, k // options.group_size)),
+                    Entry(f"{module}.weight_packed", "I32", layout.packed_shape((out, k))),
+                    Entry(f"{module}.weight_scale", sdt, layout.scale_shape((out, k), options.group_size) if k % options.group_size == 0 else (out, k // options.group_size)),
                     Entry(f"{module}.weight_shape", "I64", (2,)),
                 ]
             elif is_fp8 and options.keep_fp8:
@@ -319,26 +328,21 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
 
     meta = {"format": "pt"}
     shards = [ShardPlan(f, jobs_by_file[f], meta) for f in index.files if jobs_by_file.get(f)]
-    qcfg = quantization_config(arch, config, options, recipe, shards)
-    plan = Plan(str(folder), arch, options, source_format, shards, dropped, qcfg, config, index.total_bytes, tp)
-    validate_plan(plan, recipe)
+    view = config_view(arch, config, options, recipe, shards)
+    plan = Plan(str(folder), arch, options, source_format, shards, dropped, view, config, index.total_bytes, tp, recipe=recipe)
+    validate_plan(plan, recipe, ct_check=ct_check)
     return plan
 
 
 def _load_config_file(path: Path) -> dict:
     try:
-        return json.loads(Path(path).read_text())
+        cfg = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise QuantizeError(f"{path}: cannot read a config.json ({e})") from e
-
-
-def _ct_scale_format(scale: TensorRef, weight: TensorRef, folder: Path) -> str:
-    out = weight.shape[0]
-    if math.prod(scale.shape) == 1 or tuple(scale.shape) in ((out, 1), (out,)):
-        return "channel"
-    if tuple(scale.shape) == fp8.block_grid(weight.shape):
-        return "block"
-    raise QuantizeError(f"{folder / scale.file}: {scale.name} has shape {list(scale.shape)}, which fits neither a per-channel [{out}, 1] nor a 128x128 block scale of {list(weight.shape)}")
+    if not isinstance(cfg, dict):
+        raise QuantizeError(f"{path}: not a JSON object; fix the file")
+    check_config(cfg, path)  # the same field checks as a checkpoint's config.json
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +379,9 @@ def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles
     return pats
 
 
-def quantization_config(arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]) -> dict:
+def config_view(arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]) -> dict:
+    """What the engines match against their module names: the ignore list and each config group's
+    targets (config_group_0: INT4; config_group_1: the FP8 weights --keep-fp8 keeps)."""
     roles = {j.role for s in shards for j in s.jobs}
     fp8_roles = frozenset(j.role for s in shards for j in s.jobs if j.kind == "keep_fp8")
     if recipe:
@@ -384,18 +390,28 @@ def quantization_config(arch: Architecture, config: dict, options: ConvertOption
         ignore, targets = list(recipe.ignore), list(recipe.targets)
     else:
         ignore, targets = ignore_list(arch, config, options, roles, fp8_roles), ["Linear"]
+    groups = {"config_group_0": {"targets": targets}}
+    if fp8_roles:
+        groups["config_group_1"] = {"targets": keep_fp8_targets(arch, shards)}
+    return {"ignore": ignore, "config_groups": groups}
+
+
+def quantization_config(arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]) -> dict:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
+    from .formats import int4
+
+    view = config_view(arch, config, options, recipe, shards)
     # compressed-tensors' own models, dumped as its 0.19 writes them (llmcompressor's update_config)
-    groups = {"config_group_0": QuantizationScheme(targets=targets, format="pack-quantized",
+    groups = {"config_group_0": QuantizationScheme(targets=view["config_groups"]["config_group_0"]["targets"], format="pack-quantized",
                                                    weights=QuantizationArgs.model_validate(int4.weights_args(options.group_size)))}
-    kept = sorted({j.module for s in shards for j in s.jobs if j.kind == "keep_fp8"})
+    kept = "config_group_1" in view["config_groups"]
     if kept:  # the vendor's 128x128 block FP8 weights, dynamic per-128-group FP8 activations
         groups["config_group_1"] = QuantizationScheme(
-            targets=keep_fp8_targets(arch, shards), format="float-quantized",
+            targets=view["config_groups"]["config_group_1"]["targets"], format="float-quantized",
             weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128], dynamic=False),
             input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group", group_size=128, dynamic=True))
-    qc = QuantizationConfig(config_groups=groups, format="mixed-precision" if kept else "pack-quantized", ignore=ignore,
+    qc = QuantizationConfig(config_groups=groups, format="mixed-precision" if kept else "pack-quantized", ignore=view["ignore"],
                             quantization_status="compressed", kv_cache_scheme=None, global_compression_ratio=None)
     return {"version": CT_VERSION, "quant_method": "compressed-tensors", "transform_config": {}, **qc.model_dump(mode="json")}
 
@@ -445,7 +461,24 @@ def _scheme_for(name: str, qc: dict, match) -> str:
     return "bf16"
 
 
-def validate_plan(plan: Plan, recipe: Recipe | None) -> None:
+EXPECT = {"int4": "config_group_0", "keep_fp8": "config_group_1"}
+
+
+def check_with_compressed_tensors(plan: Plan) -> None:
+    """compressed-tensors' own matcher on checkpoint names reproduces every decision of the plan
+    (an internal consistency check: the ignore list is ours, the matcher theirs). Imports
+    compressed-tensors (seconds), so convert runs it beside the first tensors."""
+    if plan.recipe is not None:
+        return
+    for j in plan.jobs:
+        if j.src.name.endswith(".weight") and len(j.src.shape) == 2 and ROLES[j.role][0]:
+            want = EXPECT.get(j.kind, "bf16")
+            got = _scheme_for(j.module, plan.config_view, _ct_match)
+            if got != want:
+                raise QuantizeError(f"internal: quantization_config puts {j.module} in {got}, the plan in {want}; please report this")
+
+
+def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> None:
     """Everything that can fail, before any byte is written: group divisibility, uniform schemes
     across engine-fused modules and experts, and an ignore list that holds in the engines."""
     arch, cfg, g = plan.arch, plan.config, plan.options.group_size
@@ -455,7 +488,7 @@ def validate_plan(plan: Plan, recipe: Recipe | None) -> None:
             decision[j.module] = j.kind == "int4"
         if j.kind == "int4" and j.src.shape[1] % g:
             k = j.src.shape[1]
-            fits = [x for x in int4.SUPPORTED_GROUP_SIZES if k % x == 0]
+            fits = [x for x in layout.SUPPORTED_GROUP_SIZES if k % x == 0]
             fix = f"use --group-size {fits[-1]}" if fits else "keep it high precision (--profile experts or a recipe ignore)"
             raise QuantizeError(f"{j.src.file}: tensor {j.name} has K={k}, not a multiple of group size {g}; {fix}")
     # fused sets and experts share one scheme
@@ -472,15 +505,13 @@ def validate_plan(plan: Plan, recipe: Recipe | None) -> None:
             raise QuantizeError(f"{layer}: some routed experts are INT4 and others are not; fused MoE kernels need one scheme for all experts of a layer (fix the recipe's ignore list)")
     # the written config must reproduce the plan's decisions, for compressed-tensors (checkpoint
     # names, exact/regex) and for SGLang (its module names, fused ones included)
-    qc = plan.quantization_config
-    expect = {"int4": "config_group_0", "keep_fp8": "config_group_1"}
+    qc = plan.config_view
+    if ct_check:
+        check_with_compressed_tensors(plan)
     for j in plan.jobs:
         if j.module not in decision:
             continue
-        want = expect.get(j.kind, "bf16")
-        got = _scheme_for(j.module, qc, _ct_match)
-        if recipe is None and got != want:
-            raise QuantizeError(f"internal: quantization_config puts {j.module} in {got}, the plan in {want}; please report this")
+        want = EXPECT.get(j.kind, "bf16")
         for ename in arch.engine_module_names(j.module, cfg):
             got = _scheme_for(ename, qc, _sglang_match)
             if got != want:
@@ -508,7 +539,8 @@ def plan(source: str | os.PathLike, tp: int = 1, group_size: int | None = None, 
         raise QuantizeError(f"--mem-fraction {frac}: the share of GPU memory for weights and KV cache must be in (0, 1] (e.g. 0.85)")
     if not (reserve >= 0 and math.isfinite(reserve)):
         raise QuantizeError(f"--reserve-gib {reserve}: the memory kept free must be 0 or more GiB (e.g. 4)")
-    p = build_plan(Path(source), ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe), tp=tp, allow_config_only=True)
+    p = build_plan(Path(source), ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe), tp=tp,
+                   allow_config_only=True, ct_check=False)
     # the same rule as ``quantize shard``: attention heads split evenly over the ranks
     heads = int(p.arch.text_config(p.config).get("num_attention_heads", tp))
     if heads % tp:

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from .errors import QuantizeError
-from .formats.int4 import OBSERVERS, SUPPORTED_GROUP_SIZES
+from .formats.layout import OBSERVERS, SUPPORTED_GROUP_SIZES
 
 PRESETS = {"W4A16": 128}
 

@@ -17,27 +17,40 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..errors import QuantizeError
 
-# safetensors dtype string <-> torch dtype, itemsize
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "F8_E8M0": (torch.float8_e8m0fnu, 1),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
+# safetensors dtype string -> (torch dtype name, itemsize); torch itself is imported only where a
+# tensor is made, so header-only commands (``quantize plan``) never load it
+DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
 }
-TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+
+
+def torch_dtype(st: str):
+    import torch
+
+    return getattr(torch, DTYPES[st][0])
+
+
+def st_dtype(dtype) -> str:
+    """torch dtype -> safetensors dtype string."""
+    name = str(dtype).removeprefix("torch.")
+    for k, (n, _) in DTYPES.items():
+        if n == name:
+            return k
+    raise KeyError(dtype)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -63,8 +76,8 @@ class TensorRef:
         return self.end - self.start
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+    def torch_dtype(self):
+        return torch_dtype(self.dtype)
 
     @property
     def module(self) -> str:
@@ -341,7 +354,7 @@ def cached_fd(cache: dict, path: Path) -> int:
     return fd
 
 
-def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None, buf: bytearray | None = None) -> torch.Tensor:
+def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None, buf: bytearray | None = None):
     """Read one tensor's bytes with pread (no mmap: page-cache pressure stays the kernel's, and
     RSS counts only this tensor). ``buf`` (at least ``ref.nbytes``) is reused when given; the
     returned tensor then aliases it."""
@@ -360,6 +373,8 @@ def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None, buf:
     finally:
         if close:
             os.close(fd)
+    import torch
+
     if ref.nbytes == 0:
         return torch.empty(ref.shape, dtype=ref.torch_dtype)
     return torch.frombuffer(buf, dtype=ref.torch_dtype, count=ref.nbytes // itemsize(ref.dtype)).view(ref.shape)

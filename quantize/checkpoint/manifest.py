@@ -38,21 +38,19 @@ def source_identity(folder: Path, files: list[str]) -> dict:
 
 
 def tool_versions() -> dict:
-    import compressed_tensors
-    import safetensors
-    import torch
-    import transformers
+    """Versions of the libraries that shaped the output, from package metadata (no imports: a
+    manifest must not cost seconds of start-up)."""
+    from importlib.metadata import PackageNotFoundError, version
 
     from .. import __version__
 
-    v = {
-        "quantize": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "safetensors": safetensors.__version__,
-        "transformers": transformers.__version__,
-        "compressed_tensors": compressed_tensors.__version__,
-    }
+    v = {"quantize": __version__, "python": platform.python_version()}
+    for dist, key in (("torch", "torch"), ("safetensors", "safetensors"), ("transformers", "transformers"),
+                      ("compressed-tensors", "compressed_tensors")):
+        try:
+            v[key] = version(dist)
+        except PackageNotFoundError:
+            v[key] = None
     try:
         here = Path(__file__).resolve().parents[2]
         sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
@@ -95,5 +93,5 @@ def file_records(o, weights: dict[str, dict] | None = None) -> dict[str, dict]:
 def write_manifest(o, manifest: dict, name: str = MANIFEST) -> None:
     """The manifest, written last: its presence means the output is complete, and ``files``
     lets ``quantize check`` (and push) prove every byte."""
-    manifest = {**manifest, "files": file_records(o, o.record.get("shards"))}
+    manifest = {"command": command_line(), **manifest, "files": file_records(o, o.record.get("shards"))}
     o.write_json(name, manifest)

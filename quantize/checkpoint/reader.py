@@ -13,10 +13,8 @@ import math
 import os
 from pathlib import Path
 
-import torch
-
 from ..errors import QuantizeError
-from ..formats import fp8, int4
+from ..formats.layout import DEFAULT_BLOCK, block_grid
 from .index import CheckpointIndex, TensorRef, read_tensor
 
 FP8_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
@@ -26,7 +24,7 @@ def fp8_scale_format(weight: TensorRef, scale: TensorRef, block: tuple[int, int]
     """"block" or "channel" for an FP8 weight's scale, or a one-line error naming the scale.
     DeepSeek-style ``weight_scale_inv`` is always a block grid (ceil); compressed-tensors'
     ``weight_scale`` is per output row, one per tensor, or a block grid."""
-    out, grid = weight.shape[0], fp8.block_grid(weight.shape, block)
+    out, grid = weight.shape[0], block_grid(weight.shape, block)
     shape = tuple(scale.shape)
     where = Path(folder) / scale.file
     if scale.name.endswith("weight_scale_inv"):
@@ -51,7 +49,7 @@ def weight_block(config: dict, text_config: dict | None = None) -> tuple[int, in
         bs = (g.get("weights") or {}).get("block_structure")
         if bs:
             return (int(bs[0]), int(bs[1]))
-    return fp8.DEFAULT_BLOCK
+    return DEFAULT_BLOCK
 
 
 class WeightReader:
@@ -66,7 +64,7 @@ class WeightReader:
     def folder(self) -> Path:
         return self.index.folder
 
-    def raw(self, name: str) -> torch.Tensor:
+    def raw(self, name: str):
         return read_tensor(self.folder, self.index.tensors[name], self._fds)
 
     def fp8_scale(self, name: str) -> tuple[TensorRef, str] | None:
@@ -85,7 +83,7 @@ class WeightReader:
         "fp8-channel", "float" or "missing"."""
         t = self.index.tensors
         if name in t:
-            if t[name].torch_dtype == torch.float8_e4m3fn:
+            if t[name].dtype == "F8_E4M3":
                 sc = self.fp8_scale(name)
                 return f"fp8-{sc[1]}" if sc else "fp8-unscaled"
             return "float"
@@ -93,7 +91,13 @@ class WeightReader:
             return "int4"
         return "missing"
 
-    def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def weight(self, name: str, dtype=None):
+        """The tensor as ``dtype`` (default float32), dequantized from whatever it is stored as."""
+        import torch
+
+        from ..formats import fp8, int4
+
+        dtype = dtype or torch.float32
         t = self.index.tensors
         if name in t:
             w = self.raw(name)

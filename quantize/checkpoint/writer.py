@@ -14,10 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..errors import QuantizeError
-from .index import TORCH_TO_ST, itemsize
+from .index import itemsize, st_dtype
 
 TMP_SUFFIX = ".partial"
 COPY_CHUNK = 8 << 20
@@ -86,10 +84,12 @@ class StreamWriter:
         self._next += 1
         return e
 
-    def write_tensor(self, name: str, t: torch.Tensor) -> None:
+    def write_tensor(self, name: str, t) -> None:
+        import torch
+
         e = self._expect(name, t.numel() * t.element_size())
-        if TORCH_TO_ST[t.dtype] != e.dtype or tuple(t.shape) != e.shape:
-            raise RuntimeError(f"{name}: planned {e.dtype}{list(e.shape)}, got {TORCH_TO_ST[t.dtype]}{list(t.shape)}")
+        if st_dtype(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
+            raise RuntimeError(f"{name}: planned {e.dtype}{list(e.shape)}, got {st_dtype(t.dtype)}{list(t.shape)}")
         t = t.contiguous()
         if t.numel():
             self._write(memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy()))

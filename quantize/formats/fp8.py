@@ -7,18 +7,13 @@ ceil grid, ``W[r, c] = W_fp8[r, c] * s[r // B, c // B]``, computed in fp32 then 
 
 from __future__ import annotations
 
-import math
 
 import torch
 
+from .layout import DEFAULT_BLOCK, block_grid  # noqa: F401
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-DEFAULT_BLOCK = (128, 128)
-
-
-def block_grid(shape: tuple[int, int], block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[int, int]:
-    """Scale grid for a [rows, cols] weight: ceil on both axes (576 rows -> 5 scale rows)."""
-    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
 
 
 def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:

@@ -25,13 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-NUM_BITS = 4
+from .layout import NATIVE_OBSERVERS, NUM_BITS, OBSERVERS, SUPPORTED_GROUP_SIZES, packed_shape, scale_shape  # noqa: F401
+
 QMIN, QMAX = -8, 7
 OFFSET = 8  # uint4b8: stored = q + 8
 HALF_RANGE = 7.5  # (QMAX - QMIN) / 2, compressed-tensors' symmetric divisor
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
-OBSERVERS = ("minmax", "mse", "fullrange", "fullrange-mse")
-NATIVE_OBSERVERS = ("minmax", "mse")  # what quant.c implements; the others run the torch path
 
 # compressed-tensors memoryless_mse defaults (observers/mse.py): grid, maxshrink, norm
 MSE_GRID = 100
@@ -53,16 +51,6 @@ class Int4Result:
     @property
     def rel_err(self) -> float:
         return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref > 0 else 0.0
-
-
-def packed_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    out, k = shape
-    return (out, (k * NUM_BITS + 31) // 32)
-
-
-def scale_shape(shape: tuple[int, int], group_size: int) -> tuple[int, int]:
-    out, k = shape
-    return (out, k // group_size)
 
 
 def _bf16_eps() -> float:
