@@ -10,8 +10,10 @@ checkpoint scale is used or written; the statistics and that layout's error are 
 Per layer: absmax, a high percentile, the scale (absmax/448, or percentile/448 with ``clip``), the
 fractions that overflow +-448 or fall to subnormal / zero in e4m3 under unit scale (what SGLang
 applies for MLA today) and under the calibrated scale, and the relative error of the attention
-output when the cached row goes through e4m3, against BF16. Scales are written under the names the
-target loads (../shared/FORMATS.md §3, §9) into a new checkpoint with ``kv_cache_scheme``.
+output when the cached row goes through e4m3, against BF16; for MLA also the absorbed query's and
+q_pe's range. What is written follows what the target engine does (../shared/FORMATS.md §9): for
+MLA on SGLang/vLLM nothing but, with ``fold``, the exactly reparametrised model (calibrate/fold.py);
+for transformers (``compressed-tensors``) and GQA models the scales and ``kv_cache_scheme``.
 """
 
 from __future__ import annotations
@@ -534,18 +536,19 @@ def _verdict(model: str, target: str, layout: str, reports: list[LayerReport], m
 
 
 def _scale_tensors(streamer, reports: list[LayerReport], target: str, layout: str) -> dict[str, torch.Tensor]:
+    """``self_attn.k_scale`` / ``self_attn.v_scale`` per layer (fp32 scalars). What reads them:
+    transformers (compressed-tensors' kv_cache_scheme: the attention module's own parameters);
+    SGLang 0.5.23 for GQA models remaps ``.self_attn.k_scale`` to ``.self_attn.attn.k_scale``
+    (``model_loader/weight_utils.py`` ``maybe_remap_kv_scale_name``; llama.py calls it); vLLM
+    likewise (checked by running its CPU build, tests/test_engine.py). MLA never gets here for
+    sglang/vllm (they use no checkpoint scale: see ``_mode``); its one scale covers the whole row."""
     out = {}
     p = streamer.arch.prefix
     for r in reports:
         base = f"{p}model.layers.{r.layer}.self_attn."
         ks, vs = (r.scale, r.scale) if layout == "mla" else (r.k_scale, r.v_scale)
-        if layout == "mla" and target in ("sglang", "vllm"):
-            # both engines remap the ModelOpt-style names onto their MLA attention; they drop self_attn.k_scale
-            out[base + "k_proj.k_scale"] = torch.tensor(ks, dtype=torch.float32)
-            out[base + "v_proj.v_scale"] = torch.tensor(vs, dtype=torch.float32)
-        else:
-            out[base + "k_scale"] = torch.tensor(ks, dtype=torch.float32)
-            out[base + "v_scale"] = torch.tensor(vs, dtype=torch.float32)
+        out[base + "k_scale"] = torch.tensor(ks, dtype=torch.float32)
+        out[base + "v_scale"] = torch.tensor(vs, dtype=torch.float32)
     return out
 
 
