@@ -256,9 +256,7 @@ def shard(model: str | os.PathLike, out: str | os.PathLike, tp: int = 8, max_par
         finally:
             for fd in fds.values():
                 os.close(fd)
-        (out / UNSHARDED).mkdir(exist_ok=True)
-        unsharded = Output(out / UNSHARDED, "shard", None, o.record, False)  # same lock and record
-        names = unsharded.copy_side_files(carried)
+        names = o.copy_side_files(carried, subdir=UNSHARDED)
         rank_bytes = [sum((out / PATTERN.format(rank=r, part=p)).stat().st_size for p in range(len(parts[r]))) for r in range(tp)]
         files_order: dict[str, list[str]] = {}
         for name, ref in index.tensors.items():

@@ -290,12 +290,15 @@ class Output:
     def write_json(self, name: str, obj, sort_keys: bool = True, indent: int = 1) -> Path:
         return self.write_text(name, json.dumps(obj, indent=indent, sort_keys=sort_keys, default=str))
 
-    def copy_side_files(self, files: list[Path], link: bool = False) -> list[str]:
-        """Copy the source's side files (from ``side_files``) by content; ``link`` hard-links
-        where possible (unchanged weights of calibrate-kv), copying across filesystems."""
+    def copy_side_files(self, files: list[Path], link: bool = False, subdir: str = "") -> list[str]:
+        """Copy the source's side files (from ``side_files``) by content, into ``subdir`` of the
+        output when given; ``link`` hard-links where possible (unchanged weights of calibrate-kv),
+        copying across filesystems."""
         names = []
+        if subdir:
+            (self.path / subdir).mkdir(exist_ok=True)
         for p in files:
-            dst = self.path / p.name
+            dst = self.path / subdir / p.name
             tmp = dst.with_name(dst.name + TMP_SUFFIX)
             try:
                 if tmp.exists():
