@@ -360,7 +360,7 @@ def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = 
                         raise QuantizeError(f"{sharded}: reassembled {n} differs from the tensor that was sharded; the shard is inconsistent")
                     w.write_tensor(n, t)
                 o.mark_done(fname, w.finish(), w.bytes_written)
-            o.copy_side_files(carried)
+            o.copy_side_files(sorted(carried, key=lambda p: p.name == QUANTIZE_MANIFEST))  # the manifest last: it means complete
             if not (out / INDEX_NAME).exists():
                 index = {"metadata": {"total_size": sum(math.prod(t["shape"]) * itemsize(t["dtype"]) for t in m["tensors"].values())},
                          "weight_map": {n: f for f, names in m["files"].items() for n in names}}
