@@ -395,6 +395,84 @@ def push_cmd(
         typer.echo(f"not uploaded (the manifest does not prove them): {', '.join(res.not_uploaded)}", err=True)
 
 
+@app.command("run")
+def run_cmd(
+    recipe: Optional[Path] = typer.Argument(None, help="recipe YAML: the llm-compressor part plus a pipeline: section "
+                                            "(default: the embedded tiny GLM 5.2 recipe, quantize/recipes_default/tiny-glm.yaml)"),
+    out: Optional[Path] = typer.Option(None, help="the run's folder (default: the recipe's pipeline.out)"),
+    plan: bool = typer.Option(False, "--plan", help="print each stage, what it would do and whether it is done, stale or pending; run nothing"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="start the run over (the default continues it: finished stages whose options and inputs are unchanged are kept)"),
+    json_out: bool = typer.Option(False, "--json", help="NDJSON events on stdout (with --plan: one JSON object)"),
+):
+    """convert -> calibrate-kv -> shard/check -> eval -> card -> push from one recipe, resumable
+    stage by stage; a failed check or eval gate stops before push with exit 1."""
+    from .pipeline import run
+
+    if plan:
+        res = _run(run, recipe, out=out, plan=True, overwrite=overwrite)
+        if json_out:
+            typer.echo(json.dumps(res.to_dict(), indent=1))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"quantize run --plan: {res.recipe} -> {res.out}")
+        for c in ("stage", "state", "what it does", "why"):
+            t.add_column(c)
+        colour = {"done": "green", "skipped": "green", "stale": "yellow", "pending": "cyan", "failed": "red"}
+        for s in res.stages:
+            t.add_row(s.stage, f"[{colour.get(s.state, 'white')}]{s.state}[/]", s.does, s.why or s.summary)
+        Console().print(t)
+        return
+    if json_out:
+        from .events import JsonEmitter
+
+        emit = JsonEmitter()
+    else:
+        from rich.console import Console
+
+        from .events import RichEmitter
+
+        console = Console(stderr=True)
+        inner = RichEmitter(console)
+
+        def emit(e: dict) -> None:
+            if e.get("event") != "stage":
+                if "in_stage" in e:
+                    inner(e)
+                return
+            st, name = e.get("state"), e.get("stage")
+            if e.get("kept"):
+                console.print(f"[green]= {name}[/]: {st}, kept from the run's record" + (f" ({e['summary']})" if e.get("summary") else ""))
+            elif st == "start":
+                console.rule(f"[bold]{name}[/]")
+                console.print(f"{e.get('does', '')}" + (f"  [dim]({e['why']})[/]" if e.get("why") else ""))
+            elif st in ("done", "skipped"):
+                if inner.progress is not None:
+                    inner.progress.stop()
+                    inner.progress = None
+                console.print(f"[green]{name} {st}[/] in {e.get('seconds', 0):.1f} s: {e.get('summary', '')}")
+            elif st in ("failed", "error"):
+                if inner.progress is not None:
+                    inner.progress.stop()
+                    inner.progress = None
+                console.print(f"[red]{name} {st}[/]: {e.get('error', '')}")
+
+    res = _run(run, recipe, out=out, plan=False, overwrite=overwrite, emit=emit)
+    if json_out:
+        typer.echo(json.dumps({"event": "result", **res.to_dict()}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"quantize run: {res.out} ({res.seconds:.1f} s)")
+    for c in ("stage", "state", "seconds", "result"):
+        t.add_column(c)
+    for s in res.stages:
+        t.add_row(s.stage, s.state, "-" if s.seconds is None else f"{s.seconds:.1f}", s.summary)
+    Console().print(t)
+
+
 def main():  # pragma: no cover
     app()
 

@@ -1,0 +1,722 @@
+"""``quantize run RECIPE.yaml``: the whole job from one file, resumable stage by stage.
+
+The recipe is an llm-compressor recipe (``quant_stage`` / ``QuantizationModifier``, read by
+``quantize.recipe.load_recipe``, which ignores every other key) plus a ``pipeline:`` section::
+
+    pipeline:
+      source: /models/GLM-5.2-FP8        # or tiny:glm_moe_dsa (a tiny checkpoint made on the fly)
+      out: runs/glm-5.2                  # the run's own folder (relative paths: from the current directory)
+      stages: [convert, calibrate-kv, shard, check, eval, card, push]   # optional subset
+      data: ../shared/data/gsm8k/train.jsonl     # calibration text (calibrate-kv)
+      data_dir: ../shared/data                   # local eval data (quantize eval --data-dir)
+      tasks: arc_easy,gsm8k
+      limit: 200
+      max_drop: 1.0
+      repo: my-org/GLM-5.2-W4A16
+      convert: {group_size, profile, observer, keep_fp8, workers, device}
+      kv: {target: sglang, fold: false, samples: 512, seq_len: 2048}
+      shard: {tp: 8}
+      eval: {device: cpu, max_gen_toks: null, if_no_data: fail}
+      push: {dry_run: true, private: false}
+      pd: {prefill_tp: 8, decode_tp: 8, transfer_backend: mooncake, ...}   # the prefill/decode pair
+
+Every stage calls the library function of its command (``convert``, ``calibrate_kv``, ``shard``,
+``check``, ``evaluate``, ``card``, ``push``, ``pd_fidelity``); none is reimplemented here. The run's
+folder is opened through ``Output.open(out, "run", ...)``; its job record holds, per stage, the
+options it ran with, the identities of its inputs (a converted model's identity is the SHA-256 of
+its weight files as its manifest records them; a source's, its safetensors headers, sizes and Hub
+revision), a hash of both, and the identities of what it wrote. A stage reruns when that hash
+changes or its outputs no longer match, and then every stage that consumes what it wrote reruns
+too; nothing else does. A crash leaves the stage ``running``: the rerun continues it (convert with
+``--resume``). A failed check or eval gate is recorded and stops the run (exit 1) before push.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from .checkpoint.output import Output, RECORD_DIR, confined, read_record, sha256_file, write_text_atomic
+from .errors import CheckFailed, QuantizeError
+from .events import Emit, null_emit
+
+# -- the recipe's pipeline section --------------------------------------------------------------
+
+STAGES = ("make-source", "convert", "calibrate-kv", "shard", "check", "eval", "pd-eval", "card", "prefill", "push")
+DEFAULT_STAGES = ("convert", "calibrate-kv", "shard", "check", "eval", "card", "push")
+TINY_PREFIX = "tiny:"
+
+# key -> (types, default); nested sections are dicts of the same shape
+SCHEMA: dict = {
+    "source": ((str,), None),
+    "out": ((str,), None),
+    "stages": ((list,), None),
+    "data": ((str, type(None)), None),
+    "data_dir": ((str, type(None)), None),
+    "tasks": ((str,), "arc_easy"),
+    "limit": ((int, type(None)), None),
+    "max_drop": ((int, float), 1.0),
+    "repo": ((str, type(None)), None),
+    "convert": {"group_size": ((int, type(None)), None), "profile": ((str, type(None)), None),
+                "observer": ((str, type(None)), None), "keep_fp8": ((bool,), False), "workers": ((int, type(None)), None),
+                "device": ((str,), "cpu")},
+    "kv": {"target": ((str,), "sglang"), "fold": ((bool,), False), "fold_headroom": ((int, float), 2.0),
+           "samples": ((int,), 512), "seq_len": ((int,), 2048), "clip": ((float, type(None)), None),
+           "chat_template": ((bool,), False)},
+    "shard": {"tp": ((int,), 8)},
+    "eval": {"device": ((str,), "cpu"), "max_gen_toks": ((int, type(None)), None), "if_no_data": ((str,), "fail")},
+    "push": {"dry_run": ((bool,), True), "private": ((bool,), False), "revision": ((str, type(None)), None),
+             "create_pr": ((bool,), False)},
+    "pd": {"prefill_tp": ((int,), 8), "decode_tp": ((int,), 8), "transfer_backend": ((str,), "mooncake"),
+           "bootstrap_port": ((int,), 8998), "prefill_host": ((str,), "PREFILL_HOST"), "decode_host": ((str,), "DECODE_HOST"),
+           "prefill_port": ((int,), 30000), "decode_port": ((int,), 30001), "router_port": ((int,), 8000),
+           "kv_cache_dtype": ((str,), "fp8_e4m3"), "revision": ((str, type(None)), None), "source_repo": ((str, type(None)), None),
+           "text": ((str, type(None)), None), "prompt_tokens": ((int,), 256), "decode_tokens": ((int,), 64),
+           "device": ((str,), "cpu")},
+}
+TRANSFER_BACKENDS = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")  # sglang/srt/arg_groups/choices.py
+
+
+def default_recipe() -> Path:
+    """The embedded default recipe shipped in the package: a tiny GLM 5.2-architecture FP8
+    checkpoint made on the fly, converted, checked, evaluated briefly, carded, pushed in dry-run."""
+    return Path(str(resources.files("quantize.recipes_default") / "tiny-glm.yaml"))
+
+
+def _unknown(path, where: str, key: str, known) -> QuantizeError:
+    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+    fix = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(map(str, known))}"
+    return QuantizeError(f"{path}: {where}{key}: unknown {'stage' if where.endswith('stages: ') else 'key'}; {fix}")
+
+
+def _typed(path, where: str, val, types) -> object:
+    if isinstance(val, bool) and bool not in types:
+        ok = False
+    elif isinstance(val, int) and float in types and not isinstance(val, bool):
+        return float(val) if int not in types else val
+    else:
+        ok = isinstance(val, types)
+    if not ok:
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise QuantizeError(f"{path}: {where} is {val!r}, not {names}; fix the recipe")
+    return val
+
+
+def _section(path, where: str, doc, schema: dict) -> dict:
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise QuantizeError(f"{path}: {where.rstrip('.') or 'pipeline'} must be a mapping, not {type(doc).__name__}; fix the recipe")
+    for k in doc:
+        if k not in schema:
+            raise _unknown(path, where, k, list(schema))
+    out = {}
+    for k, spec in schema.items():
+        if isinstance(spec, dict):
+            out[k] = _section(path, f"{where}{k}.", doc.get(k), spec)
+        else:
+            types, default = spec
+            out[k] = _typed(path, f"{where}{k}", doc[k], types) if k in doc else default
+    return out
+
+
+@dataclass
+class Pipeline:
+    """The parsed ``pipeline:`` section, with paths resolved."""
+    recipe: Path
+    source: str  # a folder, or tiny:ARCH
+    out: Path
+    stages: tuple[str, ...]
+    opts: dict
+
+    @property
+    def tiny(self) -> str | None:
+        return self.source[len(TINY_PREFIX):] if self.source.startswith(TINY_PREFIX) else None
+
+    @property
+    def source_path(self) -> Path:
+        return self.out / "source" if self.tiny else Path(self.source)
+
+
+def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLike | None = None) -> Pipeline:
+    """Read and validate RECIPE's ``pipeline:`` section (and its llm-compressor part) before any
+    work; every mistake is one line naming the key and the fix."""
+    from .recipe import load_recipe
+
+    path = Path(recipe) if recipe is not None else default_recipe()
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise QuantizeError(f"{path}: cannot read the recipe ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise QuantizeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the recipe") from e
+    if not isinstance(doc, dict) or "pipeline" not in doc:
+        raise QuantizeError(f"{path}: no `pipeline:` section; add one with at least source and out (see quantize/recipes_default/tiny-glm.yaml)")
+    load_recipe(path)  # the llm-compressor part, validated now (it ignores the pipeline section)
+    opts = _section(path, "pipeline.", doc["pipeline"], SCHEMA)
+    if not opts["source"]:
+        raise QuantizeError(f"{path}: pipeline.source is missing; name the source checkpoint folder (or tiny:glm_moe_dsa)")
+    if out is None and not opts["out"]:
+        raise QuantizeError(f"{path}: pipeline.out is missing; name the run's folder (or pass --out)")
+    stages = opts["stages"]
+    if stages is None:
+        stages = list(DEFAULT_STAGES)
+    for s in stages:
+        if s not in STAGES:
+            raise _unknown(path, "pipeline.stages: ", s, [x for x in STAGES if x != "make-source"])
+    if len(set(stages)) != len(stages):
+        raise QuantizeError(f"{path}: pipeline.stages names a stage twice; list each once")
+    order = [s for s in STAGES if s in stages]
+    if list(stages) != order:
+        raise QuantizeError(f"{path}: pipeline.stages {list(stages)} is out of order; each stage needs what the ones before it "
+                            f"made, write them as {order}")
+    src = opts["source"]
+    if src.startswith(TINY_PREFIX):
+        from .testing.tiny import TINY
+
+        if src[len(TINY_PREFIX):] not in TINY:
+            raise _unknown(path, "pipeline.source: tiny:", src[len(TINY_PREFIX):], list(TINY))
+        stages = ["make-source"] + [s for s in stages if s != "make-source"]
+    elif "make-source" in stages:
+        raise QuantizeError(f"{path}: pipeline.stages: make-source applies only to source: tiny:ARCH; drop it")
+    else:
+        src = str(Path(src).expanduser())
+    if opts["eval"]["if_no_data"] not in ("fail", "skip"):
+        raise QuantizeError(f"{path}: pipeline.eval.if_no_data {opts['eval']['if_no_data']!r}: use fail or skip")
+    if opts["pd"]["transfer_backend"] not in TRANSFER_BACKENDS:
+        raise _unknown(path, "pipeline.pd.transfer_backend: ", opts["pd"]["transfer_backend"], TRANSFER_BACKENDS)
+    if "push" in stages and not opts["repo"]:
+        raise QuantizeError(f"{path}: pipeline.repo is missing and the stages include push; name the Hub repo (namespace/name) or drop push")
+    if opts["shard"]["tp"] < 1:
+        raise QuantizeError(f"{path}: pipeline.shard.tp {opts['shard']['tp']}: must be at least 1")
+    from .calibrate.data import validate_sample_options
+
+    if "calibrate-kv" in stages:
+        validate_sample_options(opts["kv"]["samples"], opts["kv"]["seq_len"])
+    return Pipeline(path, src, Path(out if out is not None else opts["out"]).expanduser(), tuple(stages), opts)
+
+
+# -- identities -------------------------------------------------------------------------------
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _model_identity(folder: Path) -> str | None:
+    """A quantize output's weights: the SHA-256 of each weight file as its manifest records them
+    (the card rewriting README.md does not change it)."""
+    try:
+        m = json.loads((folder / "quantize_manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    files = m.get("files") if isinstance(m, dict) else None
+    if not isinstance(files, dict):
+        return None
+    weights = {k: (v or {}).get("sha256") for k, v in files.items() if k != "README.md"}
+    return _digest(weights) if any(k.endswith(".safetensors") for k in weights) else None
+
+
+def _source_identity(folder: Path) -> str | None:
+    """A source checkpoint: its safetensors headers, sizes and mtimes, config.json and Hub revision
+    (reads headers only, never the 705 GiB)."""
+    from .checkpoint.index import hub_revision
+    from .checkpoint.manifest import source_identity
+
+    if not (folder / "config.json").is_file():
+        return None
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    return _digest({"path": str(folder.resolve()), "revision": hub_revision(folder), "config": sha256_file(folder / "config.json"),
+                    "files": source_identity(folder, files)})
+
+
+def _file_identity(path: Path) -> str | None:
+    return sha256_file(path) if path.is_file() else None
+
+
+# -- stages ------------------------------------------------------------------------------------
+
+@dataclass
+class Ctx:
+    p: Pipeline
+    emit: Emit
+    art: dict = field(default_factory=dict)  # artifact -> {"path": relative path, "id": identity}
+
+    def path(self, artifact: str) -> Path:
+        a = self.art.get(artifact)
+        if a is None:
+            raise KeyError(artifact)
+        return self.p.out / a["path"] if a["path"] != "@source" else self.p.source_path
+
+
+def _opts_make_source(p: Pipeline) -> dict:
+    return {"arch": p.tiny, "seed": 0}
+
+
+def _opts_convert(p: Pipeline) -> dict:
+    from dataclasses import asdict
+
+    from .recipe import load_recipe
+
+    c = p.opts["convert"]
+    return {"recipe": asdict(load_recipe(p.recipe)) | {"path": None}, **{k: c[k] for k in ("group_size", "profile", "observer", "keep_fp8")}}
+
+
+def _opts_kv(p: Pipeline) -> dict:
+    data = p.opts["data"]
+    return {**p.opts["kv"], "data": data, "data_id": _data_identity(data)}
+
+
+def _data_identity(data: str | None) -> str | None:
+    if not data or data.startswith("hf:"):
+        return data
+    d = Path(data)
+    if d.is_file():
+        st = d.stat()
+        return f"{st.st_size}:{st.st_mtime_ns}"
+    if d.is_dir():
+        return _digest(sorted((str(f.relative_to(d)), f.stat().st_size, f.stat().st_mtime_ns) for f in d.rglob("*") if f.is_file()))
+    return None
+
+
+def _opts_eval(p: Pipeline) -> dict:
+    o = p.opts
+    return {"tasks": o["tasks"], "limit": o["limit"], "max_drop": o["max_drop"], "data_dir": o["data_dir"],
+            "data_id": _data_identity(o["data_dir"]), **o["eval"]}
+
+
+def _opts_pd(p: Pipeline) -> dict:
+    pd = p.opts["pd"]
+    return {k: pd[k] for k in ("text", "prompt_tokens", "decode_tokens", "device")} | {"text_id": _data_identity(pd["text"])}
+
+
+def _opts_prefill(p: Pipeline) -> dict:
+    pd = p.opts["pd"]
+    return {k: v for k, v in pd.items() if k not in ("text", "prompt_tokens", "decode_tokens", "device")} | {"repo": p.opts["repo"]}
+
+
+def _kv_writes(ctx: Ctx) -> str | None:
+    """What calibrate-kv writes for this model and these options: "fold", "scales" or None (the
+    report only), as calibrate_kv decides it (MLA on sglang/vllm: unit scale, nothing to write;
+    GLM-5 DSA: per-128 dynamic scales, nothing to write)."""
+    from . import archs
+
+    kv = ctx.p.opts["kv"]
+    if kv["fold"]:
+        return "fold"
+    folder = ctx.path("converted") if "converted" in ctx.art else ctx.p.source_path
+    if not (folder / "config.json").is_file():  # planning a run whose source is not made yet
+        return "scales" if kv["target"] == "compressed-tensors" else None
+    layout = archs.resolve(json.loads((folder / "config.json").read_text()), str(folder / "config.json")).attention
+    if layout == "gqa" or (layout == "mla" and kv["target"] == "compressed-tensors"):
+        return "scales"
+    return None
+
+
+def _run_make_source(ctx: Ctx, resume: bool) -> dict:
+    from .testing import tiny
+
+    out = ctx.p.out / "source"
+    tiny.make_tiny(ctx.p.tiny, out, overwrite=True)
+    return {"outputs": {"source": {"path": "@source", "id": _source_identity(out)}},
+            "summary": f"tiny {ctx.p.tiny} FP8 checkpoint made from transformers' classes in {out}"}
+
+
+def _run_convert(ctx: Ctx, resume: bool) -> dict:
+    from . import convert as conv
+
+    c = ctx.p.opts["convert"]
+    out = ctx.p.out / "model"
+    res = conv.convert(ctx.path("source"), out, group_size=c["group_size"], profile=c["profile"], observer=c["observer"],
+                       keep_fp8=c["keep_fp8"], recipe=str(ctx.p.recipe), resume=resume, overwrite=not resume and out.exists(),
+                       workers=c["workers"], device=c["device"], emit=ctx.emit)
+    ident = _model_identity(out)
+    mean = f", INT4 weight rel. error mean {res.mean_rel_err:.4f}" if res.mean_rel_err is not None else ""
+    return {"outputs": {"converted": {"path": "model", "id": ident}, "model": {"path": "model", "id": ident}},
+            "summary": f"{res.tensors_int4} INT4 tensors, {res.source_bytes:,} -> {res.output_bytes:,} bytes{mean}",
+            "result": {"tensors_int4": res.tensors_int4, "source_bytes": res.source_bytes, "output_bytes": res.output_bytes,
+                       "mean_rel_err": res.mean_rel_err, "resumed_shards": res.resumed_shards}}
+
+
+def _run_kv(ctx: Ctx, resume: bool) -> dict:
+    from .calibrate import kv as kvmod
+
+    kv, p = ctx.p.opts["kv"], ctx.p
+    writes = _kv_writes(ctx)
+    (p.out / "reports").mkdir(exist_ok=True)
+    stats = p.out / "reports" / "kv.json"
+    out = p.out / "model-kv" if writes else None
+    res = kvmod.calibrate_kv(ctx.path("converted"), out, data=p.opts["data"], samples=kv["samples"], seq_len=kv["seq_len"],
+                             target=kv["target"], clip=kv["clip"], fold=kv["fold"], fold_headroom=kv["fold_headroom"],
+                             stats_out=stats, chat_template=kv["chat_template"], overwrite=out is not None and out.exists(),
+                             emit=ctx.emit)
+    outputs = {"kv_report": {"path": "reports/kv.json", "id": _file_identity(stats)}}
+    if out is not None:
+        outputs["model"] = {"path": "model-kv", "id": _model_identity(out)}
+    write_text_atomic(p.out / "reports" / "kv-verdict.json", json.dumps(res.to_dict(), indent=1, default=str))
+    what = {"fold": "folded model in model-kv/", "scales": "KV scales in model-kv/"}.get(writes, "report only")
+    return {"outputs": outputs, "summary": f"{res.layout}: {what}; {res.verdict}",
+            "result": {"layout": res.layout, "unit_scale_safe": res.unit_scale_safe, "written": len(res.written)}}
+
+
+def _run_shard(ctx: Ctx, resume: bool) -> dict:
+    from . import shard as sh
+
+    out = ctx.p.out / "shard"
+    tp = ctx.p.opts["shard"]["tp"]
+    m = sh.shard(ctx.path("model"), out, tp=tp, overwrite=out.exists(), emit=ctx.emit)
+    return {"outputs": {"shard": {"path": "shard", "id": _file_identity(out / "shard_manifest.json")}},
+            "summary": f"TP {tp}: {len(m['tensors'])} tensors; bytes per rank {', '.join(f'{b:,}' for b in m['rank_bytes'])}",
+            "result": {"tp": tp, "rank_bytes": m["rank_bytes"]}}
+
+
+def _run_check(ctx: Ctx, resume: bool) -> dict:
+    from . import check as chk
+
+    p = ctx.p
+    (p.out / "reports").mkdir(exist_ok=True)
+    model = ctx.path("model")
+    source = ctx.path("source") if ctx.art["model"]["path"] == ctx.art["converted"]["path"] else None  # a folded model differs from the source by design
+    rep = chk.check(model, tp=p.opts["shard"]["tp"], source=source, emit=ctx.emit)
+    write_text_atomic(p.out / "reports" / "check.json", json.dumps(rep.to_dict(), indent=1, default=str))
+    outputs = {"check_report": {"path": "reports/check.json", "id": _file_identity(p.out / "reports" / "check.json")}}
+    failures = list(rep.failures)
+    proven = rep.verified
+    if "shard" in ctx.art:
+        srep = chk.check(ctx.path("shard"), emit=ctx.emit)
+        write_text_atomic(p.out / "reports" / "check-shard.json", json.dumps(srep.to_dict(), indent=1, default=str))
+        failures += [f"shard: {f}" for f in srep.failures]
+    if failures:
+        raise CheckFailed(f"check: {failures[0]} ({len(failures)} failures; {p.out / 'reports' / 'check.json'})")
+    return {"outputs": outputs, "summary": f"pass: {proven.get('files_sha256', 0)} files by SHA-256"
+            + (f", {proven['tensors_exact_vs_source']} tensors exactly against the source" if "tensors_exact_vs_source" in proven else "")
+            + (", the TP split exact" if "shard" in ctx.art else "")}
+
+
+def _run_eval(ctx: Ctx, resume: bool) -> dict:
+    from .evaluate import run as ev
+
+    p, o = ctx.p, ctx.p.opts
+    dd = o["data_dir"]
+    if dd is not None and not Path(dd).is_dir():
+        if o["eval"]["if_no_data"] == "skip":
+            return {"outputs": {}, "state": "skipped",
+                    "summary": f"skipped: the eval data folder {dd} is not here (pipeline.eval.if_no_data: skip); no gate was applied"}
+        raise QuantizeError(f"{p.recipe}: pipeline.data_dir {dd}: no such folder; point it at local eval data (the layout of ../shared/data) or drop data_dir to read the Hub")
+    (p.out / "reports").mkdir(exist_ok=True)
+    out, md = p.out / "reports" / "eval.json", p.out / "reports" / "eval.md"
+    rep = ev.evaluate(ctx.path("source"), ctx.path("model"), tasks=o["tasks"], limit=o["limit"], data_dir=dd, max_drop=o["max_drop"],
+                      out=out, markdown=md, max_gen_toks=o["eval"]["max_gen_toks"], device=o["eval"]["device"])
+    rows = "; ".join(f"{t.task} {t.baseline:.1f} -> {t.candidate:.1f} ({t.delta:+.1f}, CI {t.ci_low:+.1f}..{t.ci_high:+.1f}) {t.verdict}"
+                     for t in rep.tasks)
+    res = {"outputs": {"eval_report": {"path": "reports/eval.json", "id": _file_identity(out)}}, "summary": rows,
+           "result": {"passed": rep.passed}}
+    if not rep.passed:
+        res["state"] = "failed"
+        res["error"] = f"eval: the gate failed (max drop {o['max_drop']} points): {rows}; nothing was pushed ({out})"
+    return res
+
+
+def _run_pd_eval(ctx: Ctx, resume: bool) -> dict:
+    from .evaluate import pd
+
+    p, o = ctx.p, ctx.p.opts["pd"]
+    (p.out / "reports").mkdir(exist_ok=True)
+    out = p.out / "reports" / "pd.json"
+    rep = pd.pd_fidelity(ctx.path("source"), ctx.path("model"), ctx.path("source"), text=o["text"], prompt_tokens=o["prompt_tokens"],
+                         decode_tokens=o["decode_tokens"], device=o["device"], out=out)
+    return {"outputs": {"pd_report": {"path": "reports/pd.json", "id": _file_identity(out)}}, "summary": rep.line(),
+            "result": rep.to_dict()}
+
+
+def _run_card(ctx: Ctx, resume: bool) -> dict:
+    from .publish import card as cd
+
+    reports = [ctx.path(a) for a in ("check_report", "eval_report") if a in ctx.art]
+    res = cd.card(ctx.path("model"), eval=reports or None, repo_id=ctx.p.opts["repo"])  # push writes the same card
+    model = ctx.path("model")
+    return {"outputs": {"card": {"path": str(Path(ctx.art["model"]["path"]) / "README.md"), "id": _file_identity(model / "README.md")}},
+            "summary": f"wrote {res.path}" + (f" with {', '.join(r['kind'] for r in res.reports)} reports" if res.reports else "")}
+
+
+def _run_prefill(ctx: Ctx, resume: bool) -> dict:
+    from .evaluate import pd
+
+    p = ctx.p
+    out = p.out / "prefill"
+    pd_report = ctx.path("pd_report") if "pd_report" in ctx.art else None
+    res = pd.write_prefill(ctx.path("source"), ctx.path("model"), out, repo=p.opts["repo"], pd_report=pd_report, overwrite=out.exists(),
+                           **{k: v for k, v in p.opts["pd"].items() if k not in ("text", "prompt_tokens", "decode_tokens", "device")})
+    return {"outputs": {"prefill": {"path": "prefill", "id": _file_identity(out / "README.md")}},
+            "summary": f"prefill artifact (card and launch lines, no weights) in {out}; points at {res['source']}"
+            + (f"@{res['revision']}" if res.get("revision") else "")}
+
+
+def _run_push(ctx: Ctx, resume: bool) -> dict:
+    from .publish import push as ps
+
+    p, o = ctx.p, ctx.p.opts["push"]
+    res = ps.push(ctx.path("model"), p.opts["repo"], private=o["private"], revision=o["revision"], create_pr=o["create_pr"],
+                  dry_run=o["dry_run"], emit=ctx.emit)
+    (p.out / "reports").mkdir(exist_ok=True)
+    write_text_atomic(p.out / "reports" / "push.json", json.dumps(res.to_dict(), indent=1, default=str))
+    what = (f"dry run: {len(res.files)} files, {res.total_bytes:,} bytes would go to {p.opts['repo']}; nothing was sent" if res.dry_run
+            else f"pushed {sum(f.status == 'uploaded' for f in res.files)} files to {res.pr_url or res.url or p.opts['repo']}")
+    return {"outputs": {"push": {"path": "reports/push.json", "id": _file_identity(p.out / "reports" / "push.json")}}, "summary": what,
+            "result": {"dry_run": res.dry_run, "files": len(res.files), "bytes": res.total_bytes}}
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    needs: tuple[str, ...]  # artifacts it must have
+    uses: tuple[str, ...]  # artifacts it takes when the run has them
+    options: object  # Pipeline -> the options this stage runs with (hashed)
+    run: object  # (Ctx, resume) -> {"outputs", "summary", "result", "state", "error"}
+
+
+def _does(p: Pipeline, name: str) -> str:
+    o = p.opts
+    c = o["convert"]
+    return {
+        "make-source": lambda: f"make a tiny {p.tiny} FP8 checkpoint (transformers' classes, vendor layout) in {p.out / 'source'}",
+        "convert": lambda: f"convert {p.source_path} -> {p.out / 'model'} (recipe {p.recipe.name}"
+                           + "".join(f", {k} {c[k]}" for k in ("group_size", "profile", "observer") if c[k] is not None)
+                           + (", keep FP8" if c["keep_fp8"] else "") + ")",
+        "calibrate-kv": lambda: f"KV-cache report (target {o['kv']['target']}, {o['kv']['samples']} samples x {o['kv']['seq_len']} tokens"
+                                + (f", data {o['data']}" if o["data"] else ", the shipped corpus") + ")"
+                                + (", fold the cache range into model-kv/" if o["kv"]["fold"] else "; writes a model only for GQA or --target compressed-tensors"),
+        "shard": lambda: f"split the model for TP {o['shard']['tp']} into {p.out / 'shard'} (verification layout)",
+        "check": lambda: f"prove every file by SHA-256, the kernels, TP {o['shard']['tp']} rules"
+                         + " and every tensor against the source, and the TP split",
+        "eval": lambda: f"lm-eval {o['tasks']} (limit {o['limit']}, data {o['data_dir'] or 'the Hub'}), source vs model, gate max drop {o['max_drop']}"
+                        + (" (skipped if the data is absent)" if o["eval"]["if_no_data"] == "skip" else ""),
+        "pd-eval": lambda: f"prefill/decode fidelity: the prompt's KV from the source (prefill), stored {o['pd']['kv_cache_dtype']}, "
+                           f"decoded by the model; KLD/top-1 against the source, beside the model alone",
+        "card": lambda: "write the model card (README.md) from the records and the check/eval reports",
+        "prefill": lambda: f"write the prefill artifact (card + SGLang PD launch lines pointing at {p.source}, no weights) in {p.out / 'prefill'}",
+        "push": lambda: f"push the model to {o['repo']}" + (" (dry run: nothing is sent)" if o["push"]["dry_run"] else ""),
+    }[name]()
+
+
+STAGE_TABLE = {
+    "make-source": Stage("make-source", (), (), _opts_make_source, _run_make_source),
+    "convert": Stage("convert", ("source",), (), _opts_convert, _run_convert),
+    "calibrate-kv": Stage("calibrate-kv", ("converted",), (), _opts_kv, _run_kv),
+    "shard": Stage("shard", ("model",), (), lambda p: dict(p.opts["shard"]), _run_shard),
+    "check": Stage("check", ("model", "source", "converted"), ("shard",), lambda p: {"tp": p.opts["shard"]["tp"]}, _run_check),
+    "eval": Stage("eval", ("model", "source"), (), _opts_eval, _run_eval),
+    "pd-eval": Stage("pd-eval", ("model", "source"), (), _opts_pd, _run_pd_eval),
+    "card": Stage("card", ("model",), ("check_report", "eval_report"), lambda p: {}, _run_card),
+    "prefill": Stage("prefill", ("source", "model"), ("pd_report",), _opts_prefill, _run_prefill),
+    "push": Stage("push", ("model",), ("card",), lambda p: dict(p.opts["push"]) | {"repo": p.opts["repo"]}, _run_push),
+}
+PRODUCER = {"source": "make-source or an existing source folder", "converted": "convert", "model": "convert",
+            "shard": "shard", "check_report": "check", "eval_report": "eval", "pd_report": "pd-eval", "card": "card"}
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+@dataclass
+class StagePlan:
+    stage: str
+    state: str  # done | skipped | stale | pending | failed
+    does: str
+    why: str = ""
+    seconds: float | None = None
+    summary: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RunResult:
+    out: str
+    recipe: str
+    plan: bool
+    stages: list[StagePlan]
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(s.state in ("done", "skipped", "ran") for s in self.stages) if not self.plan else True
+
+    def to_dict(self) -> dict:
+        return {"out": self.out, "recipe": self.recipe, "plan": self.plan, "seconds": round(self.seconds, 3),
+                "stages": [s.to_dict() for s in self.stages]}
+
+
+def _outputs_intact(p: Pipeline, outputs: dict) -> bool:
+    """What a finished stage wrote is still there, unchanged."""
+    for name, a in outputs.items():
+        if a.get("path") == "@source":
+            path, fn = p.source_path, _source_identity
+        else:
+            try:
+                path = confined(p.out, a["path"], f"{p.out}/{RECORD_DIR}/job.json")
+            except QuantizeError:
+                return False
+            fn = {"converted": _model_identity, "model": _model_identity}.get(name, _file_identity)
+            if name == "shard":
+                path = path / "shard_manifest.json"
+            elif name == "prefill":
+                path = path / "README.md"
+        if a.get("id") is None or fn(path) != a["id"]:
+            return False
+    return True
+
+
+def _diff_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff_keys(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
+    """Decide, stage by stage, whether its record still holds (same options, same input
+    identities, outputs intact); ``execute`` runs those that do not (None: plan only)."""
+    stages_rec = record.setdefault("stages", {})
+    ctx = Ctx(p, emit)
+    if p.tiny is None:
+        ctx.art["source"] = {"path": "@source", "id": _source_identity(p.source_path)}
+        if ctx.art["source"]["id"] is None:
+            raise QuantizeError(f"{p.recipe}: pipeline.source {p.source}: not a checkpoint folder (no config.json); "
+                                f"point it at the vendor's release, or tiny:glm_moe_dsa")
+    rerun: set[str] = set()  # artifacts that were (or, planning, would be) rewritten in this run
+    plans: list[StagePlan] = []
+    # artifacts a stage not listed this time made in an earlier run (e.g. convert done, stages: [eval])
+    for name in STAGES:
+        rec = stages_rec.get(name)
+        if name not in p.stages and rec and rec.get("state") in ("done", "skipped") and _outputs_intact(p, rec.get("outputs", {})):
+            for a, v in rec.get("outputs", {}).items():
+                ctx.art.setdefault(a, v)
+    for name in p.stages:
+        st = STAGE_TABLE[name]
+        for a in st.needs:
+            if a not in ctx.art and not (execute is None and any(a in STAGE_MAKES.get(s, ()) for s in p.stages[:p.stages.index(name)])):
+                raise QuantizeError(f"{p.recipe}: stage {name} needs the {a.replace('_', ' ')} that {PRODUCER.get(a, a)} makes, and this run "
+                                    f"has none; add {PRODUCER.get(a, a).split(' or ')[0]} to pipeline.stages (before {name})")
+        opts = st.options(p)
+        deps = st.needs + st.uses
+        inputs = {a: ctx.art[a]["id"] if a in ctx.art else None for a in deps if a in ctx.art or a in st.needs}
+        h = _digest({"options": opts, "inputs": inputs})
+        rec = stages_rec.get(name)
+        upstream = sorted(a for a in deps if a in rerun)
+        does = _does(p, name)
+        fresh = rec is not None and rec.get("hash") == h and not upstream
+        if fresh and rec.get("state") in ("done", "skipped") and _outputs_intact(p, rec.get("outputs", {})):
+            for a, v in rec.get("outputs", {}).items():
+                ctx.art[a] = v
+            plans.append(StagePlan(name, rec["state"], does, seconds=rec.get("seconds"), summary=rec.get("summary", "")))
+            emit({"event": "stage", "stage": name, "state": rec["state"], "kept": True, "summary": rec.get("summary", "")})
+            continue
+        if fresh and rec.get("state") == "failed":
+            plans.append(StagePlan(name, "failed", does, why="failed with these options and inputs", summary=rec.get("summary", "")))
+            emit({"event": "stage", "stage": name, "state": "failed", "kept": True, "summary": rec.get("summary", "")})
+            if execute is not None:
+                raise CheckFailed(rec.get("error") or f"{name}: failed (recorded); change the options or inputs, or --overwrite")
+            break
+        if rec is None:
+            state, why = "pending", "not run yet"
+        elif rec.get("hash") == h and not upstream and rec.get("state") == "running":
+            state, why = "pending", "interrupted: continues" + (" (convert --resume)" if name == "convert" else "")
+        elif rec.get("hash") == h and not upstream:
+            state, why = "stale", "its outputs are missing or changed"
+        else:
+            changed = _diff_keys(rec.get("options") or {}, opts)
+            ins = sorted(set(a for a in inputs if (rec.get("inputs") or {}).get(a) != inputs[a]) | set(upstream))
+            state = "stale"
+            why = "; ".join(x for x in (f"options changed: {', '.join(changed)}" if changed else "",
+                                        f"input changed: {', '.join(ins)}" if ins else "") if x) or "record differs"
+        plans.append(StagePlan(name, state, does, why=why))
+        rerun.update(STAGE_MAKES[name])
+        if name == "calibrate-kv" and _kv_writes(ctx) is None:
+            rerun.discard("model")  # the report only: the model downstream stages take is unchanged
+        if execute is None:
+            continue
+        resume = rec is not None and rec.get("hash") == h and rec.get("state") == "running"
+        res = execute(ctx, name, st, opts, inputs, h, resume, does, why)
+        plans[-1].state = res.get("state", "done")
+        plans[-1].seconds = res.get("seconds")
+        plans[-1].summary = res.get("summary", "")
+        for a, v in res.get("outputs", {}).items():
+            ctx.art[a] = v
+        if res.get("state") == "failed":
+            raise CheckFailed(res["error"])
+    return plans
+
+
+STAGE_MAKES = {"make-source": ("source",), "convert": ("converted", "model"), "calibrate-kv": ("kv_report", "model"),
+               "shard": ("shard",), "check": ("check_report",), "eval": ("eval_report",), "pd-eval": ("pd_report",),
+               "card": ("card",), "prefill": ("prefill",), "push": ("push",)}
+
+
+def run(recipe: str | os.PathLike | None = None, out: str | os.PathLike | None = None, plan: bool = False,
+        overwrite: bool = False, emit: Emit = null_emit) -> RunResult:
+    """``quantize run``: run RECIPE's pipeline (None: the embedded default) into its ``out``
+    (``out`` here overrides it), continuing from the run's job record: finished stages whose
+    options and inputs are unchanged are kept. ``plan``: say what each stage would do and whether
+    it is done, stale or pending, and run nothing. A failed check or eval gate raises
+    ``CheckFailed`` (exit 1) before push."""
+    t0 = time.time()
+    p = load_pipeline(recipe, out)
+    record = read_record(p.out) if p.out.is_dir() else None
+    if plan:
+        if record is not None and record.get("kind") not in ("run", None):
+            raise QuantizeError(f"{p.out}: holds a `quantize {record.get('kind')}` output, not a run; choose another pipeline.out")
+        rec = {} if overwrite or not record or record.get("kind") != "run" else json.loads(json.dumps(record))
+        plans = _walk(p, rec, None, null_emit)
+        return RunResult(str(p.out), str(p.recipe), True, plans, time.time() - t0)
+    inputs = [p.recipe] + ([p.source_path] if p.tiny is None else [])
+    key = {"recipe": str(p.recipe.resolve()), "source": p.source}
+    with Output.open(p.out, "run", inputs, resume=not overwrite, overwrite=overwrite, key=key) as o:
+        o.record["key"] = key
+        o.record["state"] = "running"
+        o.save()
+
+        def execute(ctx, name, st, opts, inputs, h, resume, does, why):
+            recs = o.record.setdefault("stages", {})
+            recs[name] = {"state": "running", "hash": h, "options": opts, "inputs": inputs, "started": time.time()}
+            o.save()
+            emit({"event": "stage", "stage": name, "state": "start", "does": does, "why": why, "resume": resume})
+            t = time.time()
+            ctx.emit = lambda e: emit({"in_stage": name, **e})  # the stage's own progress events
+            try:
+                res = st.run(ctx, resume)
+            except CheckFailed as e:
+                recs[name].update(state="failed", error=str(e), summary=str(e))
+                o.save()
+                emit({"event": "stage", "stage": name, "state": "failed", "error": str(e)})
+                raise
+            except BaseException as e:
+                recs[name].update(state="running", error=f"{type(e).__name__}: {e}")
+                o.save()
+                emit({"event": "stage", "stage": name, "state": "error", "error": f"{type(e).__name__}: {e}"})
+                raise
+            res["seconds"] = round(time.time() - t, 3)
+            recs[name].update(state=res.get("state", "done"), outputs=res.get("outputs", {}), summary=res.get("summary", ""),
+                              result=res.get("result"), seconds=res["seconds"], finished=time.time(), error=res.get("error"))
+            o.save()
+            emit({"event": "stage", "stage": name, "state": res.get("state", "done"), "seconds": res["seconds"],
+                  "summary": res.get("summary", "")})
+            return res
+
+        plans = _walk(p, o.record, execute, emit)
+        o.record["state"] = "complete"
+        o.save()
+    res = RunResult(str(p.out), str(p.recipe), False, plans, time.time() - t0)
+    emit({"event": "done", "seconds": round(res.seconds, 3), "stages": {s.stage: s.state for s in plans}})
+    return res
