@@ -91,10 +91,10 @@ def default_recipe() -> Path:
     return Path(str(resources.files("quantize.recipes_default") / "tiny-glm.yaml"))
 
 
-def _unknown(path, where: str, key: str, known) -> QuantizeError:
+def _unknown(path, where: str, key: str, known, what: str = "key") -> QuantizeError:
     close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
     fix = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(map(str, known))}"
-    return QuantizeError(f"{path}: {where}{key}: unknown {'stage' if where.endswith('stages: ') else 'key'}; {fix}")
+    return QuantizeError(f"{path}: {where}{key}: unknown {what}; {fix}")
 
 
 def _typed(path, where: str, val, types) -> object:
@@ -171,7 +171,7 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
         stages = list(DEFAULT_STAGES)
     for s in stages:
         if s not in STAGES:
-            raise _unknown(path, "pipeline.stages: ", s, [x for x in STAGES if x != "make-source"])
+            raise _unknown(path, "pipeline.stages: ", s, [x for x in STAGES if x != "make-source"], "stage")
     if len(set(stages)) != len(stages):
         raise QuantizeError(f"{path}: pipeline.stages names a stage twice; list each once")
     order = [s for s in STAGES if s in stages]
@@ -183,7 +183,7 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
         from .testing.tiny import TINY
 
         if src[len(TINY_PREFIX):] not in TINY:
-            raise _unknown(path, "pipeline.source: tiny:", src[len(TINY_PREFIX):], list(TINY))
+            raise _unknown(path, "pipeline.source: tiny:", src[len(TINY_PREFIX):], list(TINY), "tiny architecture")
         stages = ["make-source"] + [s for s in stages if s != "make-source"]
     elif "make-source" in stages:
         raise QuantizeError(f"{path}: pipeline.stages: make-source applies only to source: tiny:ARCH; drop it")
@@ -192,7 +192,7 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
     if opts["eval"]["if_no_data"] not in ("fail", "skip"):
         raise QuantizeError(f"{path}: pipeline.eval.if_no_data {opts['eval']['if_no_data']!r}: use fail or skip")
     if opts["pd"]["transfer_backend"] not in TRANSFER_BACKENDS:
-        raise _unknown(path, "pipeline.pd.transfer_backend: ", opts["pd"]["transfer_backend"], TRANSFER_BACKENDS)
+        raise _unknown(path, "pipeline.pd.transfer_backend: ", opts["pd"]["transfer_backend"], TRANSFER_BACKENDS, "SGLang transfer backend")
     if "push" in stages and not opts["repo"]:
         raise QuantizeError(f"{path}: pipeline.repo is missing and the stages include push; name the Hub repo (namespace/name) or drop push")
     if opts["shard"]["tp"] < 1:
@@ -603,12 +603,15 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
         if name not in p.stages and rec and rec.get("state") in ("done", "skipped") and _outputs_intact(p, rec.get("outputs", {})):
             for a, v in rec.get("outputs", {}).items():
                 ctx.art.setdefault(a, v)
+    available = set(ctx.art)  # every stage's inputs are checked before any stage runs
     for name in p.stages:
-        st = STAGE_TABLE[name]
-        for a in st.needs:
-            if a not in ctx.art and not (execute is None and any(a in STAGE_MAKES.get(s, ()) for s in p.stages[:p.stages.index(name)])):
+        for a in STAGE_TABLE[name].needs:
+            if a not in available:
                 raise QuantizeError(f"{p.recipe}: stage {name} needs the {a.replace('_', ' ')} that {PRODUCER.get(a, a)} makes, and this run "
                                     f"has none; add {PRODUCER.get(a, a).split(' or ')[0]} to pipeline.stages (before {name})")
+        available.update(STAGE_MAKES[name])
+    for name in p.stages:
+        st = STAGE_TABLE[name]
         opts = st.options(p)
         deps = st.needs + st.uses
         inputs = {a: ctx.art[a]["id"] if a in ctx.art else None for a in deps if a in ctx.art or a in st.needs}

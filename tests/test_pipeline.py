@@ -1,0 +1,220 @@
+"""quantize run: one recipe drives every stage; resumable stage by stage; a changed option reruns
+only the stages it affects; a failed gate stops before push; bad recipes are one line."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from quantize import pipeline
+from quantize.cli import app
+from quantize.errors import CheckFailed, QuantizeError
+from quantize.evaluate.run import EvalReport, TaskResult
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'quantize[eval]')")
+
+
+def _arc(d):
+    (d / "arc").mkdir(parents=True, exist_ok=True)
+    rows = [{"query": f"Question: What is {i} plus one?", "choices": [str(i), str(i + 1), str(i + 2), "seven"], "gold": 1} for i in range(6)]
+    (d / "arc" / "arc_easy.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return d
+
+
+def _recipe(tmp_path, name="r.yaml", **pipe) -> str:
+    doc = yaml.safe_load(pipeline.default_recipe().read_text())
+    doc["pipeline"].update(out=str(tmp_path / "run"), **pipe)
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(p)
+
+
+def _report(model, passed=True, delta=0.0):
+    t = TaskResult("arc_easy", "acc", 6, 50.0, 20.0, 50.0 + delta, 20.0, delta, delta - 5, delta + 5 if passed else -30.0, passed)
+    return EvalReport("src", str(model), 6, 1.0, [t])
+
+
+def _states(out):
+    rec = json.loads((out / ".quantize" / "job.json").read_text())
+    return {k: v["state"] for k, v in rec["stages"].items()}
+
+
+class Calls:
+    """Wrap a library function and count the calls the pipeline makes to it."""
+
+    def __init__(self, monkeypatch, module, name, replacement=None):
+        self.n = 0
+        real = getattr(module, name)
+
+        def wrapped(*a, **kw):
+            self.n += 1
+            return (replacement or real)(*a, **kw)
+
+        monkeypatch.setattr(module, name, wrapped)
+
+
+def test_default_recipe_end_to_end_then_kept_then_only_affected_stages_rerun(tmp_path, monkeypatch):
+    import quantize.convert as conv
+    import quantize.evaluate.run as ev
+    import quantize.shard as sh
+
+    data = _arc(tmp_path / "data")
+    r = _recipe(tmp_path, data_dir=str(data), limit=2)
+    out = tmp_path / "run"
+    plan = pipeline.run(r, plan=True)
+    assert [s.stage for s in plan.stages] == ["make-source", "convert", "calibrate-kv", "shard", "check", "eval", "card", "push"]
+    assert {s.state for s in plan.stages} == {"pending"} and not out.exists()  # --plan writes nothing
+
+    events = []
+    res = pipeline.run(r, emit=events.append)
+    assert [s.state for s in res.stages] == ["done"] * 8
+    assert (out / "model" / "quantize_manifest.json").is_file() and (out / "shard" / "shard_manifest.json").is_file()
+    assert json.loads((out / "reports" / "check.json").read_text())["ok"] is True
+    assert json.loads((out / "reports" / "eval.json").read_text())["tasks"]["arc_easy"]["n"] == 2
+    card = (out / "model" / "README.md").read_text()
+    assert "quantize-demo/tiny-glm-5.2-W4A16" in card and "arc_easy" in card.lower().replace("-", "_")
+    push = json.loads((out / "reports" / "push.json").read_text())
+    assert push["dry_run"] is True and push["sent_bytes"] == 0 and any(f["path"].endswith(".safetensors") for f in push["files"])
+    started = [e["stage"] for e in events if e.get("event") == "stage" and e.get("state") == "start"]
+    assert started == [s.stage for s in res.stages]
+    assert any(e.get("in_stage") == "convert" and e.get("event") == "tensor" for e in events)  # per-stage progress
+    rec = json.loads((out / ".quantize" / "job.json").read_text())
+    assert rec["kind"] == "run" and rec["stages"]["convert"]["options"]["recipe"]["group_size"] == 32
+
+    # a second run keeps everything: no library function is called
+    conv_calls, ev_calls, sh_calls = Calls(monkeypatch, conv, "convert"), Calls(monkeypatch, ev, "evaluate"), Calls(monkeypatch, sh, "shard")
+    again = pipeline.run(r)
+    assert [s.state for s in again.stages] == ["done"] * 8 and conv_calls.n == ev_calls.n == sh_calls.n == 0
+
+    # a changed eval option: eval, card and push are stale, nothing upstream
+    r2 = _recipe(tmp_path, "r2.yaml", data_dir=str(data), limit=3)
+    plan = {s.stage: s for s in pipeline.run(r2, plan=True).stages}
+    assert {k for k, s in plan.items() if s.state != "done"} == {"eval", "card", "push"}
+    assert "limit" in plan["eval"].why and "eval_report" in plan["card"].why
+    pipeline.run(r2)
+    assert conv_calls.n == 0 and sh_calls.n == 0 and ev_calls.n == 1
+    assert json.loads((out / "reports" / "eval.json").read_text())["tasks"]["arc_easy"]["n"] == 3
+
+    # a changed shard TP: shard and check rerun (check proves TP rules); eval, card and push do not
+    r3 = _recipe(tmp_path, "r3.yaml", data_dir=str(data), limit=3, shard={"tp": 4})
+    plan = {s.stage: s.state for s in pipeline.run(r3, plan=True).stages}
+    assert {k for k, s in plan.items() if s != "done"} == {"shard", "check", "card", "push"}  # the card holds the check report
+
+    # an output changed behind the run's back is redone, with what consumes it
+    (out / "reports" / "eval.json").write_text("{}")
+    plan = {s.stage: s for s in pipeline.run(r2, plan=True).stages}
+    assert plan["eval"].state == "stale" and "missing or changed" in plan["eval"].why and plan["convert"].state == "done"
+
+
+def test_crash_during_eval_keeps_conversion_and_a_failed_gate_stops_before_push(tmp_path, monkeypatch):
+    import quantize.convert as conv
+    import quantize.evaluate.run as ev
+
+    data = _arc(tmp_path / "data")
+    r = _recipe(tmp_path, data_dir=str(data), limit=2, stages=["convert", "eval", "card", "push"])
+    out = tmp_path / "run"
+
+    def crash(*a, **kw):
+        raise RuntimeError("killed during eval")
+
+    monkeypatch.setattr(ev, "evaluate", crash)
+    with pytest.raises(RuntimeError, match="killed during eval"):
+        pipeline.run(r)
+    assert _states(out) == {"make-source": "done", "convert": "done", "eval": "running"}
+    assert {s.stage: s.state for s in pipeline.run(r, plan=True).stages}["eval"] == "pending"
+
+    conv_calls = Calls(monkeypatch, conv, "convert")
+    monkeypatch.setattr(ev, "evaluate", lambda base, cand, **kw: _report(cand, passed=False, delta=-40.0))
+    with pytest.raises(CheckFailed, match="gate failed"):
+        pipeline.run(r)
+    assert conv_calls.n == 0  # the crash in eval did not redo the conversion
+    st = _states(out)
+    assert st["eval"] == "failed" and "push" not in st and not (out / "reports" / "push.json").exists()
+    # the CLI: exit 1, one line, still nothing pushed; the failure is recorded, not recomputed
+    monkeypatch.setattr(ev, "evaluate", crash)
+    cli = CliRunner().invoke(app, ["run", r])
+    assert cli.exit_code == 1 and "gate failed" in cli.output and "Traceback" not in cli.output
+    assert "push" not in _states(out)
+
+    # a passing candidate after an option change: eval reruns, then card and push
+    r2 = _recipe(tmp_path, "r2.yaml", data_dir=str(data), limit=2, max_drop=50.0, stages=["convert", "eval", "card", "push"])
+    monkeypatch.setattr(ev, "evaluate", lambda base, cand, out=None, **kw: (lambda rep: (out.write_text(json.dumps(rep.to_dict())), rep)[1])(_report(cand)))
+    res = pipeline.run(r2)
+    assert [s.state for s in res.stages] == ["done"] * 5 and conv_calls.n == 0
+    assert (out / "reports" / "push.json").is_file()
+
+
+def test_convert_option_change_reruns_everything_downstream(tmp_path, monkeypatch):
+    import quantize.convert as conv
+
+    r = _recipe(tmp_path, stages=["convert", "card", "push"])
+    pipeline.run(r)
+    doc = yaml.safe_load(open(r))
+    doc["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["config_groups"]["group_0"]["weights"]["group_size"] = 128
+    r2 = tmp_path / "g128.yaml"
+    r2.write_text(yaml.safe_dump(doc))
+    plan = {s.stage: s for s in pipeline.run(str(r2), plan=True).stages}
+    assert plan["make-source"].state == "done" and plan["convert"].state == "stale" and "recipe.group_size" in plan["convert"].why
+    assert plan["card"].state == plan["push"].state == "stale"
+    calls = Calls(monkeypatch, conv, "convert")
+    pipeline.run(str(r2))
+    assert calls.n == 1
+    m = json.loads((tmp_path / "run" / "model" / "quantize_manifest.json").read_text())
+    assert m["options"]["group_size"] == 128
+
+
+def test_cli_plan_json_and_ndjson_events(tmp_path):
+    r = _recipe(tmp_path, stages=["convert"])
+    runner = CliRunner()
+    res = runner.invoke(app, ["run", r, "--json"])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in res.stdout.strip().splitlines()]  # every line is one JSON event
+    assert {"event": "stage", "stage": "convert", "state": "start"}.items() <= next(e for e in lines if e.get("stage") == "convert").items()
+    assert lines[-1]["event"] == "result" and [s["state"] for s in lines[-1]["stages"]] == ["done", "done"]
+    plan = runner.invoke(app, ["run", r, "--plan", "--json"])
+    assert plan.exit_code == 0 and [s["state"] for s in json.loads(plan.stdout)["stages"]] == ["done", "done"]
+    text = runner.invoke(app, ["run", r, "--plan"])
+    assert text.exit_code == 0 and "convert" in text.stdout and "done" in text.stdout
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["pipeline"].update(max_dorp=1), "pipeline.max_dorp: unknown key; did you mean 'max_drop'"),
+    (lambda d: d["pipeline"]["kv"].update(fodl=True), "pipeline.kv.fodl: unknown key; did you mean 'fold'"),
+    (lambda d: d["pipeline"].update(stages=["convert", "evl"]), "pipeline.stages: evl: unknown stage; did you mean 'eval'"),
+    (lambda d: d["pipeline"].update(stages=["eval", "convert"]), "out of order"),
+    (lambda d: d["pipeline"].update(limit="ten"), "pipeline.limit is 'ten', not int or null"),
+    (lambda d: d["pipeline"].update(source="tiny:glm_moe_dza"), "did you mean 'glm_moe_dsa'"),
+    (lambda d: d.pop("pipeline"), "no `pipeline:` section"),
+    (lambda d: d["pipeline"].update(repo=None), "pipeline.repo is missing"),
+    (lambda d: d["pipeline"]["pd"].update(transfer_backend="mooncak"), "did you mean 'mooncake'"),
+])
+def test_bad_recipe_is_one_line(tmp_path, edit, message):
+    doc = yaml.safe_load(pipeline.default_recipe().read_text())
+    doc["pipeline"]["out"] = str(tmp_path / "run")
+    doc["pipeline"].setdefault("pd", {})
+    edit(doc)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    with pytest.raises(QuantizeError) as e:
+        pipeline.run(str(p), plan=True)
+    assert message in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
+    res = CliRunner().invoke(app, ["run", str(p)])
+    assert res.exit_code == 2 and message in res.output and not (tmp_path / "run").exists()
+
+
+def test_stage_without_its_input_is_one_line(tmp_path):
+    r = _recipe(tmp_path, stages=["eval"])
+    with pytest.raises(QuantizeError, match="stage eval needs the model that convert makes.*add convert to pipeline.stages"):
+        pipeline.run(r)
+    r = _recipe(tmp_path, "src.yaml", source=str(tmp_path / "nowhere"))
+    with pytest.raises(QuantizeError, match="pipeline.source .*nowhere: not a checkpoint folder"):
+        pipeline.run(r, plan=True)
+
+
+def test_run_folder_is_guarded(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "mine.txt").write_text("a user's file")
+    with pytest.raises(QuantizeError, match="no quantize job record"):
+        pipeline.run(_recipe(tmp_path, stages=["convert"]))
+    assert (tmp_path / "run" / "mine.txt").read_text() == "a user's file"
