@@ -50,14 +50,32 @@ def convert(
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUT (same options)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing quantize output in OUT"),
     workers: Optional[int] = typer.Option(None, help="compute threads (default: all cores)"),
-    device: str = typer.Option("cpu", help="cpu (default) or cuda: where the transforms run; same output"),
+    device: str = typer.Option("cpu", help="cpu (default) or cuda: where the transforms (and a method's layer math) run"),
+    method: Optional[str] = typer.Option(None, help="rtn (default: round-to-nearest, no data), gptq (llm-compressor's GPTQ update, "
+                                         "layer by layer on calibration text) or autoround (signed-gradient rounding and clipping)"),
+    data: Optional[str] = typer.Option(None, help="gptq/autoround: calibration text, jsonl/txt/parquet file or folder, or hf:NAME (default: the shipped corpus)"),
+    samples: Optional[int] = typer.Option(None, help="gptq/autoround: calibration samples (default 128)"),
+    seq_len: Optional[int] = typer.Option(None, help="gptq/autoround: tokens per sample at most (default 2048)"),
+    damp: Optional[float] = typer.Option(None, help="gptq: Hessian dampening, a fraction of its mean diagonal (default 0.01)"),
+    block: Optional[int] = typer.Option(None, help="gptq: columns per lazy-update block (default 128)"),
+    iters: Optional[int] = typer.Option(None, help="autoround: signed-gradient steps per layer (default 200; 0 = RTN on the grid)"),
+    lr: Optional[float] = typer.Option(None, help="autoround: learning rate, decayed linearly to 0 (default 1/iters)"),
+    batch_size: Optional[int] = typer.Option(None, help="autoround: samples per step (default 8)"),
+    all_experts: bool = typer.Option(False, "--all-experts", help="gptq/autoround: every routed expert's statistics from every token "
+                                     "(the layer output still follows the router)"),
+    min_expert_tokens: Optional[int] = typer.Option(None, help="gptq/autoround: an expert routed fewer tokens falls back to RTN, named (default 16)"),
+    memory_budget_gib: float = typer.Option(4.0, help="gptq/autoround: calibration hidden states kept in memory; beyond it they go to OUT/.quantize/hidden"),
     json_out: bool = typer.Option(False, "--json", help="NDJSON progress events on stdout instead of a progress bar"),
 ):
-    """Convert a checkpoint to group-wise symmetric INT4, streaming tensor by tensor."""
+    """Convert a checkpoint to group-wise symmetric INT4, streaming tensor by tensor (a data-aware
+    --method first runs layer by layer over calibration text)."""
     from .convert import convert as run_convert
 
     res = _run(run_convert, source, out, group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8,
-               recipe=recipe, resume=resume, overwrite=overwrite, workers=workers, device=device, emit=_emitter(json_out))
+               recipe=recipe, resume=resume, overwrite=overwrite, workers=workers, device=device, method=method, data=data,
+               samples=samples, seq_len=seq_len, damp=damp, block=block, iters=iters, lr=lr, batch_size=batch_size,
+               all_experts=all_experts, min_expert_tokens=min_expert_tokens, memory_budget_gib=memory_budget_gib,
+               emit=_emitter(json_out))
     if json_out:
         return
     from rich.console import Console

@@ -90,7 +90,9 @@ def _read(folder: Path, ref: TensorRef, fds: dict, slot: str) -> torch.Tensor:
     return read_tensor(folder, ref, fds, buf)
 
 
-def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, device: str = "cpu") -> tuple[list[torch.Tensor], dict | None]:
+def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, device: str = "cpu", cache=None) -> tuple[list[torch.Tensor], dict | None]:
+    if job.kind == "int4" and cache is not None and cache.has(job.module):
+        return _cached_job(job, folder, options, fds, cache)
     w = _read(folder, job.src, fds, "w")
     s = _read(folder, job.scale, fds, "s").clone() if job.scale is not None else None
     if device != "cpu":  # the torch reference path, on the GPU; same bits as on the CPU
@@ -145,6 +147,36 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, devi
     raise AssertionError(job.kind)
 
 
+def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cache) -> tuple[list[torch.Tensor], dict]:
+    """An INT4 job a data-aware method already quantized (``methods.runner``): its packed codes and
+    scales from the layer file, with the same error statistics against the source weight as RTN's
+    (plus RTN's own error on the method's grid, for comparison)."""
+    w = _read(folder, job.src, fds, "w")
+    s = _read(folder, job.scale, fds, "s").clone() if job.scale is not None else None
+    rows, k = w.shape
+    packed, scale = cache.read(job.module)
+    want = (int4.packed_shape((rows, k)), int4.scale_shape((rows, k), options.group_size))
+    if tuple(packed.shape) != want[0] or tuple(scale.shape) != want[1]:
+        raise QuantizeError(f"{cache.files[job.module]}: {job.module} has shapes {tuple(packed.shape)}/{tuple(scale.shape)}, not {want}; "
+                            "the layer cache is corrupt, rerun with --overwrite")
+    sq_err = sq_ref = max_err = sq_rtn = 0.0
+    for r0 in range(0, rows, ROW_CHUNK):
+        r1 = min(rows, r0 + ROW_CHUNK)
+        wr = _weight_rows(job, w, s, r0, r1)
+        _check_finite(job, wr)
+        ref = wr.to(scale.dtype).float()
+        deq = int4.dequantize_int4(packed[r0:r1], scale[r0:r1], (r1 - r0, k), dtype=torch.float32)
+        diff = deq.sub_(ref)
+        sq_ref += float(ref.pow(2).sum(dtype=torch.float64))
+        sq_err += float(diff.pow(2).sum(dtype=torch.float64))
+        max_err = max(max_err, float(diff.abs().max()) if diff.numel() else 0.0)
+        sq_rtn += int4.quantize_pack(wr, options.group_size, options.observer, scale.dtype).sq_err
+    stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0, "max_abs_err": max_err,
+             "method": cache.methods.get(job.module, options.method),
+             "rel_err_rtn": (sq_rtn / sq_ref) ** 0.5 if sq_ref else 0.0}
+    return [packed, scale, torch.tensor([rows, k], dtype=torch.int64)], stats
+
+
 # --------------------------------------------------------------------------------------------
 
 @contextmanager
@@ -173,31 +205,69 @@ def convert(
     overwrite: bool = False,
     workers: int | None = None,
     device: str = "cpu",
+    method: str | None = None,
+    data: str | None = None,
+    samples: int | None = None,
+    seq_len: int | None = None,
+    damp: float | None = None,
+    block: int | None = None,
+    iters: int | None = None,
+    lr: float | None = None,
+    batch_size: int | None = None,
+    all_experts: bool = False,
+    min_expert_tokens: int | None = None,
+    memory_budget_gib: float = 4.0,
     emit: Emit = null_emit,
 ) -> ConvertResult:
     """FP8/BF16 checkpoint ``source`` -> compressed-tensors pack-quantized INT4 checkpoint ``out``.
-    ``group_size``/``profile``/``observer`` left None take the recipe's values or the defaults
-    (32, experts, minmax); an explicit value that contradicts the recipe is refused.
-    ``device="cuda"`` runs the transforms on a GPU (same output bytes)."""
+    ``group_size``/``profile``/``observer``/``method`` left None take the recipe's values or the
+    defaults (32, experts, minmax, rtn); an explicit value that contradicts the recipe is refused.
+    ``method`` gptq / autoround (or a recipe's GPTQModifier) first runs a layer-sequential pass over
+    calibration text (``data``, ``samples`` x ``seq_len`` tokens; quantize/methods/), holding at most
+    ``memory_budget_gib`` of hidden states in memory (the rest on disk under OUT/.quantize/).
+    ``device="cuda"`` runs the transforms (and a method's layer math) on a GPU."""
     t0 = time.time()
     if device != "cpu":
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise QuantizeError(f"--device {device}: no CUDA device is available here; use --device cpu (the default)")
+    if not (memory_budget_gib >= 0 and memory_budget_gib != float("inf")):
+        raise QuantizeError(f"--memory-budget-gib {memory_budget_gib}: must be 0 or more GiB (0: every hidden state on disk)")
     src, out = Path(source), Path(out)
-    options = ConvertOptions(group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8, recipe=recipe)
+    options = ConvertOptions(group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8, recipe=recipe,
+                             method=method, data=data, samples=samples, seq_len=seq_len, damp=damp, block=block, iters=iters,
+                             lr=lr, batch_size=batch_size, all_experts=all_experts, min_expert_tokens=min_expert_tokens)
     plan = build_plan(src, options, ct_check=False)
-    options = plan.options  # a recipe may have set group size / observer
+    options = plan.options  # a recipe may have set group size / observer / method
+    calib = None
+    if options.method != "rtn":
+        from . import methods
+
+        calib = methods.prepare(src, options, emit)  # bad data / unbuildable layers: one line, nothing written
     # compressed-tensors (seconds to import) is needed only for the config written at the end and an
     # internal check of it: both run on a thread beside the first tensors
     ct = ThreadPoolExecutor(1, thread_name_prefix="ct").submit(_ct_config, plan)
     sides = side_files(src)  # a dangling symlink is named before any shard is written
     ident = source_identity(src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}])
     key = _job_key(plan, ident)
+    if calib is not None:
+        key["data"] = {"source": calib.source, "token_ids_sha256": calib.sha256}
     inputs = [src] + ([Path(options.recipe)] if options.recipe else [])
+    if options.data and not str(options.data).startswith("hf:") and Path(options.data).exists():
+        inputs.append(Path(options.data))
     with Output.open(out, "convert", inputs, resume=resume, overwrite=overwrite, key=key) as o:
         if o.resumed:
             o.check_key(key)
         workers = max(1, workers or os.cpu_count() or 1)
+        cache = None
+        if calib is not None:
+            from . import methods
+
+            try:
+                cache = methods.run(plan, src, o, calib, options, workers=workers, device=device,
+                                    memory_budget=int(memory_budget_gib * 2**30), emit=emit)
+            except BaseException as e:
+                emit({"event": "error", "message": str(e)})
+                raise
         kept = o.kept([s.file for s in plan.shards], workers)
         todo = [s for s in plan.shards if s.file not in kept]
         resumed = len(plan.shards) - len(todo)
@@ -212,9 +282,9 @@ def convert(
         fds: dict = {}
         try:
             with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
-                done_bytes = _execute(plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device)
+                done_bytes = _execute(plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache)
             ct.result()  # the config and its check, before anything presents the output as complete
-            _finish(plan, src, o, sides, ident, t0, kernels, emit)
+            _finish(plan, src, o, sides, ident, t0, kernels, emit, cache.report if cache is not None else None)
         except BaseException as e:
             emit({"event": "error", "message": str(e)})
             raise
@@ -232,7 +302,7 @@ def convert(
     return res
 
 
-def _execute(plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu") -> int:
+def _execute(plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu", cache=None) -> int:
     """Workers compute ahead inside a bounded window; this thread writes in plan order; a
     committer thread makes each finished shard durable (fsync, rename) and records it while the
     next shard is being computed and written."""
@@ -247,7 +317,7 @@ def _execute(plan, todo, src, out, options, output, pool, workers, fds, emit, do
             if nxt is None:
                 return
             si, j = nxt
-            fut = pool.submit(compute_job, j, src, options, fds, device) if j.kind in ("int4", "dequant") else None
+            fut = pool.submit(compute_job, j, src, options, fds, device, cache) if j.kind in ("int4", "dequant") else None
             pending.append((si, j, fut))
 
     def commit(writer: StreamWriter, shard, sha: str, stats: list[dict]) -> None:
@@ -328,7 +398,8 @@ def _kernel_path(device: str, emit: Emit) -> dict:
     return {**st, "device": device}
 
 
-def _finish(plan: Plan, src: Path, o: Output, sides: list[Path], ident: dict, t0: float, kernels: dict, emit: Emit) -> None:
+def _finish(plan: Plan, src: Path, o: Output, sides: list[Path], ident: dict, t0: float, kernels: dict, emit: Emit,
+            method: dict | None = None) -> None:
     copied = o.copy_side_files(sides)
     weight_map = {e.name: s.file for s in plan.shards for e in s.entries}
     index = {"metadata": {"total_size": sum(e.nbytes for s in plan.shards for e in s.entries)},
@@ -352,6 +423,7 @@ def _finish(plan: Plan, src: Path, o: Output, sides: list[Path], ident: dict, t0
         "copied_from_source": copied,
         "outputs": o.record["shards"],
         "error_summary": _error_summary(stats),
+        **({"method": method} if method is not None else {}),
         "tensors": stats,
         "seconds": round(time.time() - t0, 3),
     }
@@ -372,5 +444,7 @@ def _error_summary(stats: list[dict]) -> dict:
             mm = [s["rel_err_minmax"] for s in ss]
             d["mean_rel_err_minmax"] = sum(mm) / len(mm)
             d["mse_vs_minmax_sq_err_reduction"] = 1 - sum(r * r for r in rel) / max(sum(m * m for m in mm), 1e-30)
+        if all("rel_err_rtn" in s for s in ss):  # a data-aware method: its weight error beside RTN's on the same grid
+            d["mean_rel_err_rtn"] = sum(s["rel_err_rtn"] for s in ss) / len(ss)
         out[role] = d
     return out

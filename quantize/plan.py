@@ -32,17 +32,52 @@ DEFAULT_GROUP_SIZE = 32
 DEFAULT_PROFILE = "experts"
 DEFAULT_OBSERVER = "minmax"
 
+METHODS = ("rtn", "gptq", "autoround")
+DEFAULT_METHOD = "rtn"
+# data-aware defaults (llm-compressor's GPTQModifier; Cheng et al.'s SignRound: 200 steps, lr 1/iters, batch 8)
+METHOD_DEFAULTS = {"samples": 128, "seq_len": 2048, "damp": 0.01, "block": 128, "iters": 200, "batch_size": 8,
+                   "min_expert_tokens": 16}
+# option -> the methods that use it ("data" etc.: both data-aware methods)
+METHOD_OPTIONS = {"data": ("gptq", "autoround"), "samples": ("gptq", "autoround"), "seq_len": ("gptq", "autoround"),
+                  "all_experts": ("gptq", "autoround"), "min_expert_tokens": ("gptq", "autoround"),
+                  "damp": ("gptq",), "block": ("gptq",), "actorder": ("gptq",),
+                  "iters": ("autoround",), "lr": ("autoround",), "batch_size": ("autoround",)}
+
+
+def default_observer(method: str) -> str:
+    """AutoRound tunes on the full-range grid (all 16 codes) unless --observer says otherwise; RTN
+    and GPTQ default to compressed-tensors' absmax / 7.5."""
+    return "fullrange" if method == "autoround" else DEFAULT_OBSERVER
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
 
 @dataclass(frozen=True)
 class ConvertOptions:
     """None: not given by the user. ``resolve`` fills it from the recipe or the defaults (group 32,
-    profile experts, observer minmax); a built plan's options are never None."""
+    profile experts, observer minmax, method rtn); a built plan's options are never None where
+    they apply (a data-aware option stays None under a method that does not use it)."""
 
     group_size: int | None = None
     profile: str | None = None
     observer: str | None = None
     keep_fp8: bool = False
     recipe: str | None = None
+    # data-aware methods (quantize/methods/): gptq | autoround, and their options
+    method: str | None = None
+    data: str | None = None
+    samples: int | None = None
+    seq_len: int | None = None
+    damp: float | None = None
+    block: int | None = None
+    actorder: str | None = None  # gptq, from a recipe only: None or "weight" (static groups either way)
+    iters: int | None = None
+    lr: float | None = None
+    batch_size: int | None = None
+    all_experts: bool = False
+    min_expert_tokens: int | None = None
 
     def validate(self) -> None:
         if self.group_size is not None and self.group_size not in layout.SUPPORTED_GROUP_SIZES:
@@ -51,21 +86,74 @@ class ConvertOptions:
             raise QuantizeError(f"--profile {self.profile}: unknown; use one of {', '.join(archs.base.PROFILES)}")
         if self.observer is not None and self.observer not in layout.OBSERVERS:
             raise QuantizeError(f"--observer {self.observer}: unknown; use one of {', '.join(layout.OBSERVERS)}")
+        if self.method is not None and self.method not in METHODS:
+            raise QuantizeError(f"--method {self.method}: unknown; use one of {', '.join(METHODS)}")
+        checks = {
+            "samples": (lambda v: v >= 1, "must be at least 1 (e.g. 128)"),
+            "seq_len": (lambda v: v >= 2, "must be at least 2 tokens (e.g. 2048)"),
+            "damp": (lambda v: 0 < v <= 1, "the Hessian dampening fraction must be in (0, 1] (e.g. 0.01)"),
+            "block": (lambda v: v >= 1, "the GPTQ column block must be at least 1 (e.g. 128)"),
+            "iters": (lambda v: v >= 0, "must be 0 (RTN on the full-range grid) or more (e.g. 200)"),
+            "lr": (lambda v: v > 0 and math.isfinite(v), "the learning rate must be a positive number (default 1/iters)"),
+            "batch_size": (lambda v: v >= 1, "must be at least 1 sample (e.g. 8)"),
+            "min_expert_tokens": (lambda v: v >= 0, "must be 0 or more tokens (e.g. 16)"),
+        }
+        for name, (ok, why) in checks.items():
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not ok(v)):
+                raise QuantizeError(f"{_flag(name)} {v}: {why}")
+        if self.data is not None and not str(self.data).strip():
+            raise QuantizeError("--data '': empty; pass a .jsonl/.txt/.parquet file or folder, or hf:NAME")
+
+    def check_method_options(self) -> None:
+        """After ``resolve``: an option of a method that does not run is refused, not ignored."""
+        for name, methods in METHOD_OPTIONS.items():
+            v = getattr(self, name)
+            if v not in (None, False) and self.method not in methods:
+                need = " or ".join(f"--method {m}" for m in methods)
+                raise QuantizeError(f"{_flag(name)} is an option of {need}, but the method is {self.method}; add {need} or drop {_flag(name)}")
+
+    def _method_defaults(self) -> "ConvertOptions":
+        m = self.method
+        if m not in ("gptq", "autoround"):
+            return self
+        fill = {k: v for k, v in METHOD_DEFAULTS.items() if getattr(self, k) is None and m in METHOD_OPTIONS[k]}
+        out = replace(self, **fill)
+        if m == "autoround" and out.lr is None and out.iters:
+            out = replace(out, lr=1.0 / out.iters)  # Cheng et al.: lr 1/iters, decayed linearly to 0
+        return out
 
     def resolve(self, recipe: Recipe | None) -> "ConvertOptions":
         """The options the plan runs with: explicit values, else the recipe's, else the defaults. A
         flag that contradicts the recipe is refused rather than silently replaced."""
         if recipe is None:
-            return replace(self, group_size=self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZE,
-                           profile=self.profile or DEFAULT_PROFILE, observer=self.observer or DEFAULT_OBSERVER)
+            method = self.method or DEFAULT_METHOD
+            out = replace(self, group_size=self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZE,
+                          profile=self.profile or DEFAULT_PROFILE, observer=self.observer or default_observer(method),
+                          method=method)
+            out.check_method_options()
+            return out._method_defaults()
         if self.group_size is not None and self.group_size != recipe.group_size:
             raise QuantizeError(f"--group-size {self.group_size} conflicts with group_size {recipe.group_size} in {recipe.path}; drop the flag or edit the recipe")
         if self.observer is not None and recipe.observer is not None and self.observer != recipe.observer:
             raise QuantizeError(f"--observer {self.observer} conflicts with observer {recipe.observer} in {recipe.path}; drop the flag or edit the recipe")
         if self.profile is not None and self.profile != DEFAULT_PROFILE:
             raise QuantizeError(f"--profile {self.profile} conflicts with {recipe.path}, whose targets and ignore list decide what is INT4; drop the flag or edit the recipe")
-        return replace(self, group_size=recipe.group_size, profile=DEFAULT_PROFILE,
-                       observer=self.observer or recipe.observer or DEFAULT_OBSERVER)
+        rmethod = recipe.method or DEFAULT_METHOD
+        if self.method is not None and self.method != rmethod:
+            raise QuantizeError(f"--method {self.method} conflicts with {recipe.path}, whose modifier means method {rmethod}; drop the flag or edit the recipe")
+        for name in ("damp", "block"):
+            mine, theirs = getattr(self, name), getattr(recipe, name)
+            if mine is not None and theirs is not None and mine != theirs:
+                key = {"damp": "dampening_frac", "block": "block_size"}[name]
+                raise QuantizeError(f"{_flag(name)} {mine} conflicts with {key} {theirs} in {recipe.path}; drop the flag or edit the recipe")
+        out = replace(self, group_size=recipe.group_size, profile=DEFAULT_PROFILE,
+                      observer=self.observer or recipe.observer or DEFAULT_OBSERVER, method=rmethod,
+                      damp=self.damp if self.damp is not None else recipe.damp,
+                      block=self.block if self.block is not None else recipe.block,
+                      actorder=self.actorder or recipe.actorder)
+        out.check_method_options()
+        return out._method_defaults()
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""llm-compressor recipe YAML (QuantizationModifier: config_groups / scheme / targets / ignore)
--> the subset this tool executes: one symmetric INT4 group scheme, its targets and ignore list."""
+"""llm-compressor recipe YAML (QuantizationModifier or GPTQModifier: config_groups / scheme / targets /
+ignore; GPTQModifier's dampening_frac / block_size / actorder) -> the subset this tool executes: one
+symmetric INT4 group scheme, its targets and ignore list, and the method (rtn, or gptq for a
+GPTQModifier)."""
 
 from __future__ import annotations
 
@@ -23,13 +25,17 @@ class Recipe:
     group_size: int
     observer: str | None = None
     kv_cache_scheme: dict | None = field(default=None)
+    method: str = "rtn"  # "gptq" for a GPTQModifier
+    damp: float | None = None  # GPTQModifier dampening_frac
+    block: int | None = None  # GPTQModifier block_size
+    actorder: str | None = None  # GPTQModifier actorder: None or "weight" (calibration order only; static groups)
 
 
-def _find_modifier(node) -> dict | None:
+def _find_modifier(node) -> tuple[str, dict] | None:
     if isinstance(node, dict):
         for key, val in node.items():
             if key in ("QuantizationModifier", "GPTQModifier") and isinstance(val, dict):
-                return val
+                return key, val
             found = _find_modifier(val)
             if found is not None:
                 return found
@@ -73,9 +79,12 @@ def load_recipe(path: str | Path) -> Recipe:
         raise QuantizeError(f"{path}: cannot read recipe ({e.strerror})") from e
     except yaml.YAMLError as e:
         raise QuantizeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the recipe") from e
-    mod = _find_modifier(doc)
-    if mod is None:
-        raise QuantizeError(f"{path}: no QuantizationModifier found; a recipe needs quant_stage.quant_modifiers.QuantizationModifier")
+    found = _find_modifier(doc)
+    if found is None:
+        raise QuantizeError(f"{path}: no QuantizationModifier found; a recipe needs quant_stage.quant_modifiers.QuantizationModifier (or GPTQModifier)")
+    kind, mod = found
+    actorder_given = "actorder" in mod
+    actorder = mod.get("actorder")
     ignore = _patterns(path, mod.get("ignore"))
     groups = mod.get("config_groups")
     scheme = mod.get("scheme")
@@ -98,6 +107,11 @@ def load_recipe(path: str | Path) -> Recipe:
             raise QuantizeError(f"{path}: config group {gname} group_size {group_size!r} must be an integer, one of {SUPPORTED_GROUP_SIZES}; fix the recipe")
         targets = _strings(path, "targets", group.get("targets")) or ("Linear",)
         observer = w.get("observer")
+        if "actorder" in w:
+            if actorder_given and w.get("actorder") != actorder and w.get("actorder") is not None and actorder is not None:
+                raise QuantizeError(f"{path}: actorder {actorder!r} of the {kind} conflicts with actorder {w.get('actorder')!r} of config group {gname}; keep one")
+            actorder_given = actorder_given or w.get("actorder") is not None
+            actorder = actorder if actorder is not None else w.get("actorder")
     elif isinstance(scheme, str):
         if scheme not in PRESETS:
             raise QuantizeError(f"{path}: scheme {scheme!r} is not supported; use W4A16 or a config_groups block with num_bits 4")
@@ -114,4 +128,30 @@ def load_recipe(path: str | Path) -> Recipe:
         observer = "minmax"
     if observer is not None and observer not in OBSERVERS:
         raise QuantizeError(f"{path}: observer {observer!r} is not supported; use one of {', '.join(OBSERVERS)}")
-    return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"))
+    if kind == "QuantizationModifier":
+        return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"))
+    return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"), method="gptq",
+                  damp=_number(path, "dampening_frac", mod.get("dampening_frac", 0.01), float),
+                  block=_number(path, "block_size", mod.get("block_size", 128), int),
+                  actorder=_actorder(path, actorder if actorder_given else "static"))
+
+
+def _number(path: Path, key: str, val, kind):
+    """A GPTQModifier number: dampening_frac in (0, 1], block_size >= 1."""
+    ok = (isinstance(val, (int, float)) and not isinstance(val, bool) and (kind is float or isinstance(val, int))
+          and (0 < val <= 1 if kind is float else val >= 1))
+    if not ok:
+        want = "a number in (0, 1], e.g. 0.01" if kind is float else "a whole number of columns, e.g. 128"
+        raise QuantizeError(f"{path}: GPTQModifier {key} {val!r} must be {want}; fix the recipe")
+    return kind(val)
+
+
+def _actorder(path: Path, val) -> str | None:
+    """llm-compressor's GPTQModifier defaults to actorder static (= weight: columns visited by
+    decreasing Hessian diagonal, groups static, format unchanged); null: plain column order. The
+    removed "group"/"dynamic" ordering would need g_idx, which pack-quantized 0.19 does not carry."""
+    if val is None:
+        return None
+    if val in ("static", "weight"):
+        return "weight"
+    raise QuantizeError(f"{path}: GPTQModifier actorder {val!r} is not written by this tool (pack-quantized has no g_idx); use actorder: null or static")

@@ -1,0 +1,253 @@
+"""AutoRound on one decoder layer: the published algorithm (Cheng et al., "Optimize Weight Rounding
+via Signed Gradient Descent for the Quantization of LLMs"), written here from the paper.
+
+Per INT4 weight, learnable rounding offsets ``V`` (one per weight, in [-0.5, 0.5]) and two clip
+factors per group, ``a`` on the group's max and ``b`` on its min (in [0.5, 1]), define
+
+    hi = a * max(w, 0),  lo = b * min(w, 0)
+    grid fullrange (default): scale = e / -8, e = hi if hi >= -lo else lo   (all 16 codes)
+    grid minmax:              scale = max(hi, -lo) / 7.5                    (compressed-tensors')
+    w_q = scale * clamp(round(w / scale + V), -8, 7)                        (round: straight-through)
+
+trained with signed gradient descent (``p -= lr_t * sign(grad)``, ``lr_t`` decayed linearly from
+``--lr``, default 1/iters, to 0) on the layer's output error: mean squared difference between the
+layer with ``w_q`` and the source layer on the same inputs (the hidden states carried through the
+quantized layers before it), over ``--batch-size`` samples per step (fixed seeded order). The
+parameters with the lowest step loss are kept (the initial ones, RTN on the grid, are step 0's).
+``--iters 0`` is round-to-nearest on the grid, bit for bit ``--observer fullrange``.
+
+Routed experts are trained inside the layer's own forward, so each gets the gradient of exactly
+the tokens the router sends it; an expert with fewer than ``--min-expert-tokens`` keeps its RTN
+initialisation and is named. ``--all-experts`` adds, per expert, its own output error over every
+token of the batch to the loss (the statistics only: the layer's output still follows the router).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import QuantizeError
+from ..formats import int4
+from . import units as U
+
+V_RANGE = 0.5
+CLIP_RANGE = (0.5, 1.0)
+DIVERGED = 10.0  # a last-step loss this many times the first one is a diverging run
+SEED = 20240
+
+
+class RouteCounter:
+    """Tokens the router sends each expert, counted by a pre-hook on the experts modules."""
+
+    def __init__(self, layer, units: list[U.Unit]):
+        self.routed: dict[tuple[str, int], int] = {}
+        self._handles = []
+        by_mod: dict[str, set[int]] = {}
+        for u in units:
+            if u.expert is not None:
+                by_mod.setdefault(u.module, set()).add(u.expert)
+        for path, es in by_mod.items():
+            for e in es:
+                self.routed[(path, e)] = 0
+
+            def hook(module, args, path=path, es=sorted(es)):
+                idx = args[1]
+                for e in es:
+                    self.routed[(path, e)] += int((idx == e).any(-1).sum())
+            self._handles.append(layer.get_submodule(path).register_forward_pre_hook(hook))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    return x + (x.round() - x).detach()
+
+
+class Tuned:
+    """The trainable state of one layer parameter (an nn.Linear weight, or a fused [E, out, in])."""
+
+    def __init__(self, path: str, w0: torch.Tensor, group: int, fullrange: bool, scale_dtype: torch.dtype):
+        self.path, self.group, self.fullrange, self.sdt = path, group, fullrange, scale_dtype
+        *lead, out, k = w0.shape
+        self.shape = w0.shape
+        self.wg = w0.detach().to(torch.float32).reshape(*lead, out, k // group, group)
+        self.wmax = self.wg.amax(-1).clamp(min=0)
+        self.wmin = self.wg.amin(-1).clamp(max=0)
+        # the side RTN's signed extreme takes on a tie (the first element of largest magnitude)
+        ext = self.wg.gather(-1, self.wg.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        self.tie_hi = ext > 0
+        self.V = torch.zeros_like(self.wg, requires_grad=True)
+        self.a = torch.ones_like(self.wmax, requires_grad=True)
+        self.b = torch.ones_like(self.wmax, requires_grad=True)
+        self.mask = torch.ones(lead[0], dtype=torch.float32, device=w0.device) if lead else None  # per expert
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [self.V, self.a, self.b]
+
+    def _extreme(self):
+        hi, lo = self.wmax * self.a, self.wmin * self.b
+        if self.fullrange:
+            pick_hi = torch.where(hi > -lo, True, torch.where(hi < -lo, False, self.tie_hi))
+            return torch.where(pick_hi, hi, lo)
+        return torch.maximum(hi, -lo)
+
+    def _scale(self, e: torch.Tensor) -> torch.Tensor:
+        s = e / int4.QMIN if self.fullrange else e / int4.HALF_RANGE
+        return torch.where(s == 0, torch.full_like(s, torch.finfo(self.sdt).eps), s)
+
+    def fake(self) -> torch.Tensor:
+        s = self._scale(self._extreme()).unsqueeze(-1)
+        q = torch.clamp(_round_ste(self.wg / s + self.V), int4.QMIN, int4.QMAX)
+        return (q * s).reshape(self.shape)
+
+    def final(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int8 [..., out, in], scale [..., out, G] in the scale dtype): the bf16 scale of the
+        trained range, codes rounded as ``formats.int4`` rounds (quotient in the scale dtype)."""
+        with torch.no_grad():
+            e = self._extreme().to(self.sdt)
+            s = int4._fullrange_scale(e, self.sdt) if self.fullrange else int4._minmax_scale(e, self.sdt)
+            x = (self.wg / s.float().unsqueeze(-1)).to(self.sdt).float() + self.V
+            q = x.round().clamp(int4.QMIN, int4.QMAX).to(torch.int8)
+            return q.reshape(self.shape), s
+
+    def step(self, lr: float) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    continue
+                d = p.grad.sign()
+                if self.mask is not None:
+                    d = d * self.mask.view(-1, *([1] * (p.ndim - 1)))
+                p.sub_(lr * d)
+                p.grad = None
+            self.V.clamp_(-V_RANGE, V_RANGE)
+            self.a.clamp_(*CLIP_RANGE)
+            self.b.clamp_(*CLIP_RANGE)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def restore(self, snap: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, s in zip(self.params, snap):
+                p.copy_(s)
+
+
+def _all_experts_hook(mod, tuned_gu: Tuned, tuned_d: Tuned, w0_gu, w0_d, experts: list[int], extra: list):
+    """--all-experts: every trainable expert's own output error over every token at the experts' input."""
+    def hook(module, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        idx = torch.tensor(experts, device=x.device)
+        gu_q, d_q = module.gate_up_proj[idx], module.down_proj[idx]
+        with torch.no_grad():
+            g, u = torch.einsum("th,eoh->eto", x, w0_gu[idx]).chunk(2, dim=-1)
+            ref = torch.einsum("eti,ehi->eth", module.act_fn(g) * u, w0_d[idx])
+        g, u = torch.einsum("th,eoh->eto", x, gu_q).chunk(2, dim=-1)
+        y = torch.einsum("eti,ehi->eth", module.act_fn(g) * u, d_q)
+        extra.append((y - ref).pow(2).sum())
+    return hook
+
+
+def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, topk: list, fp_out, routed: dict, opt,
+         i: int, fallbacks: list, device: str) -> tuple[dict[str, U.Result], dict]:
+    from torch.func import functional_call
+
+    fullrange = opt.observer.startswith("fullrange")
+    layer.requires_grad_(False)
+    tuned: dict[str, Tuned] = {}
+    for u in units:
+        if u.path not in tuned:
+            tuned[u.path] = Tuned(u.path, layer.get_parameter(u.path).detach().clone(), opt.group_size, fullrange, u.scale_dtype)
+    # starved experts keep their RTN initialisation (their updates are masked)
+    starved: set[str] = set()
+    for u in units:
+        if u.expert is None or opt.all_experts:
+            continue
+        n = routed.get((u.module, u.expert), 0)
+        if n < opt.min_expert_tokens:
+            t = tuned[u.path]
+            t.mask[u.expert] = 0
+            if u.key not in starved:
+                starved.add(u.key)
+                for name, _, _ in u.names:
+                    fallbacks.append({"name": name, "reason": f"{n} routed calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"})
+    extra: list[torch.Tensor] = []
+    handles = []
+    if opt.all_experts:
+        by_mod: dict[str, list[int]] = {}
+        for u in units:
+            if u.expert is not None and u.path.endswith("gate_up_proj"):
+                by_mod.setdefault(u.module, []).append(u.expert)
+        for path, es in by_mod.items():
+            gu, d = tuned.get(path + ".gate_up_proj"), tuned.get(path + ".down_proj")
+            if gu is None or d is None:
+                continue
+            mod = layer.get_submodule(path)
+            handles.append(mod.register_forward_pre_hook(_all_experts_hook(mod, gu, d, gu.wg.reshape(gu.shape), d.wg.reshape(d.shape),
+                                                                           sorted(es), extra)))
+    n = len(hidden)
+    bs = min(opt.batch_size, n)
+    gen = torch.Generator().manual_seed(SEED + i)
+    order: list[int] = []
+    losses: list[float] = []
+    best, best_loss, best_step = [t.snapshot() for t in tuned.values()], math.inf, 0
+    try:
+        for step in range(opt.iters):
+            if len(order) < bs:
+                order += torch.randperm(n, generator=gen).tolist()
+            batch, order = order[:bs], order[bs:]
+            denom = sum(fp_out[s].numel() for s in batch)
+            total = 0.0
+            # the quantized weights once per step; each sample's backward stops at them (leaves),
+            # their summed gradient then goes back through the grid once
+            fakes = {path: t.fake() for path, t in tuned.items()}
+            weights = {path: w.detach().requires_grad_() for path, w in fakes.items()}
+            for s in batch:
+                h = hidden[s]
+                pos, pe, mask = ctx(h)
+                kw = {"prev_topk_indices": topk[s]} if streamer.arch.hf.get("topk") else {}
+                extra.clear()
+                out = functional_call(layer, weights, (h.to(device),), dict(attention_mask=mask, position_embeddings=pe, position_ids=pos,
+                                                                           past_key_values=None, use_cache=False, **kw))
+                out = out[0] if isinstance(out, tuple) else out
+                loss = (out - fp_out[s].to(device)).pow(2).sum()
+                for x in extra:
+                    loss = loss + x
+                loss = loss / denom
+                loss.backward()
+                total += float(loss.detach())
+            torch.autograd.backward([fakes[p] for p in fakes if weights[p].grad is not None],
+                                    [weights[p].grad for p in fakes if weights[p].grad is not None])
+            if not math.isfinite(total):
+                raise QuantizeError(f"decoder layer {i}: the AutoRound loss became {total} at step {step}; lower --lr "
+                                    f"(now {opt.lr:g}) or use --method gptq")
+            losses.append(total)
+            if total < best_loss:
+                best_loss, best_step = total, step
+                best = [t.snapshot() for t in tuned.values()]
+            lr_t = opt.lr * (1 - step / opt.iters)
+            for t in tuned.values():
+                t.step(lr_t)
+    finally:
+        for h in handles:
+            h.remove()
+    if losses and losses[-1] > DIVERGED * losses[0]:
+        raise QuantizeError(f"decoder layer {i}: the AutoRound loss diverged ({losses[0]:.4g} at step 0, {losses[-1]:.4g} at the "
+                            f"last step); lower --lr (now {opt.lr:g}) or --iters")
+    for t, snap in zip(tuned.values(), best):
+        t.restore(snap)
+    finals = {path: t.final() for path, t in tuned.items()}
+    results = {}
+    for u in units:
+        codes, scale = finals[u.path]
+        if u.expert is not None:
+            codes, scale = codes[u.expert], scale[u.expert]
+        results[u.key] = U.Result(codes.cpu().contiguous(), scale.cpu().contiguous(), "rtn" if u.key in starved else "autoround")
+    train = {"iters": opt.iters, "lr": opt.lr, "batch_size": bs, "first_loss": losses[0] if losses else None,
+             "last_loss": losses[-1] if losses else None, "best_loss": best_loss if losses else None, "best_step": best_step if losses else None}
+    return results, train

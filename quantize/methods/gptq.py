@@ -1,0 +1,168 @@
+"""GPTQ on one decoder layer: Hessians from the layer's own calibration forward, the update itself
+from llm-compressor (``llmcompressor.modifiers.gptq.gptq_quantize.quantize_weight``, the function
+its ``GPTQModifier`` calls), static group scales from our grid.
+
+Hessians are accumulated as llm-compressor's ``accumulate_hessian`` does (``2 x^T x`` in fp32 per
+sample, divided by the number of samples) for every ``nn.Linear`` unit. Routed experts get one
+Hessian each from exactly the tokens the router sends them (``--all-experts``: from every token,
+for the statistics only; the layer's output still follows the router), the ``down_proj`` one from
+the expert's own activations ``act(gate) * up`` of those tokens; gate and up share theirs (one
+GPTQ over the fused ``[2I, H]`` rows equals two over each half: GPTQ treats rows independently).
+
+The grid: scales come from the RTN observer (``--observer``: minmax = compressed-tensors'
+``absmax / 7.5`` bit for bit, or fullrange) on the original weight, fixed before the update (static
+groups, no g_idx); llm-compressor's update rounds each column to that grid and spreads the error
+over the columns not yet quantized. The codes are ``round(W_q / scale)`` of its result.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+from ..formats import int4
+from . import units as U
+
+CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
+
+
+class Hessians:
+    """Forward pre-hooks that accumulate every unit's Hessian during one calibration forward."""
+
+    def __init__(self, layer: torch.nn.Module, units: list[U.Unit], all_experts: bool):
+        self.layer = layer
+        self.units = units
+        self.all_experts = all_experts
+        self.H: dict[str, torch.Tensor] = {}
+        self.n: dict[str, int] = {}  # divisor: samples (Linear, as llm-compressor) or tokens (experts)
+        self.tokens: dict[str, int] = {}  # tokens that fed the statistics
+        self.routed: dict[tuple[str, int], int] = {}  # (experts module, e) -> tokens the router sent
+        self._handles = []
+        linear = [u for u in units if u.expert is None]
+        experts: dict[str, list[U.Unit]] = {}
+        for u in units:
+            if u.expert is not None:
+                experts.setdefault(u.module, []).append(u)
+        for u in linear:
+            mod = layer.get_submodule(u.module)
+            self._handles.append(mod.register_forward_pre_hook(self._linear_hook(u)))
+        for path, us in experts.items():
+            mod = layer.get_submodule(path)
+            self._handles.append(mod.register_forward_pre_hook(self._experts_hook(path, mod, us)))
+
+    def _add(self, key: str, x: torch.Tensor, count: int) -> None:
+        inp = math.sqrt(2) * x.reshape(-1, x.shape[-1]).to(torch.float32)
+        h = self.H.get(key)
+        if h is None:
+            h = self.H[key] = torch.zeros(inp.shape[1], inp.shape[1], dtype=torch.float32, device=inp.device)
+        h += inp.t().matmul(inp)
+        self.n[key] = self.n.get(key, 0) + count
+        self.tokens[key] = self.tokens.get(key, 0) + inp.shape[0]
+
+    def _linear_hook(self, u: U.Unit):
+        def hook(module, args):
+            self._add(u.key, args[0], 1)
+        return hook
+
+    def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[U.Unit]):
+        def hook(module, args):
+            hidden, top_k_index = args[0], args[1]
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            gate_up = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
+            down = {u.expert: u for u in us if u.path.endswith("down_proj")}
+            for e in sorted(set(gate_up) | set(down)):
+                routed = (top_k_index == e).any(-1).reshape(-1)
+                self.routed[(path, e)] = self.routed.get((path, e), 0) + int(routed.sum())
+                x = hidden if self.all_experts else hidden[routed]
+                if x.shape[0] == 0:
+                    continue
+                with torch.no_grad():
+                    if e in gate_up:
+                        self._add(gate_up[e].key, x, x.shape[0])
+                    if e in down:
+                        g, up = torch.nn.functional.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
+                        self._add(down[e].key, mod.act_fn(g) * up, x.shape[0])
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def normalized(self, key: str) -> torch.Tensor | None:
+        h = self.H.get(key)
+        return None if h is None else h / self.n[key]
+
+
+@contextmanager
+def _triton_off(off: bool):
+    """llm-compressor's fused Triton block update clamps scales to positive; the full-range grid
+    has negative ones, so on a GPU its eager path (same math) runs instead."""
+    import os
+
+    if not off:
+        yield
+        return
+    old = os.environ.get("LLMCOMPRESSOR_DISABLE_GPTQ_TRITON")
+    os.environ["LLMCOMPRESSOR_DISABLE_GPTQ_TRITON"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LLMCOMPRESSOR_DISABLE_GPTQ_TRITON", None)
+        else:
+            os.environ["LLMCOMPRESSOR_DISABLE_GPTQ_TRITON"] = old
+
+
+def quantize_args(group_size: int, actorder: str | None):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size,
+                            actorder=actorder, dynamic=False)
+
+
+def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
+             block: int, damp: float, workers: int) -> list[tuple[U.Result, bool, float]]:
+    """``items``: (unit, weight [out, in] fp32, Hessian [in, in]) -> (result, Hessian failed and
+    RTN was used, GPTQ loss) per item, in order. Chunks of same-shape units go to llm-compressor in
+    a fixed partition, each on one torch thread (a Cholesky factorization differs in its last bits
+    between thread counts; this way the output does not), several chunks in parallel."""
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+
+    qargs = quantize_args(group_size, actorder)
+    chunks: list[list[int]] = []
+    by_shape: dict[tuple, list[int]] = {}
+    for i, (u, w, h) in enumerate(items):
+        by_shape.setdefault((tuple(w.shape), u.scale_dtype, str(w.device)), []).append(i)
+    for idx in by_shape.values():
+        chunks += [idx[j: j + CHUNK] for j in range(0, len(idx), CHUNK)]
+
+    def run(chunk: list[int]) -> list[tuple[int, U.Result, bool, float]]:
+        ws = [items[i][1] for i in chunk]
+        sdt = items[chunk[0]][0].scale_dtype
+        scales = torch.stack([U.rtn(w, group_size, observer, sdt).scale for w in ws])
+        W = torch.stack([w.to(torch.float32) for w in ws])
+        H = torch.stack([items[i][2].to(torch.float32) for i in chunk])
+        zp = torch.zeros(scales.shape, dtype=torch.int8, device=scales.device)
+        with torch.no_grad():
+            wq, losses, fallback = quantize_weight(W, H, scales, zp, None, qargs, blocksize=block, percdamp=damp)
+        s = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
+        codes = (wq.to(torch.float32) / s).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)
+        return [(i, U.Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
+                for j, i in enumerate(chunk)]
+
+    negative = observer.startswith("fullrange")
+    out: list = [None] * len(items)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _triton_off(negative), ThreadPoolExecutor(max(1, workers)) as pool:
+            for res in pool.map(run, chunks):
+                for i, r, fb, loss in res:
+                    out[i] = (r, fb, loss)
+    finally:
+        torch.set_num_threads(old)
+    return out

@@ -1,0 +1,393 @@
+"""The layer-sequential pass of a data-aware method, before ``convert`` writes any shard.
+
+Calibration text is embedded once; then, one decoder layer at a time (transformers' own layer
+class, built by ``calibrate.runner.LayerStreamer`` from that layer's tensors only), the method
+quantizes the layer's INT4 weights from the hidden states that reach it, and the hidden states go
+on through the QUANTIZED layer (weights = ``q * scale`` as the engines compute) to the next. Hidden
+states live in ``store.HiddenStore`` (memory up to ``memory_budget``, disk beyond).
+
+Each finished layer's results (``X.weight_packed`` / ``X.weight_scale`` of every INT4 weight of the
+layer) are written atomically to ``OUT/.quantize/layers/LLLL.safetensors`` and recorded with their
+SHA-256 and the layer report in ``OUT/.quantize/job.json``. On ``--resume``, recorded layers are
+replayed (forward only, through the same quantized weights read back), so a kill mid-layer redoes
+that layer only and the result is byte-identical to an uninterrupted run. The shard executor then
+takes these tensors instead of round-to-nearest.
+
+Weights the pass cannot reach are quantized RTN and named in the report: the MTP layer (which
+transformers' decoder stack does not run), INT4 tensors outside the decoder layers, and a weight
+that is not a parameter of transformers' layer class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.output import sha256_file
+from ..errors import QuantizeError
+from ..events import Emit, null_emit
+from . import gptq as G
+from . import units as U
+from .store import Budget, HiddenStore
+
+LAYERS_DIR = "layers"
+HIDDEN_DIR = "hidden"
+
+
+@dataclass
+class Calibration:
+    ids: list[torch.Tensor]
+    source: str
+    sha256: str  # of the token ids: what the resume key holds for the data
+    tokens: int
+    texts_read: int
+    dropped_short: int
+
+
+def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
+    """Tokenize the calibration data and check that transformers can build the layers, before
+    any output is opened: bad data or an unbuildable architecture is one line, nothing written."""
+    from ..calibrate.data import build_samples
+
+    s = build_samples(Path(src), options.data, options.samples, options.seq_len)
+    if len(s.ids) < options.samples:
+        raise QuantizeError(f"--data {s.source}: {len(s.ids)} usable samples ({s.texts_read} texts read, {s.dropped_short} shorter than "
+                            f"2 tokens), fewer than --samples {options.samples}; pass more text or lower --samples to {len(s.ids)}")
+    h = hashlib.sha256()
+    for ids in s.ids:
+        h.update(len(ids).to_bytes(8, "little"))
+        h.update(ids.to(torch.int64).numpy().tobytes())
+    streamer = open_streamer(Path(src))
+    try:
+        _build(streamer, 0)
+    finally:
+        streamer.close()
+    return Calibration(s.ids, s.source, h.hexdigest(), sum(len(i) for i in s.ids), s.texts_read, s.dropped_short)
+
+
+def open_streamer(src: Path):
+    from ..calibrate.runner import LayerStreamer
+
+    try:
+        st = LayerStreamer(src, dtype=torch.float32)
+    except QuantizeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' own failure, as one line
+        raise QuantizeError(f"{src / 'config.json'}: transformers cannot build this architecture's layers "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); use --method rtn") from e
+    if hasattr(st.config, "_experts_implementation"):
+        st.config._experts_implementation = "eager"  # per-expert token routing, differentiable
+    return st
+
+
+def _build(streamer, i: int) -> torch.nn.Module:
+    try:
+        return streamer.layer(i)
+    except QuantizeError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise QuantizeError(f"{streamer.folder}: transformers cannot build decoder layer {i} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:160]}); use --method rtn") from e
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class LayerCache:
+    """Checkpoint module -> the layer file holding its packed codes and scales."""
+
+    files: dict[str, Path] = field(default_factory=dict)
+    methods: dict[str, str] = field(default_factory=dict)  # module -> gptq | autoround | rtn (fallback)
+    report: dict = field(default_factory=dict)
+
+    def has(self, module: str) -> bool:
+        return module in self.files
+
+    def read(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        from safetensors import safe_open
+
+        with safe_open(self.files[module], "pt") as f:
+            return f.get_tensor(f"{module}.weight_packed"), f.get_tensor(f"{module}.weight_scale")
+
+
+class _Context:
+    """Rotary embeddings, positions and the causal mask per sequence length (built once)."""
+
+    def __init__(self, streamer, device: str):
+        self.streamer = streamer
+        self.device = device
+        self._by_len: dict[int, tuple] = {}
+
+    def __call__(self, h: torch.Tensor):
+        n = h.shape[1]
+        if n not in self._by_len:
+            pos, pe, mask = self.streamer._context(h.cpu())
+            mv = lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+            self._by_len[n] = (mv(pos), tuple(mv(t) for t in pe), mv(mask))
+        return self._by_len[n]
+
+
+def call_layer(streamer, ctx: _Context, layer, h: torch.Tensor, topk):
+    """One sample through one layer (transformers' forward, as ``LayerStreamer.run_layer``), with
+    or without autograd (the caller decides): (hidden out, DSA top-k for the next layer)."""
+    pos, pe, mask = ctx(h)
+    kw = {"prev_topk_indices": topk} if streamer.arch.hf.get("topk") else {}
+    out = layer(h.to(ctx.device), attention_mask=mask, position_embeddings=pe, position_ids=pos, past_key_values=None,
+                use_cache=False, **kw)
+    if isinstance(out, tuple):
+        return out[0], (out[1] if len(out) > 1 else None)
+    return out, None
+
+
+def _finite(t: torch.Tensor, i: int, what: str) -> None:
+    if not torch.isfinite(t).all():
+        raise QuantizeError(f"decoder layer {i}: NaN or Inf in the hidden states {what}; the source weights or the "
+                            "calibration text overflow here (check the source with `quantize check`, or use --method rtn)")
+
+
+def _sq(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(sum of squared differences, sum of squares of b): per-token sums, then in token order
+    (a fixed reduction order: the same figures for any thread count)."""
+    d = (a.float() - b.float()).pow(2).sum(-1).double().reshape(-1)
+    r = b.float().pow(2).sum(-1).double().reshape(-1)
+    return float(d.sum()), float(r.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+class Pass:
+    def __init__(self, plan, src: Path, output, calib: Calibration, options, workers: int, device: str,
+                 memory_budget: int, emit: Emit):
+        self.plan, self.src, self.o, self.calib, self.opt = plan, Path(src), output, calib, options
+        self.workers, self.device, self.emit = max(1, workers), device, emit
+        self.dir = output.path / ".quantize" / LAYERS_DIR
+        self.spill = output.path / ".quantize" / HIDDEN_DIR
+        self.budget = Budget(memory_budget)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _valid(self, key: str) -> bool:
+        rec = self.o.record.get("layers", {}).get(key)
+        if not rec:
+            return False
+        if rec.get("file") is None:
+            return True
+        p = self.dir / rec["file"]
+        return p.is_file() and p.stat().st_size == rec["bytes"] and sha256_file(p) == rec["sha256"]
+
+    def _write(self, i: int, tensors: dict[str, torch.Tensor], report: dict, modules: dict[str, str]) -> None:
+        from safetensors.torch import save_file
+
+        key = f"{i:04d}"
+        entry = {"file": None, "report": report, "modules": modules}
+        if tensors:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            name = f"{key}.safetensors"
+            path, tmp = self.dir / name, self.dir / f"{name}.partial"
+            save_file(tensors, str(tmp), metadata={"format": "pt", "layer": str(i), "method": self.opt.method})
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            entry.update(file=name, sha256=sha256_file(path), bytes=path.stat().st_size)
+        self.o.record.setdefault("layers", {})[key] = entry
+        self.o.save()
+
+    # -- the pass ------------------------------------------------------------------------------
+    def run(self) -> LayerCache:
+        streamer = open_streamer(self.src)
+        old_threads = torch.get_num_threads()
+        torch.set_num_threads(self.workers)
+        try:
+            return self._run(streamer)
+        finally:
+            torch.set_num_threads(old_threads)
+            streamer.close()
+            shutil.rmtree(self.spill, ignore_errors=True)
+
+    def _run(self, streamer) -> LayerCache:
+        n_layers = streamer.num_layers
+        prefixes = [streamer._layer_prefix(i) for i in range(n_layers)]
+        int4_jobs = [j for j in self.plan.jobs if j.kind == "int4"]
+        jobs_by_layer = [[j for j in int4_jobs if j.name.startswith(p)] for p in prefixes]
+        inside = {id(j) for js in jobs_by_layer for j in js}
+        outside = [{"name": j.module, "reason": "outside the decoder layers transformers runs (MTP layer or no layer)"}
+                   for j in int4_jobs if id(j) not in inside]
+        keys = [f"{i:04d}" for i in range(n_layers)]
+        stale = self.o.record.get("layers", {})
+        for k in [k for k in stale if k not in keys or not self._valid(k)]:
+            del stale[k]  # redone below
+        first = next((i for i, k in enumerate(keys) if k not in stale), n_layers)
+        t0 = time.time()
+        if first < n_layers:
+            shutil.rmtree(self.spill, ignore_errors=True)
+            self._stream(streamer, jobs_by_layer, first)
+        cache = LayerCache()
+        layers = []
+        for k in keys:
+            rec = self.o.record["layers"][k]
+            layers.append(rec["report"])
+            for module, how in rec["modules"].items():
+                cache.files[module] = self.dir / rec["file"]
+                cache.methods[module] = how
+        cache.report = self._summary(layers, outside, time.time() - t0)
+        return cache
+
+    def _stream(self, streamer, jobs_by_layer, first: int) -> None:
+        ctx = _Context(streamer, self.device)
+        hidden = HiddenStore(self.budget, self.spill, "in")
+        with torch.no_grad():
+            for ids in self.calib.ids:
+                hidden.append(streamer.embed(ids.unsqueeze(0)).to(torch.float32))
+        topk: list = [None] * len(hidden)
+        for i, jobs in enumerate(jobs_by_layer):
+            t = time.time()
+            layer = _build(streamer, i).to(self.device)
+            units, rtn = U.layer_units(layer, streamer._layer_prefix(i), jobs)
+            key = f"{i:04d}"
+            if i < first:  # recorded: replay through the same quantized weights
+                rec = self.o.record["layers"][key]
+                if rec["file"] is not None:
+                    from safetensors.torch import load_file
+
+                    tensors = load_file(str(self.dir / rec["file"]))
+                    for u in units:
+                        U.install(layer, u, U.dequant(U.join(u, tensors, U.param(layer, u).shape[1])).to(self.device))
+                out, topk = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer (replayed)")
+                self.emit({"event": "layer", "layer": i, "of": len(jobs_by_layer), "replayed": True})
+            else:
+                out, topk = self._layer(streamer, ctx, layer, i, units, rtn, hidden, topk, t)
+            hidden.clear()
+            hidden = out
+            del layer
+        hidden.clear()
+
+    def _forward(self, streamer, ctx, layer, hidden: HiddenStore, topk: list, i: int, what: str,
+                 keep: bool = True, ref: HiddenStore | None = None):
+        """Every sample through ``layer``: (outputs store or None, top-k, (sq err, sq ref) vs ``ref``)."""
+        out = HiddenStore(self.budget, self.spill, f"l{i}") if keep else None
+        new_topk, err, tot = [], 0.0, 0.0
+        with torch.no_grad():
+            for s, (h, tk) in enumerate(zip(hidden, topk)):
+                o, t2 = call_layer(streamer, ctx, layer, h, tk)
+                _finite(o, i, what)
+                if ref is not None:
+                    e, r = _sq(o, ref[s].to(o.device))
+                    err, tot = err + e, tot + r
+                if out is not None:
+                    out.append(o)
+                new_topk.append(t2)
+        if ref is not None:
+            return out, new_topk, (err, tot)
+        return out, new_topk
+
+    def _layer(self, streamer, ctx, layer, i, units, rtn_named, hidden, topk, t0):
+        opt = self.opt
+        report: dict = {"layer": i, "method": opt.method, "units": len(units), "samples": len(hidden)}
+        fallbacks = [{"name": n, "reason": r} for n, r in rtn_named]
+        if not units:  # nothing INT4 here (e.g. a dense layer under --profile experts): carry through
+            out, topk = self._forward(streamer, ctx, layer, hidden, topk, i, "after the layer")
+            report.update(fallbacks=fallbacks, seconds=round(time.time() - t0, 3))
+            self._write(i, {}, report, {})
+            self.emit({"event": "layer", "layer": i, "units": 0})
+            return out, topk
+        originals = {u.key: U.param(layer, u).detach().clone() for u in units}
+        if opt.method == "gptq":
+            hooks = G.Hessians(layer, units, opt.all_experts)
+            try:
+                fp_out, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer")
+            finally:
+                hooks.remove()
+            routed = hooks.routed
+            results = self._gptq(units, originals, hooks, fallbacks)
+        else:
+            from . import autoround as A
+
+            counter = A.RouteCounter(layer, units)
+            try:
+                fp_out, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer")
+            finally:
+                counter.remove()
+            routed = counter.routed
+            results, train = A.tune(streamer, ctx, layer, units, originals, hidden, topk, fp_out, routed, opt, i, fallbacks,
+                                    self.device)
+            report["train"] = train
+        # the loss before (RTN on the same grid) and after, on every sample, through the real
+        # quantized layer (q * scale in the scale dtype)
+        rtn = {u.key: U.rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in units}
+        for u in units:
+            U.install(layer, u, U.dequant(rtn[u.key]).to(self.device))
+        _, _, (e_rtn, tot) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the RTN layer", keep=False, ref=fp_out)
+        for u in units:
+            U.install(layer, u, U.dequant(results[u.key]).to(self.device))
+        out, new_topk, (e_q, _) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer", ref=fp_out)
+        fp_out.clear()
+        numel = hidden.numel
+        tensors, modules = {}, {}
+        for u in units:
+            tensors.update(U.split(u, results[u.key]))
+            for name, _, _ in u.names:
+                modules[name] = results[u.key].how
+        counts = sorted(routed.values())
+        per_module: dict[str, list[int]] = {}
+        for (path, e), c in sorted(routed.items()):
+            per_module.setdefault(path, []).append(c)
+        report.update(
+            tokens_per_expert={"experts": len(counts), "min": counts[0], "median": statistics.median(counts), "max": counts[-1],
+                               "counts": per_module} if counts else None,
+            fallbacks=fallbacks,
+            loss_rtn=e_rtn / numel, loss=e_q / numel,
+            rel_err_rtn=(e_rtn / tot) ** 0.5 if tot else 0.0, rel_err=(e_q / tot) ** 0.5 if tot else 0.0,
+            seconds=round(time.time() - t0, 3),
+        )
+        self._write(i, tensors, report, modules)
+        self.emit({"event": "layer", "layer": i, "method": opt.method, "units": len(units), "loss_rtn": report["loss_rtn"],
+                   "loss": report["loss"], "fallbacks": len(fallbacks), "seconds": report["seconds"]})
+        for f in fallbacks:
+            self.emit({"event": "warning", "message": f"layer {i}: {f['name']} quantized RTN ({f['reason']})"})
+        return out, new_topk
+
+    def _gptq(self, units, originals, hooks: G.Hessians, fallbacks: list) -> dict[str, U.Result]:
+        opt = self.opt
+        results: dict[str, U.Result] = {}
+        items = []
+        for u in units:
+            n = hooks.tokens.get(u.key, 0)
+            h = hooks.normalized(u.key)
+            if u.expert is not None and n < opt.min_expert_tokens or h is None:
+                results[u.key] = U.rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype)
+                for name, _, _ in u.names:
+                    fallbacks.append({"name": name, "reason": f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"})
+                continue
+            items.append((u, originals[u.key], h))
+        done = G.quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, self.workers)
+        for (u, _, _), (res, failed, _loss) in zip(items, done):
+            if failed:
+                res = U.Result(res.codes, res.scale, "rtn")
+                for name, _, _ in u.names:
+                    fallbacks.append({"name": name, "reason": "Hessian not positive definite after dampening (raise --damp or add samples)"})
+            results[u.key] = res
+        return results
+
+    def _summary(self, layers: list[dict], outside: list[dict], seconds: float) -> dict:
+        o = self.opt
+        return {
+            "method": o.method, "grid": o.observer, "group_size": o.group_size,
+            "data": self.calib.source, "data_sha256": self.calib.sha256, "samples": len(self.calib.ids),
+            "seq_len": o.seq_len, "tokens": self.calib.tokens,
+            **({"damp": o.damp, "block": o.block, "actorder": o.actorder} if o.method == "gptq" else {}),
+            **({"iters": o.iters, "lr": o.lr, "batch_size": o.batch_size} if o.method == "autoround" else {}),
+            "all_experts": o.all_experts, "min_expert_tokens": o.min_expert_tokens,
+            "layers": layers,
+            "rtn": outside + [f for r in layers for f in r.get("fallbacks", [])],
+            "hidden_bytes_peak_in_memory": self.budget.peak, "hidden_bytes_spilled": self.budget.spilled,
+            "seconds_this_run": round(seconds, 3),
+        }
+
+
+def run(plan, src, output, calib: Calibration, options, workers: int = 1, device: str = "cpu",
+        memory_budget: int = 4 << 30, emit: Emit = null_emit) -> LayerCache:
+    return Pass(plan, src, output, calib, options, workers, device, memory_budget, emit).run()
