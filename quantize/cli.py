@@ -274,10 +274,40 @@ def eval_cmd(
     save_baseline: Optional[Path] = typer.Option(None, help="--kld: save the baseline's log-probs (fp16 safetensors) for reuse"),
     baseline_logits: Optional[Path] = typer.Option(None, help="--kld: reuse a --save-baseline file instead of running the baseline"),
     out: Optional[Path] = typer.Option(None, help="write the report JSON here"),
+    pd_prefill: Optional[Path] = typer.Option(None, "--pd-prefill", help="prefill/decode fidelity instead: the prompt's KV cache from this "
+                                              "prefill model, stored as the decode pool stores it, decoded by --candidate; KLD/top-1 "
+                                              "against --baseline (the source) alone, beside the candidate alone"),
+    prompt_tokens: int = typer.Option(256, help="--pd-prefill: prompt tokens the prefill model caches"),
+    decode_tokens: int = typer.Option(64, help="--pd-prefill: tokens the decode model scores from that cache"),
+    kv_cache_dtype: str = typer.Option("fp8_e4m3", help="--pd-prefill: how the decode pool stores the cache (fp8_e4m3 or bf16)"),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Baseline against candidate: lm-eval tasks on the same items with paired CIs and a gate (exit 1
-    on failure), or --kld: KL divergence, top-1 agreement, perplexity."""
+    on failure), or --kld: KL divergence, top-1 agreement, perplexity, or --pd-prefill: the
+    prefill/decode pair as deployed."""
+    if pd_prefill:
+        from .evaluate.pd import pd_fidelity
+
+        if baseline is None:
+            typer.echo("error: --pd-prefill needs --baseline (the source model the pair is compared with)", err=True)
+            raise typer.Exit(2)
+        prep = _run(pd_fidelity, pd_prefill, candidate, baseline, text=text, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+                    kv_cache_dtype=kv_cache_dtype, device=device, out=out)
+        if json_out:
+            typer.echo(json.dumps(prep.to_dict(), indent=1))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"prefill {pd_prefill} -> decode {candidate}, against {baseline} alone: {prompt_tokens} prompt + "
+                        f"{decode_tokens} decoded tokens, cache {kv_cache_dtype} ({prep.layout})")
+        for c in ("", "KLD mean", "KLD p99", "KLD max", "same top-1"):
+            t.add_column(c)
+        for r in prep.rows:
+            t.add_row(r.name, f"{r.kld_mean:.5f}", f"{r.kld_p99:.4f}", f"{r.kld_max:.4f}", f"{r.top1_agreement:.2%}")
+        Console().print(t)
+        typer.echo(f"stored: {prep.stored}")
+        return
     if kld:
         from .evaluate.kld import kld as run_kld
 

@@ -1,0 +1,148 @@
+"""Prefill/decode pairs: the fidelity check (the prefill model's cache, stored as the decode pool
+stores it, decoded by the decode model) and the prefill artifact (card + SGLang PD launch lines
+pointing at the source, no weights)."""
+
+import json
+import shlex
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from quantize.cli import app
+from quantize.convert import convert
+from quantize.errors import QuantizeError
+from quantize.evaluate import pd
+from quantize.evaluate.kld import _load
+from quantize.evaluate.pd import DECODE_ALONE, PAIR, pd_fidelity, write_prefill
+
+SOURCE_FP8 = "source, its cache stored as the decode pool does"
+
+
+@pytest.fixture(scope="module")
+def dsv3(tiny, tmp_path_factory):
+    """A tiny DeepSeek-V3 BF16 source and its INT4 (routed experts) conversion."""
+    src = tiny("deepseek_v3", fp8_source=False)
+    out = tmp_path_factory.mktemp("pd") / "dsv3-int4"
+    convert(src, out)
+    return src, out
+
+
+def test_mla_pair_reads_the_prefill_cache_stored_e4m3(dsv3, tiny):
+    src, dec = dsv3
+    rep = pd_fidelity(src, dec, src, prompt_tokens=48, decode_tokens=24)
+    assert rep.layout == "mla-latent" and "unit scale" in rep.stored
+    rows = {r.name: r for r in rep.rows}
+    assert set(rows) == {PAIR, DECODE_ALONE, "decode model alone, BF16 cache", SOURCE_FP8}
+    assert 0 < rows[PAIR].kld_mean < 0.05 and 0 < rows[DECODE_ALONE].kld_mean < 0.05
+    assert 0 <= rows[SOURCE_FP8].kld_mean < rows[PAIR].kld_mean * 5
+
+    # the decode model really reads what the prefill side cached: a prefill model with other
+    # weights (another seed) wrecks the pair, while the decode model alone is unaffected
+    other = tiny("deepseek_v3", fp8_source=False, seed=1)
+    bad = pd_fidelity(other, dec, src, prompt_tokens=48, decode_tokens=24)
+    assert bad.row(PAIR).kld_mean > 10 * rows[PAIR].kld_mean
+    assert bad.row(DECODE_ALONE).kld_mean == pytest.approx(rows[DECODE_ALONE].kld_mean)
+
+    # with a BF16 cache and the source on both sides only BF16 rounding of the cache is left
+    same = pd_fidelity(src, src, src, prompt_tokens=48, decode_tokens=24, kv_cache_dtype="bf16")
+    assert same.row(PAIR).kld_mean < 1e-4 and same.row(PAIR).top1_agreement > 0.9
+
+
+def test_mla_stored_cache_is_e4m3_latent_expanded_by_the_decode_model(dsv3):
+    src, dec = dsv3
+    ms, md = _load(src, torch.float32), _load(dec, torch.float32)
+    ids = torch.arange(5, 37).unsqueeze(0)
+    with torch.no_grad():
+        cache = ms(input_ids=ids, use_cache=True).past_key_values
+    stored, layout = pd.stored_cache(ms, md, cache, None, "fp8_e4m3")
+    assert layout == "mla-latent"
+    rank = ms.config.kv_lora_rank
+    for orig, layer in zip(cache.layers, stored.layers):
+        assert layer.keys.shape[-1] == rank and layer.values.shape[-1] == ms.config.qk_rope_head_dim
+        for a, b in ((orig.keys, layer.keys), (orig.values, layer.values)):
+            as_fp8 = b.to(torch.float8_e4m3fn).float()
+            assert torch.equal(as_fp8, b)  # every stored value is an e4m3 number (unit scale)
+            assert not torch.equal(a, b) and torch.allclose(a, b, rtol=0.07, atol=2 ** -9)
+    assert not torch.equal(cache.layers[0].keys, stored.layers[0].keys)  # the prefill's cache itself is untouched
+
+
+def test_dsa_pair_on_glm(tiny, tmp_path):
+    src = tiny("glm_moe_dsa")
+    dec = tmp_path / "glm-int4"
+    convert(src, dec)
+    rep = pd_fidelity(src, dec, src, prompt_tokens=40, decode_tokens=16)
+    assert rep.layout == "mla-expanded" and "656 B/token/layer" in rep.stored
+    assert 0 < rep.row(PAIR).kld_mean < 0.1 and 0 < rep.row(SOURCE_FP8).kld_mean
+    # the latent taken from the prefill model, re-expanded by the decode side, reproduces the
+    # source when nothing is rounded but BF16
+    same = pd_fidelity(src, src, src, prompt_tokens=40, decode_tokens=16, kv_cache_dtype="bf16")
+    assert same.row(PAIR).kld_mean < 1e-3 < rep.row(SOURCE_FP8).kld_mean
+
+
+def test_gqa_smollm2_pair(smollm2, tmp_path):
+    dec = tmp_path / "smol-int4"
+    convert(smollm2, dec, profile="all-linear", group_size=32)
+    rep = pd_fidelity(smollm2, dec, smollm2, prompt_tokens=96, decode_tokens=32, out=tmp_path / "pd.json")
+    assert rep.layout == "gqa"
+    pair, alone, fp8 = rep.row(PAIR), rep.row(DECODE_ALONE), rep.row(SOURCE_FP8)
+    # a real model: the prefill side is the exact source, so the pair is no worse than the INT4
+    # model alone by more than noise, and the FP8 cache alone costs far less than INT4 weights
+    assert 0 < pair.kld_mean < 0.5 and pair.kld_mean < alone.kld_mean * 1.25
+    assert fp8.kld_mean < pair.kld_mean and fp8.top1_agreement >= 0.9
+    assert json.loads((tmp_path / "pd.json").read_text())["rows"][0]["name"] == PAIR
+
+
+def test_eval_cli_pd_option(dsv3, tmp_path):
+    src, dec = dsv3
+    res = CliRunner().invoke(app, ["eval", "--pd-prefill", str(src), "--candidate", str(dec), "--baseline", str(src),
+                                   "--prompt-tokens", "24", "--decode-tokens", "8", "--out", str(tmp_path / "pd.json"), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "pd.json").read_text())
+    assert rep["decode_tokens"] == 8 and [r["name"] for r in rep["rows"]][:2] == [PAIR, DECODE_ALONE]
+    short = CliRunner().invoke(app, ["eval", "--pd-prefill", str(src), "--candidate", str(dec), "--baseline", str(src),
+                                     "--prompt-tokens", "100000"])
+    assert short.exit_code == 2 and "fewer than prompt 100000" in short.output
+    nobase = CliRunner().invoke(app, ["eval", "--pd-prefill", str(src), "--candidate", str(dec)])
+    assert nobase.exit_code == 2 and "--baseline" in nobase.output
+
+
+def test_bad_pd_input_one_line(dsv3, tmp_path):
+    src, dec = dsv3
+    with pytest.raises(QuantizeError, match="kv-cache-dtype fp8_e5m2"):
+        pd_fidelity(src, dec, src, kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(QuantizeError, match="no config.json; pass the prefill model's folder"):
+        pd_fidelity(tmp_path, dec, src)
+
+
+def test_prefill_artifact_points_at_the_source_revision(dsv3, tmp_path):
+    import shutil
+
+    src, dec = dsv3
+    snap = tmp_path / "hub" / "models--deepseek-ai--DeepSeek-V3" / "snapshots" / "0123abcd"
+    shutil.copytree(src, snap, ignore=shutil.ignore_patterns(".quantize"))
+    rep = pd_fidelity(src, dec, src, prompt_tokens=24, decode_tokens=8, out=tmp_path / "pd.json")
+    rec = write_prefill(snap, dec, tmp_path / "prefill", repo="org/DeepSeek-V3-W4A16", pd_report=tmp_path / "pd.json", prefill_tp=8,
+                        decode_tp=4, transfer_backend="nixl")
+    files = sorted(p.name for p in (tmp_path / "prefill").iterdir() if p.is_file())
+    assert files == ["README.md", "launch.sh", "prefill.json", "quantize_manifest.json"]  # no weights
+    assert rec["source"] == "deepseek-ai/DeepSeek-V3" and rec["revision"] == "0123abcd"
+    p, d, r = rec["launch"]["prefill"], rec["launch"]["decode"], rec["launch"]["router"]
+    assert p[p.index("--model-path") + 1] == "deepseek-ai/DeepSeek-V3" and p[p.index("--revision") + 1] == "0123abcd"
+    assert p[p.index("--disaggregation-mode") + 1] == "prefill" and d[d.index("--disaggregation-mode") + 1] == "decode"
+    assert d[d.index("--model-path") + 1] == "org/DeepSeek-V3-W4A16" and d[d.index("--tp") + 1] == "4"
+    for args in (p, d):  # the same cache dtype on both pools, as SGLang's decode side requires
+        assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and args[args.index("--disaggregation-transfer-backend") + 1] == "nixl"
+        assert args[args.index("--disaggregation-bootstrap-port") + 1] == "8998"
+    assert r[:4] == ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"] and "--prefill" in r and "--decode" in r
+    card = (tmp_path / "prefill" / "README.md").read_text()
+    assert "base_model: deepseek-ai/DeepSeek-V3" in card and "no weights" in card
+    assert "sglang/srt/disaggregation/common/conn.py" in card and "sglang/srt/arg_groups/fields/disagg.py" in card
+    assert f"{rep.row(PAIR).kld_mean:.5f}" in card and shlex.join(p) in card
+    assert (tmp_path / "prefill" / "launch.sh").read_text().count("python -m") == 3
+    with pytest.raises(QuantizeError, match="already exists"):
+        write_prefill(snap, dec, tmp_path / "prefill")
+    # a plain folder: the launch line names the folder, and no revision is invented
+    rec = write_prefill(src, dec, tmp_path / "prefill2")
+    assert rec["source"] == str(src.resolve()) and rec["revision"] is None and "--revision" not in rec["launch"]["prefill"]
+    assert "no Hub revision recorded" in (tmp_path / "prefill2" / "README.md").read_text()
