@@ -193,6 +193,13 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
         raise QuantizeError(f"{path}: pipeline.eval.if_no_data {opts['eval']['if_no_data']!r}: use fail or skip")
     if opts["pd"]["transfer_backend"] not in TRANSFER_BACKENDS:
         raise _unknown(path, "pipeline.pd.transfer_backend: ", opts["pd"]["transfer_backend"], TRANSFER_BACKENDS, "SGLang transfer backend")
+    if opts["pd"]["kv_cache_dtype"] not in ("fp8_e4m3", "bf16"):
+        raise QuantizeError(f"{path}: pipeline.pd.kv_cache_dtype {opts['pd']['kv_cache_dtype']!r}: use fp8_e4m3 (the decode pool's FP8 "
+                            "cache; SGLang requires the same on the prefill pool) or bf16")
+    if opts["kv"]["fold"] and {"pd-eval", "prefill"} & set(stages):
+        raise QuantizeError(f"{path}: pipeline.kv.fold with the {'/'.join(s for s in ('pd-eval', 'prefill') if s in stages)} stage: fold "
+                            "rescales the cached MLA latent, and the prefill pool (the unfolded source) writes that cache, so a folded "
+                            "decode model would read it at the wrong scale; drop fold (the report still says whether unit scale is safe)")
     if "push" in stages and not opts["repo"]:
         raise QuantizeError(f"{path}: pipeline.repo is missing and the stages include push; name the Hub repo (namespace/name) or drop push")
     if opts["shard"]["tp"] < 1:
@@ -294,7 +301,7 @@ def _opts_eval(p: Pipeline) -> dict:
 
 def _opts_pd(p: Pipeline) -> dict:
     pd = p.opts["pd"]
-    return {k: pd[k] for k in ("text", "prompt_tokens", "decode_tokens", "device")} | {"text_id": _data_identity(pd["text"])}
+    return {k: pd[k] for k in ("text", "prompt_tokens", "decode_tokens", "device", "kv_cache_dtype")} | {"text_id": _data_identity(pd["text"])}
 
 
 def _opts_prefill(p: Pipeline) -> dict:
@@ -431,7 +438,7 @@ def _run_pd_eval(ctx: Ctx, resume: bool) -> dict:
     (p.out / "reports").mkdir(exist_ok=True)
     out = p.out / "reports" / "pd.json"
     rep = pd.pd_fidelity(ctx.path("source"), ctx.path("model"), ctx.path("source"), text=o["text"], prompt_tokens=o["prompt_tokens"],
-                         decode_tokens=o["decode_tokens"], device=o["device"], out=out)
+                         decode_tokens=o["decode_tokens"], kv_cache_dtype=o["kv_cache_dtype"], device=o["device"], out=out)
     return {"outputs": {"pd_report": {"path": "reports/pd.json", "id": _file_identity(out)}}, "summary": rep.line(),
             "result": rep.to_dict()}
 

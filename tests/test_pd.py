@@ -146,3 +146,57 @@ def test_prefill_artifact_points_at_the_source_revision(dsv3, tmp_path):
     rec = write_prefill(src, dec, tmp_path / "prefill2")
     assert rec["source"] == str(src.resolve()) and rec["revision"] is None and "--revision" not in rec["launch"]["prefill"]
     assert "no Hub revision recorded" in (tmp_path / "prefill2" / "README.md").read_text()
+
+
+def test_folded_decode_model_behind_an_unfolded_prefill_is_caught(dsv3, tmp_path):
+    """fold rescales the cached MLA latent; an unfolded prefill pool writes it: the pair breaks,
+    the folded model alone is fine, and the check says so."""
+    from quantize.calibrate.kv import calibrate_kv
+
+    src, dec = dsv3
+    res = calibrate_kv(dec, tmp_path / "fold", samples=4, seq_len=64, fold=True)
+    assert any((f["latent"], f["rope"]) != (1.0, 1.0) for f in res.fold)
+    rep = pd_fidelity(src, tmp_path / "fold", src, prompt_tokens=32, decode_tokens=16)
+    assert rep.row(PAIR).kld_mean > 10 * rep.row(DECODE_ALONE).kld_mean
+
+
+@pytest.mark.parametrize("name", ["glm-5.2-pd.yaml", "kimi-k2.6-pd.yaml"])
+def test_pd_recipes_parse(name):
+    from pathlib import Path
+
+    from quantize.pipeline import load_pipeline
+
+    p = load_pipeline(Path(__file__).resolve().parents[1] / "recipes" / name)
+    assert {"pd-eval", "prefill", "push"} <= set(p.stages) and p.opts["pd"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert p.opts["kv"]["fold"] is False and p.opts["push"]["dry_run"] is True
+
+
+def test_pd_recipe_yields_decode_and_prefill_artifacts(tmp_path):
+    from pathlib import Path
+
+    import yaml
+
+    from quantize import pipeline
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "glm-5.2-pd.yaml").read_text())
+    doc["pipeline"].update(source="tiny:glm_moe_dsa", out=str(tmp_path / "run"), stages=["convert", "pd-eval", "card", "prefill", "push"])
+    doc["pipeline"]["pd"].update(prompt_tokens=32, decode_tokens=8, device="cpu", decode_tp=2)
+    r = tmp_path / "pd.yaml"
+    r.write_text(yaml.safe_dump(doc))
+    res = pipeline.run(str(r))
+    assert [s.state for s in res.stages] == ["done"] * 6
+    out = tmp_path / "run"
+    rep = json.loads((out / "reports" / "pd.json").read_text())
+    assert rep["layout"] == "mla-expanded" and rep["rows"][0]["name"] == PAIR
+    rec = json.loads((out / "prefill" / "prefill.json").read_text())
+    assert rec["source"] == "zai-org/GLM-5.2-FP8" and rec["fidelity"]["rows"][0]["kld_mean"] == rep["rows"][0]["kld_mean"]
+    assert not list((out / "prefill").glob("*.safetensors"))
+    d = rec["launch"]["decode"]
+    assert d[d.index("--model-path") + 1] == "my-org/GLM-5.2-W4A16" and d[d.index("--tp") + 1] == "2"
+    assert "launch_server" in (out / "model" / "README.md").read_text()  # the decode artifact's own card
+
+    bad = dict(doc)
+    bad["pipeline"] = {**doc["pipeline"], "kv": {"fold": True}}
+    r.write_text(yaml.safe_dump(bad))
+    with pytest.raises(QuantizeError, match="kv.fold with the pd-eval/prefill stage"):
+        pipeline.run(str(r), plan=True)
