@@ -17,7 +17,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -91,8 +91,11 @@ def _read(folder: Path, ref: TensorRef, fds: dict, slot: str) -> torch.Tensor:
 
 
 def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, device: str = "cpu", cache=None) -> tuple[list[torch.Tensor], dict | None]:
-    if job.kind == "int4" and cache is not None and cache.has(job.module):
-        return _cached_job(job, folder, options, fds, cache)
+    if job.kind == "int4" and cache is not None:
+        if cache.has(job.module):
+            return _cached_job(job, folder, options, fds, cache)
+        tensors, stats = compute_job(job, folder, options, fds, device)  # out of the method's reach: RTN, named in its report
+        return tensors, {**stats, "method": "rtn"}
     w = _read(folder, job.src, fds, "w")
     s = _read(folder, job.scale, fds, "s").clone() if job.scale is not None else None
     if device != "cpu":  # the torch reference path, on the GPU; same bits as on the CPU
@@ -172,7 +175,7 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
         max_err = max(max_err, float(diff.abs().max()) if diff.numel() else 0.0)
         sq_rtn += int4.quantize_pack(wr, options.group_size, options.observer, scale.dtype).sq_err
     stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0, "max_abs_err": max_err,
-             "method": cache.methods.get(job.module, options.method),
+             "method": cache.methods.get(job.module, options.method_name),
              "rel_err_rtn": (sq_rtn / sq_ref) ** 0.5 if sq_ref else 0.0}
     return [packed, scale, torch.tensor([rows, k], dtype=torch.int64)], stats
 
@@ -190,7 +193,7 @@ def _torch_threads(n: int):
 
 
 def _job_key(plan: Plan, ident: dict) -> dict:
-    return {"options": asdict(plan.options), "plan": plan.fingerprint(), "source": ident}
+    return {"options": plan.options.to_dict(), "plan": plan.fingerprint(), "source": ident}
 
 
 def convert(
@@ -239,7 +242,7 @@ def convert(
     plan = build_plan(src, options, ct_check=False)
     options = plan.options  # a recipe may have set group size / observer / method
     calib = None
-    if options.method != "rtn":
+    if options.method_name != "rtn":
         from . import methods
 
         calib = methods.prepare(src, options, emit)  # bad data / unbuildable layers: one line, nothing written
@@ -416,7 +419,7 @@ def _finish(plan: Plan, src: Path, o: Output, sides: list[Path], ident: dict, t0
         "kind": "convert",
         "tool": tool_versions(),
         "source": {"path": str(src.resolve()), "revision": hub_revision(src), "files": ident, "format": plan.source_format},
-        "options": asdict(plan.options),
+        "options": plan.options.to_dict(),
         "kernels": kernels,
         "plan": plan.summary(),
         "dropped_source_tensors": plan.dropped,

@@ -57,8 +57,10 @@ def _flag(name: str) -> str:
 @dataclass(frozen=True)
 class ConvertOptions:
     """None: not given by the user. ``resolve`` fills it from the recipe or the defaults (group 32,
-    profile experts, observer minmax, method rtn); a built plan's options are never None where
-    they apply (a data-aware option stays None under a method that does not use it)."""
+    profile experts, observer minmax); a built plan's options are never None where they apply.
+    ``method`` None is round-to-nearest (``--method rtn`` resolves to None too, so an RTN run's
+    options, resume key and manifest are what they were before data-aware methods existed); a
+    data-aware option stays None under a method that does not use it."""
 
     group_size: int | None = None
     profile: str | None = None
@@ -105,13 +107,26 @@ class ConvertOptions:
         if self.data is not None and not str(self.data).strip():
             raise QuantizeError("--data '': empty; pass a .jsonl/.txt/.parquet file or folder, or hf:NAME")
 
+    @property
+    def method_name(self) -> str:
+        return self.method or DEFAULT_METHOD
+
+    def to_dict(self) -> dict:
+        """What the manifest, the plan summary and the resume key record: the data-aware fields only
+        where a data-aware method runs."""
+        d = asdict(self)
+        if self.method_name == DEFAULT_METHOD:
+            for k in ["method", *METHOD_OPTIONS]:
+                d.pop(k, None)
+        return d
+
     def check_method_options(self) -> None:
         """After ``resolve``: an option of a method that does not run is refused, not ignored."""
         for name, methods in METHOD_OPTIONS.items():
             v = getattr(self, name)
-            if v not in (None, False) and self.method not in methods:
+            if v not in (None, False) and self.method_name not in methods:
                 need = " or ".join(f"--method {m}" for m in methods)
-                raise QuantizeError(f"{_flag(name)} is an option of {need}, but the method is {self.method}; add {need} or drop {_flag(name)}")
+                raise QuantizeError(f"{_flag(name)} is an option of {need}, but the method is {self.method_name}; add {need} or drop {_flag(name)}")
 
     def _method_defaults(self) -> "ConvertOptions":
         m = self.method
@@ -130,7 +145,7 @@ class ConvertOptions:
             method = self.method or DEFAULT_METHOD
             out = replace(self, group_size=self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZE,
                           profile=self.profile or DEFAULT_PROFILE, observer=self.observer or default_observer(method),
-                          method=method)
+                          method=None if method == DEFAULT_METHOD else method)
             out.check_method_options()
             return out._method_defaults()
         if self.group_size is not None and self.group_size != recipe.group_size:
@@ -148,7 +163,8 @@ class ConvertOptions:
                 key = {"damp": "dampening_frac", "block": "block_size"}[name]
                 raise QuantizeError(f"{_flag(name)} {mine} conflicts with {key} {theirs} in {recipe.path}; drop the flag or edit the recipe")
         out = replace(self, group_size=recipe.group_size, profile=DEFAULT_PROFILE,
-                      observer=self.observer or recipe.observer or DEFAULT_OBSERVER, method=rmethod,
+                      observer=self.observer or recipe.observer or DEFAULT_OBSERVER,
+                      method=None if rmethod == DEFAULT_METHOD else rmethod,
                       damp=self.damp if self.damp is not None else recipe.damp,
                       block=self.block if self.block is not None else recipe.block,
                       actorder=self.actorder or recipe.actorder)
@@ -236,7 +252,7 @@ class Plan:
     def fingerprint(self) -> str:
         """Hash of everything that determines the output bytes."""
         h = hashlib.sha256()
-        h.update(json.dumps(asdict(self.options), sort_keys=True).encode())
+        h.update(json.dumps(self.options.to_dict(), sort_keys=True).encode())
         h.update(json.dumps(self.config_view, sort_keys=True).encode())  # the config is a function of it and the options
         for s in self.shards:
             h.update(s.file.encode())
@@ -256,7 +272,7 @@ class Plan:
             "source": self.source,
             "architecture": self.arch.name,
             "source_format": self.source_format,
-            "options": asdict(self.options),
+            "options": self.options.to_dict(),
             "tensors": len(self.jobs),
             "jobs": dict(kinds),
             "roles": {r: dict(c) for r, c in sorted(roles.items())},

@@ -140,3 +140,225 @@ def test_gptq_codes_are_llm_compressors_update(llama, tmp_path, monkeypatch):
         torch.set_num_threads(old)
     assert matched == set(ours) and len(matched) == 14
     assert G.CHUNK < 16  # llm-compressor switches to batched Cholesky at 16
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE: each routed expert sees exactly the tokens the router sends it
+
+@pytest.fixture(scope="module")
+def dsv3(tiny):
+    return tiny("deepseek_v3", fp8_source=False)
+
+
+def _spy_gptq(monkeypatch):
+    from quantize.methods import gptq as G
+
+    seen = []
+    real = G.quantize
+
+    def spy(items, *a, **kw):
+        seen.append({u.key: h.clone() for u, _, h in items})
+        return real(items, *a, **kw)
+
+    monkeypatch.setattr(G, "quantize", spy)
+    return seen
+
+
+def _reference_expert_inputs(src, ids_list, layer):
+    """Per sample, the experts' input and the router's top-k at ``layer`` of the whole model
+    (transformers' DeepseekV3ForCausalLM, fp32), by hooks on that model."""
+    import transformers
+
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    got = []
+    h = model.model.layers[layer].mlp.experts.register_forward_pre_hook(lambda m, a: got.append((a[0].clone(), a[1].clone())))
+    with torch.no_grad():
+        for ids in ids_list:
+            model(input_ids=ids.unsqueeze(0))
+    h.remove()
+    return got, model.model.layers[layer].mlp.experts
+
+
+def test_experts_hessians_from_routed_tokens_only(dsv3, tmp_path, monkeypatch):
+    """Layer 1 is the first MoE layer (layer 0 is dense and stays BF16 under --profile experts), so
+    its inputs are the source model's: every expert's gate/up Hessian must be 2 X_e^T X_e / n_e
+    over exactly the tokens transformers' router sends expert e, and the down Hessian the same
+    over act(gate) * up of those tokens; the report's token counts are the router's."""
+    from quantize.calibrate.data import build_samples
+
+    seen = _spy_gptq(monkeypatch)
+    out = tmp_path / "o"
+    convert(dsv3, out, method="gptq", min_expert_tokens=0, **CAL)
+    ids = build_samples(dsv3, None, 4, 64).ids
+    ref, experts = _reference_expert_inputs(dsv3, ids, 1)
+    layer1 = seen[0]  # layer 0 has no INT4 weight, so the first call is layer 1's
+    counts = [0] * 8
+    for e in range(8):
+        xs = [x[(idx == e).any(-1)] for x, idx in ref]
+        counts[e] = sum(len(x) for x in xs)
+        x = torch.cat(xs)
+        h_gu = 2 * x.T @ x / len(x)
+        g, u = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        a = experts.act_fn(g) * u
+        h_d = 2 * a.T @ a / len(a)
+        assert torch.allclose(layer1[f"mlp.experts.gate_up_proj[{e}]"], h_gu, rtol=1e-4, atol=1e-5), e
+        assert torch.allclose(layer1[f"mlp.experts.down_proj[{e}]"], h_d, rtol=1e-4, atol=1e-5), e
+    # negative control: all tokens give another Hessian
+    x_all = torch.cat([x for x, _ in ref])
+    assert not torch.allclose(layer1["mlp.experts.gate_up_proj[0]"], 2 * x_all.T @ x_all / len(x_all), rtol=1e-2)
+    rep = _manifest(out)["method"]["layers"][1]
+    assert rep["tokens_per_expert"]["counts"] == {"mlp.experts": counts}
+    assert rep["tokens_per_expert"]["min"] == min(counts) and rep["tokens_per_expert"]["max"] == max(counts)
+    assert sum(counts) == 2 * sum(len(i) for i in ids)  # top-2
+
+
+def test_all_experts_feeds_every_token_and_starved_experts_fall_back(dsv3, tmp_path, monkeypatch):
+    seen = _spy_gptq(monkeypatch)
+    # below the threshold every expert falls back to RTN, each named
+    starved = tmp_path / "starved"
+    convert(dsv3, starved, method="gptq", min_expert_tokens=10**6, **CAL)
+    rep = _manifest(starved)["method"]
+    names = {f["name"] for f in rep["rtn"] if "--min-expert-tokens" in f["reason"]}
+    assert len(names) == 2 * 8 * 3  # two MoE layers x 8 experts x gate/up/down
+    rtn = tmp_path / "rtn"
+    convert(dsv3, rtn)
+    a, b = load_dir(starved), load_dir(rtn)
+    assert all(torch.equal(a[k], b[k]) for k in a if ".experts." in k)
+    assert {t["method"] for t in _manifest(starved)["tensors"]} == {"rtn"}
+    # --all-experts: the statistics from every token (above a threshold no routed count reaches)
+    seen.clear()
+    full = tmp_path / "all"
+    convert(dsv3, full, method="gptq", all_experts=True, min_expert_tokens=200, **CAL)
+    rep_all = _manifest(full)["method"]
+    assert [f for f in rep_all["rtn"] if "--min-expert-tokens" in f["reason"]] == []
+    layer1 = seen[0]
+    gu = [layer1[f"mlp.experts.gate_up_proj[{e}]"] for e in range(8)]
+    assert all(torch.equal(gu[0], h) for h in gu[1:])  # same tokens for every expert
+    assert not torch.equal(layer1["mlp.experts.down_proj[0]"], layer1["mlp.experts.down_proj[1]"])
+    # ... for the statistics only: the router still decides the layer output (same counts)
+    assert rep_all["layers"][1]["tokens_per_expert"] == rep["layers"][1]["tokens_per_expert"]
+    assert max(rep_all["layers"][1]["tokens_per_expert"]["counts"]["mlp.experts"]) < 200 <= rep_all["tokens"]
+
+
+def test_moe_output_loads_in_transformers(dsv3, tmp_path):
+    import transformers
+
+    out = tmp_path / "o"
+    convert(dsv3, out, method="gptq", **CAL)
+    m = transformers.DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    t = load_dir(out)
+    for e in (0, 5):
+        deq = [int4.dequantize_int4(t[f"model.layers.2.mlp.experts.{e}.{p}.weight_packed"], t[f"model.layers.2.mlp.experts.{e}.{p}.weight_scale"],
+                                    tuple(t[f"model.layers.2.mlp.experts.{e}.{p}.weight_shape"].tolist()), dtype=torch.float32)
+               for p in ("gate_proj", "up_proj")]
+        assert torch.allclose(m.model.layers[2].mlp.experts.gate_up_proj[e].float(), torch.cat(deq), rtol=2 ** -8, atol=0)
+    rep = _manifest(out)["method"]
+    mtp = [f for f in rep["rtn"] if "outside the decoder layers" in f["reason"]]
+    assert all(".layers.3." in f["name"] for f in mtp)  # the MTP layer, named
+
+
+# ------------------------------------------------------------------------------------------------
+# streaming: one layer at a time, hidden states spilled beyond the budget, memory flat in depth
+
+def test_one_layer_in_memory_and_flat_in_depth(tiny, tmp_path, monkeypatch):
+    import gc
+
+    from quantize.calibrate.runner import LayerStreamer
+
+    live: list = []
+    most = [0]
+    real = LayerStreamer.layer
+
+    def layer(self, i):
+        gc.collect()
+        alive = [r for r in live if r() is not None]
+        most[0] = max(most[0], len(alive) + 1)
+        m = real(self, i)
+        live.append(weakref.ref(m))
+        return m
+
+    monkeypatch.setattr(LayerStreamer, "layer", layer)
+    peaks = {}
+    for n in (4, 16):
+        src = tiny("llama", fp8_source=False, overrides={"num_hidden_layers": n})
+        convert(src, tmp_path / f"l{n}", profile="all-linear", method="gptq", **CAL)
+        rep = _manifest(tmp_path / f"l{n}")["method"]
+        assert len(rep["layers"]) == n
+        peaks[n] = rep["hidden_bytes_peak_in_memory"]
+    assert most[0] == 1  # when a layer is built, no earlier one is alive
+    assert peaks[4] == peaks[16] > 0
+
+
+def test_spilled_hidden_states_give_the_same_bytes(llama, outs, tmp_path):
+    out = tmp_path / "spill"
+    convert(llama, out, profile="all-linear", method="gptq", workers=2, memory_budget_gib=0, **CAL)
+    rep = _manifest(out)["method"]
+    assert rep["hidden_bytes_spilled"] > 0 and rep["hidden_bytes_peak_in_memory"] == 0
+    assert _weights_only(out) == _weights_only(outs["gptq"])
+    assert not (out / ".quantize" / "hidden").exists()  # spill files removed
+
+
+# ------------------------------------------------------------------------------------------------
+# resumable per layer, deterministic
+
+def test_interrupted_mid_layer_redoes_that_layer_only(dsv3, tmp_path, monkeypatch):
+    from quantize.methods import gptq as G
+
+    ref = tmp_path / "ref"
+    convert(dsv3, ref, method="gptq", workers=1, **CAL)
+    out = tmp_path / "out"
+    real = G.quantize
+    calls = [0]
+
+    def dies_in_second_layer(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt  # a kill in the middle of layer 2's GPTQ
+        return real(*a, **kw)
+
+    monkeypatch.setattr(G, "quantize", dies_in_second_layer)
+    with pytest.raises(KeyboardInterrupt):
+        convert(dsv3, out, method="gptq", workers=1, **CAL)
+    job = json.loads((out / ".quantize" / "job.json").read_text())
+    assert sorted(job["layers"]) == ["0000", "0001"] and job["state"] == "running"
+    assert not (out / "quantize_manifest.json").exists()
+    layer1 = (out / ".quantize" / "layers" / "0001.safetensors").read_bytes()
+    monkeypatch.setattr(G, "quantize", real)
+    with pytest.raises(QuantizeError, match="different"):
+        convert(dsv3, out, method="gptq", damp=0.02, workers=1, resume=True, **CAL)
+    events = []
+    convert(dsv3, out, method="gptq", workers=1, resume=True, emit=events.append, **CAL)
+    layers = [e for e in events if e.get("event") == "layer"]
+    assert [(e["layer"], bool(e.get("replayed"))) for e in layers] == [(0, True), (1, True), (2, False)]
+    assert (out / ".quantize" / "layers" / "0001.safetensors").read_bytes() == layer1
+    assert _weights_only(out) == _weights_only(ref)
+    ma, mb = _manifest(out), _manifest(ref)
+    timeless = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
+    assert ma["tensors"] == mb["tensors"] and timeless(ma["method"]["layers"]) == timeless(mb["method"]["layers"])
+
+
+def test_sigkill_then_resume_is_byte_identical(tiny, tmp_path):
+    src = tiny("glm_moe_dsa")
+    args = ["--method", "gptq", "--samples", "8", "--seq-len", "128", "--workers", "1"]
+    ref = tmp_path / "ref"
+    convert(src, ref, method="gptq", samples=8, seq_len=128, workers=1)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "quantize.cli", "convert", str(src), str(out), "--json", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if json.loads(line).get("event") == "layer":  # layer 0 recorded: kill during layer 1
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "quantize_manifest.json").exists()
+    p = subprocess.run(cmd + ["--resume"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert _weights_only(out) == _weights_only(ref)
+    assert not list((out / ".quantize" / "layers").glob("*.partial"))
+
+
+def test_deterministic_across_thread_counts(dsv3, tmp_path):
+    for w in (1, 2):
+        convert(dsv3, tmp_path / f"w{w}", method="gptq", workers=w, **CAL)
+    assert _weights_only(tmp_path / "w1") == _weights_only(tmp_path / "w2")
