@@ -410,10 +410,18 @@ def _run_check(ctx: Ctx, resume: bool) -> dict:
 def _run_eval(ctx: Ctx, resume: bool) -> dict:
     from .evaluate import run as ev
 
+    import importlib.util
+
     p, o = ctx.p, ctx.p.opts
     dd = o["data_dir"]
+    skip = o["eval"]["if_no_data"] == "skip"
+    if importlib.util.find_spec("lm_eval") is None:
+        if skip:
+            return {"outputs": {}, "state": "skipped",
+                    "summary": "skipped: lm-eval is not installed (pip install 'quantize[eval]'; pipeline.eval.if_no_data: skip); no gate was applied"}
+        raise QuantizeError("eval: lm-eval is not installed; pip install 'quantize[eval]', or drop eval from pipeline.stages")
     if dd is not None and not Path(dd).is_dir():
-        if o["eval"]["if_no_data"] == "skip":
+        if skip:
             return {"outputs": {}, "state": "skipped",
                     "summary": f"skipped: the eval data folder {dd} is not here (pipeline.eval.if_no_data: skip); no gate was applied"}
         raise QuantizeError(f"{p.recipe}: pipeline.data_dir {dd}: no such folder; point it at local eval data (the layout of ../shared/data) or drop data_dir to read the Hub")

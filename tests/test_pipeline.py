@@ -218,3 +218,14 @@ def test_run_folder_is_guarded(tmp_path):
     with pytest.raises(QuantizeError, match="no quantize job record"):
         pipeline.run(_recipe(tmp_path, stages=["convert"]))
     assert (tmp_path / "run" / "mine.txt").read_text() == "a user's file"
+
+
+def test_eval_without_data_is_skipped_with_the_reason_or_refused(tmp_path):
+    r = _recipe(tmp_path, data_dir=str(tmp_path / "absent"), stages=["convert", "eval", "card"])
+    res = pipeline.run(r)
+    ev = next(s for s in res.stages if s.stage == "eval")
+    assert ev.state == "skipped" and "absent is not here" in ev.summary and "no gate" in ev.summary
+    assert "arc_easy" not in (tmp_path / "run" / "model" / "README.md").read_text()
+    r2 = _recipe(tmp_path, "r2.yaml", data_dir=str(tmp_path / "absent"), stages=["convert", "eval", "card"], eval={"if_no_data": "fail"})
+    with pytest.raises(QuantizeError, match="pipeline.data_dir .*absent: no such folder"):
+        pipeline.run(r2)
