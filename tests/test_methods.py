@@ -362,3 +362,175 @@ def test_deterministic_across_thread_counts(dsv3, tmp_path):
     for w in (1, 2):
         convert(dsv3, tmp_path / f"w{w}", method="gptq", workers=w, **CAL)
     assert _weights_only(tmp_path / "w1") == _weights_only(tmp_path / "w2")
+
+
+# ------------------------------------------------------------------------------------------------
+# AutoRound
+
+def test_autoround_iters0_is_fullrange_rtn_bit_for_bit(outs):
+    assert _weights_only(outs["autoround0"]) == _weights_only(outs["fullrange"])
+    assert _manifest(outs["autoround0"])["method"]["grid"] == "fullrange"  # AutoRound's default grid
+
+
+def test_autoround_lowers_layer_loss_and_kld(outs, llama):
+    rep = _manifest(outs["autoround"])["method"]
+    assert rep["method"] == "autoround" and rep["iters"] == 20 and rep["lr"] == pytest.approx(1 / 20) and rep["batch_size"] == 8
+    for r in rep["layers"]:
+        assert r["train"]["best_loss"] <= r["train"]["first_loss"]
+        assert r["loss"] < 0.7 * r["loss_rtn"], r
+    k_rtn = kld(llama, outs["fullrange"], tokens=256, chunk=64).kld_mean
+    k_ar = kld(llama, outs["autoround"], tokens=256, chunk=64).kld_mean
+    assert k_ar < 0.8 * k_rtn, (k_ar, k_rtn)
+    a, b = load_dir(outs["autoround"]), load_dir(outs["fullrange"])
+    assert sum(not torch.equal(a[k], b[k]) for k in a if k.endswith("weight_packed")) == 14
+
+
+def test_autoround_moe_experts_trained_and_starved_named(dsv3, tmp_path):
+    out = tmp_path / "o"
+    convert(dsv3, out, method="autoround", iters=4, min_expert_tokens=40, **CAL)
+    rep = _manifest(out)["method"]
+    counts = rep["layers"][1]["tokens_per_expert"]["counts"]["mlp.experts"]
+    starved = [e for e, c in enumerate(counts) if c < 40]
+    named = {f["name"] for f in rep["rtn"] if "--min-expert-tokens" in f["reason"]}
+    assert named >= {f"model.layers.1.mlp.experts.{e}.{p}" for e in starved for p in ("gate_proj", "up_proj", "down_proj")}
+    methods = {t["name"]: t["method"] for t in _manifest(out)["tensors"]}
+    trained = [e for e, c in enumerate(counts) if c >= 40]
+    assert trained and all(methods[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] == "autoround" for e in trained)
+    assert all(methods[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] == "rtn" for e in starved)
+    # a starved expert keeps the RTN codes of the grid
+    fr = tmp_path / "fr"
+    convert(dsv3, fr, observer="fullrange")
+    a, b = load_dir(out), load_dir(fr)
+    for e in starved:
+        k = f"model.layers.1.mlp.experts.{e}.down_proj.weight_packed"
+        assert torch.equal(a[k], b[k])
+
+
+def test_autoround_deterministic_across_thread_counts(llama, tmp_path):
+    for w in (1, 2):
+        convert(llama, tmp_path / f"w{w}", profile="all-linear", method="autoround", iters=3, workers=w, **CAL)
+    assert _weights_only(tmp_path / "w1") == _weights_only(tmp_path / "w2")
+
+
+# ------------------------------------------------------------------------------------------------
+# recipes and bad input
+
+def _gptq_recipe(tmp_path, extra=""):
+    p = tmp_path / "gptq.yaml"
+    p.write_text(f"""quant_stage:
+  quant_modifiers:
+    GPTQModifier:
+      dampening_frac: 0.05
+      block_size: 64
+{extra}      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          targets: ["Linear"]
+          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}}
+""")
+    return str(p)
+
+
+def test_gptq_recipe_means_method_gptq(llama, tmp_path):
+    from quantize.plan import ConvertOptions, build_plan
+
+    r = _gptq_recipe(tmp_path, "      actorder: null\n")
+    via_recipe = tmp_path / "recipe"
+    convert(llama, via_recipe, recipe=r, **CAL)
+    via_flags = tmp_path / "flags"
+    convert(llama, via_flags, profile="all-linear", method="gptq", damp=0.05, block=64, **CAL)
+    a, b = load_dir(via_recipe), load_dir(via_flags)  # the config's ignore list is the recipe's; the tensors are the same
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    opts = _manifest(via_recipe)["options"]
+    assert opts["method"] == "gptq" and opts["damp"] == 0.05 and opts["block"] == 64 and opts["actorder"] is None
+    # llm-compressor's default actorder (static = weight ordering; static groups either way)
+    assert build_plan(llama, ConvertOptions(recipe=_gptq_recipe(tmp_path))).options.actorder == "weight"
+    with pytest.raises(QuantizeError, match=r"--method autoround conflicts with .*gptq.yaml, whose modifier means method gptq"):
+        build_plan(llama, ConvertOptions(recipe=r, method="autoround"))
+    with pytest.raises(QuantizeError, match=r"--damp 0.1 conflicts with dampening_frac 0.05"):
+        build_plan(llama, ConvertOptions(recipe=r, damp=0.1))
+    with pytest.raises(QuantizeError, match=r"actorder 'group' is not written by this tool"):
+        build_plan(llama, ConvertOptions(recipe=_gptq_recipe(tmp_path, "      actorder: group\n")))
+
+
+def _refused(src, out, match, **kw):
+    with pytest.raises(QuantizeError, match=match) as e:
+        convert(src, out, **kw)
+    assert "\n" not in str(e.value)
+    assert not (out / "quantize_manifest.json").exists() and not (out / "config.json").exists()
+    return str(e.value)
+
+
+def test_bad_method_input_is_one_line(llama, tmp_path):
+    o = tmp_path / "o"
+    _refused(llama, o, r"^--samples 0: must be at least 1", method="gptq", samples=0)
+    _refused(llama, o, r"^--seq-len 1: must be at least 2", method="gptq", seq_len=1)
+    _refused(llama, o, r"^--method gpt: unknown; use one of rtn, gptq, autoround", method="gpt")
+    _refused(llama, o, r"^--damp is an option of --method gptq, but the method is rtn; add --method gptq or drop --damp", damp=0.1)
+    _refused(llama, o, r"^--iters is an option of --method autoround, but the method is gptq", method="gptq", iters=5)
+    _refused(llama, o, r"^--data is an option of --method gptq or --method autoround", data="x.jsonl")
+    _refused(llama, o, r"^--all-experts is an option of", all_experts=True)
+    _refused(llama, o, r"^--lr -1.0: the learning rate must be a positive number", method="autoround", lr=-1.0)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    _refused(llama, o, r"no usable samples", method="gptq", data=str(empty))
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "one sample of text"}\n{"text": "and another one"}\n')
+    msg = _refused(llama, o, r"2 usable samples .* fewer than --samples 4; pass more text or lower --samples to 2",
+                   method="gptq", data=str(short), **CAL)
+    assert str(short) in msg
+    assert not o.exists()  # refused before the output folder was created
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "convert", str(llama), str(o), "--damp", "0.1"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--damp is an option of --method gptq" in p.stderr
+
+
+def _copy_with(src, tmp_path, fn, name="bad"):
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    d = tmp_path / name
+    shutil.copytree(src, d)
+    for f in d.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            t = {k: fh.get_tensor(k) for k in fh.keys()}
+        if fn(t):
+            save_file(t, str(f), metadata={"format": "pt"})
+    return d
+
+
+def test_nan_hidden_states_name_the_layer(llama, tmp_path):
+    def poison(t):
+        k = "model.layers.1.input_layernorm.weight"
+        if k in t:
+            t[k] = torch.full_like(t[k], float("inf"))
+            return True
+        return False
+
+    bad = _copy_with(llama, tmp_path, poison)
+    msg = _refused(bad, tmp_path / "o", r"^decoder layer 1: NaN or Inf in the hidden states", profile="all-linear", method="gptq", **CAL)
+    assert "layer 0" not in msg
+    job = json.loads((tmp_path / "o" / ".quantize" / "job.json").read_text())
+    assert job["state"] == "running" and sorted(job["layers"]) == ["0000"]
+
+
+def test_diverging_autoround_loss_names_the_layer(llama, tmp_path, monkeypatch):
+    from quantize.methods import autoround as A
+
+    real = A.Tuned.fake
+    monkeypatch.setattr(A.Tuned, "fake", lambda self: real(self) * float("nan"))
+    _refused(llama, tmp_path / "o", r"^decoder layer 0: the AutoRound loss became nan at step 0; lower --lr", profile="all-linear",
+             method="autoround", iters=2, **CAL)
+
+
+def test_layers_transformers_cannot_build(tiny, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny("llama", fp8_source=False), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["hidden_act"] = "no_such_activation"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _refused(bad, tmp_path / "o", r"transformers cannot build decoder layer 0 .*; use --method rtn", profile="all-linear", method="gptq", **CAL)
+    assert not (tmp_path / "o").exists()

@@ -34,7 +34,7 @@ from . import units as U
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
-DIVERGED = 10.0  # a last-step loss this many times the first one is a diverging run
+DIVERGED = 100.0  # a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
 SEED = 20240
 
 
