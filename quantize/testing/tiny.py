@@ -7,6 +7,18 @@ an MTP layer at index ``num_hidden_layers``), then FP8-quantized as DeepSeek/zai
 e4m3, 128x128 blocks, ``weight_scale_inv`` multiplier on a ceil grid, router / norms / embeddings /
 lm_head / indexer ``weights_proj`` / ``eh_proj`` / vision left BF16, ``quantization_config`` with
 ``modules_to_not_convert`` as the vendor writes it. Several shards plus an index.
+
+config.json carries the router keys the releases carry (``scoring_func: sigmoid``, ``topk_method:
+noaux_tc``, ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``/``topk_group``): engines
+read them (vLLM's deepseek_v2 loader raises ``KeyError ... e_score_correction_bias`` without
+``noaux_tc``, ../shared/FORMATS.md §10). The Kimi K2.5 fixture follows moonshotai/Kimi-K2.5's
+config.json and tensor list (as published in its model report: ``text_config.architectures``
+``["DeepseekV3ForCausalLM"]``, ``routed_scaling_factor`` 2.827, ``vision_config`` with the vendor's
+``vt_*``/``mm_*``/``init_pos_emb_*`` keys, ``vision_tower.patch_embed.proj``, not under ``encoder``)
+and its ``preprocessor_config.json`` (``media_proc_cfg``). transformers' own names
+(``hidden_size`` ..., which transformers 5.17 and vLLM 0.32 read through ``Kimi_K25VisionConfig``)
+are written next to the vendor's, with the same values, so both load the tiny tower; the vendor's
+``auto_map`` (remote-code files a tiny fixture does not ship) is left out.
 """
 
 from __future__ import annotations
@@ -50,6 +62,31 @@ TINY: dict[str, dict] = {
                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
 }
 
+# Router keys as the releases' config.json carry them; n_group/topk_group 1 fit the tiny 8 experts
+# (DeepSeek-V3 ships 8/4 for 256 experts; Kimi K2.x and GLM-5 ship 1/1). Overrides win.
+VENDOR_ROUTER = {
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                    "n_group": 1, "topk_group": 1},
+    "kimi_k25": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.827,
+                 "n_group": 1, "topk_group": 1},
+    "glm_moe_dsa": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                    "n_group": 1, "topk_group": 1},
+}
+
+# Kimi K2.5 vision settings (moonshotai/Kimi-K2.5 config.json values; sizes scaled down below)
+KIMI_VISION = {"init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64, "merge_kernel_size": [2, 2],
+               "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger", "model_type": "", "patch_size": 14,
+               "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+               "video_attn_type": "spatial_temporal"}
+KIMI_TINY_VISION = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 128}
+# moonshotai/Kimi-K2.5 preprocessor_config.json (media_proc_cfg), as vLLM's KimiK25FusedVisionProcessor
+# (vllm/transformers_utils/processors/kimi_k25_vision_fused.py) and SGLang's kimi_k25 processor read it
+KIMI_PREPROCESSOR = {"media_proc_cfg": {
+    "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096,
+    "in_patch_limit_video": None, "sample_fps": 2.0, "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4,
+    "timestamp_mode": "hh:mm:ss.fff"}}
+
 VENDOR_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 ARCH_NAMES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
               "kimi_k25": "KimiK25ForConditionalGeneration", "llama": "LlamaForCausalLM"}
@@ -63,12 +100,12 @@ def _build_model(arch: str, overrides: dict | None):
         from transformers.models.kimi_k25 import configuration_kimi_k25 as ck
         from transformers.models.kimi_k25 import modeling_kimi_k25 as mk
 
-        text = {"model_type": "deepseek_v3", **MLA_TEXT, **(overrides or {})}
+        text = {"model_type": "deepseek_v3", **MLA_TEXT, **VENDOR_ROUTER[arch], **(overrides or {})}
         text.pop("rope_scaling", None)
         cfg = ck.Kimi_K25Config(text_config=text, tie_word_embeddings=False, projection_hidden_size=64,
-                                vision_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128))
+                                vision_config=dict(KIMI_TINY_VISION))
         return cfg, mk.Kimi_K25ForConditionalGeneration(cfg)
-    cfg = getattr(transformers, spec["config"])(**{**spec["kwargs"], **(overrides or {})})
+    cfg = getattr(transformers, spec["config"])(**{**spec["kwargs"], **VENDOR_ROUTER.get(arch, {}), **(overrides or {})})
     return cfg, getattr(transformers, spec["model"])(cfg)
 
 
@@ -84,9 +121,26 @@ def _ondisk_state(model, arch: str) -> dict[str, torch.Tensor]:
                 for k in fh.keys():
                     state[k] = fh.get_tensor(k)
     if arch == "kimi_k25":
+        # the release stores the patch embedding at vision_tower.patch_embed.proj (next to pos_emb), as
+        # vLLM's MoonViT3dPretrainedModel names it (vllm/model_executor/models/kimi_k25_vit.py)
         state = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
-                  .replace("model.mm_projector.", "mm_projector."): v for k, v in state.items()}
+                  .replace("model.mm_projector.", "mm_projector.")
+                  .replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."): v for k, v in state.items()}
     return state
+
+
+def _kimi_vendor_config(cfg_dict: dict) -> None:
+    """Kimi K2.5's config.json as moonshotai writes it, on top of transformers' to_dict()."""
+    text, vis = cfg_dict["text_config"], cfg_dict["vision_config"]
+    text["architectures"] = ["DeepseekV3ForCausalLM"]
+    vendor = dict(KIMI_VISION, vt_hidden_size=vis["hidden_size"], vt_intermediate_size=vis["intermediate_size"],
+                  vt_num_attention_heads=vis["num_attention_heads"], vt_num_hidden_layers=vis["num_hidden_layers"],
+                  mm_hidden_size=vis["hidden_size"], text_hidden_size=text["hidden_size"],
+                  merge_kernel_size=list(vis.get("merge_kernel_size") or [2, 2]), patch_size=vis.get("patch_size", 14))
+    vis.update(vendor)
+    cfg_dict["media_placeholder_token_id"] = cfg_dict.get("image_token_id", 163605)
+    cfg_dict["use_unified_vision_chunk"] = True
+    cfg_dict["video_placeholder"] = "<|kimi_k25_video_placeholder|>"
 
 
 def make_tiny(
@@ -121,16 +175,22 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
     A = REGISTRY[arch]
     cfg_dict = cfg.to_dict()
     cfg_dict["architectures"] = [ARCH_NAMES[arch]]
+    if arch == "kimi_k25":
+        _kimi_vendor_config(cfg_dict)
     text = A.text_config(cfg_dict)
     prefix = A.prefix
     has_mtp = mtp and A.attention in ("mla", "dsa")
+    if not has_mtp and "num_nextn_predict_layers" in text:
+        text["num_nextn_predict_layers"] = 0  # transformers' DeepseekV3Config defaults num_mtp_layers to 1
     if has_mtp:
         text["num_nextn_predict_layers"] = 1
         L = int(text["num_hidden_layers"])
         g = torch.Generator().manual_seed(seed + 1)
         src_p, dst_p = f"{prefix}model.layers.{L - 1}.", f"{prefix}model.layers.{L}."
+        mtp_names = {n: tuple(s) for n, s, _ in A.expected(text) if n.startswith(dst_p)}
         for k in [k for k in state if k.startswith(src_p)]:
-            state[dst_p + k[len(src_p):]] = state[k].clone()
+            if mtp_names.get(dst_p + k[len(src_p):]) == tuple(state[k].shape):  # the MTP layer is MoE even after dense layers
+                state[dst_p + k[len(src_p):]] = state[k].clone()
         for name, shape, role in A.expected(text):
             if name.startswith(dst_p) and name not in state:
                 t = torch.ones(shape) if role == "norm" else torch.randn(shape, generator=g) * 0.02
@@ -175,6 +235,8 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "max_new_tokens": 16}, indent=2))
     (out / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>")
     _write_tokenizer(out, int(text["vocab_size"]))
+    if arch == "kimi_k25":
+        (out / "preprocessor_config.json").write_text(json.dumps(KIMI_PREPROCESSOR, indent=2))
 
 
 def _natural(name: str):
@@ -218,3 +280,19 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "<eos>", "pad_token": "<pad>",
         "model_max_length": 512}, indent=2))
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["kv_lora_rank=512", "scoring_func=softmax"]`` -> ``{"kv_lora_rank": 512, "scoring_func": "softmax"}``:
+    each VALUE parsed as JSON (numbers, true/false/null, lists, objects), else kept as a string."""
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise QuantizeError(f"make-tiny --override {item!r}: expected KEY=VALUE, e.g. --override kv_lora_rank=512")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
