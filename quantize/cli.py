@@ -557,7 +557,17 @@ def run_cmd(
                     inner.progress = None
                 console.print(f"[red]{name} {st}[/]: {e.get('error', '')}")
 
-    res = _run(run, recipe, out=out, plan=False, overwrite=overwrite, emit=emit)
+    class Interrupted(QuantizeError):
+        exit_code = 130
+
+    def run_interruptible(*a, **kw):
+        try:
+            return run(*a, **kw)
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted: finished stages are kept in the run's record; rerun the same `quantize run` to continue "
+                              "(the interrupted stage continues, convert with --resume)") from None
+
+    res = _run(run_interruptible, recipe, out=out, plan=False, overwrite=overwrite, emit=emit)
     if json_out:
         typer.echo(json.dumps({"event": "result", **res.to_dict()}))
         return

@@ -229,3 +229,43 @@ def test_eval_without_data_is_skipped_with_the_reason_or_refused(tmp_path):
     r2 = _recipe(tmp_path, "r2.yaml", data_dir=str(tmp_path / "absent"), stages=["convert", "eval", "card"], eval={"if_no_data": "fail"})
     with pytest.raises(QuantizeError, match="pipeline.data_dir .*absent: no such folder"):
         pipeline.run(r2)
+
+
+def test_killed_convert_is_continued_with_resume(tmp_path, monkeypatch):
+    import quantize.convert as conv
+
+    r = _recipe(tmp_path, stages=["convert"])
+    real = conv.convert
+    seen = []
+
+    def killed_after_first_shard(*a, **kw):
+        seen.append(kw["resume"])
+        inner = kw["emit"]
+
+        def emit(e):
+            inner(e)
+            if e.get("event") == "shard":
+                raise KeyboardInterrupt
+
+        return real(*a, **{**kw, "emit": emit})
+
+    monkeypatch.setattr(conv, "convert", killed_after_first_shard)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(r)
+    assert _states(tmp_path / "run")["convert"] == "running"
+    monkeypatch.setattr(conv, "convert", lambda *a, **kw: (seen.append(kw["resume"]), real(*a, **kw))[1])
+    res = pipeline.run(r)
+    assert seen == [False, True] and [s.state for s in res.stages] == ["done", "done"]
+    rec = json.loads((tmp_path / "run" / ".quantize" / "job.json").read_text())
+    assert rec["stages"]["convert"]["result"]["resumed_shards"] >= 1
+    cli = CliRunner().invoke(app, ["check", str(tmp_path / "run" / "model")])
+    assert cli.exit_code == 0, cli.output
+
+
+def test_cli_interrupt_says_how_to_continue(tmp_path, monkeypatch):
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "run", interrupted)
+    res = CliRunner().invoke(app, ["run", _recipe(tmp_path, stages=["convert"])])
+    assert res.exit_code == 130 and "rerun the same `quantize run` to continue" in res.output and "--resume" in res.output
