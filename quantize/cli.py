@@ -302,7 +302,7 @@ def calibrate_kv_cmd(
 
 @app.command("eval")
 def eval_cmd(
-    candidate: Path = typer.Option(..., help="the converted model"),
+    candidate: list[Path] = typer.Option(..., help="the converted model (--kld: repeat to compare several candidates in one table)"),
     baseline: Optional[Path] = typer.Option(None, help="the reference model (FP8/BF16)"),
     tasks: str = typer.Option("gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro", help="comma-separated lm-eval tasks"),
     limit: Optional[int] = typer.Option(None, help="documents per task (the same for both models)"),
@@ -355,17 +355,36 @@ def eval_cmd(
         typer.echo(f"stored: {prep.stored}")
         return
     if kld:
-        from .evaluate.kld import kld as run_kld
+        from .evaluate.kld import kld_table
 
-        rep = _run(run_kld, baseline, candidate, text=text, tokens=tokens, chunk=chunk, save_baseline=save_baseline,
-                   baseline_logits=baseline_logits, out=out, device=device)
+        table = _run(kld_table, baseline, candidate, text=text, tokens=tokens, chunk=chunk, save_baseline=save_baseline,
+                     baseline_logits=baseline_logits, out=out, device=device)
         if json_out:
-            typer.echo(json.dumps(rep.to_dict(), indent=1))
+            typer.echo(json.dumps(table.to_dict() if len(table.reports) > 1 else table.reports[0].to_dict(), indent=1))
             return
-        typer.echo(f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}, median {rep.kld_median:.5f}, p99 {rep.kld_p99:.4f}, "
-                   f"p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
-                   f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f})")
+        if len(table.reports) == 1:
+            rep = table.reports[0]
+            typer.echo(f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}, median {rep.kld_median:.5f}, p99 {rep.kld_p99:.4f}, "
+                       f"p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
+                       f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f})")
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        first = table.reports[0]
+        t = Table(title=f"KL divergence against {table.baseline}: {first.tokens} tokens of {first.text}, chunks of {first.chunk}")
+        for c in ("candidate", "KLD mean", "median", "p99", "p99.9", "max", "same top-1", "PPL", "KLD / first"):
+            t.add_column(c)
+        for r in table.reports:
+            t.add_row(r.candidate, f"{r.kld_mean:.5f}", f"{r.kld_median:.5f}", f"{r.kld_p99:.4f}", f"{r.kld_p999:.4f}", f"{r.kld_max:.4f}",
+                      f"{r.top1_agreement:.2%}", f"{r.ppl_baseline:.3f} -> {r.ppl_candidate:.3f}",
+                      f"{r.kld_mean / first.kld_mean:.3f}" if first.kld_mean else "-")
+        Console().print(t)
         return
+    if len(candidate) != 1:
+        typer.echo("error: --candidate is repeated; several candidates are compared with --kld only", err=True)
+        raise typer.Exit(2)
+    candidate = candidate[0]
     if baseline is None:
         typer.echo("error: --baseline is required", err=True)
         raise typer.Exit(2)

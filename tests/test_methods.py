@@ -534,3 +534,28 @@ def test_layers_transformers_cannot_build(tiny, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     _refused(bad, tmp_path / "o", r"transformers cannot build decoder layer 0 .*; use --method rtn", profile="all-linear", method="gptq", **CAL)
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# quantize eval --kld: several candidates of one source in one table
+
+def test_kld_table_of_several_candidates(outs, llama, tmp_path):
+    from quantize.evaluate.kld import kld_table
+
+    cands = [outs["rtn"], outs["gptq"], outs["autoround"]]
+    table = kld_table(llama, cands, tokens=192, chunk=64, out=tmp_path / "t.json")
+    assert [r.candidate for r in table.reports] == [str(c) for c in cands]
+    for c, r in zip(cands, table.reports):
+        alone = kld(llama, c, tokens=192, chunk=64)  # the baseline kept exactly: the same figures as one at a time
+        assert r.kld_mean == pytest.approx(alone.kld_mean, rel=1e-6) and r.top1_agreement == alone.top1_agreement
+        assert r.baseline == str(llama) and r.tokens == 192
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["kind"] == "kld-table" and len(doc["candidates"]) == 3
+    with pytest.raises(QuantizeError, match="given twice"):
+        kld_table(llama, [outs["rtn"], outs["rtn"]], tokens=64, chunk=64)
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval", "--kld", "--baseline", str(llama), "--tokens", "128", "--chunk", "64",
+                        *[a for c in cands for a in ("--candidate", str(c))]], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "250"})
+    assert p.returncode == 0, p.stderr[-1500:]
+    rows = [line for line in p.stdout.splitlines() if any(str(c) in line for c in cands)]
+    assert len(rows) == 3

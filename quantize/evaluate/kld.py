@@ -5,6 +5,10 @@ the whole vocabulary, top-1 agreement and each model's negative log-likelihood. 
 bounded by one chunk's logits per model; only per-token scalars are kept. The baseline's
 log-probabilities can be saved once (``save_baseline``, fp16 safetensors written chunk by chunk)
 and reused (``baseline_logits``) so the reference model need not be loaded again.
+
+``kld_table`` compares several candidates of one source in one table: the baseline runs once, its
+log-probabilities kept exactly (fp32, in a temporary file) for every candidate, which are loaded
+one at a time.
 """
 
 from __future__ import annotations
@@ -106,8 +110,10 @@ def kld(
     out: str | os.PathLike | None = None,
     device: str = "cpu",
     emit: Emit = null_emit,
+    keep_baseline: str | os.PathLike | None = None,
 ) -> KldReport:
-    """``device``: where both models run (cpu, cuda, cuda:N); the statistics are the same."""
+    """``device``: where both models run (cpu, cuda, cuda:N); the statistics are the same.
+    ``keep_baseline``: also write the baseline's log-probs there in fp32 (exact; ``kld_table``)."""
     dev = check_device(device)  # before anything is read or loaded
     cand_path = Path(candidate)
     text_path = Path(text) if text else DEFAULT_TEXT
@@ -140,12 +146,13 @@ def kld(
     if base_model is not None and base_model.config.vocab_size != cand_model.config.vocab_size:
         raise QuantizeError(f"{cand_path}: vocabulary {cand_model.config.vocab_size} differs from the baseline's {base_model.config.vocab_size}")
 
-    writer = None
-    if save_baseline is not None and base_model is not None:
-        vocab = int(base_model.config.vocab_size)
-        entries = [Entry(f"chunk.{i}", "F16", (c.numel() - 1, vocab)) for i, c in enumerate(chunks)]
-        writer = StreamWriter(Path(save_baseline), entries, {"format": "quantize-kld", "token_ids_sha": _sha_ids(ids, chunk),
-                                                             "baseline": str(baseline), "chunk": str(chunk)})
+    writers: list[tuple[StreamWriter, torch.dtype]] = []
+    for path, st, tdt in ((save_baseline, "F16", torch.float16), (keep_baseline, "F32", torch.float32)):
+        if path is not None and base_model is not None:
+            vocab = int(base_model.config.vocab_size)
+            entries = [Entry(f"chunk.{i}", st, (c.numel() - 1, vocab)) for i, c in enumerate(chunks)]
+            writers.append((StreamWriter(Path(path), entries, {"format": "quantize-kld", "token_ids_sha": _sha_ids(ids, chunk),
+                                                               "baseline": str(baseline), "chunk": str(chunk)}), tdt))
     kl_all, agree, nll_b, nll_c = [], 0, 0.0, 0.0
     n = 0
     emit({"event": "start", "stage": "kld", "total_bytes": len(chunks), "done_bytes": 0})
@@ -156,8 +163,8 @@ def kld(
                 lb = read_tensor(saved["folder"], saved["refs"][f"chunk.{i}"]).float().to(dev)
             else:
                 lb = _logprobs(base_model, c[:-1])
-                if writer is not None:
-                    writer.write_tensor(f"chunk.{i}", lb.to(torch.float16).cpu())
+                for writer, tdt in writers:
+                    writer.write_tensor(f"chunk.{i}", lb.to(tdt).cpu())
             lc = _logprobs(cand_model, c[:-1])
             if lb.shape != lc.shape:
                 raise QuantizeError(f"{cand_path}: logits shape {tuple(lc.shape)} differs from the baseline's {tuple(lb.shape)}")
@@ -169,10 +176,10 @@ def kld(
             nll_c -= float(lc.gather(-1, target.unsqueeze(-1)).sum())
             n += target.numel()
             emit({"event": "tensor", "name": f"chunk {i}", "done_bytes": i + 1})
-        if writer is not None:
+        for writer, _ in writers:
             writer.finish()
     except BaseException:
-        if writer is not None:
+        for writer, _ in writers:
             writer.abort()
         raise
     k = torch.cat(kl_all).double()
@@ -183,6 +190,55 @@ def kld(
         Path(out).write_text(json.dumps(rep.to_dict(), indent=1))
     emit({"event": "done"})
     return rep
+
+
+@dataclass
+class KldTable:
+    baseline: str
+    reports: list[KldReport]
+
+    def to_dict(self) -> dict:
+        return {"kind": "kld-table", "baseline": self.baseline, "candidates": [r.to_dict() for r in self.reports]}
+
+
+def kld_table(
+    baseline: str | os.PathLike | None,
+    candidates: list[str | os.PathLike],
+    text: str | os.PathLike | None = None,
+    tokens: int = 8192,
+    chunk: int = 512,
+    save_baseline: str | os.PathLike | None = None,
+    baseline_logits: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    out: str | os.PathLike | None = None,
+    device: str = "cpu",
+    emit: Emit = null_emit,
+) -> KldTable:
+    """Several candidates of one source, one table: the same text and chunks for all, the baseline
+    computed once (kept exactly, fp32, for the others) or read from ``baseline_logits``. One
+    candidate gives the same report as ``kld``. ``out``: {"kind": "kld-table", "baseline",
+    "candidates": [report, ...]}."""
+    import tempfile
+
+    if not candidates:
+        raise QuantizeError("--candidate is required (repeat it to compare several candidates of one baseline)")
+    dupes = sorted({str(c) for c in candidates if [str(x) for x in candidates].count(str(c)) > 1})
+    if dupes:
+        raise QuantizeError(f"--candidate {dupes[0]} is given twice; name each candidate once")
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="quantize-kld-") as tmp:
+        kept = Path(tmp) / "baseline-fp32.safetensors" if baseline_logits is None and len(candidates) > 1 else None
+        for n, cand in enumerate(candidates):
+            first = n == 0
+            # the baseline's tokenizer is checked against every candidate; its model runs only once
+            reports.append(kld(baseline, cand, text=text, tokens=tokens, chunk=chunk,
+                               save_baseline=save_baseline if first else None,
+                               baseline_logits=baseline_logits if (first or kept is None) else kept,
+                               dtype=dtype, device=device, emit=emit, keep_baseline=kept if first else None))
+    table = KldTable(str(baseline or baseline_logits), reports)
+    if out is not None:
+        Path(out).write_text(json.dumps(table.to_dict() if len(reports) > 1 else reports[0].to_dict(), indent=1))
+    return table
 
 
 def _sha_ids(ids: torch.Tensor, chunk: int) -> str:

@@ -117,6 +117,24 @@ def _triton_off(off: bool):
             os.environ["LLMCOMPRESSOR_DISABLE_GPTQ_TRITON"] = old
 
 
+def _llmcompressor_update():
+    """llm-compressor's ``quantize_weight``, imported quietly: on import it logs to STDOUT (loguru),
+    which would corrupt ``convert --json``'s NDJSON stream; its log is turned off unless the user
+    configured it (LLM_COMPRESSOR_LOG_*)."""
+    import os
+
+    configured = any(k.startswith("LLM_COMPRESSOR_LOG") for k in os.environ)
+    if not configured:
+        os.environ["LLM_COMPRESSOR_LOG_DISABLED"] = "1"
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+
+    if not configured:
+        from loguru import logger
+
+        logger.disable("llmcompressor")
+    return quantize_weight
+
+
 def quantize_args(group_size: int, actorder: str | None):
     from compressed_tensors.quantization import QuantizationArgs
 
@@ -130,8 +148,7 @@ def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size:
     RTN was used, GPTQ loss) per item, in order. Chunks of same-shape units go to llm-compressor in
     a fixed partition, each on one torch thread (a Cholesky factorization differs in its last bits
     between thread counts; this way the output does not), several chunks in parallel."""
-    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
-
+    quantize_weight = _llmcompressor_update()
     qargs = quantize_args(group_size, actorder)
     chunks: list[list[int]] = []
     by_shape: dict[tuple, list[int]] = {}
