@@ -31,6 +31,8 @@ import torch
 from ..errors import QuantizeError
 from ..formats import int4
 from . import units as U
+from .gptq import Collector
+from .runner import call_layer
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
@@ -38,10 +40,12 @@ DIVERGED = 100.0  # a last-step loss this many times the first one: diverging (t
 SEED = 20240
 
 
-class RouteCounter:
-    """Tokens the router sends each expert, counted by a pre-hook on the experts modules."""
+class RouteCounter(Collector):
+    """Tokens the router sends each expert, counted by a pre-hook on the experts modules (per
+    sample, merged in order: see ``gptq.Collector``)."""
 
     def __init__(self, layer, units: list[U.Unit]):
+        super().__init__()
         self.routed: dict[tuple[str, int], int] = {}
         self._handles = []
         by_mod: dict[str, set[int]] = {}
@@ -54,9 +58,14 @@ class RouteCounter:
 
             def hook(module, args, path=path, es=sorted(es)):
                 idx = args[1]
+                part = self._part()
                 for e in es:
-                    self.routed[(path, e)] += int((idx == e).any(-1).sum())
+                    part[(path, e)] = part.get((path, e), 0) + int((idx == e).any(-1).sum())
             self._handles.append(layer.get_submodule(path).register_forward_pre_hook(hook))
+
+    def merge(self, part: dict) -> None:
+        for k, v in part.items():
+            self.routed[k] += v
 
     def remove(self) -> None:
         for h in self._handles:
@@ -138,8 +147,9 @@ class Tuned:
                 p.copy_(s)
 
 
-def _all_experts_hook(mod, tuned_gu: Tuned, tuned_d: Tuned, w0_gu, w0_d, experts: list[int], extra: list):
-    """--all-experts: every trainable expert's own output error over every token at the experts' input."""
+def _all_experts_hook(w0_gu, w0_d, experts: list[int], tls):
+    """--all-experts: every trainable expert's own output error over every token at the experts'
+    input, added to the running sample's loss (``tls.extra``, one list per thread)."""
     def hook(module, args):
         x = args[0].reshape(-1, args[0].shape[-1])
         idx = torch.tensor(experts, device=x.device)
@@ -149,13 +159,20 @@ def _all_experts_hook(mod, tuned_gu: Tuned, tuned_d: Tuned, w0_gu, w0_d, experts
             ref = torch.einsum("eti,ehi->eth", module.act_fn(g) * u, w0_d[idx])
         g, u = torch.einsum("th,eoh->eto", x, gu_q).chunk(2, dim=-1)
         y = torch.einsum("eti,ehi->eth", module.act_fn(g) * u, d_q)
-        extra.append((y - ref).pow(2).sum())
+        tls.extra.append((y - ref).pow(2).sum())
     return hook
 
 
+def _set_param(layer, path: str, p: torch.nn.Parameter) -> None:
+    mod, _, name = path.rpartition(".")
+    setattr(layer.get_submodule(mod) if mod else layer, name, p)
+
+
 def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, topk: list, fp_out, routed: dict, opt,
-         i: int, fallbacks: list, device: str) -> tuple[dict[str, U.Result], dict]:
-    from torch.func import functional_call
+         i: int, fallbacks: list, device: str, pool) -> tuple[dict[str, U.Result], dict]:
+    """Train the layer's rounding and clipping; samples of a step run in parallel threads (``pool``),
+    each returning its own gradients, summed in sample order (the same for any thread count)."""
+    import threading
 
     fullrange = opt.observer.startswith("fullrange")
     layer.requires_grad_(False)
@@ -176,7 +193,7 @@ def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, top
                 starved.add(u.key)
                 for name, _, _ in u.names:
                     fallbacks.append({"name": name, "reason": f"{n} routed calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"})
-    extra: list[torch.Tensor] = []
+    tls = threading.local()
     handles = []
     if opt.all_experts:
         by_mod: dict[str, list[int]] = {}
@@ -188,8 +205,7 @@ def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, top
             if gu is None or d is None:
                 continue
             mod = layer.get_submodule(path)
-            handles.append(mod.register_forward_pre_hook(_all_experts_hook(mod, gu, d, gu.wg.reshape(gu.shape), d.wg.reshape(d.shape),
-                                                                           sorted(es), extra)))
+            handles.append(mod.register_forward_pre_hook(_all_experts_hook(gu.wg.reshape(gu.shape), d.wg.reshape(d.shape), sorted(es), tls)))
     n = len(hidden)
     bs = min(opt.batch_size, n)
     gen = torch.Generator().manual_seed(SEED + i)
@@ -202,27 +218,36 @@ def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, top
                 order += torch.randperm(n, generator=gen).tolist()
             batch, order = order[:bs], order[bs:]
             denom = sum(fp_out[s].numel() for s in batch)
-            total = 0.0
-            # the quantized weights once per step; each sample's backward stops at them (leaves),
-            # their summed gradient then goes back through the grid once
+            # the quantized weights once per step, installed as the layer's parameters (leaves):
+            # each sample's backward stops at them, their summed gradient then goes back through
+            # the grid once
             fakes = {path: t.fake() for path, t in tuned.items()}
-            weights = {path: w.detach().requires_grad_() for path, w in fakes.items()}
-            for s in batch:
-                h = hidden[s]
-                pos, pe, mask = ctx(h)
-                kw = {"prev_topk_indices": topk[s]} if streamer.arch.hf.get("topk") else {}
-                extra.clear()
-                out = functional_call(layer, weights, (h.to(device),), dict(attention_mask=mask, position_embeddings=pe, position_ids=pos,
-                                                                           past_key_values=None, use_cache=False, **kw))
-                out = out[0] if isinstance(out, tuple) else out
-                loss = (out - fp_out[s].to(device)).pow(2).sum()
-                for x in extra:
+            leaves = {path: torch.nn.Parameter(w.detach()) for path, w in fakes.items()}
+            for path, p in leaves.items():
+                _set_param(layer, path, p)
+            paths = list(leaves)
+
+            def one(s: int):
+                tls.extra = []
+                out, _ = call_layer(streamer, ctx, layer, hidden[s], topk[s])
+                loss = (out - fp_out[s].to(out.device)).pow(2).sum()
+                for x in tls.extra:
                     loss = loss + x
                 loss = loss / denom
-                loss.backward()
-                total += float(loss.detach())
-            torch.autograd.backward([fakes[p] for p in fakes if weights[p].grad is not None],
-                                    [weights[p].grad for p in fakes if weights[p].grad is not None])
+                grads = torch.autograd.grad(loss, [leaves[p] for p in paths], allow_unused=True)
+                return float(loss.detach()), grads
+
+            total = 0.0
+            summed: list = [None] * len(paths)
+            for w0 in range(0, len(batch), max(1, pool._max_workers)):
+                for loss, grads in pool.map(one, batch[w0: w0 + pool._max_workers]):
+                    total += loss
+                    for j, g in enumerate(grads):
+                        if g is not None:
+                            summed[j] = g if summed[j] is None else summed[j] + g
+            live = [j for j in range(len(paths)) if summed[j] is not None]
+            if live:
+                torch.autograd.backward([fakes[paths[j]] for j in live], [summed[j] for j in live])
             if not math.isfinite(total):
                 raise QuantizeError(f"decoder layer {i}: the AutoRound loss became {total} at step {step}; lower --lr "
                                     f"(now {opt.lr:g}) or use --method gptq")
@@ -239,6 +264,8 @@ def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, top
     if losses and losses[-1] > DIVERGED * losses[0]:
         raise QuantizeError(f"decoder layer {i}: the AutoRound loss diverged ({losses[0]:.4g} at step 0, {losses[-1]:.4g} at the "
                             f"last step); lower --lr (now {opt.lr:g}) or --iters")
+    for path, t in tuned.items():  # the layer's own parameters back (the caller installs the results)
+        _set_param(layer, path, torch.nn.Parameter(t.wg.reshape(t.shape).clone(), requires_grad=False))
     for t, snap in zip(tuned.values(), best):
         t.restore(snap)
     finals = {path: t.final() for path, t in tuned.items()}

@@ -18,6 +18,7 @@ over the columns not yet quantized. The codes are ``round(W_q / scale)`` of its 
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -29,10 +30,30 @@ from . import units as U
 CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
 
 
-class Hessians:
+class Collector:
+    """Statistics gathered by forward hooks while samples run in parallel threads: each thread
+    fills its own per-sample part (``begin`` / ``end``), and the parts are merged in sample order
+    (``merge``), so the sums are the same for any number of threads."""
+
+    def __init__(self):
+        self._tls = threading.local()
+
+    def begin(self) -> None:
+        self._tls.part = {}
+
+    def end(self) -> dict:
+        part, self._tls.part = self._tls.part, None
+        return part
+
+    def _part(self) -> dict:
+        return self._tls.part
+
+
+class Hessians(Collector):
     """Forward pre-hooks that accumulate every unit's Hessian during one calibration forward."""
 
     def __init__(self, layer: torch.nn.Module, units: list[U.Unit], all_experts: bool):
+        super().__init__()
         self.layer = layer
         self.units = units
         self.all_experts = all_experts
@@ -53,14 +74,29 @@ class Hessians:
             mod = layer.get_submodule(path)
             self._handles.append(mod.register_forward_pre_hook(self._experts_hook(path, mod, us)))
 
+    def merge(self, part: dict) -> None:
+        for key, h in part.get("H", {}).items():
+            if key in self.H:
+                self.H[key] += h
+            else:
+                self.H[key] = h
+        for name in ("n", "tokens", "routed"):
+            acc = getattr(self, name)
+            for k, v in part.get(name, {}).items():
+                acc[k] = acc.get(k, 0) + v
+
     def _add(self, key: str, x: torch.Tensor, count: int) -> None:
+        part = self._part()
         inp = math.sqrt(2) * x.reshape(-1, x.shape[-1]).to(torch.float32)
-        h = self.H.get(key)
-        if h is None:
-            h = self.H[key] = torch.zeros(inp.shape[1], inp.shape[1], dtype=torch.float32, device=inp.device)
-        h += inp.t().matmul(inp)
-        self.n[key] = self.n.get(key, 0) + count
-        self.tokens[key] = self.tokens.get(key, 0) + inp.shape[0]
+        prod = inp.t().matmul(inp)
+        hs = part.setdefault("H", {})
+        if key in hs:
+            hs[key] += prod
+        else:
+            hs[key] = prod
+        for name, v in (("n", count), ("tokens", inp.shape[0])):
+            d = part.setdefault(name, {})
+            d[key] = d.get(key, 0) + v
 
     def _linear_hook(self, u: U.Unit):
         def hook(module, args):
@@ -73,9 +109,10 @@ class Hessians:
             hidden = hidden.reshape(-1, hidden.shape[-1])
             gate_up = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
             down = {u.expert: u for u in us if u.path.endswith("down_proj")}
+            routed_part = self._part().setdefault("routed", {})
             for e in sorted(set(gate_up) | set(down)):
                 routed = (top_k_index == e).any(-1).reshape(-1)
-                self.routed[(path, e)] = self.routed.get((path, e), 0) + int(routed.sum())
+                routed_part[(path, e)] = routed_part.get((path, e), 0) + int(routed.sum())
                 x = hidden if self.all_experts else hidden[routed]
                 if x.shape[0] == 0:
                     continue
@@ -125,7 +162,7 @@ def _llmcompressor_update():
 
     configured = any(k.startswith("LLM_COMPRESSOR_LOG") for k in os.environ)
     if not configured:
-        os.environ["LLM_COMPRESSOR_LOG_DISABLED"] = "1"
+        os.environ["LLM_COMPRESSOR_LOG_DISABLED"] = "true"
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
     if not configured:

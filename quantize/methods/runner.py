@@ -198,11 +198,16 @@ class Pass:
 
     # -- the pass ------------------------------------------------------------------------------
     def run(self) -> LayerCache:
+        """Every torch op runs on one thread (a GEMM's or a Cholesky's last bits can depend on the
+        thread count); ``workers`` threads run samples (and GPTQ chunks) side by side instead."""
+        from concurrent.futures import ThreadPoolExecutor
+
         streamer = open_streamer(self.src)
         old_threads = torch.get_num_threads()
-        torch.set_num_threads(self.workers)
+        torch.set_num_threads(1)
         try:
-            return self._run(streamer)
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="layer") as self.pool:
+                return self._run(streamer)
         finally:
             torch.set_num_threads(old_threads)
             streamer.close()
@@ -266,17 +271,31 @@ class Pass:
         hidden.clear()
 
     def _forward(self, streamer, ctx, layer, hidden: HiddenStore, topk: list, i: int, what: str,
-                 keep: bool = True, ref: HiddenStore | None = None):
-        """Every sample through ``layer``: (outputs store or None, top-k, (sq err, sq ref) vs ``ref``)."""
+                 keep: bool = True, ref: HiddenStore | None = None, collector=None):
+        """Every sample through ``layer``: (outputs store or None, top-k[, (sq err, sq ref) vs ``ref``]).
+        Samples run in parallel threads (``workers``), each op on one torch thread, in windows of
+        ``workers`` samples whose results are taken in sample order: the figures do not depend
+        on the thread count, and at most a window of outputs is held beside the store."""
         out = HiddenStore(self.budget, self.spill, f"l{i}") if keep else None
         new_topk, err, tot = [], 0.0, 0.0
-        with torch.no_grad():
-            for s, (h, tk) in enumerate(zip(hidden, topk)):
-                o, t2 = call_layer(streamer, ctx, layer, h, tk)
+
+        def one(s: int):
+            if collector is not None:
+                collector.begin()
+            with torch.no_grad():
+                o, t2 = call_layer(streamer, ctx, layer, hidden[s], topk[s])
+                e = _sq(o, ref[s].to(o.device)) if ref is not None else None
+            return o, t2, e, collector.end() if collector is not None else None
+
+        n = len(hidden)
+        for w0 in range(0, n, self.workers):
+            batch = list(self.pool.map(one, range(w0, min(n, w0 + self.workers))))
+            for o, t2, e, part in batch:
                 _finite(o, i, what)
-                if ref is not None:
-                    e, r = _sq(o, ref[s].to(o.device))
-                    err, tot = err + e, tot + r
+                if collector is not None:
+                    collector.merge(part)
+                if e is not None:
+                    err, tot = err + e[0], tot + e[1]
                 if out is not None:
                     out.append(o)
                 new_topk.append(t2)
@@ -298,7 +317,7 @@ class Pass:
         if opt.method == "gptq":
             hooks = G.Hessians(layer, units, opt.all_experts)
             try:
-                fp_out, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer")
+                fp_out, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer", collector=hooks)
             finally:
                 hooks.remove()
             routed = hooks.routed
@@ -308,12 +327,12 @@ class Pass:
 
             counter = A.RouteCounter(layer, units)
             try:
-                fp_out, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer")
+                fp_out, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer", collector=counter)
             finally:
                 counter.remove()
             routed = counter.routed
             results, train = A.tune(streamer, ctx, layer, units, originals, hidden, topk, fp_out, routed, opt, i, fallbacks,
-                                    self.device)
+                                    self.device, self.pool)
             report["train"] = train
         # the loss before (RTN on the same grid) and after, on every sample, through the real
         # quantized layer (q * scale in the scale dtype)
