@@ -85,6 +85,21 @@ def convert(
             f"({res.gbps:.3f} GB/s); {res.tensors_int4} INT4 tensors" +
             (f", weight rel. error mean {res.mean_rel_err:.4f} max {res.max_rel_err:.4f}" if res.mean_rel_err is not None else "") +
             (f"; {res.resumed_shards} shards kept from the interrupted run" if res.resumed_shards else ""))
+    if res.method:
+        from rich.table import Table
+
+        m = res.method
+        t = Table(title=f"{m['method']} on the {m['grid']} grid, g{m['group_size']}: {m['samples']} samples ({m['tokens']} tokens) of {m['data']}")
+        for col in ("layer", "INT4 weights", "tokens per expert min / median / max", "RTN fallbacks", "loss RTN -> method", "seconds"):
+            t.add_column(col)
+        for r in m["layers"]:
+            tpe = r.get("tokens_per_expert")
+            t.add_row(str(r["layer"]), str(r["units"]), f"{tpe['min']} / {tpe['median']:g} / {tpe['max']}" if tpe else "-",
+                      str(len(r.get("fallbacks", []))), f"{r['loss_rtn']:.4g} -> {r['loss']:.4g}" if r.get("units") else "-", f"{r['seconds']:.1f}")
+        c.print(t)
+        if m["rtn"]:
+            c.print(f"[yellow]{len(m['rtn'])} INT4 weights quantized RTN[/], e.g. {m['rtn'][0]['name']} ({m['rtn'][0]['reason']}); "
+                    "all named in quantize_manifest.json (method.rtn)")
 
 
 @app.command()

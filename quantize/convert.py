@@ -45,6 +45,7 @@ class ConvertResult:
     mean_rel_err: float | None
     max_rel_err: float | None
     resumed_shards: int
+    method: dict | None = None  # a data-aware method's report (also in the manifest): per layer, RTN fallbacks
 
     @property
     def gbps(self) -> float:
@@ -299,7 +300,8 @@ def convert(
     rel = [s["rel_err"] for s in stats]
     seconds = time.time() - t0
     res = ConvertResult(str(out), plan.summary(), seconds, total, plan.output_bytes, len(rel),
-                        sum(rel) / len(rel) if rel else None, max(rel) if rel else None, resumed)
+                        sum(rel) / len(rel) if rel else None, max(rel) if rel else None, resumed,
+                        cache.report if cache is not None else None)
     emit({"event": "done", "seconds": round(seconds, 3), "source_bytes": total, "output_bytes": plan.output_bytes,
           "gb_per_s": round(res.gbps, 4), "tensors_int4": len(rel), "mean_rel_err": res.mean_rel_err})
     return res
