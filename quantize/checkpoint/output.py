@@ -282,6 +282,18 @@ class Output:
                 continue
             _remove(p)
 
+    def scratch(self, name: str) -> Path:
+        """A working folder of this job inside the record folder (``OUT/.quantize/<name>``): never
+        uploaded, never part of the checkpoint, removed with ``clear_scratch``."""
+        if not name or "/" in name or name in (LOCK, RECORD) or name.startswith("."):
+            raise ValueError(f"scratch name {name!r}")
+        return self.path / RECORD_DIR / name
+
+    def clear_scratch(self, name: str) -> None:
+        p = self.scratch(name)
+        if p.exists() or p.is_symlink():
+            _remove(p)
+
     def write_text(self, name: str, text: str) -> Path:
         path = self.path / name
         write_text_atomic(path, text)

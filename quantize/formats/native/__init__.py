@@ -12,7 +12,6 @@ selects the torch path silently. ``status()`` says which path runs and why.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import hashlib
 import os
@@ -111,16 +110,14 @@ def _is_file(p: Path) -> bool:
         return False
 
 
-_private: list[str] = []
+_private: list[tempfile.TemporaryDirectory] = []
 
 
 def _private_dir() -> Path:
-    """A private temp folder for this process's build (removed at exit)."""
+    """A private temp folder for this process's build (the TemporaryDirectory removes it at exit)."""
     if not _private:
-        d = tempfile.mkdtemp(prefix="quantize-native-")
-        _private.append(d)
-        atexit.register(shutil.rmtree, d, True)
-    return Path(_private[0])
+        _private.append(tempfile.TemporaryDirectory(prefix="quantize-native-"))
+    return Path(_private[0].name)
 
 
 def _run_compiler(cmd: list[str], timeout: float) -> tuple[int, str]:
