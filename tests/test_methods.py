@@ -559,3 +559,27 @@ def test_kld_table_of_several_candidates(outs, llama, tmp_path):
     assert p.returncode == 0, p.stderr[-1500:]
     rows = [line for line in p.stdout.splitlines() if any(str(c) in line for c in cands)]
     assert len(rows) == 3
+
+
+def test_autoround_interrupted_resumes_byte_identical(llama, outs, tmp_path, monkeypatch):
+    """AutoRound's targets come from the source model's own hidden states, carried beside the
+    quantized path; a resumed run rebuilds both streams by replaying the recorded layers."""
+    from quantize.methods import autoround as A
+
+    real = A.tune
+    calls = [0]
+
+    def dies_in_layer_1(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    out = tmp_path / "o"
+    monkeypatch.setattr(A, "tune", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        convert(llama, out, profile="all-linear", method="autoround", iters=20, workers=2, **CAL)
+    assert sorted(json.loads((out / ".quantize" / "job.json").read_text())["layers"]) == ["0000"]
+    monkeypatch.setattr(A, "tune", real)
+    convert(llama, out, profile="all-linear", method="autoround", iters=20, workers=1, resume=True, **CAL)
+    assert _weights_only(out) == _weights_only(outs["autoround"])

@@ -248,11 +248,18 @@ class Pass:
             for ids in self.calib.ids:
                 hidden.append(streamer.embed(ids.unsqueeze(0)).to(torch.float32))
         topk: list = [None] * len(hidden)
+        # AutoRound's targets: the source model's own hidden states, carried beside the quantized
+        # path (the same store until the first quantized layer)
+        fp_stream = self.opt.method_name == "autoround"
+        fp_hidden, fp_topk = hidden, topk
         for i, jobs in enumerate(jobs_by_layer):
             t = time.time()
             layer = _build(streamer, i).to(self.device)
             units, rtn = U.layer_units(layer, streamer._layer_prefix(i), jobs)
             key = f"{i:04d}"
+            fp_next = fp_next_topk = None
+            if fp_stream and (units or fp_hidden is not hidden):
+                fp_next, fp_next_topk = self._forward(streamer, ctx, layer, fp_hidden, fp_topk, i, "of the source layer")
             if i < first:  # recorded: replay through the same quantized weights
                 rec = self.o.record["layers"][key]
                 if rec["file"] is not None:
@@ -261,14 +268,20 @@ class Pass:
                     tensors = load_file(str(self.dir / rec["file"]))
                     for u in units:
                         U.install(layer, u, U.dequant(U.join(u, tensors, U.param(layer, u).shape[1])).to(self.device))
-                out, topk = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer (replayed)")
+                out, new_topk = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer (replayed)")
                 self.emit({"event": "layer", "layer": i, "of": len(jobs_by_layer), "replayed": True})
             else:
-                out, topk = self._layer(streamer, ctx, layer, i, units, rtn, hidden, topk, t)
-            hidden.clear()
-            hidden = out
+                out, new_topk = self._layer(streamer, ctx, layer, i, units, rtn, hidden, topk, t, targets=fp_next)
+            for store in {id(hidden): hidden, id(fp_hidden): fp_hidden}.values():
+                store.clear()
+            if fp_next is not None:
+                fp_hidden, fp_topk = fp_next, fp_next_topk
+            else:
+                fp_hidden, fp_topk = out, new_topk
+            hidden, topk = out, new_topk
             del layer
-        hidden.clear()
+        for store in {id(hidden): hidden, id(fp_hidden): fp_hidden}.values():
+            store.clear()
 
     def _forward(self, streamer, ctx, layer, hidden: HiddenStore, topk: list, i: int, what: str,
                  keep: bool = True, ref: HiddenStore | None = None, collector=None):
@@ -303,7 +316,12 @@ class Pass:
             return out, new_topk, (err, tot)
         return out, new_topk
 
-    def _layer(self, streamer, ctx, layer, i, units, rtn_named, hidden, topk, t0):
+    def _layer(self, streamer, ctx, layer, i, units, rtn_named, hidden, topk, t0, targets=None):
+        """Quantize one layer. GPTQ: Hessians and reference outputs from the source layer on the
+        carried (quantized-path) inputs, as llm-compressor's sequential pipeline. AutoRound:
+        ``targets`` are the source model's own outputs of this layer (the full-precision stream),
+        which the quantized layer learns to reproduce from the quantized-path inputs, so it also
+        corrects the error the layers before it left (as auto-round's quantized-input mode)."""
         opt = self.opt
         report: dict = {"layer": i, "method": opt.method, "units": len(units), "samples": len(hidden)}
         fallbacks = [{"name": n, "reason": r} for n, r in rtn_named]
@@ -314,36 +332,43 @@ class Pass:
             self.emit({"event": "layer", "layer": i, "units": 0})
             return out, topk
         originals = {u.key: U.param(layer, u).detach().clone() for u in units}
+        # the loss before: RTN on the same grid, through the real quantized layer (q * scale)
+        rtn = {u.key: U.rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in units}
+
+        def install(res: dict) -> None:
+            for u in units:
+                U.install(layer, u, (U.dequant(res[u.key]) if res is not originals else originals[u.key]).to(self.device))
+
         if opt.method == "gptq":
             hooks = G.Hessians(layer, units, opt.all_experts)
             try:
-                fp_out, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer", collector=hooks)
+                ref, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer", collector=hooks)
             finally:
                 hooks.remove()
             routed = hooks.routed
             results = self._gptq(units, originals, hooks, fallbacks)
+            install(rtn)
+            _, _, (e_rtn, tot) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the RTN layer", keep=False, ref=ref)
         else:
             from . import autoround as A
 
-            counter = A.RouteCounter(layer, units)
+            ref = targets
+            counter = A.RouteCounter(layer, units)  # the routing the quantized path sees
+            install(rtn)
             try:
-                fp_out, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer", collector=counter)
+                _, _, (e_rtn, tot) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the RTN layer", keep=False,
+                                                   ref=ref, collector=counter)
             finally:
                 counter.remove()
             routed = counter.routed
-            results, train = A.tune(streamer, ctx, layer, units, originals, hidden, topk, fp_out, routed, opt, i, fallbacks,
+            install(originals)
+            results, train = A.tune(streamer, ctx, layer, units, originals, hidden, topk, ref, routed, opt, i, fallbacks,
                                     self.device, self.pool)
             report["train"] = train
-        # the loss before (RTN on the same grid) and after, on every sample, through the real
-        # quantized layer (q * scale in the scale dtype)
-        rtn = {u.key: U.rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in units}
-        for u in units:
-            U.install(layer, u, U.dequant(rtn[u.key]).to(self.device))
-        _, _, (e_rtn, tot) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the RTN layer", keep=False, ref=fp_out)
-        for u in units:
-            U.install(layer, u, U.dequant(results[u.key]).to(self.device))
-        out, new_topk, (e_q, _) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer", ref=fp_out)
-        fp_out.clear()
+        install(results)
+        out, new_topk, (e_q, _) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer", ref=ref)
+        if ref is not targets:
+            ref.clear()
         numel = hidden.numel
         tensors, modules = {}, {}
         for u in units:
