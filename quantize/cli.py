@@ -352,6 +352,10 @@ def eval_cmd(
         if baseline is None:
             typer.echo("error: --pd-prefill needs --baseline (the source model the pair is compared with)", err=True)
             raise typer.Exit(2)
+        if len(candidate) != 1:
+            typer.echo(f"error: --pd-prefill takes one --candidate (the decode model), got {len(candidate)}", err=True)
+            raise typer.Exit(2)
+        candidate = candidate[0]
         prep = _run(pd_fidelity, pd_prefill, candidate, baseline, text=text, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                     kv_cache_dtype=kv_cache_dtype, device=device, out=out)
         if json_out:

@@ -163,12 +163,19 @@ def _llmcompressor_update():
     configured = any(k.startswith("LLM_COMPRESSOR_LOG") for k in os.environ)
     if not configured:
         os.environ["LLM_COMPRESSOR_LOG_DISABLED"] = "true"
-    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
-
+    try:
+        from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+    finally:
+        if not configured:
+            del os.environ["LLM_COMPRESSOR_LOG_DISABLED"]  # only for our import, not the process
     if not configured:
         from loguru import logger
 
         logger.disable("llmcompressor")
+        # llm-compressor's own logging (oneshot, later in the same process) logs at a level its
+        # configure_logger creates, which the disabled import skipped
+        if "METRIC" not in logger._core.levels:
+            logger.level("METRIC", no=38, color="<yellow>", icon="📈")
     return quantize_weight
 
 
