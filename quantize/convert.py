@@ -248,8 +248,14 @@ def convert(
 
         calib = methods.prepare(src, options, emit)  # bad data / unbuildable layers: one line, nothing written
     # compressed-tensors (seconds to import) is needed only for the config written at the end and an
-    # internal check of it: both run on a thread beside the first tensors
-    ct = ThreadPoolExecutor(1, thread_name_prefix="ct").submit(_ct_config, plan)
+    # internal check of it: for RTN both run on a thread beside the first tensors. A data-aware
+    # method imports llm-compressor (and so compressed-tensors) on this thread: two threads importing
+    # the same package cycle can see it half-initialised, so then it runs here, first.
+    if calib is None:
+        ct = ThreadPoolExecutor(1, thread_name_prefix="ct").submit(_ct_config, plan)
+    else:
+        ct = Future()
+        ct.set_result(_ct_config(plan))
     sides = side_files(src)  # a dangling symlink is named before any shard is written
     ident = source_identity(src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}])
     key = _job_key(plan, ident)

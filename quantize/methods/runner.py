@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -166,7 +165,7 @@ class Pass:
         self.plan, self.src, self.o, self.calib, self.opt = plan, Path(src), output, calib, options
         self.workers, self.device, self.emit = max(1, workers), device, emit
         self.dir = output.path / ".quantize" / LAYERS_DIR
-        self.spill = output.path / ".quantize" / HIDDEN_DIR
+        self.spill = output.scratch(HIDDEN_DIR)
         self.budget = Budget(memory_budget)
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -211,7 +210,7 @@ class Pass:
         finally:
             torch.set_num_threads(old_threads)
             streamer.close()
-            shutil.rmtree(self.spill, ignore_errors=True)
+            self.o.clear_scratch(HIDDEN_DIR)
 
     def _run(self, streamer) -> LayerCache:
         n_layers = streamer.num_layers
@@ -228,7 +227,7 @@ class Pass:
         first = next((i for i, k in enumerate(keys) if k not in stale), n_layers)
         t0 = time.time()
         if first < n_layers:
-            shutil.rmtree(self.spill, ignore_errors=True)
+            self.o.clear_scratch(HIDDEN_DIR)
             self._stream(streamer, jobs_by_layer, first)
         cache = LayerCache()
         layers = []
