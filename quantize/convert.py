@@ -256,52 +256,55 @@ def convert(
     else:
         ct = Future()
         ct.set_result(_ct_config(plan))
-    sides = side_files(src)  # a dangling symlink is named before any shard is written
-    ident = source_identity(src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}])
-    key = _job_key(plan, ident)
-    if calib is not None:
-        key["data"] = {"source": calib.source, "token_ids_sha256": calib.sha256}
-    inputs = [src] + ([Path(options.recipe)] if options.recipe else [])
-    if options.data and not str(options.data).startswith("hf:") and Path(options.data).exists():
-        inputs.append(Path(options.data))
-    with Output.open(out, "convert", inputs, resume=resume, overwrite=overwrite, key=key) as o:
-        if o.resumed:
-            o.check_key(key)
-        workers = max(1, workers or os.cpu_count() or 1)
-        cache = None
+    try:
+        sides = side_files(src)  # a dangling symlink is named before any shard is written
+        ident = source_identity(src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}])
+        key = _job_key(plan, ident)
         if calib is not None:
-            from . import methods
+            key["data"] = {"source": calib.source, "token_ids_sha256": calib.sha256}
+        inputs = [src] + ([Path(options.recipe)] if options.recipe else [])
+        if options.data and not str(options.data).startswith("hf:") and Path(options.data).exists():
+            inputs.append(Path(options.data))
+        with Output.open(out, "convert", inputs, resume=resume, overwrite=overwrite, key=key) as o:
+            if o.resumed:
+                o.check_key(key)
+            workers = max(1, workers or os.cpu_count() or 1)
+            cache = None
+            if calib is not None:
+                from . import methods
 
+                try:
+                    cache = methods.run(plan, src, o, calib, options, workers=workers, device=device,
+                                        memory_budget=int(memory_budget_gib * 2**30), emit=emit)
+                except BaseException as e:
+                    emit({"event": "error", "message": str(e)})
+                    raise
+            kept = o.kept([s.file for s in plan.shards], workers)
+            todo = [s for s in plan.shards if s.file not in kept]
+            resumed = len(plan.shards) - len(todo)
+            for s in plan.shards:
+                if s.file in kept:
+                    emit({"event": "skip", "file": s.file})
+            total = sum(s.source_bytes for s in plan.shards)
+            done_bytes = total - sum(s.source_bytes for s in todo)
+            kernels = _kernel_path(device, emit)
+            emit({"event": "start", "stage": "convert", "total_bytes": total, "done_bytes": done_bytes, "shards": len(plan.shards),
+                  "workers": workers, "kernels": kernels["path"]})
+            fds: dict = {}
             try:
-                cache = methods.run(plan, src, o, calib, options, workers=workers, device=device,
-                                    memory_budget=int(memory_budget_gib * 2**30), emit=emit)
+                with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
+                    done_bytes = _execute(plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache)
+                ct.result()  # the config and its check, before anything presents the output as complete
+                _finish(plan, src, o, sides, ident, t0, kernels, emit, cache.report if cache is not None else None)
             except BaseException as e:
                 emit({"event": "error", "message": str(e)})
                 raise
-        kept = o.kept([s.file for s in plan.shards], workers)
-        todo = [s for s in plan.shards if s.file not in kept]
-        resumed = len(plan.shards) - len(todo)
-        for s in plan.shards:
-            if s.file in kept:
-                emit({"event": "skip", "file": s.file})
-        total = sum(s.source_bytes for s in plan.shards)
-        done_bytes = total - sum(s.source_bytes for s in todo)
-        kernels = _kernel_path(device, emit)
-        emit({"event": "start", "stage": "convert", "total_bytes": total, "done_bytes": done_bytes, "shards": len(plan.shards),
-              "workers": workers, "kernels": kernels["path"]})
-        fds: dict = {}
-        try:
-            with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
-                done_bytes = _execute(plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache)
-            ct.result()  # the config and its check, before anything presents the output as complete
-            _finish(plan, src, o, sides, ident, t0, kernels, emit, cache.report if cache is not None else None)
-        except BaseException as e:
-            emit({"event": "error", "message": str(e)})
-            raise
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        record = o.record
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            record = o.record
+    finally:
+        ct.exception()  # a failed run never leaves the import thread running behind it
     stats = [s for shard in record["stats"].values() for s in shard]
     rel = [s["rel_err"] for s in stats]
     seconds = time.time() - t0
