@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Fidelity of the INT4 methods, side by side in one run (a benchmark, not a test).
+
+SmolLM2-135M-Instruct (scripts/smollm2_to_hf.py), every decoder Linear INT4, at each --groups size:
+RTN (minmax, mse, fullrange), GPTQ and AutoRound, calibrated on GSM8K train; KL divergence against
+the BF16 source over --chunks x --chunk tokens of GSM8K test (in domain) and of ARC questions with
+their choices (out of domain), one table per text with each method's ratio to RTN minmax. Then the
+tiny glm_moe_dsa and deepseek_v3 fixtures (BF16 sources, routed experts INT4): KLD against the
+source and the tokens-per-expert report of each MoE layer. The closing note gives wall time per
+decoder layer and the peak RSS of each conversion (each runs as its own process).
+
+    python scripts/bench_methods.py --smollm2 /tmp/smollm2 --work /tmp/bench [--groups 32 64]
+        [--samples 64] [--seq-len 512] [--iters 50] [--chunks 16] [--chunk 512] [--only gptq,autoround]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def convert(src: Path, out: Path, args: list[str], reuse: bool) -> dict:
+    """One conversion through the CLI in its own process: wall seconds and peak RSS (wait4)."""
+    if reuse and (out / "quantize_manifest.json").exists():
+        m = json.loads((out / "quantize_manifest.json").read_text())
+        return {"seconds": m.get("seconds"), "peak_rss_mib": None, "reused": True, "manifest": m}
+    cmd = [sys.executable, "-m", "quantize.cli", "convert", str(src), str(out), "--overwrite", "--json", *args]
+    log = out.with_name(out.name + ".log")
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.time() - t0
+    if os.waitstatus_to_exitcode(status):
+        lines = log.read_text().strip().splitlines()
+        raise SystemExit(f"convert {' '.join(args)} failed: {lines[-1] if lines else '?'} (log: {log})")
+    m = json.loads((out / "quantize_manifest.json").read_text())
+    return {"seconds": seconds, "peak_rss_mib": usage.ru_maxrss / 1024, "reused": False, "manifest": m}
+
+
+def texts(work: Path) -> dict[str, Path]:
+    work.mkdir(parents=True, exist_ok=True)
+    gsm, arc = work / "gsm8k_test.txt", work / "arc_questions.txt"
+    if not gsm.exists():
+        recs = [json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines() if line.strip()]
+        gsm.write_text("\n\n".join(f"{r['question']}\n{r['answer']}" for r in recs))
+    if not arc.exists():
+        recs = [json.loads(line) for line in (DATA / "arc" / "arc_challenge.jsonl").read_text().splitlines() if line.strip()]
+        arc.write_text("\n\n".join(f"{r['query']}\n" + "\n".join(f"{chr(65 + i)}. {c}" for i, c in enumerate(r["choices"]))
+                                   + f"\nAnswer: {chr(65 + r['gold'])}" for r in recs))
+    return {"GSM8K test (in domain)": gsm, "ARC questions (out of domain)": arc}
+
+
+def per_layer(m: dict) -> str:
+    rep = m.get("method")
+    if not rep:
+        return "-"
+    secs = [r["seconds"] for r in rep["layers"] if r.get("units")]
+    return f"{statistics.mean(secs):.1f} s (max {max(secs):.1f})" if secs else "-"
+
+
+def kld_rows(src: Path, runs: dict[str, dict], text: Path, tokens: int, chunk: int, first: str) -> list[tuple]:
+    from quantize.evaluate.kld import kld_table
+
+    names = list(runs)
+    table = kld_table(src, [runs[n]["out"] for n in names], text=text, tokens=tokens, chunk=chunk)
+    base = table.reports[names.index(first)].kld_mean if first in names else None
+    return [(n, r.kld_mean, r.top1_agreement, r.kld_p99, r.kld_mean / base if base else None) for n, r in zip(names, table.reports)]
+
+
+def print_table(title: str, rows: list[tuple], first: str) -> None:
+    print(f"\n{title}")
+    print(f"  {'method':<28} {'KLD mean':>10} {'top-1':>8} {'KLD p99':>9} {'/ ' + first:>14}")
+    for n, k, t1, p99, ratio in rows:
+        print(f"  {n:<28} {k:>10.4f} {t1:>8.2%} {p99:>9.3f} {ratio:>14.3f}" if ratio is not None else f"  {n:<28} {k:>10.4f} {t1:>8.2%} {p99:>9.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smollm2", type=Path, help="SmolLM2 transformers checkpoint (scripts/smollm2_to_hf.py OUT)")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--groups", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--only", default=None, help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq,autoround")
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--reuse", action="store_true", help="keep finished conversions in --work (their timings are the recorded ones)")
+    ap.add_argument("--skip-tiny", action="store_true")
+    a = ap.parse_args()
+    cal = ["--data", str(DATA / "gsm8k" / "train.jsonl"), "--samples", str(a.samples), "--seq-len", str(a.seq_len)]
+    wk = ["--workers", str(a.workers)] if a.workers else []
+    methods = {
+        "rtn-minmax": [],
+        "rtn-mse": ["--observer", "mse"],
+        "rtn-fullrange": ["--observer", "fullrange"],
+        "gptq": ["--method", "gptq", *cal],
+        "autoround": ["--method", "autoround", "--iters", str(a.iters), *cal],
+    }
+    if a.only:
+        methods = {k: v for k, v in methods.items() if k in a.only.split(",")}
+    results: dict = {"settings": vars(a) | {"work": str(a.work), "smollm2": str(a.smollm2)}, "smollm2": {}, "tiny": {}}
+    notes = []
+    if a.smollm2:
+        txt = texts(a.work)
+        for g in a.groups:
+            runs = {}
+            for name, extra in methods.items():
+                out = a.work / f"smollm2-g{g}-{name}"
+                r = convert(a.smollm2, out, ["--profile", "all-linear", "--group-size", str(g), *extra, *wk], a.reuse)
+                runs[name] = {"out": out, **r}
+                notes.append(f"SmolLM2 g{g} {name}: {r['seconds']:.0f} s" + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] else "")
+                             + f", per layer {per_layer(r['manifest'])}" + (" (reused)" if r["reused"] else ""))
+            first = "rtn-minmax" if "rtn-minmax" in runs else next(iter(runs))
+            for label, path in txt.items():
+                rows = kld_rows(a.smollm2, runs, path, a.chunks * a.chunk, a.chunk, first)
+                print_table(f"SmolLM2-135M all-linear g{g}, {label}: KLD vs BF16 over {a.chunks}x{a.chunk} tokens", rows, first)
+                results["smollm2"].setdefault(f"g{g}", {})[label] = [dict(zip(("method", "kld_mean", "top1", "kld_p99", "ratio"), r)) for r in rows]
+            for name, r in runs.items():
+                rep = r["manifest"].get("method")
+                if rep:
+                    lr = [x for x in rep["layers"] if x.get("units")]
+                    results["smollm2"][f"g{g}"][f"{name} layers"] = [{k: x.get(k) for k in ("layer", "loss_rtn", "loss", "seconds")} for x in lr]
+    if not a.skip_tiny:
+        from quantize.testing.tiny import make_tiny
+
+        for arch in ("glm_moe_dsa", "deepseek_v3"):
+            src = a.work / f"tiny-{arch}-bf16"
+            if not (src / "quantize_manifest.json").exists():
+                make_tiny(arch, src, fp8_source=False, overwrite=True)
+            runs = {}
+            for name, extra in (("rtn-minmax", []), ("gptq", ["--method", "gptq", "--samples", "16", "--seq-len", "128"]),
+                                ("autoround", ["--method", "autoround", "--iters", str(a.iters), "--samples", "16", "--seq-len", "128"])):
+                out = a.work / f"tiny-{arch}-{name}"
+                r = convert(src, out, extra + wk, a.reuse)
+                runs[name] = {"out": out, **r}
+            rows = kld_rows(src, runs, None, 1024, 128, "rtn-minmax")
+            print_table(f"tiny {arch} (BF16 source, routed experts INT4 g32, 16 samples x 128 tokens of the shipped corpus): "
+                        "KLD vs the source over 1024 tokens of the shipped text", rows, "rtn-minmax")
+            results["tiny"][arch] = {"kld": [dict(zip(("method", "kld_mean", "top1", "kld_p99", "ratio"), r)) for r in rows]}
+            for name in ("gptq", "autoround"):
+                rep = runs[name]["manifest"]["method"]
+                for x in rep["layers"]:
+                    t = x.get("tokens_per_expert")
+                    if t:
+                        print(f"  {name} layer {x['layer']}: tokens per expert min {t['min']} / median {t['median']} / max {t['max']} "
+                              f"({t['experts']} experts); fallbacks {len(x['fallbacks'])}; loss {x['loss_rtn']:.3g} (RTN) -> {x['loss']:.3g}")
+                named = {f["reason"] for f in rep["rtn"]}
+                print(f"  {name}: {len(rep['rtn'])} weights RTN, named ({'; '.join(sorted(named))})")
+                results["tiny"][arch][f"{name} layers"] = rep["layers"]
+    print("\nClosing note (this machine, " + f"{os.cpu_count()} cores):")
+    for n in notes:
+        print("  " + n)
+    (a.work / "bench_methods.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
