@@ -58,6 +58,8 @@ def convert(
     seq_len: Optional[int] = typer.Option(None, help="gptq/autoround: tokens per sample at most (default 2048)"),
     damp: Optional[float] = typer.Option(None, help="gptq: Hessian dampening, a fraction of its mean diagonal (default 0.01)"),
     block: Optional[int] = typer.Option(None, help="gptq: columns per lazy-update block (default 128)"),
+    actorder: Optional[str] = typer.Option(None, help="gptq: static (default, llm-compressor's: columns by decreasing Hessian "
+                                           "diagonal, groups fixed, format unchanged) or off"),
     iters: Optional[int] = typer.Option(None, help="autoround: signed-gradient steps per layer (default 200; 0 = RTN on the grid)"),
     lr: Optional[float] = typer.Option(None, help="autoround: learning rate, decayed linearly to 0 (default 1/iters)"),
     batch_size: Optional[int] = typer.Option(None, help="autoround: samples per step (default 8)"),
@@ -73,7 +75,7 @@ def convert(
 
     res = _run(run_convert, source, out, group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8,
                recipe=recipe, resume=resume, overwrite=overwrite, workers=workers, device=device, method=method, data=data,
-               samples=samples, seq_len=seq_len, damp=damp, block=block, iters=iters, lr=lr, batch_size=batch_size,
+               samples=samples, seq_len=seq_len, damp=damp, block=block, actorder=actorder, iters=iters, lr=lr, batch_size=batch_size,
                all_experts=all_experts, min_expert_tokens=min_expert_tokens, memory_budget_gib=memory_budget_gib,
                emit=_emitter(json_out))
     if json_out:

@@ -215,6 +215,7 @@ def convert(
     seq_len: int | None = None,
     damp: float | None = None,
     block: int | None = None,
+    actorder: str | None = None,
     iters: int | None = None,
     lr: float | None = None,
     batch_size: int | None = None,
@@ -238,7 +239,7 @@ def convert(
         raise QuantizeError(f"--memory-budget-gib {memory_budget_gib}: must be 0 or more GiB (0: every hidden state on disk)")
     src, out = Path(source), Path(out)
     options = ConvertOptions(group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8, recipe=recipe,
-                             method=method, data=data, samples=samples, seq_len=seq_len, damp=damp, block=block, iters=iters,
+                             method=method, data=data, samples=samples, seq_len=seq_len, damp=damp, block=block, actorder=actorder, iters=iters,
                              lr=lr, batch_size=batch_size, all_experts=all_experts, min_expert_tokens=min_expert_tokens)
     plan = build_plan(src, options, ct_check=False)
     options = plan.options  # a recipe may have set group size / observer / method

@@ -35,8 +35,12 @@ DEFAULT_OBSERVER = "minmax"
 METHODS = ("rtn", "gptq", "autoround")
 DEFAULT_METHOD = "rtn"
 # data-aware defaults (llm-compressor's GPTQModifier; Cheng et al.'s SignRound: 200 steps, lr 1/iters, batch 8)
-METHOD_DEFAULTS = {"samples": 128, "seq_len": 2048, "damp": 0.01, "block": 128, "iters": 200, "batch_size": 8,
-                   "min_expert_tokens": 16}
+METHOD_DEFAULTS = {"samples": 128, "seq_len": 2048, "damp": 0.01, "block": 128, "actorder": "static", "iters": 200,
+                   "batch_size": 8, "min_expert_tokens": 16}
+# GPTQ column order: "static" visits columns by decreasing Hessian diagonal with the groups fixed
+# beforehand (llm-compressor's default, its "static"/"weight"; the file format is unchanged, no
+# g_idx); "off": left to right. The old dynamic "group" order needs g_idx: not written.
+ACTORDERS = ("static", "off")
 # option -> the methods that use it ("data" etc.: both data-aware methods)
 METHOD_OPTIONS = {"data": ("gptq", "autoround"), "samples": ("gptq", "autoround"), "seq_len": ("gptq", "autoround"),
                   "all_experts": ("gptq", "autoround"), "min_expert_tokens": ("gptq", "autoround"),
@@ -74,7 +78,7 @@ class ConvertOptions:
     seq_len: int | None = None
     damp: float | None = None
     block: int | None = None
-    actorder: str | None = None  # gptq, from a recipe only: None or "weight" (static groups either way)
+    actorder: str | None = None  # gptq: "static" (default) or "off"; static groups and no g_idx either way
     iters: int | None = None
     lr: float | None = None
     batch_size: int | None = None
@@ -104,6 +108,9 @@ class ConvertOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not ok(v)):
                 raise QuantizeError(f"{_flag(name)} {v}: {why}")
+        if self.actorder is not None and self.actorder not in ACTORDERS:
+            raise QuantizeError(f"--actorder {self.actorder}: use static (columns by decreasing Hessian diagonal, groups fixed: "
+                                "the format is unchanged) or off; a dynamic group order would need g_idx, which is not written")
         if self.data is not None and not str(self.data).strip():
             raise QuantizeError("--data '': empty; pass a .jsonl/.txt/.parquet file or folder, or hf:NAME")
 
@@ -157,10 +164,10 @@ class ConvertOptions:
         rmethod = recipe.method or DEFAULT_METHOD
         if self.method is not None and self.method != rmethod:
             raise QuantizeError(f"--method {self.method} conflicts with {recipe.path}, whose modifier means method {rmethod}; drop the flag or edit the recipe")
-        for name in ("damp", "block"):
+        for name in ("damp", "block", "actorder"):
             mine, theirs = getattr(self, name), getattr(recipe, name)
             if mine is not None and theirs is not None and mine != theirs:
-                key = {"damp": "dampening_frac", "block": "block_size"}[name]
+                key = {"damp": "dampening_frac", "block": "block_size", "actorder": "actorder"}[name]
                 raise QuantizeError(f"{_flag(name)} {mine} conflicts with {key} {theirs} in {recipe.path}; drop the flag or edit the recipe")
         out = replace(self, group_size=recipe.group_size, profile=DEFAULT_PROFILE,
                       observer=self.observer or recipe.observer or DEFAULT_OBSERVER,

@@ -28,7 +28,7 @@ class Recipe:
     method: str = "rtn"  # "gptq" for a GPTQModifier
     damp: float | None = None  # GPTQModifier dampening_frac
     block: int | None = None  # GPTQModifier block_size
-    actorder: str | None = None  # GPTQModifier actorder: None or "weight" (calibration order only; static groups)
+    actorder: str | None = None  # GPTQModifier actorder: "static" or "off" (calibration order only; static groups)
 
 
 def _find_modifier(node) -> tuple[str, dict] | None:
@@ -151,7 +151,7 @@ def _actorder(path: Path, val) -> str | None:
     decreasing Hessian diagonal, groups static, format unchanged); null: plain column order. The
     removed "group"/"dynamic" ordering would need g_idx, which pack-quantized 0.19 does not carry."""
     if val is None:
-        return None
+        return "off"
     if val in ("static", "weight"):
-        return "weight"
+        return "static"
     raise QuantizeError(f"{path}: GPTQModifier actorder {val!r} is not written by this tool (pack-quantized has no g_idx); use actorder: null or static")

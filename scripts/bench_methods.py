@@ -97,7 +97,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--reuse", action="store_true", help="keep finished conversions in --work (their timings are the recorded ones)")
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the KLD evaluation (default 1: on a shared "
+                    "machine OpenMP threads that wait on a busy core cost far more than they give)")
     a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
     cal = ["--data", str(DATA / "gsm8k" / "train.jsonl"), "--samples", str(a.samples), "--seq-len", str(a.seq_len)]
     wk = ["--workers", str(a.workers)] if a.workers else []
     methods = {

@@ -123,7 +123,7 @@ def test_gptq_codes_are_llm_compressors_update(llama, tmp_path, monkeypatch):
     torch.set_num_threads(1)  # as the pass runs it (a Cholesky's last bits depend on the thread count)
     try:
         for W, H, scale, qargs, blocksize, percdamp in calls:
-            assert blocksize == 64 and percdamp == 0.05 and qargs.group_size == 32 and qargs.actorder is None
+            assert blocksize == 64 and percdamp == 0.05 and qargs.group_size == 32 and qargs.actorder == "weight"  # llm-compressor's default
             zp = torch.zeros(scale.shape, dtype=torch.int8)
             wq = real(W.clone(), H.clone(), scale, zp, None, qargs, blocksize=64, percdamp=0.05)[0]
             codes = (wq / scale.float().repeat_interleave(32, -1)).round()
@@ -416,7 +416,7 @@ def test_autoround_deterministic_across_thread_counts(llama, tmp_path):
 # recipes and bad input
 
 def _gptq_recipe(tmp_path, extra=""):
-    p = tmp_path / "gptq.yaml"
+    p = tmp_path / f"gptq-{len(list(tmp_path.glob('gptq*.yaml')))}.yaml"
     p.write_text(f"""quant_stage:
   quant_modifiers:
     GPTQModifier:
@@ -438,14 +438,16 @@ def test_gptq_recipe_means_method_gptq(llama, tmp_path):
     via_recipe = tmp_path / "recipe"
     convert(llama, via_recipe, recipe=r, **CAL)
     via_flags = tmp_path / "flags"
-    convert(llama, via_flags, profile="all-linear", method="gptq", damp=0.05, block=64, **CAL)
+    convert(llama, via_flags, profile="all-linear", method="gptq", damp=0.05, block=64, actorder="off", **CAL)
     a, b = load_dir(via_recipe), load_dir(via_flags)  # the config's ignore list is the recipe's; the tensors are the same
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     opts = _manifest(via_recipe)["options"]
-    assert opts["method"] == "gptq" and opts["damp"] == 0.05 and opts["block"] == 64 and opts["actorder"] is None
+    assert opts["method"] == "gptq" and opts["damp"] == 0.05 and opts["block"] == 64 and opts["actorder"] == "off"
     # llm-compressor's default actorder (static = weight ordering; static groups either way)
-    assert build_plan(llama, ConvertOptions(recipe=_gptq_recipe(tmp_path))).options.actorder == "weight"
-    with pytest.raises(QuantizeError, match=r"--method autoround conflicts with .*gptq.yaml, whose modifier means method gptq"):
+    assert build_plan(llama, ConvertOptions(recipe=_gptq_recipe(tmp_path))).options.actorder == "static"
+    with pytest.raises(QuantizeError, match=r"--actorder static conflicts with actorder off"):
+        build_plan(llama, ConvertOptions(recipe=r, actorder="static"))
+    with pytest.raises(QuantizeError, match=r"--method autoround conflicts with .*gptq-0.yaml, whose modifier means method gptq"):
         build_plan(llama, ConvertOptions(recipe=r, method="autoround"))
     with pytest.raises(QuantizeError, match=r"--damp 0.1 conflicts with dampening_frac 0.05"):
         build_plan(llama, ConvertOptions(recipe=r, damp=0.1))
@@ -471,6 +473,7 @@ def test_bad_method_input_is_one_line(llama, tmp_path):
     _refused(llama, o, r"^--data is an option of --method gptq or --method autoround", data="x.jsonl")
     _refused(llama, o, r"^--all-experts is an option of", all_experts=True)
     _refused(llama, o, r"^--lr -1.0: the learning rate must be a positive number", method="autoround", lr=-1.0)
+    _refused(llama, o, r"^--actorder group: use static .* or off", method="gptq", actorder="group")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     _refused(llama, o, r"no usable samples", method="gptq", data=str(empty))

@@ -180,10 +180,11 @@ def _llmcompressor_update():
 
 
 def quantize_args(group_size: int, actorder: str | None):
+    """``actorder`` "static": llm-compressor's ``weight`` ordering (its default; static groups)."""
     from compressed_tensors.quantization import QuantizationArgs
 
     return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size,
-                            actorder=actorder, dynamic=False)
+                            actorder="weight" if actorder == "static" else None, dynamic=False)
 
 
 def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
