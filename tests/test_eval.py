@@ -143,7 +143,6 @@ def _negated_head(base, out):
     """The baseline with its output layer negated: it prefers what the baseline finds least likely."""
     import shutil
 
-    import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 

@@ -586,3 +586,36 @@ def test_autoround_interrupted_resumes_byte_identical(llama, outs, tmp_path, mon
     monkeypatch.setattr(A, "tune", real)
     convert(llama, out, profile="all-linear", method="autoround", iters=20, workers=1, resume=True, **CAL)
     assert _weights_only(out) == _weights_only(outs["autoround"])
+
+
+# the model card says what the manifest records about the method, and no more
+
+def _card_text(folder):
+    from quantize.publish.card import render
+
+    return render(folder, _manifest(folder), [], None, 0).text
+
+
+def test_card_records_method_grid_data_and_per_layer_report(outs):
+    g = _card_text(outs["gptq"])
+    m = _manifest(outs["gptq"])["method"]
+    assert "`gptq`: GPTQ: llm-compressor's `quantize_weight`" in g and "grid `minmax`" in g
+    assert f"act-order {m['actorder']}" in g and f"dampening {m['damp']}" in g
+    assert f"SHA-256 {m['data_sha256'][:16]}" in g and f"{m['samples']} samples, at most {m['seq_len']} tokens each, {m['tokens']:,} tokens" in g
+    assert "data-free" not in g  # the RTN wording must not describe a calibrated conversion
+    rows = [line for line in g.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    layers = [x for x in m["layers"] if x.get("units")]
+    assert len(rows) == len(layers) >= 2
+    assert f"{layers[0]['loss_rtn']:.4g}" in rows[0] and f"{layers[0]['loss']:.4g}" in rows[0]
+    a = _card_text(outs["autoround"])
+    assert "`autoround`: AutoRound-class tuning" in a and "grid `fullrange`" in a and "20 iterations" in a
+    r = _card_text(outs["rtn"])
+    assert "observer `minmax`" in r and "data-free (no calibration set)" in r and "Per decoder layer" not in r
+
+
+def test_card_names_experts_that_fell_back(dsv3, tmp_path):
+    out = tmp_path / "starved"
+    convert(dsv3, out, method="gptq", min_expert_tokens=10**6, **CAL)
+    text = _card_text(out)
+    assert "48 weights: " in text and "--min-expert-tokens" in text  # 2 MoE layers x 8 experts x gate/up/down
+    assert "experts)" in text  # the tokens-per-expert column is filled for the MoE layers

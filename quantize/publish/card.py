@@ -71,6 +71,69 @@ class CardResult:
     notes: list[str] = field(default_factory=list)
 
 
+METHODS = {
+    "gptq": "GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this model's own "
+            "layer-by-layer calibration forward",
+    "autoround": "AutoRound-class tuning: learnable rounding offsets and per-group min/max scale factors trained by signed "
+                 "gradient descent on each decoder layer's output error (Cheng et al.)",
+}
+
+
+def method_rows(opts: dict, rep: dict | None) -> list[tuple[str, str]]:
+    """The method rows of the card: what the conversion's manifest records, never more. A data-aware
+    method names its grid, options, calibration data (path and SHA-256), samples, tokens and what
+    fell back to round-to-nearest; RTN says it used no data."""
+    observer = opts.get("observer")
+    if not rep:
+        if not observer:
+            return [("method", "not recorded")]
+        if opts.get("method") not in (None, "rtn"):
+            return [("method", f"`{opts.get('method')}` in the options but no method report in the manifest: not claimed")]
+        return [("method", f"observer `{observer}`: {OBSERVERS.get(observer, 'see the quantize documentation')}; "
+                           "data-free (no calibration set)")]
+    m = rep.get("method")
+    grid = rep.get("grid")
+    how = [f"`{m}`: {METHODS.get(m, 'see the quantize documentation')}", f"grid `{grid}`: {OBSERVERS.get(grid, '?')}"]
+    if m == "gptq":
+        how.append(f"act-order {rep.get('actorder') or 'off'} (static groups, no g_idx), dampening {rep.get('damp')}, block {rep.get('block')}")
+    if m == "autoround":
+        how.append(f"{rep.get('iters')} iterations, lr {rep.get('lr')}, batch {rep.get('batch_size')}")
+    sha = rep.get("data_sha256")
+    rows = [("method", "; ".join(how)),
+            ("calibration data", f"`{rep.get('data')}`" + (f" (SHA-256 {sha[:16]}…)" if sha else "") + f": {rep.get('samples')} samples, "
+                                 f"at most {rep.get('seq_len')} tokens each, {rep.get('tokens'):,} tokens in all"
+                                 if isinstance(rep.get("tokens"), int) else f"`{rep.get('data')}`"),
+            ("routed experts", "statistics from every token (`--all-experts`)" if rep.get("all_experts")
+             else f"each expert's statistics from exactly the tokens its router sends it; fewer than {rep.get('min_expert_tokens')} tokens: RTN")]
+    rtn = rep.get("rtn") or []
+    reasons: dict[str, int] = {}
+    for f in rtn:
+        why = re.sub(r"^\d+ calibration tokens <", "fewer calibration tokens than", f.get("reason", "?"))  # one row per kind
+        reasons[why] = reasons.get(why, 0) + 1
+    rows.append(("round-to-nearest instead", "; ".join(f"{n} weight{'s' if n != 1 else ''}: {r}" for r, n in sorted(reasons.items()))
+                 + " (each named in the manifest)" if rtn else "none: every INT4 weight in the decoder layers went through the method"))
+    return rows
+
+
+def method_layers(rep: dict | None) -> list[str]:
+    """The per-layer report of a data-aware method: the layer's output error with RTN and with the
+    method (the quantity it minimised, on the calibration tokens), tokens per routed expert, the
+    weights that fell back, and wall time."""
+    layers = [x for x in (rep or {}).get("layers") or [] if x.get("units")]
+    if not layers:
+        return []
+    L = [f"Per decoder layer ({rep.get('method')}; loss = mean squared error of the layer's output on the calibration tokens, "
+         "RTN on the same grid -> the method):", "",
+         "| layer | weights | loss RTN | loss | tokens per expert (min / median / max) | fallbacks | seconds |", "|---:|---:|---:|---:|---|---:|---:|"]
+    f = lambda v: "—" if not isinstance(v, (int, float)) else f"{v:.4g}"  # noqa: E731
+    for x in layers:
+        t = x.get("tokens_per_expert")
+        tpe = f"{t['min']} / {t['median']:g} / {t['max']} ({t['experts']} experts)" if t else "—"
+        L.append(f"| {x.get('layer')} | {x.get('units')} | {f(x.get('loss_rtn'))} | {f(x.get('loss'))} | {tpe} | "
+                 f"{len(x.get('fallbacks') or [])} | {f(x.get('seconds'))} |")
+    return L + [""]
+
+
 # -- the folder ------------------------------------------------------------------------------
 
 def load_manifest(folder: Path) -> dict:
@@ -452,8 +515,7 @@ def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | Non
             for kind in k:
                 kept.setdefault(KIND_WORDS.get(kind, kind), []).append(r)
     rows = [("scheme", scheme),
-            ("method", f"observer `{opts.get('observer')}`: {OBSERVERS.get(opts.get('observer'), 'see the quantize documentation')}; "
-                       "data-free (no calibration set)" if opts.get("observer") else "not recorded"),
+            *method_rows(opts, (cm or {}).get("method")),
             ("INT4", (", ".join(int4_roles) + f" ({sum(sum(roles[r].values()) for r in int4_roles)} tensors)") if int4_roles else "not recorded"),
             ("kept high precision", "; ".join(f"{how}: {', '.join(sorted(rs))}" for how, rs in sorted(kept.items())) or "not recorded"),
             ("ignore (config.json)", ", ".join(f"`{x}`" for x in qc.get("ignore") or []) or "none")]
@@ -474,6 +536,7 @@ def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | Non
     for r in tpf["refused"]:
         rows.append((f"TP {r['tp']}", f"does not fit: {r['reason']}"))
     L += _table(rows) + [""]
+    L += method_layers((cm or {}).get("method"))
     err = (cm or {}).get("error_summary") or {}
     if err:
         L += ["Weight error of the INT4 tensors against the source, measured at conversion (relative L2 per tensor):", "",
