@@ -20,6 +20,13 @@ Routed experts are trained inside the layer's own forward, so each gets the grad
 the tokens the router sends it; an expert with fewer than ``--min-expert-tokens`` keeps its RTN
 initialisation and is named. ``--all-experts`` adds, per expert, its own output error over every
 token of the batch to the loss (the statistics only: the layer's output still follows the router).
+
+Why not the ``auto-round`` package's own block API: ``AutoRound.quantize_block(block, inputs, ...)``
+(auto-round 0.15.1, ``compressors/orchestrator.py``, the entry llm-compressor's AutoRoundModifier
+uses) needs a compressor built from the whole model (``post_init`` on its model context), and it
+tunes only ``SUPPORTED_LAYER_TYPES = (nn.Linear, Conv1D)`` (``utils/common.py``): transformers 5's
+routed experts are fused 3-D parameters of one module, so the weights that make up most of GLM-5
+and Kimi K2 would not be reached. The algorithm is therefore implemented here from the paper.
 """
 
 from __future__ import annotations
