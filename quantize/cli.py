@@ -44,7 +44,7 @@ def convert(
     out: Path = typer.Argument(..., help="output folder (must not exist unless --resume/--overwrite)"),
     group_size: Optional[int] = typer.Option(None, help="INT4 group size along K: 32 (default), 64 or 128"),
     profile: Optional[str] = typer.Option(None, help="experts (default: routed experts INT4, Kimi's layout) or all-linear"),
-    observer: Optional[str] = typer.Option(None, help="minmax (default, bit-identical to compressed-tensors RTN), mse (clipping search), fullrange (all 16 codes: scale = signed extreme / -8), fullrange-mse"),
+    observer: Optional[str] = typer.Option(None, help="minmax (default for rtn and gptq, bit-identical to compressed-tensors RTN), mse (clipping search), fullrange (all 16 codes: scale = signed extreme / -8; the default for autoround; negative scales, checked in vLLM CPU, unverified on GPU Marlin/Machete), fullrange-mse"),
     keep_fp8: bool = typer.Option(False, "--keep-fp8", help="leave non-INT4 FP8 weights FP8 (block) instead of BF16"),
     recipe: Optional[str] = typer.Option(None, help="llm-compressor recipe YAML (targets / ignore / group size)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUT (same options)"),
