@@ -248,7 +248,8 @@ def check_cmd(
         v = rep.verified
         if v:
             c.print(f"proven: {v.get('files_sha256', 0)} files by SHA-256 against the manifest"
-                    + (f"; {v['tensors_exact_vs_source']} tensors exactly against the source" if "tensors_exact_vs_source" in v else ""))
+                    + (f"; {v['tensors_exact_vs_source']} tensors exactly against the source" if "tensors_exact_vs_source" in v else "")
+                    + (f"; {v['tensors_method_vs_source']} GPTQ/AutoRound tensors by their grid and recorded error" if "tensors_method_vs_source" in v else ""))
         for f in rep.failures[:20]:
             typer.echo(f"FAIL {f}", err=True)
     if not rep.ok:

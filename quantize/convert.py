@@ -168,12 +168,8 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
         r1 = min(rows, r0 + ROW_CHUNK)
         wr = _weight_rows(job, w, s, r0, r1)
         _check_finite(job, wr)
-        ref = wr.to(scale.dtype).float()
-        deq = int4.dequantize_int4(packed[r0:r1], scale[r0:r1], (r1 - r0, k), dtype=torch.float32)
-        diff = deq.sub_(ref)
-        sq_ref += float(ref.pow(2).sum(dtype=torch.float64))
-        sq_err += float(diff.pow(2).sum(dtype=torch.float64))
-        max_err = max(max_err, float(diff.abs().max()) if diff.numel() else 0.0)
+        e, r, m = int4.error_sums(wr, packed[r0:r1], scale[r0:r1])
+        sq_err, sq_ref, max_err = sq_err + e, sq_ref + r, max(max_err, m)
         sq_rtn += int4.quantize_pack(wr, options.group_size, options.observer, scale.dtype).sq_err
     stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0, "max_abs_err": max_err,
              "method": cache.methods.get(job.module, options.method_name),

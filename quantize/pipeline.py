@@ -404,6 +404,7 @@ def _run_check(ctx: Ctx, resume: bool) -> dict:
         raise CheckFailed(f"check: {failures[0]} ({len(failures)} failures; {p.out / 'reports' / 'check.json'})")
     return {"outputs": outputs, "summary": f"pass: {proven.get('files_sha256', 0)} files by SHA-256"
             + (f", {proven['tensors_exact_vs_source']} tensors exactly against the source" if "tensors_exact_vs_source" in proven else "")
+            + (f", {proven['tensors_method_vs_source']} GPTQ/AutoRound tensors by their grid and recorded error" if "tensors_method_vs_source" in proven else "")
             + (", the TP split exact" if "shard" in ctx.art else "")}
 
 

@@ -116,3 +116,78 @@ def test_cli_check_names_the_tensor_and_exits_1(out, tiny):
     p = subprocess.run([sys.executable, "-m", "quantize.cli", "check", str(out), "--source", str(tiny("glm_moe_dsa"))],
                        capture_output=True, text=True)
     assert p.returncode == 1 and name in p.stderr
+
+
+# GPTQ / AutoRound outputs: not re-derivable without the calibration pass, so check proves their
+# grid and recomputes their recorded error against the source (and still catches any change)
+
+@pytest.fixture(scope="module")
+def method_outs(converted):
+    """Tiny DeepSeek-V3 as the vendor ships it (block FP8), routed experts INT4 by GPTQ and by AutoRound."""
+    return {"gptq": converted("deepseek_v3", method="gptq", samples=4, seq_len=64),
+            "autoround": converted("deepseek_v3", method="autoround", iters=5, samples=4, seq_len=64)}
+
+
+@pytest.fixture(params=["gptq", "autoround"])
+def mout(request, method_outs, tmp_path):
+    d = tmp_path / request.param
+    shutil.copytree(method_outs[request.param], d)
+    return request.param, d
+
+
+def _made_by(d, how):
+    """A routed expert's down_proj the method itself made (not an RTN fallback)."""
+    m = json.loads((d / "quantize_manifest.json").read_text())
+    return next(t["name"][: -len(".weight")] for t in m["tensors"] if t.get("method") == how and ".experts." in t["name"])
+
+
+def test_method_output_proven_by_grid_and_recorded_error(mout, tiny):
+    how, d = mout
+    expert = _made_by(d, how)
+    m = json.loads((d / "quantize_manifest.json").read_text())
+    by = {}
+    for t in m["tensors"]:
+        by[t.get("method")] = by.get(t.get("method"), 0) + 1
+    assert by[how] > 0 and by.get("rtn", 0) > 0  # the MTP layer's experts are RTN (outside the layers transformers runs)
+    rep = check(d, source=tiny("deepseek_v3"))
+    assert rep.ok, rep.failures
+    assert rep.verified["tensors_method_vs_source"] == by[how]
+    from quantize.checkpoint.index import CheckpointIndex
+
+    idx = CheckpointIndex.open(d)
+    n_int4 = sum(1 for n in idx.tensors if n.endswith(".weight_packed"))
+    n_plain = sum(1 for n in idx.tensors if not n.endswith((".weight_packed", ".weight_scale", ".weight_shape")))
+    assert rep.verified["tensors_exact_vs_source"] == n_int4 + n_plain - by[how]  # RTN fallbacks still exactly
+    # the same folder is not this model's conversion of another source (the BF16 weights before FP8)
+    other = check(d, source=tiny("deepseek_v3", fp8_source=False))
+    assert not other.ok and any(expert in x for x in other.failures)
+
+
+@pytest.mark.parametrize("part", ["weight_packed", "weight_scale"])
+def test_method_output_catches_changed_codes_or_scales(mout, tiny, part):
+    how, d = mout
+    expert = _made_by(d, how)
+    name = f"{expert}.{part}"
+
+    def fn(t):
+        raw = t[name].view(torch.uint8).view(-1)
+        raw[4:7] ^= 0x10
+    _edit(d, name, fn, fix_manifest=True)
+    assert check(d).ok  # the manifest alone cannot see it now
+    rep = check(d, source=tiny("deepseek_v3"))
+    assert not rep.ok
+    msgs = [x for x in rep.failures if expert in x]
+    assert msgs, rep.failures
+    if how == "gptq" and part == "weight_scale":
+        assert "GPTQ scales differ from the minmax grid" in msgs[0]
+    else:
+        assert "not the one the conversion recorded" in msgs[0] or "outside [0.5, 1]" in msgs[0], msgs
+
+
+def test_autoround_scale_outside_its_clip_range_is_named(method_outs, tiny, tmp_path):
+    d = tmp_path / "ar"
+    shutil.copytree(method_outs["autoround"], d)
+    expert = _made_by(d, "autoround")
+    _edit(d, f"{expert}.weight_scale", lambda t: t[f"{expert}.weight_scale"].mul_(0.25), fix_manifest=True)
+    rep = check(d, source=tiny("deepseek_v3"))
+    assert any(expert in x and "AutoRound group scales lie outside [0.5, 1]" in x for x in rep.failures), rep.failures

@@ -177,6 +177,18 @@ def quantize_pack(
     return Int4Result(pack_int4(q), scale, sq_err, sq_ref, float(diff.abs().max()) if diff.numel() else 0.0)
 
 
+def error_sums(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tuple[float, float, float]:
+    """(squared error, squared reference, max abs error) of stored codes and scales against the
+    weight rows ``w`` they were made from (the reference rounded to the scale dtype, as
+    ``quantize_pack`` measures it): how ``convert`` records a data-aware method's tensor, and how
+    ``check --source`` recomputes that record."""
+    rows, k = w.shape
+    ref = w.to(scale.dtype).float()
+    diff = dequantize_int4(packed, scale, (rows, k), dtype=torch.float32).sub_(ref)
+    return (float(diff.pow(2).sum(dtype=torch.float64)), float(ref.pow(2).sum(dtype=torch.float64)),
+            float(diff.abs().max()) if diff.numel() else 0.0)
+
+
 def weights_args(group_size: int, observer: str | None = None) -> dict:
     """The ``weights`` QuantizationArgs dict compressed-tensors 0.19 writes for W4A16, from its own
     pydantic model."""
