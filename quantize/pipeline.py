@@ -13,7 +13,9 @@ The recipe is an llm-compressor recipe (``quant_stage`` / ``QuantizationModifier
       limit: 200
       max_drop: 1.0
       repo: my-org/GLM-5.2-W4A16
-      convert: {group_size, profile, observer, keep_fp8, workers, device}
+      convert: {group_size, profile, observer, keep_fp8, workers, device,
+                method, samples, seq_len, iters, lr, batch_size, damp, block, actorder, all_experts,
+                min_expert_tokens, memory_budget_gib}   # method gptq/autoround calibrates on `data`
       kv: {target: sglang, fold: false, samples: 512, seq_len: 2048}
       shard: {tp: 8}
       eval: {device: cpu, max_gen_toks: null, if_no_data: fail}
@@ -67,7 +69,12 @@ SCHEMA: dict = {
     "repo": ((str, type(None)), None),
     "convert": {"group_size": ((int, type(None)), None), "profile": ((str, type(None)), None),
                 "observer": ((str, type(None)), None), "keep_fp8": ((bool,), False), "workers": ((int, type(None)), None),
-                "device": ((str,), "cpu")},
+                "device": ((str,), "cpu"),
+                "method": ((str, type(None)), None), "samples": ((int, type(None)), None), "seq_len": ((int, type(None)), None),
+                "iters": ((int, type(None)), None), "lr": ((int, float, type(None)), None), "batch_size": ((int, type(None)), None),
+                "damp": ((int, float, type(None)), None), "block": ((int, type(None)), None), "actorder": ((str, type(None)), None),
+                "all_experts": ((bool,), False), "min_expert_tokens": ((int, type(None)), None),
+                "memory_budget_gib": ((int, float), 4.0)},
     "kv": {"target": ((str,), "sglang"), "fold": ((bool,), False), "fold_headroom": ((int, float), 2.0),
            "samples": ((int,), 512), "seq_len": ((int,), 2048), "clip": ((float, type(None)), None),
            "chat_template": ((bool,), False)},
@@ -273,7 +280,15 @@ def _opts_convert(p: Pipeline) -> dict:
     from .recipe import load_recipe
 
     c = p.opts["convert"]
-    return {"recipe": asdict(load_recipe(p.recipe)) | {"path": None}, **{k: c[k] for k in ("group_size", "profile", "observer", "keep_fp8")}}
+    opts = {"recipe": asdict(load_recipe(p.recipe)) | {"path": None}, **{k: c[k] for k in ("group_size", "profile", "observer", "keep_fp8")}}
+    if c["method"] not in (None, "rtn") or opts["recipe"].get("method") not in (None, "rtn"):
+        # a data-aware method's result depends on its options and its calibration text (not on
+        # workers or the memory budget: both give the same bytes)
+        opts.update({k: c[k] for k in METHOD_KEYS}, data=p.opts["data"], data_id=_data_identity(p.opts["data"]))
+    return opts
+
+
+METHOD_KEYS = ("method", "samples", "seq_len", "iters", "lr", "batch_size", "damp", "block", "actorder", "all_experts", "min_expert_tokens")
 
 
 def _opts_kv(p: Pipeline) -> dict:
@@ -343,7 +358,8 @@ def _run_convert(ctx: Ctx, resume: bool) -> dict:
     out = ctx.p.out / "model"
     res = conv.convert(ctx.path("source"), out, group_size=c["group_size"], profile=c["profile"], observer=c["observer"],
                        keep_fp8=c["keep_fp8"], recipe=str(ctx.p.recipe), resume=resume, overwrite=not resume and out.exists(),
-                       workers=c["workers"], device=c["device"], emit=ctx.emit)
+                       workers=c["workers"], device=c["device"], data=ctx.p.opts["data"],
+                       memory_budget_gib=c["memory_budget_gib"], **{k: c[k] for k in METHOD_KEYS}, emit=ctx.emit)
     ident = _model_identity(out)
     mean = f", INT4 weight rel. error mean {res.mean_rel_err:.4f}" if res.mean_rel_err is not None else ""
     return {"outputs": {"converted": {"path": "model", "id": ident}, "model": {"path": "model", "id": ident}},
@@ -504,7 +520,9 @@ def _does(p: Pipeline, name: str) -> str:
     return {
         "make-source": lambda: f"make a tiny {p.tiny} FP8 checkpoint (transformers' classes, vendor layout) in {p.out / 'source'}",
         "convert": lambda: f"convert {p.source_path} -> {p.out / 'model'} (recipe {p.recipe.name}"
-                           + "".join(f", {k} {c[k]}" for k in ("group_size", "profile", "observer") if c[k] is not None)
+                           + "".join(f", {k} {c[k]}" for k in ("group_size", "profile", "observer", "method", "samples", "seq_len", "iters")
+                                     if c[k] is not None)
+                           + (f", calibrated on {o['data'] or 'the shipped corpus'}" if c["method"] not in (None, "rtn") else "")
                            + (", keep FP8" if c["keep_fp8"] else "") + ")",
         "calibrate-kv": lambda: f"KV-cache report (target {o['kv']['target']}, {o['kv']['samples']} samples x {o['kv']['seq_len']} tokens"
                                 + (f", data {o['data']}" if o["data"] else ", the shipped corpus") + ")"

@@ -269,3 +269,38 @@ def test_cli_interrupt_says_how_to_continue(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "run", interrupted)
     res = CliRunner().invoke(app, ["run", _recipe(tmp_path, stages=["convert"])])
     assert res.exit_code == 130 and "rerun the same `quantize run` to continue" in res.output and "--resume" in res.output
+
+
+def test_data_aware_method_from_the_recipe_runs_checks_and_cards(tmp_path, monkeypatch):
+    """A recipe's GPTQModifier with convert: {samples, seq_len} calibrates on the pipeline's data;
+    check proves the GPTQ tensors by their grid and recorded error; the card says GPTQ; a changed
+    method option reruns convert; convert: {method: gptq} against a QuantizationModifier is refused."""
+    import quantize.convert as conv
+
+    r = _recipe(tmp_path, stages=["convert", "check", "card"], shard={"tp": 2}, convert={"method": "gptq", "samples": 4, "seq_len": 64})
+    with pytest.raises(QuantizeError, match="conflicts with .* whose modifier means method rtn"):
+        pipeline.run(r)
+    doc = yaml.safe_load(open(r))
+    mods = doc["quant_stage"]["quant_modifiers"]
+    mods["GPTQModifier"] = mods.pop("QuantizationModifier")
+    doc["pipeline"]["convert"] = {"samples": 4, "seq_len": 64, "workers": 2}
+    doc["pipeline"]["out"] = str(tmp_path / "run")
+    r = tmp_path / "gptq.yaml"
+    r.write_text(yaml.safe_dump(doc, sort_keys=False))
+    res = pipeline.run(str(r))
+    by = {s.stage: s for s in res.stages}
+    assert by["check"].state == "done" and "GPTQ/AutoRound tensors by their grid and recorded error" in by["check"].summary
+    m = json.loads((tmp_path / "run" / "model" / "quantize_manifest.json").read_text())
+    assert m["method"]["method"] == "gptq" and m["method"]["samples"] == 4 and m["method"]["data"] == "default corpus"
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "`gptq`: GPTQ" in card and "data-free" not in card
+    doc = yaml.safe_load(open(r))
+    doc["pipeline"]["convert"]["samples"] = 8
+    r2 = tmp_path / "s8.yaml"
+    r2.write_text(yaml.safe_dump(doc))
+    plan = {s.stage: s for s in pipeline.run(str(r2), plan=True).stages}
+    assert plan["convert"].state == "stale" and "samples" in plan["convert"].why, plan["convert"].why
+    calls = Calls(monkeypatch, conv, "convert")
+    pipeline.run(str(r2))
+    assert calls.n == 1
+    assert json.loads((tmp_path / "run" / "model" / "quantize_manifest.json").read_text())["method"]["samples"] == 8
