@@ -164,17 +164,15 @@ class ConvertOptions:
         rmethod = recipe.method or DEFAULT_METHOD
         if self.method is not None and self.method != rmethod:
             raise QuantizeError(f"--method {self.method} conflicts with {recipe.path}, whose modifier means method {rmethod}; drop the flag or edit the recipe")
-        for name in ("damp", "block", "actorder"):
+        keys = {"damp": "dampening_frac", "block": "block_size", "actorder": "actorder", "iters": "iters", "batch_size": "batch_size", "lr": "lr"}
+        for name, key in keys.items():
             mine, theirs = getattr(self, name), getattr(recipe, name)
             if mine is not None and theirs is not None and mine != theirs:
-                key = {"damp": "dampening_frac", "block": "block_size", "actorder": "actorder"}[name]
                 raise QuantizeError(f"{_flag(name)} {mine} conflicts with {key} {theirs} in {recipe.path}; drop the flag or edit the recipe")
         out = replace(self, group_size=recipe.group_size, profile=DEFAULT_PROFILE,
-                      observer=self.observer or recipe.observer or DEFAULT_OBSERVER,
+                      observer=self.observer or recipe.observer or default_observer(rmethod),
                       method=None if rmethod == DEFAULT_METHOD else rmethod,
-                      damp=self.damp if self.damp is not None else recipe.damp,
-                      block=self.block if self.block is not None else recipe.block,
-                      actorder=self.actorder or recipe.actorder)
+                      **{name: getattr(self, name) if getattr(self, name) is not None else getattr(recipe, name) for name in keys})
         out.check_method_options()
         return out._method_defaults()
 

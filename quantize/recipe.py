@@ -1,7 +1,8 @@
-"""llm-compressor recipe YAML (QuantizationModifier or GPTQModifier: config_groups / scheme / targets /
-ignore; GPTQModifier's dampening_frac / block_size / actorder) -> the subset this tool executes: one
-symmetric INT4 group scheme, its targets and ignore list, and the method (rtn, or gptq for a
-GPTQModifier)."""
+"""llm-compressor recipe YAML (QuantizationModifier, GPTQModifier or AutoRoundModifier: config_groups /
+scheme / targets / ignore; GPTQModifier's dampening_frac / block_size / actorder; AutoRoundModifier's
+iters / batch_size / lr, as llmcompressor/modifiers/autoround/base.py names them) -> the subset this
+tool executes: one symmetric INT4 group scheme, its targets and ignore list, and the method (rtn,
+gptq for a GPTQModifier, autoround for an AutoRoundModifier)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .errors import QuantizeError
 from .formats.layout import OBSERVERS, SUPPORTED_GROUP_SIZES
 
 PRESETS = {"W4A16": 128}
+MODIFIERS = ("QuantizationModifier", "GPTQModifier", "AutoRoundModifier")
 
 
 @dataclass(frozen=True)
@@ -25,16 +27,19 @@ class Recipe:
     group_size: int
     observer: str | None = None
     kv_cache_scheme: dict | None = field(default=None)
-    method: str = "rtn"  # "gptq" for a GPTQModifier
+    method: str = "rtn"  # "gptq" for a GPTQModifier, "autoround" for an AutoRoundModifier
     damp: float | None = None  # GPTQModifier dampening_frac
     block: int | None = None  # GPTQModifier block_size
     actorder: str | None = None  # GPTQModifier actorder: "static" or "off" (calibration order only; static groups)
+    iters: int | None = None  # AutoRoundModifier iters (its default 200)
+    batch_size: int | None = None  # AutoRoundModifier batch_size (its default 8)
+    lr: float | None = None  # AutoRoundModifier lr (its default None: 1/iters)
 
 
 def _find_modifier(node) -> tuple[str, dict] | None:
     if isinstance(node, dict):
         for key, val in node.items():
-            if key in ("QuantizationModifier", "GPTQModifier") and isinstance(val, dict):
+            if key in MODIFIERS and isinstance(val, dict):
                 return key, val
             found = _find_modifier(val)
             if found is not None:
@@ -81,7 +86,7 @@ def load_recipe(path: str | Path) -> Recipe:
         raise QuantizeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the recipe") from e
     found = _find_modifier(doc)
     if found is None:
-        raise QuantizeError(f"{path}: no QuantizationModifier found; a recipe needs quant_stage.quant_modifiers.QuantizationModifier (or GPTQModifier)")
+        raise QuantizeError(f"{path}: no QuantizationModifier found; a recipe needs quant_stage.quant_modifiers.QuantizationModifier (or GPTQModifier, AutoRoundModifier)")
     kind, mod = found
     actorder_given = "actorder" in mod
     actorder = mod.get("actorder")
@@ -130,10 +135,24 @@ def load_recipe(path: str | Path) -> Recipe:
         raise QuantizeError(f"{path}: observer {observer!r} is not supported; use one of {', '.join(OBSERVERS)}")
     if kind == "QuantizationModifier":
         return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"))
+    if kind == "AutoRoundModifier":
+        lr = mod.get("lr")
+        if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")):
+            raise QuantizeError(f"{path}: AutoRoundModifier lr {lr!r} must be a positive number or null (1/iters); fix the recipe")
+        return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"), method="autoround",
+                      iters=_whole(path, "iters", mod.get("iters", 200), 0), batch_size=_whole(path, "batch_size", mod.get("batch_size", 8), 1),
+                      lr=None if lr is None else float(lr))
     return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"), method="gptq",
                   damp=_number(path, "dampening_frac", mod.get("dampening_frac", 0.01), float),
                   block=_number(path, "block_size", mod.get("block_size", 128), int),
                   actorder=_actorder(path, actorder if actorder_given else "static"))
+
+
+def _whole(path: Path, key: str, val, least: int) -> int:
+    """An AutoRoundModifier count: iters >= 0, batch_size >= 1."""
+    if not (isinstance(val, int) and not isinstance(val, bool) and val >= least):
+        raise QuantizeError(f"{path}: AutoRoundModifier {key} {val!r} must be a whole number >= {least}; fix the recipe")
+    return val
 
 
 def _number(path: Path, key: str, val, kind):

@@ -455,6 +455,46 @@ def test_gptq_recipe_means_method_gptq(llama, tmp_path):
         build_plan(llama, ConvertOptions(recipe=_gptq_recipe(tmp_path, "      actorder: group\n")))
 
 
+def _autoround_recipe(tmp_path, body="      iters: 5\n      batch_size: 2\n"):
+    p = tmp_path / f"ar-{len(list(tmp_path.glob('ar*.yaml')))}.yaml"
+    p.write_text(f"""quant_stage:
+  quant_modifiers:
+    AutoRoundModifier:
+{body}      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          targets: ["Linear"]
+          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}}
+""")
+    return str(p)
+
+
+def test_autoround_recipe_means_method_autoround(llama, tmp_path):
+    """llm-compressor's AutoRoundModifier (iters / batch_size / lr, its names and defaults) selects
+    --method autoround on AutoRound's full-range grid; the same tensors as the flags."""
+    from quantize.plan import ConvertOptions, build_plan
+
+    via_recipe = tmp_path / "recipe"
+    convert(llama, via_recipe, recipe=_autoround_recipe(tmp_path), **CAL)
+    via_flags = tmp_path / "flags"
+    convert(llama, via_flags, profile="all-linear", method="autoround", iters=5, batch_size=2, **CAL)
+    a, b = load_dir(via_recipe), load_dir(via_flags)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    rep = _manifest(via_recipe)["method"]
+    assert rep["method"] == "autoround" and rep["iters"] == 5 and rep["batch_size"] == 2 and rep["grid"] == "fullrange"
+    dflt = build_plan(llama, ConvertOptions(recipe=_autoround_recipe(tmp_path, ""))).options
+    assert (dflt.method, dflt.iters, dflt.batch_size, dflt.lr, dflt.observer) == ("autoround", 200, 8, 1 / 200, "fullrange")
+    with pytest.raises(QuantizeError, match=r"--iters 7 conflicts with iters 5"):
+        build_plan(llama, ConvertOptions(recipe=_autoround_recipe(tmp_path), iters=7))
+    with pytest.raises(QuantizeError, match=r"--method gptq conflicts with .*, whose modifier means method autoround"):
+        build_plan(llama, ConvertOptions(recipe=_autoround_recipe(tmp_path), method="gptq"))
+    for body, msg in (("      iters: -1\n", "AutoRoundModifier iters -1 must be a whole number >= 0"),
+                      ("      batch_size: 0\n", "AutoRoundModifier batch_size 0 must be a whole number >= 1"),
+                      ("      lr: fast\n", "AutoRoundModifier lr 'fast' must be a positive number or null")):
+        with pytest.raises(QuantizeError, match=msg):
+            build_plan(llama, ConvertOptions(recipe=_autoround_recipe(tmp_path, body)))
+
+
 def _refused(src, out, match, **kw):
     with pytest.raises(QuantizeError, match=match) as e:
         convert(src, out, **kw)
