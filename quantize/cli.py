@@ -46,7 +46,7 @@ def convert(
     profile: Optional[str] = typer.Option(None, help="experts (default: routed experts INT4, Kimi's layout) or all-linear"),
     observer: Optional[str] = typer.Option(None, help="minmax (default for rtn and gptq, bit-identical to compressed-tensors RTN), mse (clipping search), fullrange (all 16 codes: scale = signed extreme / -8; the default for autoround; negative scales, checked in vLLM CPU, unverified on GPU Marlin/Machete), fullrange-mse"),
     keep_fp8: bool = typer.Option(False, "--keep-fp8", help="leave non-INT4 FP8 weights FP8 (block) instead of BF16"),
-    recipe: Optional[str] = typer.Option(None, help="llm-compressor recipe YAML (targets / ignore / group size)"),
+    recipe: Optional[str] = typer.Option(None, help="llm-compressor recipe YAML (targets / ignore / group size; a GPTQModifier means --method gptq, an AutoRoundModifier --method autoround)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUT (same options)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing quantize output in OUT"),
     workers: Optional[int] = typer.Option(None, help="compute threads (default: all cores)"),
