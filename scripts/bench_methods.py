@@ -2,7 +2,7 @@
 """Fidelity of the INT4 methods, side by side in one run (a benchmark, not a test).
 
 SmolLM2-135M-Instruct (scripts/smollm2_to_hf.py), every decoder Linear INT4, at each --groups size:
-RTN (minmax, mse, fullrange), GPTQ and AutoRound, calibrated on GSM8K train; KL divergence against
+RTN (minmax, mse, fullrange), GPTQ (minmax and full-range grids) and AutoRound, calibrated on GSM8K train; KL divergence against
 the BF16 source over --chunks x --chunk tokens of GSM8K test (in domain) and of ARC questions with
 their choices (out of domain), one table per text with each method's ratio to RTN minmax. Then the
 tiny glm_moe_dsa and deepseek_v3 fixtures (BF16 sources, routed experts INT4): KLD against the
@@ -10,7 +10,7 @@ source and the tokens-per-expert report of each MoE layer. The closing note give
 decoder layer and the peak RSS of each conversion (each runs as its own process).
 
     python scripts/bench_methods.py --smollm2 /tmp/smollm2 --work /tmp/bench [--groups 32 64]
-        [--samples 64] [--seq-len 512] [--iters 50] [--chunks 16] [--chunk 512] [--only gptq,autoround]
+        [--samples 64] [--seq-len 512] [--iters 50] [--chunks 16] [--chunk 512] [--only gptq,autoround] [--depth]
 """
 
 from __future__ import annotations
@@ -27,23 +27,37 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+# The CLI in a child that writes its own VmHWM at exit: a child's ru_maxrss (wait4, getrusage)
+# starts from its parent's high-water mark at fork (Linux carries it across exec), so once this
+# process holds a model for the KLD tables every child would report this process's size instead.
+CHILD = """import atexit, os, runpy, sys
+def _hwm():
+    with open(os.environ["BENCH_HWM"], "w") as f:
+        f.write(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM:")))
+atexit.register(_hwm)
+sys.argv = ["quantize", *sys.argv[1:]]
+runpy.run_module("quantize.cli", run_name="__main__")
+"""
+
+
 def convert(src: Path, out: Path, args: list[str], reuse: bool) -> dict:
-    """One conversion through the CLI in its own process: wall seconds and peak RSS (wait4)."""
+    """One conversion through the CLI in its own process: wall seconds and peak RSS (its VmHWM)."""
     if reuse and (out / "quantize_manifest.json").exists():
         m = json.loads((out / "quantize_manifest.json").read_text())
         return {"seconds": m.get("seconds"), "peak_rss_mib": None, "reused": True, "manifest": m}
-    cmd = [sys.executable, "-m", "quantize.cli", "convert", str(src), str(out), "--overwrite", "--json", *args]
+    cmd = [sys.executable, "-c", CHILD, "convert", str(src), str(out), "--overwrite", "--json", *args]
     log = out.with_name(out.name + ".log")
+    hwm = out.with_name(out.name + ".hwm")
+    hwm.unlink(missing_ok=True)
     t0 = time.time()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "BENCH_HWM": str(hwm)}).returncode
     seconds = time.time() - t0
-    if os.waitstatus_to_exitcode(status):
+    if rc:
         lines = log.read_text().strip().splitlines()
         raise SystemExit(f"convert {' '.join(args)} failed: {lines[-1] if lines else '?'} (log: {log})")
     m = json.loads((out / "quantize_manifest.json").read_text())
-    return {"seconds": seconds, "peak_rss_mib": usage.ru_maxrss / 1024, "reused": False, "manifest": m}
+    return {"seconds": seconds, "peak_rss_mib": int(hwm.read_text()) / 1024 if hwm.exists() else None, "reused": False, "manifest": m}
 
 
 def texts(work: Path) -> dict[str, Path]:
@@ -93,10 +107,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--only", default=None, help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq,autoround")
+    ap.add_argument("--only", default=None, help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq,gptq-fullrange,autoround")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--reuse", action="store_true", help="keep finished conversions in --work (their timings are the recorded ones)")
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--depth", action="store_true", help="also peak RSS of GPTQ/AutoRound on a 4- and a 16-layer MoE (memory flat in depth)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the KLD evaluation (default 1: on a shared "
                     "machine OpenMP threads that wait on a busy core cost far more than they give)")
     a = ap.parse_args()
@@ -110,6 +125,7 @@ def main() -> None:
         "rtn-mse": ["--observer", "mse"],
         "rtn-fullrange": ["--observer", "fullrange"],
         "gptq": ["--method", "gptq", *cal],
+        "gptq-fullrange": ["--method", "gptq", "--observer", "fullrange", *cal],
         "autoround": ["--method", "autoround", "--iters", str(a.iters), *cal],
     }
     if a.only:
@@ -163,6 +179,27 @@ def main() -> None:
                 named = {f["reason"] for f in rep["rtn"]}
                 print(f"  {name}: {len(rep['rtn'])} weights RTN, named ({'; '.join(sorted(named))})")
                 results["tiny"][arch][f"{name} layers"] = rep["layers"]
+    if a.depth:
+        # memory flat in depth: the same MoE layer 4 and 16 times (routed experts ~25 MiB BF16 a layer),
+        # each conversion its own process, peak RSS from wait4
+        from quantize.testing.tiny import make_tiny
+
+        big = {"hidden_size": 512, "moe_intermediate_size": 1024, "intermediate_size": 1024}
+        rows = []
+        for n in (4, 16):
+            src = a.work / f"depth-{n}-bf16"
+            if not (src / "quantize_manifest.json").exists():
+                make_tiny("deepseek_v3", src, fp8_source=False, overwrite=True, mtp=False, overrides={**big, "num_hidden_layers": n})
+            src_mib = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 2**20
+            for name, extra in (("gptq", ["--method", "gptq"]), ("autoround", ["--method", "autoround", "--iters", "10"])):
+                r = convert(src, a.work / f"depth-{n}-{name}", extra + ["--samples", "16", "--seq-len", "128"] + wk, False)
+                rows.append((n, name, src_mib, r["peak_rss_mib"], r["seconds"], per_layer(r["manifest"]),
+                             r["manifest"]["method"]["hidden_bytes_peak_in_memory"] / 2**20))
+        print("\nMemory in depth (tiny deepseek_v3, hidden 512, 8 routed experts of 1024, BF16 source, experts INT4):")
+        print(f"  {'layers':>6} {'method':<10} {'source MiB':>10} {'peak RSS MiB':>12} {'wall s':>7} {'hidden MiB':>10}  per layer")
+        for n, name, smib, rss, sec, pl, hid in rows:
+            print(f"  {n:>6} {name:<10} {smib:>10.0f} {rss:>12.0f} {sec:>7.1f} {hid:>10.1f}  {pl}")
+        results["depth"] = [dict(zip(("layers", "method", "source_mib", "peak_rss_mib", "seconds", "per_layer", "hidden_mib"), r)) for r in rows]
     print("\nClosing note (this machine, " + f"{os.cpu_count()} cores):")
     for n in notes:
         print("  " + n)
