@@ -122,8 +122,10 @@ def method_layers(rep: dict | None) -> list[str]:
     layers = [x for x in (rep or {}).get("layers") or [] if x.get("units")]
     if not layers:
         return []
-    L = [f"Per decoder layer ({rep.get('method')}; loss = mean squared error of the layer's output on the calibration tokens, "
-         "RTN on the same grid -> the method):", "",
+    target = ("the source layer's output on the same (quantized-path) inputs" if rep.get("method") == "gptq" else
+              "the source model's own output of this layer (so it includes the error the layers before it left)")
+    L = [f"Per decoder layer ({rep.get('method')}; loss = mean squared error of the quantized layer's output on the calibration "
+         f"tokens against {target}, RTN on the same grid -> the method):", "",
          "| layer | weights | loss RTN | loss | tokens per expert (min / median / max) | fallbacks | seconds |", "|---:|---:|---:|---:|---|---:|---:|"]
     f = lambda v: "—" if not isinstance(v, (int, float)) else f"{v:.4g}"  # noqa: E731
     for x in layers:
