@@ -514,6 +514,14 @@ class Stage:
     run: object  # (Ctx, resume) -> {"outputs", "summary", "result", "state", "error"}
 
 
+def _recipe_method(p: Pipeline) -> str:
+    """The conversion's method: the convert section's, else the recipe modifier's (a conflict is
+    refused when convert runs)."""
+    from .recipe import load_recipe
+
+    return p.opts["convert"]["method"] or load_recipe(p.recipe).method
+
+
 def _does(p: Pipeline, name: str) -> str:
     o = p.opts
     c = o["convert"]
@@ -522,7 +530,7 @@ def _does(p: Pipeline, name: str) -> str:
         "convert": lambda: f"convert {p.source_path} -> {p.out / 'model'} (recipe {p.recipe.name}"
                            + "".join(f", {k} {c[k]}" for k in ("group_size", "profile", "observer", "method", "samples", "seq_len", "iters")
                                      if c[k] is not None)
-                           + (f", calibrated on {o['data'] or 'the shipped corpus'}" if c["method"] not in (None, "rtn") else "")
+                           + (f", {_recipe_method(p)} calibrated on {o['data'] or 'the shipped corpus'}" if _recipe_method(p) != "rtn" else "")
                            + (", keep FP8" if c["keep_fp8"] else "") + ")",
         "calibrate-kv": lambda: f"KV-cache report (target {o['kv']['target']}, {o['kv']['samples']} samples x {o['kv']['seq_len']} tokens"
                                 + (f", data {o['data']}" if o["data"] else ", the shipped corpus") + ")"

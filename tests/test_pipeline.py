@@ -300,6 +300,7 @@ def test_data_aware_method_from_the_recipe_runs_checks_and_cards(tmp_path, monke
     r2.write_text(yaml.safe_dump(doc))
     plan = {s.stage: s for s in pipeline.run(str(r2), plan=True).stages}
     assert plan["convert"].state == "stale" and "samples" in plan["convert"].why, plan["convert"].why
+    assert "gptq calibrated on the shipped corpus" in plan["convert"].does, plan["convert"].does
     calls = Calls(monkeypatch, conv, "convert")
     pipeline.run(str(r2))
     assert calls.n == 1
