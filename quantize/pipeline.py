@@ -358,8 +358,9 @@ def _run_convert(ctx: Ctx, resume: bool) -> dict:
     out = ctx.p.out / "model"
     res = conv.convert(ctx.path("source"), out, group_size=c["group_size"], profile=c["profile"], observer=c["observer"],
                        keep_fp8=c["keep_fp8"], recipe=str(ctx.p.recipe), resume=resume, overwrite=not resume and out.exists(),
-                       workers=c["workers"], device=c["device"], data=ctx.p.opts["data"],
-                       memory_budget_gib=c["memory_budget_gib"], **{k: c[k] for k in METHOD_KEYS}, emit=ctx.emit)
+                       workers=c["workers"], device=c["device"], emit=ctx.emit,
+                       **({"data": ctx.p.opts["data"], "memory_budget_gib": c["memory_budget_gib"], **{k: c[k] for k in METHOD_KEYS}}
+                          if _recipe_method(ctx.p) != "rtn" else {k: c[k] for k in METHOD_KEYS if c[k] not in (None, False)}))
     ident = _model_identity(out)
     mean = f", INT4 weight rel. error mean {res.mean_rel_err:.4f}" if res.mean_rel_err is not None else ""
     return {"outputs": {"converted": {"path": "model", "id": ident}, "model": {"path": "model", "id": ident}},
