@@ -82,6 +82,32 @@ def test_gptq_format_unchanged_loads_and_differs_from_rtn(outs):
     assert torch.allclose(sd["model.layers.1.mlp.down_proj.weight"].float(), w, rtol=2 ** -8, atol=0)
 
 
+def test_gptq_on_the_fullrange_grid(outs, llama, tmp_path):
+    """--method gptq --observer fullrange: the full-range RTN scales fixed before the update (bit
+    for bit, negative ones included), code -8 in use, lower layer loss and KLD than fullrange RTN,
+    read back by transformers as q * scale, and proven by check --source."""
+    from quantize.check import check
+
+    out = tmp_path / "gptq-fr"
+    convert(llama, out, profile="all-linear", method="gptq", observer="fullrange", workers=2, **CAL)
+    a, b = load_dir(outs["fullrange"]), load_dir(out)
+    for k in (k for k in a if k.endswith("weight_scale")):
+        assert torch.equal(a[k], b[k]), k
+    s = b["model.layers.0.mlp.down_proj.weight_scale"]
+    assert (s < 0).any() and (s > 0).any()
+    codes = int4.unpack_int4(b["model.layers.0.mlp.down_proj.weight_packed"], int(b["model.layers.0.mlp.down_proj.weight_shape"][1]))
+    assert int(codes.min()) == -8 and int(codes.max()) == 7
+    rep = _manifest(out)["method"]
+    assert rep["grid"] == "fullrange" and all(r["loss"] < r["loss_rtn"] for r in rep["layers"])
+    assert kld(llama, out, tokens=256, chunk=64).kld_mean < kld(llama, outs["fullrange"], tokens=256, chunk=64).kld_mean
+    sd = _load(out).state_dict()
+    w = int4.dequantize_int4(b["model.layers.1.mlp.up_proj.weight_packed"], b["model.layers.1.mlp.up_proj.weight_scale"],
+                             tuple(b["model.layers.1.mlp.up_proj.weight_shape"].tolist()), dtype=torch.float32)
+    assert torch.allclose(sd["model.layers.1.mlp.up_proj.weight"].float(), w, rtol=2 ** -8, atol=0)
+    chk = check(out, source=llama)
+    assert chk.ok and chk.verified["tensors_method_vs_source"] == 14, chk.failures
+
+
 def test_gptq_lowers_layer_loss_and_kld(outs, llama):
     rep = _manifest(outs["gptq"])["method"]
     assert rep["method"] == "gptq" and rep["grid"] == "minmax" and rep["samples"] == 4 and rep["seq_len"] == 64
