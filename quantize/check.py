@@ -147,16 +147,18 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
 KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "k_proj.k_scale", "v_proj.v_scale")
 
 
-ROW_CHUNK = 512  # rows per error sum (any split gives the recorded relative error to ~1e-15; the max exactly)
+DATA_AWARE = ("gptq", "autoround")  # methods whose tensors the source alone cannot re-derive
 METHOD_BOUND = 2.0  # a data-aware method's weight error may reach this many times --max-source-rel-err
 
 
-def _method_tensor(where: str, how: str, rec: dict, w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                   exp: "int4_fmt.Int4Result", observer: str) -> str | None:
+def _method_tensor(where: str, how: str, rec: dict, scale: torch.Tensor, exp: "int4_fmt.Int4Result", observer: str,
+                   sums: tuple[float, float, float]) -> str | None:
     """A tensor GPTQ or AutoRound made cannot be re-derived without its calibration pass; what the
     source still proves: the grid (GPTQ fixes the RTN scales before its update, bit for bit;
     AutoRound's clip factors keep each |scale| within [0.5, 1] of RTN's on its grid) and the error
-    against this source, recomputed exactly as the conversion recorded it. -> why not, or None."""
+    against this source (``sums``: ``int4.error_sums`` of the stored tensor, as the conversion
+    recorded it; a different split of the sum moves the relative error by ~1e-15, the max not at
+    all). -> why not, or None."""
     if how == "gptq":
         d = _diff(scale, exp.scale)
         if d:
@@ -168,10 +170,7 @@ def _method_tensor(where: str, how: str, rec: dict, w: torch.Tensor, packed: tor
         if bad:
             return (f"{where}: {bad} AutoRound group scales lie outside [0.5, 1] x the {observer} grid's "
                     f"(min {float(ratio.min()):.3f}, max {float(ratio.max()):.3f}): not made from this source")
-    sq_err = sq_ref = max_err = 0.0
-    for r0 in range(0, w.shape[0], ROW_CHUNK):
-        e, r, m = int4_fmt.error_sums(w[r0: r0 + ROW_CHUNK], packed[r0: r0 + ROW_CHUNK], scale[r0: r0 + ROW_CHUNK])
-        sq_err, sq_ref, max_err = sq_err + e, sq_ref + r, max(max_err, m)
+    sq_err, sq_ref, max_err = sums
     rel = (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0
     want_rel, want_max = rec.get("rel_err"), rec.get("max_abs_err")
     if not (isinstance(want_rel, (int, float)) and math.isclose(rel, want_rel, rel_tol=1e-9, abs_tol=1e-12)
@@ -233,8 +232,10 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                 g = shape[1] // scale.shape[1]
                 exp = int4_fmt.quantize_pack(w, g, observer, scale.dtype)
                 how = (records.get(name) or {}).get("method")
-                if how in ("gptq", "autoround"):
-                    d = _method_tensor(where, how, records[name], w, packed, scale, exp, observer)
+                by_data = how in DATA_AWARE
+                sums = int4_fmt.error_sums(w, packed, scale)  # the stored tensor's error against the source, once
+                if by_data:
+                    d = _method_tensor(where, how, records[name], scale, exp, observer, sums)
                     if d:
                         failures.append(d)
                     else:
@@ -247,12 +248,10 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                         proven += 1
                 row = rows.get(base)
                 if row is not None:
-                    ref32 = w.float()
-                    deq = int4_fmt.dequantize_int4(packed, scale, tuple(shape), dtype=torch.float32)
-                    err, refn = float((deq - ref32).norm()), float(ref32.norm())
-                    row.source_rel_err = err / refn if refn else 0.0
-                    row.snr_db = 20 * math.log10(refn / err) if err > 0 else float("inf")
-                    bound = max_source_rel_err * (METHOD_BOUND if how in ("gptq", "autoround") else 1.0)
+                    sq_err, sq_ref, _ = sums
+                    row.source_rel_err = (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0
+                    row.snr_db = 10 * math.log10(sq_ref / sq_err) if sq_err > 0 else float("inf")
+                    bound = max_source_rel_err * (METHOD_BOUND if by_data else 1.0)
                     if row.source_rel_err > bound:
                         row.failures.append(f"{base}: relative error {row.source_rel_err:.3f} against the source exceeds {bound:g}"
                                             + (f" ({METHOD_BOUND:g} x --max-source-rel-err for a {how} tensor: the method lowers the "
@@ -266,6 +265,17 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
         o.close()
         s.close()
     return failures, proven, by_method
+
+
+def proven_parts(verified: dict) -> list[str]:
+    """What a check report's ``verified`` proves against the source, in words: the CLI, the run's
+    summary and the model card say it alike."""
+    parts = []
+    if "tensors_exact_vs_source" in verified:
+        parts.append(f"{verified['tensors_exact_vs_source']} tensors exactly against the source")
+    if "tensors_method_vs_source" in verified:
+        parts.append(f"{verified['tensors_method_vs_source']} GPTQ/AutoRound tensors by their grid and recorded error")
+    return parts
 
 
 def check(model: str | os.PathLike, tp: int | None = None, source: str | os.PathLike | None = None,
