@@ -228,6 +228,7 @@ def check_cmd(
             _run(fail)
         return
     from .check import check as run_check
+    from .check import proven_parts
 
     rep = _run(run_check, model, tp=tp, source=source, tokens=tokens)
     if json_out:
@@ -247,9 +248,7 @@ def check_cmd(
         c.print(t)
         v = rep.verified
         if v:
-            c.print(f"proven: {v.get('files_sha256', 0)} files by SHA-256 against the manifest"
-                    + (f"; {v['tensors_exact_vs_source']} tensors exactly against the source" if "tensors_exact_vs_source" in v else "")
-                    + (f"; {v['tensors_method_vs_source']} GPTQ/AutoRound tensors by their grid and recorded error" if "tensors_method_vs_source" in v else ""))
+            c.print("proven: " + "; ".join([f"{v.get('files_sha256', 0)} files by SHA-256 against the manifest", *proven_parts(v)]))
         for f in rep.failures[:20]:
             typer.echo(f"FAIL {f}", err=True)
     if not rep.ok:

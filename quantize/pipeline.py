@@ -281,7 +281,7 @@ def _opts_convert(p: Pipeline) -> dict:
 
     c = p.opts["convert"]
     opts = {"recipe": asdict(load_recipe(p.recipe)) | {"path": None}, **{k: c[k] for k in ("group_size", "profile", "observer", "keep_fp8")}}
-    if c["method"] not in (None, "rtn") or opts["recipe"].get("method") not in (None, "rtn"):
+    if _recipe_method(p) != "rtn":
         # a data-aware method's result depends on its options and its calibration text (not on
         # workers or the memory budget: both give the same bytes)
         opts.update({k: c[k] for k in METHOD_KEYS}, data=p.opts["data"], data_id=_data_identity(p.opts["data"]))
@@ -356,11 +356,14 @@ def _run_convert(ctx: Ctx, resume: bool) -> dict:
 
     c = ctx.p.opts["convert"]
     out = ctx.p.out / "model"
+    # the method options given (beside RTN convert refuses them, naming each; 0 is a value, e.g.
+    # iters 0); the calibration text and memory budget only for a data-aware method
+    method_opts = {k: c[k] for k in METHOD_KEYS if c[k] is not None and c[k] is not False}
+    if _recipe_method(ctx.p) != "rtn":
+        method_opts.update(data=ctx.p.opts["data"], memory_budget_gib=c["memory_budget_gib"])
     res = conv.convert(ctx.path("source"), out, group_size=c["group_size"], profile=c["profile"], observer=c["observer"],
                        keep_fp8=c["keep_fp8"], recipe=str(ctx.p.recipe), resume=resume, overwrite=not resume and out.exists(),
-                       workers=c["workers"], device=c["device"], emit=ctx.emit,
-                       **({"data": ctx.p.opts["data"], "memory_budget_gib": c["memory_budget_gib"], **{k: c[k] for k in METHOD_KEYS}}
-                          if _recipe_method(ctx.p) != "rtn" else {k: c[k] for k in METHOD_KEYS if c[k] not in (None, False)}))
+                       workers=c["workers"], device=c["device"], emit=ctx.emit, **method_opts)
     ident = _model_identity(out)
     mean = f", INT4 weight rel. error mean {res.mean_rel_err:.4f}" if res.mean_rel_err is not None else ""
     return {"outputs": {"converted": {"path": "model", "id": ident}, "model": {"path": "model", "id": ident}},
@@ -420,8 +423,7 @@ def _run_check(ctx: Ctx, resume: bool) -> dict:
     if failures:
         raise CheckFailed(f"check: {failures[0]} ({len(failures)} failures; {p.out / 'reports' / 'check.json'})")
     return {"outputs": outputs, "summary": f"pass: {proven.get('files_sha256', 0)} files by SHA-256"
-            + (f", {proven['tensors_exact_vs_source']} tensors exactly against the source" if "tensors_exact_vs_source" in proven else "")
-            + (f", {proven['tensors_method_vs_source']} GPTQ/AutoRound tensors by their grid and recorded error" if "tensors_method_vs_source" in proven else "")
+            + "".join(", " + part for part in chk.proven_parts(proven))
             + (", the TP split exact" if "shard" in ctx.art else "")}
 
 

@@ -579,12 +579,13 @@ def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | Non
     # checks
     L += ["## Checks", "", f"- {proven} files proven against their SHA-256 in `quantize_manifest.json` when this card was written.", ""]
     checks = [r for r in reports if r["kind"] == "check"]
+    if checks:
+        from ..check import proven_parts
     for r in checks:
         d = r["report"]
         v = d.get("verified") or {}
         L.append(f"`quantize check` of `{d.get('model')}`" + (f" at TP {d['tp']}" if d.get("tp") else "") + f": {'passed' if d.get('ok', not d.get('failures')) else 'FAILED'}"
-                 + (f"; {v['tensors_exact_vs_source']} tensors exactly against the source" if "tensors_exact_vs_source" in v else "")
-                 + (f"; {v['tensors_method_vs_source']} GPTQ/AutoRound tensors by their grid and recorded error" if "tensors_method_vs_source" in v else "")
+                 + "".join("; " + part for part in proven_parts(v))
                  + (f"; failures: {'; '.join(d['failures'][:5])}" if d.get("failures") else "") + ".")
         L += ["", "| role | tensors | failed | kernel rel. error | source rel. error | min SNR dB |", "|---|---:|---:|---:|---:|---:|"]
         g = lambda x, s: "—" if x is None else format(x, s)  # noqa: E731
