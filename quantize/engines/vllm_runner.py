@@ -89,34 +89,31 @@ def _kv_scales(model) -> dict:
     return out
 
 
-def _sparse_on_cpu(model_dir: str, platform) -> str | None:
-    """vLLM builds sparse MLA for any config with ``index_topk``
-    (vllm/model_executor/models/deepseek_v2.py: ``is_v32 = hasattr(config, "index_topk")``), and the
-    CPU platform refuses it (vllm/platforms/cpu.py, get_attn_backend_cls): say so before a load."""
-    if not platform.is_cpu():
-        return None
+def _configs(model_dir: str) -> tuple[dict, dict]:
+    """(config.json, its text_config or itself); empty when unreadable (vLLM's load then says why)."""
     try:
         cfg = json.load(open(os.path.join(model_dir, "config.json")))
     except (OSError, ValueError):
-        return None
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    if "index_topk" in cfg or "index_topk" in text:
+        return {}, {}
+    return cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def _sparse_on_cpu(cfg: dict, text: dict, platform) -> str | None:
+    """vLLM builds sparse MLA for any config with ``index_topk``
+    (vllm/model_executor/models/deepseek_v2.py: ``is_v32 = hasattr(config, "index_topk")``), and the
+    CPU platform refuses it (vllm/platforms/cpu.py, get_attn_backend_cls): say so before a load."""
+    if platform.is_cpu() and ("index_topk" in cfg or "index_topk" in text):
         return "NotImplementedError: Sparse Attention is not supported on CPU."
     return None
 
 
-def _cpu_mla_fp16(model_dir: str, dtype: str, platform) -> str | None:
+def _cpu_mla_fp16(text: dict, dtype: str, platform) -> str | None:
     """On a CPU with AMX, vllm/platforms/cpu.py (get_attn_backend_cls) picks AMX_MLA for MLA whatever
     the dtype, while AMXMLABackend.supported_dtypes is [torch.bfloat16]
     (vllm/v1/attention/backends/mla/amx_mla.py); in float16 it returns NaN log-probs after a few
     tokens (measured). Ask for the reference CPU_MLA backend there, as the platform allows."""
     if not platform.is_cpu() or dtype not in ("float16", "half"):
         return None
-    try:
-        cfg = json.load(open(os.path.join(model_dir, "config.json")))
-    except (OSError, ValueError):
-        return None
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     return "CPU_MLA" if text.get("kv_lora_rank") else None
 
 
@@ -166,6 +163,12 @@ def _native_rope(model) -> int:
     return n
 
 
+def _described(e: BaseException) -> tuple[str, str]:
+    """(the root exception as "Type: message" on one line, the vllm file and line that raised it)."""
+    root = _root(e)
+    return f"{type(root).__name__}: {' '.join(str(root).split())}", _where(root.__traceback__) or _where(e.__traceback__)
+
+
 def _blocker(error: str, where: str, **kw) -> dict:
     return {"error": error, "where": where, **kw}
 
@@ -181,7 +184,8 @@ def main(req_path: str, res_path: str) -> int:
 
         res["vllm_version"] = vllm.__version__
         res["platform"] = type(current_platform).__name__
-        sparse = _sparse_on_cpu(req["model"], current_platform)
+        cfg, text = _configs(req["model"])
+        sparse = _sparse_on_cpu(cfg, text, current_platform)
         if sparse:  # refused before any weight is read: no load needed to know
             res["blockers"].append(_blocker(sparse, "vllm/platforms/cpu.py (get_attn_backend_cls)", detected="config index_topk"))
             raise SystemExit(3)
@@ -189,16 +193,14 @@ def main(req_path: str, res_path: str) -> int:
                   enforce_eager=True, seed=0, enable_prefix_caching=False)
         if req.get("kv_cache_dtype"):
             kw["kv_cache_dtype"] = req["kv_cache_dtype"]
-        backend = req.get("attention_backend") or _cpu_mla_fp16(req["model"], kw["dtype"], current_platform)
+        backend = req.get("attention_backend") or _cpu_mla_fp16(text, kw["dtype"], current_platform)
         if backend:
             kw["attention_config"] = {"backend": backend}
             res["attention_backend_requested"] = backend
         try:
             llm = LLM(**kw)
         except BaseException as e:  # noqa: BLE001 - the engine's own refusal, reported in its words
-            root = _root(e)
-            res["blockers"].insert(0, _blocker(f"{type(root).__name__}: {' '.join(str(root).split())}",
-                                               _where(root.__traceback__) or _where(e.__traceback__), detected="load"))
+            res["blockers"].insert(0, _blocker(*_described(e), detected="load"))
             traceback.print_exc()
             raise SystemExit(3)
         res["modules"] = llm.apply_model(_modules)[0]
@@ -238,8 +240,8 @@ def main(req_path: str, res_path: str) -> int:
     except SystemExit:
         pass
     except BaseException as e:  # noqa: BLE001 - every failure is reported, in vLLM's words
-        root = _root(e)
-        res.update(error=f"{type(root).__name__}: {' '.join(str(root).split())}", where=_where(root.__traceback__) or _where(e.__traceback__))
+        error, where = _described(e)
+        res.update(error=error, where=where)
         traceback.print_exc()
     with open(res_path, "w") as f:
         json.dump(res, f)
