@@ -441,20 +441,23 @@ def test_autoround_deterministic_across_thread_counts(llama, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # recipes and bad input
 
-def _gptq_recipe(tmp_path, extra=""):
-    p = tmp_path / f"gptq-{len(list(tmp_path.glob('gptq*.yaml')))}.yaml"
+def _recipe(tmp_path, modifier: str, body: str, stem: str) -> str:
+    """A one-group INT4 g32 recipe of ``modifier`` with ``body`` (its own keys), written as STEM-N.yaml."""
+    p = tmp_path / f"{stem}-{len(list(tmp_path.glob(f'{stem}*.yaml')))}.yaml"
     p.write_text(f"""quant_stage:
   quant_modifiers:
-    GPTQModifier:
-      dampening_frac: 0.05
-      block_size: 64
-{extra}      ignore: ["lm_head"]
+    {modifier}:
+{body}      ignore: ["lm_head"]
       config_groups:
         group_0:
           targets: ["Linear"]
           weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}}
 """)
     return str(p)
+
+
+def _gptq_recipe(tmp_path, extra=""):
+    return _recipe(tmp_path, "GPTQModifier", "      dampening_frac: 0.05\n      block_size: 64\n" + extra, "gptq")
 
 
 def test_gptq_recipe_means_method_gptq(llama, tmp_path):
@@ -482,17 +485,7 @@ def test_gptq_recipe_means_method_gptq(llama, tmp_path):
 
 
 def _autoround_recipe(tmp_path, body="      iters: 5\n      batch_size: 2\n"):
-    p = tmp_path / f"ar-{len(list(tmp_path.glob('ar*.yaml')))}.yaml"
-    p.write_text(f"""quant_stage:
-  quant_modifiers:
-    AutoRoundModifier:
-{body}      ignore: ["lm_head"]
-      config_groups:
-        group_0:
-          targets: ["Linear"]
-          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}}
-""")
-    return str(p)
+    return _recipe(tmp_path, "AutoRoundModifier", body, "ar")
 
 
 def test_autoround_recipe_means_method_autoround(llama, tmp_path):
