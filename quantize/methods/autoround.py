@@ -39,7 +39,7 @@ from ..errors import QuantizeError
 from ..formats import int4
 from . import units as U
 from .gptq import Collector
-from .runner import call_layer
+from .runner import call_layer, in_order
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
@@ -176,9 +176,10 @@ def _set_param(layer, path: str, p: torch.nn.Parameter) -> None:
 
 
 def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, topk: list, fp_out, routed: dict, opt,
-         i: int, fallbacks: list, device: str, pool) -> tuple[dict[str, U.Result], dict]:
-    """Train the layer's rounding and clipping; samples of a step run in parallel threads (``pool``),
-    each returning its own gradients, summed in sample order (the same for any thread count)."""
+         i: int, fallbacks: list, device: str, pool, workers: int) -> tuple[dict[str, U.Result], dict]:
+    """Train the layer's rounding and clipping; samples of a step run in parallel threads (``pool``,
+    ``workers`` at a time), each returning its own gradients, summed in sample order (the same for
+    any thread count)."""
     import threading
 
     fullrange = opt.observer.startswith("fullrange")
@@ -246,12 +247,11 @@ def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, top
 
             total = 0.0
             summed: list = [None] * len(paths)
-            for w0 in range(0, len(batch), max(1, pool._max_workers)):
-                for loss, grads in pool.map(one, batch[w0: w0 + pool._max_workers]):
-                    total += loss
-                    for j, g in enumerate(grads):
-                        if g is not None:
-                            summed[j] = g if summed[j] is None else summed[j] + g
+            for loss, grads in in_order(pool, workers, one, batch):
+                total += loss
+                for j, g in enumerate(grads):
+                    if g is not None:
+                        summed[j] = g if summed[j] is None else summed[j] + g
             live = [j for j in range(len(paths)) if summed[j] is not None]
             if live:
                 torch.autograd.backward([fakes[paths[j]] for j in live], [summed[j] for j in live])

@@ -132,6 +132,20 @@ class _Context:
         return self._by_len[n]
 
 
+def in_order(pool, width: int, fn, items):
+    """``fn`` over ``items`` on ``pool``, results in item order, ``width`` submitted at a time (so at
+    most a window of results is held beside the caller's): the same sums for any thread count."""
+    items = list(items)
+    for w0 in range(0, len(items), max(1, width)):
+        yield from pool.map(fn, items[w0: w0 + max(1, width)])
+
+
+def _clear(*stores) -> None:
+    """Clear each distinct hidden-state store once (the quantized and the source stream may share one)."""
+    for store in {id(x): x for x in stores}.values():
+        store.clear()
+
+
 def call_layer(streamer, ctx: _Context, layer, h: torch.Tensor, topk):
     """One sample through one layer (transformers' forward, as ``LayerStreamer.run_layer``), with
     or without autograd (the caller decides): (hidden out, DSA top-k for the next layer)."""
@@ -271,16 +285,14 @@ class Pass:
                 self.emit({"event": "layer", "layer": i, "of": len(jobs_by_layer), "replayed": True})
             else:
                 out, new_topk = self._layer(streamer, ctx, layer, i, units, rtn, hidden, topk, t, targets=fp_next)
-            for store in {id(hidden): hidden, id(fp_hidden): fp_hidden}.values():
-                store.clear()
+            _clear(hidden, fp_hidden)
             if fp_next is not None:
                 fp_hidden, fp_topk = fp_next, fp_next_topk
             else:
                 fp_hidden, fp_topk = out, new_topk
             hidden, topk = out, new_topk
             del layer
-        for store in {id(hidden): hidden, id(fp_hidden): fp_hidden}.values():
-            store.clear()
+        _clear(hidden, fp_hidden)
 
     def _forward(self, streamer, ctx, layer, hidden: HiddenStore, topk: list, i: int, what: str,
                  keep: bool = True, ref: HiddenStore | None = None, collector=None):
@@ -299,18 +311,15 @@ class Pass:
                 e = _sq(o, ref[s].to(o.device)) if ref is not None else None
             return o, t2, e, collector.end() if collector is not None else None
 
-        n = len(hidden)
-        for w0 in range(0, n, self.workers):
-            batch = list(self.pool.map(one, range(w0, min(n, w0 + self.workers))))
-            for o, t2, e, part in batch:
-                _finite(o, i, what)
-                if collector is not None:
-                    collector.merge(part)
-                if e is not None:
-                    err, tot = err + e[0], tot + e[1]
-                if out is not None:
-                    out.append(o)
-                new_topk.append(t2)
+        for o, t2, e, part in in_order(self.pool, self.workers, one, range(len(hidden))):
+            _finite(o, i, what)
+            if collector is not None:
+                collector.merge(part)
+            if e is not None:
+                err, tot = err + e[0], tot + e[1]
+            if out is not None:
+                out.append(o)
+            new_topk.append(t2)
         if ref is not None:
             return out, new_topk, (err, tot)
         return out, new_topk
@@ -362,7 +371,7 @@ class Pass:
             routed = counter.routed
             install(originals)
             results, train = A.tune(streamer, ctx, layer, units, originals, hidden, topk, ref, routed, opt, i, fallbacks,
-                                    self.device, self.pool)
+                                    self.device, self.pool, self.workers)
             report["train"] = train
         install(results)
         out, new_topk, (e_q, _) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer", ref=ref)
