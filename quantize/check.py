@@ -36,6 +36,7 @@ from .formats import int4 as int4_fmt
 from .formats.int4 import unpack_int4
 from .kernels.cpu import CpuW4A16
 from .kernels.reference import w4a16_reference
+from .options import CheckOptions, takes
 from .shard import MANIFEST, RankReader, _sha, load_manifest, plan_shard
 
 KERNEL_RTOL = 2e-2  # bf16 output of the CPU/Triton kernel vs fp32 reference (relative L2)
@@ -278,8 +279,8 @@ def proven_parts(verified: dict) -> list[str]:
     return parts
 
 
-def check(model: str | os.PathLike, tp: int | None = None, source: str | os.PathLike | None = None,
-          tokens: int = 8, seed: int = 0, max_source_rel_err: float = 0.25, emit: Emit = null_emit) -> CheckReport:
+@takes(CheckOptions)
+def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null_emit) -> CheckReport:
     model = Path(model)
     if (model / MANIFEST).exists():
         return _check_sharded(model, source, tokens, seed, emit)

@@ -29,7 +29,8 @@ from .checkpoint.writer import COPY_CHUNK, StreamWriter
 from .errors import QuantizeError
 from .events import Emit, null_emit
 from .formats import fp8, int4, native
-from .plan import ConvertOptions, Job, Plan, build_plan, check_with_compressed_tensors
+from .options import ConvertOptions, takes
+from .plan import Job, Plan, build_plan, check_with_compressed_tensors
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
 
@@ -193,50 +194,22 @@ def _job_key(plan: Plan, ident: dict) -> dict:
     return {"options": plan.options.to_dict(), "plan": plan.fingerprint(), "source": ident}
 
 
-def convert(
-    source: str | os.PathLike,
-    out: str | os.PathLike,
-    group_size: int | None = None,
-    profile: str | None = None,
-    observer: str | None = None,
-    keep_fp8: bool = False,
-    recipe: str | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    workers: int | None = None,
-    device: str = "cpu",
-    method: str | None = None,
-    data: str | None = None,
-    samples: int | None = None,
-    seq_len: int | None = None,
-    damp: float | None = None,
-    block: int | None = None,
-    actorder: str | None = None,
-    iters: int | None = None,
-    lr: float | None = None,
-    batch_size: int | None = None,
-    all_experts: bool = False,
-    min_expert_tokens: int | None = None,
-    memory_budget_gib: float = 4.0,
-    emit: Emit = null_emit,
-) -> ConvertResult:
-    """FP8/BF16 checkpoint ``source`` -> compressed-tensors pack-quantized INT4 checkpoint ``out``.
-    ``group_size``/``profile``/``observer``/``method`` left None take the recipe's values or the
-    defaults (32, experts, minmax, rtn); an explicit value that contradicts the recipe is refused.
-    ``method`` gptq / autoround (or a recipe's GPTQModifier) first runs a layer-sequential pass over
-    calibration text (``data``, ``samples`` x ``seq_len`` tokens; quantize/methods/), holding at most
-    ``memory_budget_gib`` of hidden states in memory (the rest on disk under OUT/.quantize/).
-    ``device="cuda"`` runs the transforms (and a method's layer math) on a GPU."""
+@takes(ConvertOptions)
+def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
+    """FP8/BF16 checkpoint ``source`` -> compressed-tensors pack-quantized INT4 checkpoint ``out``
+    (keywords: ``quantize.options.ConvertOptions``). ``group_size``/``profile``/``observer``/``method``
+    left None take the recipe's values or the defaults (32, experts, minmax, rtn); an explicit value
+    that contradicts the recipe is refused. ``method`` gptq / autoround (or a recipe's GPTQModifier)
+    first runs a layer-sequential pass over calibration text (``data``, ``samples`` x ``seq_len``
+    tokens; quantize/methods/), holding at most ``memory_budget_gib`` of hidden states in memory (the
+    rest on disk under OUT/.quantize/). ``device="cuda"`` runs the transforms (and a method's layer
+    math) on a GPU."""
     t0 = time.time()
+    device, resume, overwrite, workers = options.device, options.resume, options.overwrite, options.workers
     if device != "cpu":
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise QuantizeError(f"--device {device}: no CUDA device is available here; use --device cpu (the default)")
-    if not (memory_budget_gib >= 0 and memory_budget_gib != float("inf")):
-        raise QuantizeError(f"--memory-budget-gib {memory_budget_gib}: must be 0 or more GiB (0: every hidden state on disk)")
-    src, out = Path(source), Path(out)
-    options = ConvertOptions(group_size=group_size, profile=profile, observer=observer, keep_fp8=keep_fp8, recipe=recipe,
-                             method=method, data=data, samples=samples, seq_len=seq_len, damp=damp, block=block, actorder=actorder, iters=iters,
-                             lr=lr, batch_size=batch_size, all_experts=all_experts, min_expert_tokens=min_expert_tokens)
+    src, out = Path(options.source), Path(options.out)
     plan = build_plan(src, options, ct_check=False)
     options = plan.options  # a recipe may have set group size / observer / method
     calib = None
@@ -272,7 +245,7 @@ def convert(
 
                 try:
                     cache = methods.run(plan, src, o, calib, options, workers=workers, device=device,
-                                        memory_budget=int(memory_budget_gib * 2**30), emit=emit)
+                                        memory_budget=int(options.memory_budget_gib * 2**30), emit=emit)
                 except BaseException as e:
                     emit({"event": "error", "message": str(e)})
                     raise

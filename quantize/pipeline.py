@@ -35,7 +35,6 @@ too; nothing else does. A crash leaves the stage ``running``: the rerun continue
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import yaml
 
+from . import options as O
 from .checkpoint.output import Output, RECORD_DIR, confined, read_record, sha256_file, write_text_atomic
 from .errors import CheckFailed, QuantizeError
 from .events import Emit, null_emit
@@ -56,40 +56,18 @@ STAGES = ("make-source", "convert", "calibrate-kv", "shard", "check", "eval", "p
 DEFAULT_STAGES = ("convert", "calibrate-kv", "shard", "check", "eval", "card", "push")
 TINY_PREFIX = "tiny:"
 
-# key -> (types, default); nested sections are dicts of the same shape
-SCHEMA: dict = {
-    "source": ((str,), None),
-    "out": ((str,), None),
-    "stages": ((list,), None),
-    "data": ((str, type(None)), None),
-    "data_dir": ((str, type(None)), None),
-    "tasks": ((str,), "arc_easy"),
-    "limit": ((int, type(None)), None),
-    "max_drop": ((int, float), 1.0),
-    "repo": ((str, type(None)), None),
-    "convert": {"group_size": ((int, type(None)), None), "profile": ((str, type(None)), None),
-                "observer": ((str, type(None)), None), "keep_fp8": ((bool,), False), "workers": ((int, type(None)), None),
-                "device": ((str,), "cpu"),
-                "method": ((str, type(None)), None), "samples": ((int, type(None)), None), "seq_len": ((int, type(None)), None),
-                "iters": ((int, type(None)), None), "lr": ((int, float, type(None)), None), "batch_size": ((int, type(None)), None),
-                "damp": ((int, float, type(None)), None), "block": ((int, type(None)), None), "actorder": ((str, type(None)), None),
-                "all_experts": ((bool,), False), "min_expert_tokens": ((int, type(None)), None),
-                "memory_budget_gib": ((int, float), 4.0)},
-    "kv": {"target": ((str,), "sglang"), "fold": ((bool,), False), "fold_headroom": ((int, float), 2.0),
-           "samples": ((int,), 512), "seq_len": ((int,), 2048), "clip": ((float, type(None)), None),
-           "chat_template": ((bool,), False)},
-    "shard": {"tp": ((int,), 8)},
-    "eval": {"device": ((str,), "cpu"), "max_gen_toks": ((int, type(None)), None), "if_no_data": ((str,), "fail")},
-    "push": {"dry_run": ((bool,), True), "private": ((bool,), False), "revision": ((str, type(None)), None),
-             "create_pr": ((bool,), False)},
-    "pd": {"prefill_tp": ((int,), 8), "decode_tp": ((int,), 8), "transfer_backend": ((str,), "mooncake"),
-           "bootstrap_port": ((int,), 8998), "prefill_host": ((str,), "PREFILL_HOST"), "decode_host": ((str,), "DECODE_HOST"),
-           "prefill_port": ((int,), 30000), "decode_port": ((int,), 30001), "router_port": ((int,), 8000),
-           "kv_cache_dtype": ((str,), "fp8_e4m3"), "revision": ((str, type(None)), None), "source_repo": ((str, type(None)), None),
-           "text": ((str, type(None)), None), "prompt_tokens": ((int,), 256), "decode_tokens": ((int,), 64),
-           "device": ((str,), "cpu")},
+# pipeline.<section>: the options of the command the stage calls, as that command declares them
+# (quantize/options.py); a recipe default differs from the command line's only where named here
+SECTIONS = {
+    "convert": O.recipe_section(O.ConvertOptions),
+    "kv": O.recipe_section(O.CalibrateKVOptions),
+    "shard": O.recipe_section(O.ShardOptions),
+    "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device")), O.EvalStageOptions),
+    "push": O.recipe_section(O.PushOptions, defaults={"dry_run": True}),
+    "pd": O.recipe_section(O.PDOptions, O.PrefillOptions),
 }
-TRANSFER_BACKENDS = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")  # sglang/srt/arg_groups/choices.py
+TOP = O.recipe_section(O.PipelineOptions, (O.EvalOptions, ("tasks", "limit", "max_drop", "data_dir")),
+                       defaults={"tasks": "arc_easy"})
 
 
 def default_recipe() -> Path:
@@ -98,41 +76,18 @@ def default_recipe() -> Path:
     return Path(str(resources.files("quantize.recipes_default") / "tiny-glm.yaml"))
 
 
-def _unknown(path, where: str, key: str, known, what: str = "key") -> QuantizeError:
-    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
-    fix = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(map(str, known))}"
-    return QuantizeError(f"{path}: {where}{key}: unknown {what}; {fix}")
-
-
-def _typed(path, where: str, val, types) -> object:
-    if isinstance(val, bool) and bool not in types:
-        ok = False
-    elif isinstance(val, int) and float in types and not isinstance(val, bool):
-        return float(val) if int not in types else val
-    else:
-        ok = isinstance(val, types)
-    if not ok:
-        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-        raise QuantizeError(f"{path}: {where} is {val!r}, not {names}; fix the recipe")
-    return val
-
-
-def _section(path, where: str, doc, schema: dict) -> dict:
-    if doc is None:
-        doc = {}
+def _parse(path, doc) -> dict:
+    """The pipeline section, each key checked where its command declares it."""
     if not isinstance(doc, dict):
-        raise QuantizeError(f"{path}: {where.rstrip('.') or 'pipeline'} must be a mapping, not {type(doc).__name__}; fix the recipe")
+        raise QuantizeError(f"{path}: pipeline must be a mapping, not {type(doc).__name__}; fix the recipe")
+    known = list(TOP.model_fields) + list(SECTIONS)
     for k in doc:
-        if k not in schema:
-            raise _unknown(path, where, k, list(schema))
-    out = {}
-    for k, spec in schema.items():
-        if isinstance(spec, dict):
-            out[k] = _section(path, f"{where}{k}.", doc.get(k), spec)
-        else:
-            types, default = spec
-            out[k] = _typed(path, f"{where}{k}", doc[k], types) if k in doc else default
-    return out
+        if k not in known:
+            raise O.unknown_key(path, "pipeline.", k, known)
+    opts = O.parse_section(path, "pipeline.", {k: v for k, v in doc.items() if k not in SECTIONS}, TOP)
+    for name, section in SECTIONS.items():
+        opts[name] = O.parse_section(path, f"pipeline.{name}.", doc.get(name), section)
+    return opts
 
 
 @dataclass
@@ -168,7 +123,7 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
     if not isinstance(doc, dict) or "pipeline" not in doc:
         raise QuantizeError(f"{path}: no `pipeline:` section; add one with at least source and out (see quantize/recipes_default/tiny-glm.yaml)")
     load_recipe(path)  # the llm-compressor part, validated now (it ignores the pipeline section)
-    opts = _section(path, "pipeline.", doc["pipeline"], SCHEMA)
+    opts = _parse(path, doc["pipeline"])
     if not opts["source"]:
         raise QuantizeError(f"{path}: pipeline.source is missing; name the source checkpoint folder (or tiny:glm_moe_dsa)")
     if out is None and not opts["out"]:
@@ -178,7 +133,7 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
         stages = list(DEFAULT_STAGES)
     for s in stages:
         if s not in STAGES:
-            raise _unknown(path, "pipeline.stages: ", s, [x for x in STAGES if x != "make-source"], "stage")
+            raise O.unknown_key(path, "pipeline.stages: ", s, [x for x in STAGES if x != "make-source"], "stage")
     if len(set(stages)) != len(stages):
         raise QuantizeError(f"{path}: pipeline.stages names a stage twice; list each once")
     order = [s for s in STAGES if s in stages]
@@ -190,31 +145,18 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
         from .testing.tiny import TINY
 
         if src[len(TINY_PREFIX):] not in TINY:
-            raise _unknown(path, "pipeline.source: tiny:", src[len(TINY_PREFIX):], list(TINY), "tiny architecture")
+            raise O.unknown_key(path, "pipeline.source: tiny:", src[len(TINY_PREFIX):], list(TINY), "tiny architecture")
         stages = ["make-source"] + [s for s in stages if s != "make-source"]
     elif "make-source" in stages:
         raise QuantizeError(f"{path}: pipeline.stages: make-source applies only to source: tiny:ARCH; drop it")
     else:
         src = str(Path(src).expanduser())
-    if opts["eval"]["if_no_data"] not in ("fail", "skip"):
-        raise QuantizeError(f"{path}: pipeline.eval.if_no_data {opts['eval']['if_no_data']!r}: use fail or skip")
-    if opts["pd"]["transfer_backend"] not in TRANSFER_BACKENDS:
-        raise _unknown(path, "pipeline.pd.transfer_backend: ", opts["pd"]["transfer_backend"], TRANSFER_BACKENDS, "SGLang transfer backend")
-    if opts["pd"]["kv_cache_dtype"] not in ("fp8_e4m3", "bf16"):
-        raise QuantizeError(f"{path}: pipeline.pd.kv_cache_dtype {opts['pd']['kv_cache_dtype']!r}: use fp8_e4m3 (the decode pool's FP8 "
-                            "cache; SGLang requires the same on the prefill pool) or bf16")
     if opts["kv"]["fold"] and {"pd-eval", "prefill"} & set(stages):
         raise QuantizeError(f"{path}: pipeline.kv.fold with the {'/'.join(s for s in ('pd-eval', 'prefill') if s in stages)} stage: fold "
                             "rescales the cached MLA latent, and the prefill pool (the unfolded source) writes that cache, so a folded "
                             "decode model would read it at the wrong scale; drop fold (the report still says whether unit scale is safe)")
     if "push" in stages and not opts["repo"]:
         raise QuantizeError(f"{path}: pipeline.repo is missing and the stages include push; name the Hub repo (namespace/name) or drop push")
-    if opts["shard"]["tp"] < 1:
-        raise QuantizeError(f"{path}: pipeline.shard.tp {opts['shard']['tp']}: must be at least 1")
-    from .calibrate.data import validate_sample_options
-
-    if "calibrate-kv" in stages:
-        validate_sample_options(opts["kv"]["samples"], opts["kv"]["seq_len"])
     return Pipeline(path, src, Path(out if out is not None else opts["out"]).expanduser(), tuple(stages), opts)
 
 
@@ -288,7 +230,8 @@ def _opts_convert(p: Pipeline) -> dict:
     return opts
 
 
-METHOD_KEYS = ("method", "samples", "seq_len", "iters", "lr", "batch_size", "damp", "block", "actorder", "all_experts", "min_expert_tokens")
+# the convert section's data-aware keys (the calibration text is the pipeline's own `data`)
+METHOD_KEYS = ("method", *(k for k in O.method_options() if k != "data"))
 
 
 def _opts_kv(p: Pipeline) -> dict:
@@ -712,8 +655,8 @@ STAGE_MAKES = {"make-source": ("source",), "convert": ("converted", "model"), "c
                "card": ("card",), "prefill": ("prefill",), "push": ("push",)}
 
 
-def run(recipe: str | os.PathLike | None = None, out: str | os.PathLike | None = None, plan: bool = False,
-        overwrite: bool = False, emit: Emit = null_emit) -> RunResult:
+@O.takes(O.RunOptions)
+def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
     """``quantize run``: run RECIPE's pipeline (None: the embedded default) into its ``out``
     (``out`` here overrides it), continuing from the run's job record: finished stages whose
     options and inputs are unchanged are kept. ``plan``: say what each stage would do and whether

@@ -22,159 +22,12 @@ from .checkpoint.reader import fp8_scale_format
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError
 from .formats import layout
+from .options import (ACTORDERS, DEFAULT_GROUP_SIZE, DEFAULT_METHOD, DEFAULT_OBSERVER, DEFAULT_PROFILE,  # noqa: F401
+                      METHODS, ConvertOptions, PlanOptions, default_observer, method_options, takes)
 from .recipe import Recipe, load_recipe
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zero_point", "weight_global_scale")
 CT_VERSION = "0.19.0"
-
-
-DEFAULT_GROUP_SIZE = 32
-DEFAULT_PROFILE = "experts"
-DEFAULT_OBSERVER = "minmax"
-
-METHODS = ("rtn", "gptq", "autoround")
-DEFAULT_METHOD = "rtn"
-# data-aware defaults (llm-compressor's GPTQModifier; Cheng et al.'s SignRound: 200 steps, lr 1/iters, batch 8)
-METHOD_DEFAULTS = {"samples": 128, "seq_len": 2048, "damp": 0.01, "block": 128, "actorder": "static", "iters": 200,
-                   "batch_size": 8, "min_expert_tokens": 16}
-# GPTQ column order: "static" visits columns by decreasing Hessian diagonal with the groups fixed
-# beforehand (llm-compressor's default, its "static"/"weight"; the file format is unchanged, no
-# g_idx); "off": left to right. The old dynamic "group" order needs g_idx: not written.
-ACTORDERS = ("static", "off")
-# option -> the methods that use it ("data" etc.: both data-aware methods)
-METHOD_OPTIONS = {"data": ("gptq", "autoround"), "samples": ("gptq", "autoround"), "seq_len": ("gptq", "autoround"),
-                  "all_experts": ("gptq", "autoround"), "min_expert_tokens": ("gptq", "autoround"),
-                  "damp": ("gptq",), "block": ("gptq",), "actorder": ("gptq",),
-                  "iters": ("autoround",), "lr": ("autoround",), "batch_size": ("autoround",)}
-
-
-def default_observer(method: str) -> str:
-    """AutoRound tunes on the full-range grid (all 16 codes) unless --observer says otherwise; RTN
-    and GPTQ default to compressed-tensors' absmax / 7.5."""
-    return "fullrange" if method == "autoround" else DEFAULT_OBSERVER
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    """None: not given by the user. ``resolve`` fills it from the recipe or the defaults (group 32,
-    profile experts, observer minmax); a built plan's options are never None where they apply.
-    ``method`` None is round-to-nearest (``--method rtn`` resolves to None too, so an RTN run's
-    options, resume key and manifest are what they were before data-aware methods existed); a
-    data-aware option stays None under a method that does not use it."""
-
-    group_size: int | None = None
-    profile: str | None = None
-    observer: str | None = None
-    keep_fp8: bool = False
-    recipe: str | None = None
-    # data-aware methods (quantize/methods/): gptq | autoround, and their options
-    method: str | None = None
-    data: str | None = None
-    samples: int | None = None
-    seq_len: int | None = None
-    damp: float | None = None
-    block: int | None = None
-    actorder: str | None = None  # gptq: "static" (default) or "off"; static groups and no g_idx either way
-    iters: int | None = None
-    lr: float | None = None
-    batch_size: int | None = None
-    all_experts: bool = False
-    min_expert_tokens: int | None = None
-
-    def validate(self) -> None:
-        if self.group_size is not None and self.group_size not in layout.SUPPORTED_GROUP_SIZES:
-            raise QuantizeError(f"--group-size {self.group_size}: not served by the engines' INT4 kernels; use one of {', '.join(map(str, layout.SUPPORTED_GROUP_SIZES))}")
-        if self.profile is not None and self.profile not in archs.base.PROFILES:
-            raise QuantizeError(f"--profile {self.profile}: unknown; use one of {', '.join(archs.base.PROFILES)}")
-        if self.observer is not None and self.observer not in layout.OBSERVERS:
-            raise QuantizeError(f"--observer {self.observer}: unknown; use one of {', '.join(layout.OBSERVERS)}")
-        if self.method is not None and self.method not in METHODS:
-            raise QuantizeError(f"--method {self.method}: unknown; use one of {', '.join(METHODS)}")
-        checks = {
-            "samples": (lambda v: v >= 1, "must be at least 1 (e.g. 128)"),
-            "seq_len": (lambda v: v >= 2, "must be at least 2 tokens (e.g. 2048)"),
-            "damp": (lambda v: 0 < v <= 1, "the Hessian dampening fraction must be in (0, 1] (e.g. 0.01)"),
-            "block": (lambda v: v >= 1, "the GPTQ column block must be at least 1 (e.g. 128)"),
-            "iters": (lambda v: v >= 0, "must be 0 (RTN on the full-range grid) or more (e.g. 200)"),
-            "lr": (lambda v: v > 0 and math.isfinite(v), "the learning rate must be a positive number (default 1/iters)"),
-            "batch_size": (lambda v: v >= 1, "must be at least 1 sample (e.g. 8)"),
-            "min_expert_tokens": (lambda v: v >= 0, "must be 0 or more tokens (e.g. 16)"),
-        }
-        for name, (ok, why) in checks.items():
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not ok(v)):
-                raise QuantizeError(f"{_flag(name)} {v}: {why}")
-        if self.actorder is not None and self.actorder not in ACTORDERS:
-            raise QuantizeError(f"--actorder {self.actorder}: use static (columns by decreasing Hessian diagonal, groups fixed: "
-                                "the format is unchanged) or off; a dynamic group order would need g_idx, which is not written")
-        if self.data is not None and not str(self.data).strip():
-            raise QuantizeError("--data '': empty; pass a .jsonl/.txt/.parquet file or folder, or hf:NAME")
-
-    @property
-    def method_name(self) -> str:
-        return self.method or DEFAULT_METHOD
-
-    def to_dict(self) -> dict:
-        """What the manifest, the plan summary and the resume key record: the data-aware fields only
-        where a data-aware method runs."""
-        d = asdict(self)
-        if self.method_name == DEFAULT_METHOD:
-            for k in ["method", *METHOD_OPTIONS]:
-                d.pop(k, None)
-        return d
-
-    def check_method_options(self) -> None:
-        """After ``resolve``: an option of a method that does not run is refused, not ignored."""
-        for name, methods in METHOD_OPTIONS.items():
-            v = getattr(self, name)
-            if v not in (None, False) and self.method_name not in methods:
-                need = " or ".join(f"--method {m}" for m in methods)
-                raise QuantizeError(f"{_flag(name)} is an option of {need}, but the method is {self.method_name}; add {need} or drop {_flag(name)}")
-
-    def _method_defaults(self) -> "ConvertOptions":
-        m = self.method
-        if m not in ("gptq", "autoround"):
-            return self
-        fill = {k: v for k, v in METHOD_DEFAULTS.items() if getattr(self, k) is None and m in METHOD_OPTIONS[k]}
-        out = replace(self, **fill)
-        if m == "autoround" and out.lr is None and out.iters:
-            out = replace(out, lr=1.0 / out.iters)  # Cheng et al.: lr 1/iters, decayed linearly to 0
-        return out
-
-    def resolve(self, recipe: Recipe | None) -> "ConvertOptions":
-        """The options the plan runs with: explicit values, else the recipe's, else the defaults. A
-        flag that contradicts the recipe is refused rather than silently replaced."""
-        if recipe is None:
-            method = self.method or DEFAULT_METHOD
-            out = replace(self, group_size=self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZE,
-                          profile=self.profile or DEFAULT_PROFILE, observer=self.observer or default_observer(method),
-                          method=None if method == DEFAULT_METHOD else method)
-            out.check_method_options()
-            return out._method_defaults()
-        if self.group_size is not None and self.group_size != recipe.group_size:
-            raise QuantizeError(f"--group-size {self.group_size} conflicts with group_size {recipe.group_size} in {recipe.path}; drop the flag or edit the recipe")
-        if self.observer is not None and recipe.observer is not None and self.observer != recipe.observer:
-            raise QuantizeError(f"--observer {self.observer} conflicts with observer {recipe.observer} in {recipe.path}; drop the flag or edit the recipe")
-        if self.profile is not None and self.profile != DEFAULT_PROFILE:
-            raise QuantizeError(f"--profile {self.profile} conflicts with {recipe.path}, whose targets and ignore list decide what is INT4; drop the flag or edit the recipe")
-        rmethod = recipe.method or DEFAULT_METHOD
-        if self.method is not None and self.method != rmethod:
-            raise QuantizeError(f"--method {self.method} conflicts with {recipe.path}, whose modifier means method {rmethod}; drop the flag or edit the recipe")
-        keys = {"damp": "dampening_frac", "block": "block_size", "actorder": "actorder", "iters": "iters", "batch_size": "batch_size", "lr": "lr"}
-        for name, key in keys.items():
-            mine, theirs = getattr(self, name), getattr(recipe, name)
-            if mine is not None and theirs is not None and mine != theirs:
-                raise QuantizeError(f"{_flag(name)} {mine} conflicts with {key} {theirs} in {recipe.path}; drop the flag or edit the recipe")
-        out = replace(self, group_size=recipe.group_size, profile=DEFAULT_PROFILE,
-                      observer=self.observer or recipe.observer or default_observer(rmethod),
-                      method=None if rmethod == DEFAULT_METHOD else rmethod,
-                      **{name: getattr(self, name) if getattr(self, name) is not None else getattr(recipe, name) for name in keys})
-        out.check_method_options()
-        return out._method_defaults()
 
 
 @dataclass
@@ -628,26 +481,13 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
 
 
 # ---------------------------------------------------------------------------------------------
-def plan(source: str | os.PathLike, tp: int = 1, group_size: int | None = None, profile: str | None = None,
-         keep_fp8: bool = False, recipe: str | None = None, gpu_mem_gib: float | None = None,
-         mem_fraction: float | None = None, reserve_gib: float | None = None) -> Plan:
+@takes(PlanOptions)
+def plan(source, tp, group_size, profile, keep_fp8, recipe, gpu_mem_gib, mem_fraction, reserve_gib) -> Plan:
     """``quantize plan``: the conversion plan from headers (or config.json alone), no tensor data,
     with KV-cache capacity per GPU (``Plan.kv``) for the given GPU memory inputs. ``group_size`` /
     ``profile`` None: not given (the recipe's, else 32 / experts)."""
     from . import kvcache
 
-    if tp < 1:
-        raise QuantizeError(f"--tp {tp}: must be at least 1")
-    # kvcache.capacity's inputs, checked before any file is read
-    gpu = gpu_mem_gib if gpu_mem_gib is not None else kvcache.H200_GIB
-    frac = mem_fraction if mem_fraction is not None else kvcache.DEFAULT_MEM_FRACTION
-    reserve = reserve_gib if reserve_gib is not None else kvcache.DEFAULT_RESERVE_GIB
-    if not (gpu > 0 and math.isfinite(gpu)):
-        raise QuantizeError(f"--gpu-mem-gib {gpu}: GPU memory must be a positive number of GiB (e.g. 140.4 for an H200)")
-    if not 0 < frac <= 1:
-        raise QuantizeError(f"--mem-fraction {frac}: the share of GPU memory for weights and KV cache must be in (0, 1] (e.g. 0.85)")
-    if not (reserve >= 0 and math.isfinite(reserve)):
-        raise QuantizeError(f"--reserve-gib {reserve}: the memory kept free must be 0 or more GiB (e.g. 4)")
     p = build_plan(Path(source), ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe), tp=tp,
                    allow_config_only=True, ct_check=False)
     # the same rule as ``quantize shard``: attention heads split evenly over the ranks
@@ -656,5 +496,5 @@ def plan(source: str | os.PathLike, tp: int = 1, group_size: int | None = None, 
         where = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
         fits = [t for t in range(1, heads + 1) if heads % t == 0 and t <= 64]
         raise QuantizeError(f"--tp {tp}: {heads} attention heads in {where} do not split over TP {tp}; use a TP that divides {heads} ({', '.join(map(str, fits))})")
-    p.kv = kvcache.capacity(p.arch, p.config, p.per_rank_bytes(tp)[1], tp, gpu, frac, reserve)
+    p.kv = kvcache.capacity(p.arch, p.config, p.per_rank_bytes(tp)[1], tp, gpu_mem_gib, mem_fraction, reserve_gib)
     return p

@@ -38,6 +38,7 @@ from .checkpoint.output import SIDE_FILES, Output, confined, side_files
 from .checkpoint.writer import Entry, StreamWriter
 from .errors import QuantizeError
 from .events import Emit, null_emit
+from .options import ShardOptions, takes
 
 PATTERN = "rank-{rank:02d}/part-{part:03d}.safetensors"
 MANIFEST = "shard_manifest.json"
@@ -47,7 +48,6 @@ LAYOUT_NOTE = ("verification layout: per-rank slices under checkpoint names, for
                "not an engine load format (SGLang/vLLM sharded_state files hold the engine's runtime tensors and only the "
                "engine can write them: SGLang --load-format presharded, or save_sharded_model on a GPU node)")
 MARLIN_GROUPS = (-1, 32, 64, 128)
-DEFAULT_MAX_PART = 5 << 30
 
 
 @dataclass
@@ -182,13 +182,12 @@ def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
-def shard(model: str | os.PathLike, out: str | os.PathLike, tp: int = 8, max_part_bytes: int = DEFAULT_MAX_PART,
-          overwrite: bool = False, emit: Emit = null_emit) -> dict:
+@takes(ShardOptions)
+def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> dict:
     """Write ``out/rank-RR/part-PPP.safetensors`` for r < tp, the unsharded folder's own files
-    under ``out/unsharded/``, and ``shard_manifest.json`` (last)."""
+    under ``out/unsharded/``, and ``shard_manifest.json`` (last); no part file over ``max_part_gib``."""
     model, out = Path(model), Path(out)
-    if tp < 1:
-        raise QuantizeError(f"--tp {tp}: must be at least 1")
+    max_part_bytes = int(max_part_gib * 2**30)
     index, splits, int4 = plan_shard(model, tp)  # every rule checked before anything is written
     carried = side_files(model, CARRIED)
     by_name = {ts.name: ts for ts in splits}

@@ -1,4 +1,4 @@
-"""quantize eval --kld: next-token KL divergence, bounded memory, reusable baseline logits."""
+"""quantize eval-kld: next-token KL divergence, bounded memory, reusable baseline logits."""
 
 import json
 import shutil
@@ -58,7 +58,7 @@ def test_different_tokenizers_refused(pair, tiny, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_cuda_device_without_gpu_refused_in_one_line(pair, tmp_path):
-    """`quantize eval --kld --device cuda` reaches kld (it used to be dropped, the models ran on the
+    """`quantize eval-kld --device cuda` reaches kld (it used to be dropped, the models ran on the
     CPU) and, with no GPU, is refused in one line before anything loads."""
     base, cand = pair
     with pytest.raises(QuantizeError, match=r"^--device cuda: no CUDA GPU is visible here; use --device cpu$"):
@@ -67,7 +67,7 @@ def test_cuda_device_without_gpu_refused_in_one_line(pair, tmp_path):
         kld(base, cand, tokens=50, device="cuda:1")
     with pytest.raises(QuantizeError, match=r"^--device tpu: unknown; use cpu, cuda or cuda:N$"):
         kld(base, cand, tokens=50, device="tpu")
-    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval", "--kld", "--baseline", str(base), "--candidate", str(cand),
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval-kld", "--baseline", str(base), "--candidate", str(cand),
                         "--tokens", "50", "--chunk", "32", "--device", "cuda"], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.strip() == "error: --device cuda: no CUDA GPU is visible here; use --device cpu"
 

@@ -599,7 +599,7 @@ def test_layers_transformers_cannot_build(tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# quantize eval --kld: several candidates of one source in one table
+# quantize eval-kld: several candidates of one source in one table
 
 def test_kld_table_of_several_candidates(outs, llama, tmp_path):
     from quantize.evaluate.kld import kld_table
@@ -615,7 +615,7 @@ def test_kld_table_of_several_candidates(outs, llama, tmp_path):
     assert doc["kind"] == "kld-table" and len(doc["candidates"]) == 3
     with pytest.raises(QuantizeError, match="given twice"):
         kld_table(llama, [outs["rtn"], outs["rtn"]], tokens=64, chunk=64)
-    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval", "--kld", "--baseline", str(llama), "--tokens", "128", "--chunk", "64",
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval-kld", "--baseline", str(llama), "--tokens", "128", "--chunk", "64",
                         *[a for c in cands for a in ("--candidate", str(c))]], capture_output=True, text=True,
                        env={**os.environ, "COLUMNS": "250"})
     assert p.returncode == 0, p.stderr[-1500:]

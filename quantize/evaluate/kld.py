@@ -25,6 +25,7 @@ from ..checkpoint.index import read_tensor
 from ..checkpoint.writer import Entry, StreamWriter
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
+from ..options import KLDOptions, takes
 
 DEFAULT_TEXT = Path(__file__).with_name("kld_default.txt")
 
@@ -201,19 +202,9 @@ class KldTable:
         return {"kind": "kld-table", "baseline": self.baseline, "candidates": [r.to_dict() for r in self.reports]}
 
 
-def kld_table(
-    baseline: str | os.PathLike | None,
-    candidates: list[str | os.PathLike],
-    text: str | os.PathLike | None = None,
-    tokens: int = 8192,
-    chunk: int = 512,
-    save_baseline: str | os.PathLike | None = None,
-    baseline_logits: str | os.PathLike | None = None,
-    dtype: str = "float32",
-    out: str | os.PathLike | None = None,
-    device: str = "cpu",
-    emit: Emit = null_emit,
-) -> KldTable:
+@takes(KLDOptions)
+def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device,
+              emit: Emit = null_emit) -> KldTable:
     """Several candidates of one source, one table: the same text and chunks for all, the baseline
     computed once (kept exactly, fp32, for the others) or read from ``baseline_logits``. One
     candidate gives the same report as ``kld``. ``out``: {"kind": "kld-table", "baseline",

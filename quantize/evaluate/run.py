@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import QuantizeError
+from ..options import EvalOptions, takes
 from .tasks import task_configs
 
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
@@ -147,11 +148,9 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
     return float((b.mean() - a.mean()) * 100), float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))
 
 
-def evaluate(baseline: str | os.PathLike, candidate: str | os.PathLike, tasks: str = "gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro",
-             limit: int | None = None, data_dir: str | os.PathLike | None = None, max_drop: float = 1.0,
-             out: str | os.PathLike | None = None, markdown: str | os.PathLike | None = None, max_gen_toks: int | None = None,
-             device: str = "cpu", batch_size: int = 1, resamples: int = 10000, base_url: str | None = None,
-             baseline_url: str | None = None) -> EvalReport:
+@takes(EvalOptions)
+def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, device, batch_size,
+             resamples, base_url, baseline_url) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline."""
     if not (base_url and baseline_url):  # a model runs here: refuse a GPU that is not there before anything loads

@@ -36,6 +36,7 @@ from ..archs import REGISTRY
 from ..checkpoint.manifest import write_manifest
 from ..checkpoint.output import Output
 from ..errors import QuantizeError
+from ..options import MakeTinyOptions, takes
 from ..archs.base import ROLES
 from ..formats import fp8
 
@@ -143,17 +144,8 @@ def _kimi_vendor_config(cfg_dict: dict) -> None:
     cfg_dict["video_placeholder"] = "<|kimi_k25_video_placeholder|>"
 
 
-def make_tiny(
-    arch: str,
-    out: str | Path,
-    *,
-    fp8_source: bool = True,
-    seed: int = 0,
-    num_shards: int = 3,
-    overrides: dict | None = None,
-    mtp: bool = True,
-    overwrite: bool = False,
-) -> Path:
+@takes(MakeTinyOptions)
+def make_tiny(arch, out, fp8_source, seed, num_shards, overrides, mtp, overwrite) -> Path:
     """Write a tiny ``arch`` checkpoint to ``out`` (through the guarded output layer) and return
     the path."""
     if arch not in TINY:

@@ -1,0 +1,210 @@
+"""One declaration per command (quantize/options.py): the command line, the library function and
+the `quantize run` recipe all come from it, and every bound refuses a near miss in one line."""
+
+import dataclasses
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from quantize import options as O
+from quantize import pipeline
+from quantize.cli import app
+from quantize.errors import QuantizeError
+
+LIBRARY = {  # command -> (its options, its library function)
+    "convert": (O.ConvertOptions, "quantize.convert:convert"),
+    "plan": (O.PlanOptions, "quantize.plan:plan"),
+    "shard": (O.ShardOptions, "quantize.shard:shard"),
+    "check": (O.CheckOptions, "quantize.check:check"),
+    "eval": (O.EvalOptions, "quantize.evaluate.run:evaluate"),
+    "eval-kld": (O.KLDOptions, "quantize.evaluate.kld:kld_table"),
+    "make-tiny": (O.MakeTinyOptions, "quantize.testing.tiny:make_tiny"),
+    "run": (O.RunOptions, "quantize.pipeline:run"),
+}
+
+
+def _fn(ref):
+    import importlib
+
+    mod, name = ref.split(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def _cli_params(name):
+    return {p.name: p for p in get_command(app).commands[name].params}
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY))
+def test_command_line_and_library_are_the_declaration(name):
+    model, ref = LIBRARY[name]
+    fn = _fn(ref)
+    assert fn.options is model
+    declared = [f.name for f in dataclasses.fields(model)]
+    lib = [p for p in inspect.signature(fn).parameters if p != "emit"]
+    assert lib == declared  # the same names, in the same order, with the declared defaults
+    for f in dataclasses.fields(model):
+        assert inspect.signature(fn).parameters[f.name].default == f.default
+    cli = _cli_params(name)
+    for f in dataclasses.fields(model):
+        s = O.spec(f)
+        assert (f.name in cli) == s.cli, f.name
+        if s.cli and not s.argument:
+            assert cli[f.name].default == f.default, f.name  # one default, the declared one
+            assert cli[f.name].help == (s.help or None)
+
+
+def test_every_convert_option_is_a_recipe_key_unless_it_is_the_runs_own():
+    section = pipeline.SECTIONS["convert"]
+    recipe = {f.name for f in dataclasses.fields(O.ConvertOptions) if O.spec(f).recipe and not O.spec(f).argument}
+    assert set(section.model_fields) == recipe
+    assert {"source", "out", "recipe", "data", "resume", "overwrite"}.isdisjoint(section.model_fields)
+    for k, f in section.model_fields.items():
+        assert f.default == next(x.default for x in dataclasses.fields(O.ConvertOptions) if x.name == k)
+    # where the recipe's default differs from the command line's, it is said in one place
+    assert pipeline.SECTIONS["push"].model_fields["dry_run"].default is True
+    assert pipeline.TOP.model_fields["tasks"].default == "arc_easy"
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    ({"group_size": 48}, "--group-size 48: not served by the engines' INT4 kernels; use one of 32, 64, 128"),
+    ({"memory_budget_gib": -0.001}, "--memory-budget-gib -0.001: must be 0 or more GiB"),
+    ({"memory_budget_gib": float("inf")}, "--memory-budget-gib inf: must be 0 or more GiB"),
+    ({"memory_budget_gib": float("nan")}, "--memory-budget-gib nan: must be 0 or more GiB"),
+    ({"samples": 0, "method": "gptq"}, "--samples 0: must be at least 1"),
+    ({"seq_len": 1, "method": "gptq"}, "--seq-len 1: must be at least 2 tokens"),
+    ({"damp": 0.0, "method": "gptq"}, "--damp 0.0: the Hessian dampening fraction must be in (0, 1]"),
+    ({"damp": 1.0001, "method": "gptq"}, "--damp 1.0001: the Hessian dampening fraction must be in (0, 1]"),
+    ({"iters": -1, "method": "autoround"}, "--iters -1: must be 0"),
+    ({"lr": 0.0, "method": "autoround"}, "--lr 0.0: the learning rate must be a positive number"),
+    ({"batch_size": 0, "method": "autoround"}, "--batch-size 0: must be at least 1 sample"),
+    ({"min_expert_tokens": -1, "method": "gptq"}, "--min-expert-tokens -1: must be 0 or more tokens"),
+    ({"actorder": "group", "method": "gptq"}, "--actorder group: use static"),
+    ({"observer": "minmaxx"}, "--observer minmaxx: unknown; use one of minmax, mse, fullrange, fullrange-mse"),
+    ({"data": " ", "method": "gptq"}, "--data ' ': empty"),
+    ({"samples": True, "method": "gptq"}, "--samples True: not int"),
+    # 0 is a value: an option of a data-aware method beside RTN is refused, not dropped
+    ({"iters": 0}, "--iters is an option of --method autoround, but the method is rtn"),
+    ({"min_expert_tokens": 0}, "--min-expert-tokens is an option of --method gptq or --method autoround"),
+])
+def test_convert_refuses_a_near_miss_in_one_line(tmp_path, kw, fragment):
+    from quantize.convert import convert
+
+    src = tmp_path / "src"  # never read: options are refused before any file is
+    with pytest.raises(QuantizeError) as e:
+        convert(src, tmp_path / "out", **kw)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kw", [{"memory_budget_gib": 0.0}, {"samples": 1, "method": "gptq"},
+                                {"seq_len": 2, "method": "gptq"}, {"damp": 1.0, "method": "gptq"},
+                                {"iters": 0, "method": "autoround"}, {"min_expert_tokens": 0, "method": "gptq"}])
+def test_the_edge_values_themselves_are_accepted(kw):
+    o = O.ConvertOptions(**kw)
+    o.validate()
+    o.resolve(None)
+
+
+def test_plan_and_check_bounds(tmp_path):
+    from quantize.check import check
+    from quantize.plan import plan
+
+    for kw, frag in [({"tp": 0}, "--tp 0: must be at least 1"), ({"gpu_mem_gib": 0.0}, "--gpu-mem-gib 0.0"),
+                     ({"gpu_mem_gib": 1e400}, "--gpu-mem-gib inf"), ({"mem_fraction": 1.01}, "--mem-fraction 1.01"),
+                     ({"reserve_gib": -1.0}, "--reserve-gib -1.0")]:
+        with pytest.raises(QuantizeError, match=frag.replace("(", r"\(").replace(".", r"\.")):
+            plan(tmp_path, **kw)
+    for kw, frag in [({"tokens": 0}, "--tokens 0: must be at least 1"), ({"tp": 0}, "--tp 0: must be at least 1")]:
+        with pytest.raises(QuantizeError, match=frag):
+            check(tmp_path, **kw)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"convert": {"damp": 0}}, "pipeline.convert.damp is 0"),  # an int where a number is declared: accepted...
+    ({"convert": {"memory_budget_gib": -1}}, "pipeline.convert.memory_budget_gib -1.0: must be 0 or more GiB"),
+    ({"convert": {"group_size": 48}}, "pipeline.convert.group_size 48: not served"),
+    ({"convert": {"samples": True}}, "pipeline.convert.samples is True, not int or null"),
+    ({"kv": {"samples": 0}}, "pipeline.kv.samples 0: must be at least 1"),
+    ({"kv": {"clip": 0.89}}, "pipeline.kv.clip 0.89: a percentile between 0.9 and 1"),
+    ({"kv": {"target": "sglng"}}, "pipeline.kv.target sglng: unknown; use one of sglang, vllm, compressed-tensors; did you mean 'sglang'?"),
+    ({"shard": {"tp": 0}}, "pipeline.shard.tp 0: must be at least 1"),
+    ({"pd": {"bootstrap_port": -1}}, "pipeline.pd.bootstrap_port -1: must be a port"),
+    ({"pd": {"kv_cache_dtype": "fp8"}}, "pipeline.pd.kv_cache_dtype fp8: use fp8_e4m3"),
+    ({"eval": {"if_no_data": "maybe"}}, "pipeline.eval.if_no_data maybe: use fail or skip"),
+    ({"max_drop": -0.5}, "pipeline.max_drop -0.5: must be 0 or more points"),
+    ({"limit": 0}, "pipeline.limit 0: must be at least 1 document"),
+])
+def test_recipe_refuses_a_near_miss_in_one_line(tmp_path, edit, message):
+    doc = yaml.safe_load(pipeline.default_recipe().read_text())
+    doc["pipeline"]["out"] = str(tmp_path / "run")
+    for k, v in edit.items():
+        if isinstance(v, dict):
+            doc["pipeline"].setdefault(k, {}).update(v)
+        else:
+            doc["pipeline"][k] = v
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    if message.endswith("is 0"):  # damp: 0 is an int, accepted as the number 0.0, then refused by its range
+        message = "pipeline.convert.damp 0.0: the Hessian dampening fraction must be in (0, 1]"
+    with pytest.raises(QuantizeError) as e:
+        pipeline.load_pipeline(p)
+    assert message in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_edge_values_are_accepted_in_a_recipe(tmp_path):
+    doc = yaml.safe_load(pipeline.default_recipe().read_text())
+    doc["pipeline"].update(out=str(tmp_path / "run"), max_drop=0, limit=1)
+    doc["pipeline"].setdefault("convert", {}).update(memory_budget_gib=0)
+    doc["pipeline"].setdefault("pd", {}).update(bootstrap_port=65535)
+    doc["pipeline"].setdefault("kv", {}).update(clip=0.9, samples=1, seq_len=2)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    opts = pipeline.load_pipeline(p).opts
+    assert opts["convert"]["memory_budget_gib"] == 0.0 and opts["max_drop"] == 0.0 and opts["kv"]["clip"] == 0.9
+
+
+def test_a_new_option_is_one_field():
+    """What a newcomer writes to add an option: one field. The command line and the recipe
+    section both have it, with its help, default and bound."""
+
+    @dataclasses.dataclass
+    class WithDummy(O.ConvertOptions):
+        dummy_knob: int = O.opt(3, "a dummy option", check=lambda v: v >= 1, why="must be at least 1")
+
+    assert any(p.name == "dummy_knob" and p.default.default == 3 for p in O.cli_parameters(WithDummy))
+    section = O.recipe_section(WithDummy)
+    assert section.model_fields["dummy_knob"].default == 3
+    with pytest.raises(QuantizeError, match="pipeline.convert.dummy_knob 0: must be at least 1"):
+        O.parse_section("r.yaml", "pipeline.convert.", {"dummy_knob": 0}, section)
+    with pytest.raises(QuantizeError, match="--dummy-knob 0: must be at least 1"):
+        WithDummy(dummy_knob=0).validate()
+    assert WithDummy(dummy_knob=5).to_dict()["dummy_knob"] == 5  # recorded in the manifest
+
+
+def test_eval_gate_exit_code_is_decided_once_through_the_cli(monkeypatch, tmp_path):
+    """A regression exits 1 whether the report is printed as a table or as JSON; a pass exits 0."""
+    import quantize.evaluate.run as run
+
+    def report(passed):
+        task = SimpleNamespace(task="arc_easy", n=10, baseline=80.0, baseline_stderr=1.0, candidate=70.0, candidate_stderr=1.0,
+                               delta=-10.0, ci_low=-12.0, ci_high=-8.0, passed=passed, conclusive=True)
+        return SimpleNamespace(passed=passed, tasks=[task], to_dict=lambda: {"passed": passed})
+
+    for passed, code in ((False, 1), (True, 0)):
+        monkeypatch.setattr(run, "evaluate", lambda *a, _p=passed, **k: report(_p))
+        for extra in ([], ["--json"]):
+            res = CliRunner().invoke(app, ["eval", "--baseline", str(tmp_path), "--candidate", str(tmp_path), *extra])
+            assert res.exit_code == code, (passed, extra, res.output)
+    res = CliRunner().invoke(app, ["eval", "--candidate", str(tmp_path)])
+    assert res.exit_code == 2 and "--baseline is required" in res.output
+
+
+def test_old_eval_modes_are_their_own_commands():
+    names = set(get_command(app).commands)
+    assert {"eval", "eval-kld", "eval-pd"} <= names
+    assert "kld" not in _cli_params("eval") and "pd_prefill" not in _cli_params("eval")
+    assert {"prefill_model", "decode_model", "source"} <= set(_cli_params("eval-pd"))
