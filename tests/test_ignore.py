@@ -1,5 +1,5 @@
 """The ignore list written to config.json holds in the serving engines, which match it against
-THEIR module names (../shared/FORMATS.md §9), and recipes are validated the same way."""
+THEIR module names (docs/engines.md#ignore-list-matching), and recipes are validated the same way."""
 
 import json
 import re

@@ -51,9 +51,10 @@ PROFILES = ("experts", "all-linear")
 # roles no profile quantizes: embeddings/heads, the router, DSA indexer, MTP glue, vision
 NEVER_INT4 = frozenset({"embed", "lm_head", "router", "indexer", "indexer_weights", "mtp_proj", "mtp_head", "vision", "projector"})
 
-# Engine-safe ignore patterns per high-precision role (../shared/FORMATS.md §9): SGLang matches
-# `re:` with re.match and plain names as substrings, against ITS module names (fused ones too);
-# compressed-tensors matches `re:` with re.match and plain names exactly.
+# Engine-safe ignore patterns per high-precision role (docs/engines.md#ignore-list-matching): SGLang
+# matches `re:` with re.match and plain names exactly or as a dotted suffix (some releases: as
+# substrings), against ITS module names (fused ones too); compressed-tensors matches `re:` with
+# re.match and plain names exactly. So every pattern but `lm_head` is a `re:.*` regex.
 IGNORE_PATTERN: dict[str, str] = {
     "lm_head": "lm_head",
     "embed": "re:.*embed_tokens.*",

@@ -1,5 +1,5 @@
 """``calibrate-kv --fold``: put the MLA cache in a good e4m3 range by changing the WEIGHTS, since
-SGLang and vLLM cache MLA rows at unit scale (../shared/FORMATS.md §9).
+SGLang and vLLM cache MLA rows at unit scale (docs/kv-cache.md#mla-unit-scale, #weight-fold).
 
 The cached row is ``kv_a_layernorm(c) * gamma`` ‖ ``RoPE(k_pe)``. With powers of two ``fl`` (latent)
 and ``fr`` (rope), each layer is reparametrised exactly:

@@ -11,7 +11,7 @@ Per layer: absmax, a high percentile, the scale (absmax/448, or percentile/448 w
 fractions that overflow +-448 or fall to subnormal / zero in e4m3 under unit scale (what SGLang
 applies for MLA today) and under the calibrated scale, and the relative error of the attention
 output when the cached row goes through e4m3, against BF16; for MLA also the absorbed query's and
-q_pe's range. What is written follows what the target engine does (../shared/FORMATS.md §9): for
+q_pe's range. What is written follows what the target engine does (docs/kv-cache.md#what-calibrate-kv-writes): for
 MLA on SGLang/vLLM nothing but, with ``fold``, the exactly reparametrised model (calibrate/fold.py);
 for transformers (``compressed-tensors``) and GQA models the scales and ``kv_cache_scheme``.
 """
@@ -352,7 +352,7 @@ def calibrate_kv(
     emit: Emit = null_emit,
 ) -> KvResult:
     """The per-layer KV report for any model the tool reads; with ``out``, a new checkpoint that
-    the target engine uses as intended (../shared/FORMATS.md §9):
+    the target engine uses as intended (docs/kv-cache.md#what-calibrate-kv-writes):
 
     - MLA, ``target`` sglang/vllm: both engines cache the MLA row at unit scale and use no
       checkpoint scale, so no scale and no ``kv_cache_scheme`` is written; ``fold`` writes the

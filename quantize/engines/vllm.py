@@ -6,11 +6,11 @@ It generates greedy tokens with the chosen token's log-prob at each step on fixe
 transformers (this venv, fp32, CPU) runs ONE teacher-forced forward over prompt + vLLM's tokens on
 the same weights, dequantized by ``checkpoint/reader.py`` into a plain float copy (so transformers
 never goes through its compressed-tensors loader, which is not a reference for mixed BF16/INT4
-MoE checkpoints, ../shared/FORMATS.md §10). The check passes when every vLLM token is
+MoE checkpoints, docs/engines.md#transformers-as-a-reference). The check passes when every vLLM token is
 transformers' greedy token (or a near tie within the tolerance, reported) and every chosen
 token's log-prob agrees within the tolerance. vLLM's fp16 vs transformers' fp32 on the same INT4
 checkpoint differ by 0.027 at most, while INT4 vs BF16 weights differ by ~0.37 on the first token
-(FORMATS.md §10): the default 0.05 separates a layout bug from kernel noise.
+(docs/engines.md#vllm-cpu-build): the default 0.05 separates a layout bug from kernel noise.
 
 Where vLLM cannot serve the artifact on this device it says so in its own words; that is raised
 as one line naming vLLM's exception and the file that raised it, never turned into a pass.

@@ -41,7 +41,7 @@ rounded, per layout:
 - MLA (DeepSeek-V3, Kimi K2.x): transformers caches what the engines cache, the latent
   ``kv_a_layernorm(c)`` and the post-RoPE ``k_pe`` (one 576-wide row per token for the real
   models); both are rounded to e4m3 at unit scale, as SGLang's MLA pool stores them (a plain
-  ``.to(fp8)``, ../shared/FORMATS.md §9). The decode model expands the rounded latent with its own
+  ``.to(fp8)``, docs/kv-cache.md#mla-unit-scale). The decode model expands the rounded latent with its own
   ``kv_b_proj``, as the decode pool does.
 - GLM-5 DSA: transformers caches the expanded per-head K/V, so the latent and ``k_pe`` are taken
   from the prefill model's attention as it runs, the latent rounded with one dynamic scale per 128

@@ -1,5 +1,5 @@
 """lm-eval tasks on local data: load lm-eval's own task YAML (prompts, few-shot, filters, metrics),
-change only where the documents come from (../shared/EVAL-OFFLINE.md), and drop tag/group keys.
+change only where the documents come from (docs/evaluation.md#lm-eval-on-local-files), and drop tag/group keys.
 
 Local formats (../shared/data/SOURCES.md): GSM8K jsonl {question, answer}; ARC Mosaic jsonl
 {query, choices, gold}; MMLU CSV question,choice0..3,answer (read all-as-string, NA parsing off);

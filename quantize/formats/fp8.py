@@ -1,7 +1,7 @@
 """FP8 (e4m3) weights: block dequant (DeepSeek/GLM ``weight_scale_inv``), compressed-tensors
 channel/tensor/block dequant, and block quantization (what vendors ship; used to make test inputs).
 
-Pure tensor math. Semantics (../shared/FORMATS.md §2): ``weight_scale_inv`` is a MULTIPLIER on a
+Pure tensor math. Semantics (docs/formats.md#block-fp8-scales): ``weight_scale_inv`` is a MULTIPLIER on a
 ceil grid, ``W[r, c] = W_fp8[r, c] * s[r // B, c // B]``, computed in fp32 then cast.
 """
 

@@ -1,6 +1,6 @@
 """Group-wise symmetric INT4 (W4A16) in compressed-tensors ``pack-quantized`` layout.
 
-Pure tensor math, no I/O. The layout (../shared/FORMATS.md §1):
+Pure tensor math, no I/O. The layout (docs/formats.md#pack-quantized-tensors, #bit-packing):
 
 * ``weight_packed``  int32 ``[out, in/8]``: stored nibble = q + 8 (``uint4b8``), 8 nibbles per word,
   element ``8j+k`` in bits ``[4k, 4k+3]`` of word ``j`` — low bits first, packed along the input dim.

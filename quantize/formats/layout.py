@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 
-# INT4 pack-quantized (../shared/FORMATS.md §1)
+# INT4 pack-quantized (docs/formats.md#int4-pack-quantized)
 NUM_BITS = 4
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 OBSERVERS = ("minmax", "mse", "fullrange", "fullrange-mse")
 NATIVE_OBSERVERS = ("minmax", "mse")  # what quant.c implements; the others run the torch path
 
-# FP8 block (../shared/FORMATS.md §2)
+# FP8 block (docs/formats.md#block-fp8)
 DEFAULT_BLOCK = (128, 128)
 
 

@@ -11,7 +11,7 @@ lm_head / indexer ``weights_proj`` / ``eh_proj`` / vision left BF16, ``quantizat
 config.json carries the router keys the releases carry (``scoring_func: sigmoid``, ``topk_method:
 noaux_tc``, ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``/``topk_group``): engines
 read them (vLLM's deepseek_v2 loader raises ``KeyError ... e_score_correction_bias`` without
-``noaux_tc``, ../shared/FORMATS.md §10). The Kimi K2.5 fixture follows moonshotai/Kimi-K2.5's
+``noaux_tc``, docs/engines.md#vllm-cpu-build). The Kimi K2.5 fixture follows moonshotai/Kimi-K2.5's
 config.json and tensor list (as published in its model report: ``text_config.architectures``
 ``["DeepseekV3ForCausalLM"]``, ``routed_scaling_factor`` 2.827, ``vision_config`` with the vendor's
 ``vt_*``/``mm_*``/``init_pos_emb_*`` keys, ``vision_tower.patch_embed.proj``, not under ``encoder``)
@@ -217,7 +217,7 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
         qc = dict(VENDOR_FP8)
         mods = sorted(set(not_converted), key=_natural)
         if arch == "glm_moe_dsa":
-            # zai-org lists `indexers_proj`, a module that does not exist (../shared/FORMATS.md §2.2)
+            # zai-org lists `indexers_proj`, a module that does not exist (docs/formats.md#glm-5-fp8-releases)
             mods += [f"model.layers.{i}.self_attn.indexers_proj" for i in range(int(text["num_hidden_layers"]))]
         qc["modules_to_not_convert"] = mods
         cfg_dict["quantization_config"] = qc
