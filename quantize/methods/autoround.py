@@ -37,9 +37,8 @@ import torch
 
 from ..errors import QuantizeError
 from ..formats import int4
-from . import units as U
-from .gptq import Collector
-from .runner import call_layer, in_order
+from .forward import Collector, call_layer, in_order
+from .units import Result, Unit
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
@@ -49,9 +48,9 @@ SEED = 20240
 
 class RouteCounter(Collector):
     """Tokens the router sends each expert, counted by a pre-hook on the experts modules (per
-    sample, merged in order: see ``gptq.Collector``)."""
+    sample, merged in order: see ``forward.Collector``)."""
 
-    def __init__(self, layer, units: list[U.Unit]):
+    def __init__(self, layer, units: list[Unit]):
         super().__init__()
         self.routed: dict[tuple[str, int], int] = {}
         self._handles = []
@@ -175,8 +174,8 @@ def _set_param(layer, path: str, p: torch.nn.Parameter) -> None:
     setattr(layer.get_submodule(mod) if mod else layer, name, p)
 
 
-def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, topk: list, fp_out, routed: dict, opt,
-         i: int, fallbacks: list, device: str, pool, workers: int) -> tuple[dict[str, U.Result], dict]:
+def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk: list, fp_out, routed: dict, opt,
+         i: int, fallbacks: list, device: str, pool, workers: int) -> tuple[dict[str, Result], dict]:
     """Train the layer's rounding and clipping; samples of a step run in parallel threads (``pool``,
     ``workers`` at a time), each returning its own gradients, summed in sample order (the same for
     any thread count)."""
@@ -281,7 +280,7 @@ def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, top
         codes, scale = finals[u.path]
         if u.expert is not None:
             codes, scale = codes[u.expert], scale[u.expert]
-        results[u.key] = U.Result(codes.cpu().contiguous(), scale.cpu().contiguous(), "rtn" if u.key in starved else "autoround")
+        results[u.key] = Result(codes.cpu().contiguous(), scale.cpu().contiguous(), "rtn" if u.key in starved else "autoround")
     train = {"iters": opt.iters, "lr": opt.lr, "batch_size": bs, "first_loss": losses[0] if losses else None,
              "last_loss": losses[-1] if losses else None, "best_loss": best_loss if losses else None, "best_step": best_step if losses else None}
     return results, train

@@ -18,41 +18,22 @@ over the columns not yet quantized. The codes are ``round(W_q / scale)`` of its 
 from __future__ import annotations
 
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
 
 from ..formats import int4
-from . import units as U
+from .forward import Collector
+from .units import Result, Unit, rtn
 
 CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
-
-
-class Collector:
-    """Statistics gathered by forward hooks while samples run in parallel threads: each thread
-    fills its own per-sample part (``begin`` / ``end``), and the parts are merged in sample order
-    (``merge``), so the sums are the same for any number of threads."""
-
-    def __init__(self):
-        self._tls = threading.local()
-
-    def begin(self) -> None:
-        self._tls.part = {}
-
-    def end(self) -> dict:
-        part, self._tls.part = self._tls.part, None
-        return part
-
-    def _part(self) -> dict:
-        return self._tls.part
 
 
 class Hessians(Collector):
     """Forward pre-hooks that accumulate every unit's Hessian during one calibration forward."""
 
-    def __init__(self, layer: torch.nn.Module, units: list[U.Unit], all_experts: bool):
+    def __init__(self, layer: torch.nn.Module, units: list[Unit], all_experts: bool):
         super().__init__()
         self.layer = layer
         self.units = units
@@ -63,7 +44,7 @@ class Hessians(Collector):
         self.routed: dict[tuple[str, int], int] = {}  # (experts module, e) -> tokens the router sent
         self._handles = []
         linear = [u for u in units if u.expert is None]
-        experts: dict[str, list[U.Unit]] = {}
+        experts: dict[str, list[Unit]] = {}
         for u in units:
             if u.expert is not None:
                 experts.setdefault(u.module, []).append(u)
@@ -98,12 +79,12 @@ class Hessians(Collector):
             d = part.setdefault(name, {})
             d[key] = d.get(key, 0) + v
 
-    def _linear_hook(self, u: U.Unit):
+    def _linear_hook(self, u: Unit):
         def hook(module, args):
             self._add(u.key, args[0], 1)
         return hook
 
-    def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[U.Unit]):
+    def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[Unit]):
         def hook(module, args):
             hidden, top_k_index = args[0], args[1]
             hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -187,8 +168,8 @@ def quantize_args(group_size: int, actorder: str | None):
                             actorder="weight" if actorder == "static" else None, dynamic=False)
 
 
-def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
-             block: int, damp: float, workers: int) -> list[tuple[U.Result, bool, float]]:
+def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
+             block: int, damp: float, workers: int) -> list[tuple[Result, bool, float]]:
     """``items``: (unit, weight [out, in] fp32, Hessian [in, in]) -> (result, Hessian failed and
     RTN was used, GPTQ loss) per item, in order. Chunks of same-shape units go to llm-compressor in
     a fixed partition, each on one torch thread (a Cholesky factorization differs in its last bits
@@ -202,10 +183,10 @@ def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size:
     for idx in by_shape.values():
         chunks += [idx[j: j + CHUNK] for j in range(0, len(idx), CHUNK)]
 
-    def run(chunk: list[int]) -> list[tuple[int, U.Result, bool, float]]:
+    def run(chunk: list[int]) -> list[tuple[int, Result, bool, float]]:
         ws = [items[i][1] for i in chunk]
         sdt = items[chunk[0]][0].scale_dtype
-        scales = torch.stack([U.rtn(w, group_size, observer, sdt).scale for w in ws])
+        scales = torch.stack([rtn(w, group_size, observer, sdt).scale for w in ws])
         W = torch.stack([w.to(torch.float32) for w in ws])
         H = torch.stack([items[i][2].to(torch.float32) for i in chunk])
         zp = torch.zeros(scales.shape, dtype=torch.int8, device=scales.device)
@@ -213,7 +194,7 @@ def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size:
             wq, losses, fallback = quantize_weight(W, H, scales, zp, None, qargs, blocksize=block, percdamp=damp)
         s = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
         codes = (wq.to(torch.float32) / s).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)
-        return [(i, U.Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
+        return [(i, Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
                 for j, i in enumerate(chunk)]
 
     negative = observer.startswith("fullrange")
