@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from ..formats import int4
+from .base import Layer, Method, Step
 from .forward import Collector
 from .units import Result, Unit, rtn
 
@@ -209,3 +210,59 @@ def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: i
     finally:
         torch.set_num_threads(old)
     return out
+
+
+class GPTQ(Method):
+    """``--method gptq``: Hessians and reference outputs from the source layer on the carried
+    (quantized-path) inputs, as llm-compressor's sequential pipeline; the update per unit."""
+
+    name = "gptq"
+    grid = "minmax"
+    source_stream = False
+    report_fields = ("damp", "block", "actorder")
+    title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
+             "model's own layer-by-layer calibration forward")
+    loss_target = "the source layer's output on the same (quantized-path) inputs"
+
+    def layer_step(self, layer: Layer) -> Step:
+        x = layer
+        hooks = Hessians(x.module, x.units, x.options.all_experts)
+        try:
+            ref, _ = x.fwd(x.module, x.hidden, x.topk, x.index, "of the source layer", collector=hooks)
+        finally:
+            hooks.remove()
+        results = self._results(x, hooks)
+        x.put(x.rtn)
+        _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
+        return Step(results, ref, hooks.routed, e_rtn, tot)
+
+    def card_section(self, report: dict) -> str:
+        return (f"act-order {report.get('actorder') or 'off'} (static groups, no g_idx), "
+                f"dampening {report.get('damp')}, block {report.get('block')}")
+
+    @staticmethod
+    def _results(x: Layer, hooks: Hessians) -> dict[str, Result]:
+        """GPTQ per unit; RTN (named in ``x.fallbacks``) for an expert below --min-expert-tokens,
+        a unit no token reached, or a Hessian llm-compressor could not factorize."""
+        opt = x.options
+        results: dict[str, Result] = {}
+        items = []
+        for u in x.units:
+            n = hooks.tokens.get(u.key, 0)
+            h = hooks.normalized(u.key)
+            if u.expert is not None and n < opt.min_expert_tokens or h is None:
+                results[u.key] = rtn(x.originals[u.key], opt.group_size, opt.observer, u.scale_dtype)
+                for name, _, _ in u.names:
+                    why = f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"
+                    x.fallbacks.append({"name": name, "reason": why})
+                continue
+            items.append((u, x.originals[u.key], h))
+        done = quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, x.fwd.workers)
+        for (u, _, _), (res, failed, _loss) in zip(items, done):
+            if failed:
+                res = Result(res.codes, res.scale, "rtn")
+                for name, _, _ in u.names:
+                    x.fallbacks.append({"name": name, "reason": "Hessian not positive definite after dampening "
+                                                                "(raise --damp or add samples)"})
+            results[u.key] = res
+        return results

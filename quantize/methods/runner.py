@@ -32,10 +32,11 @@ import torch
 from ..checkpoint.output import sha256_file
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
-from . import autoround, gptq
+from .base import Layer
 from .forward import Context, Forward, clear
+from .registry import METHODS
 from .store import Budget, HiddenStore
-from .units import Result, dequant, install, join, layer_units, param, rtn, split
+from .units import dequant, install, join, layer_units, param, rtn, split
 
 LAYERS_DIR = "layers"
 HIDDEN_DIR = "hidden"
@@ -121,6 +122,7 @@ class Pass:
     def __init__(self, plan, src: Path, output, calib: Calibration, options, workers: int, device: str,
                  memory_budget: int, emit: Emit):
         self.plan, self.src, self.o, self.calib, self.opt = plan, Path(src), output, calib, options
+        self.method = METHODS[options.method_name]
         self.workers, self.device, self.emit = max(1, workers), device, emit
         self.dir = output.path / ".quantize" / LAYERS_DIR
         self.spill = output.scratch(HIDDEN_DIR)
@@ -206,9 +208,9 @@ class Pass:
             for ids in self.calib.ids:
                 hidden.append(streamer.embed(ids.unsqueeze(0)).to(torch.float32))
         topk: list = [None] * len(hidden)
-        # AutoRound's targets: the source model's own hidden states, carried beside the quantized
-        # path (the same store until the first quantized layer)
-        fp_stream = self.opt.method_name == "autoround"
+        # a source_stream method's targets (AutoRound's): the source model's own hidden states, carried
+        # beside the quantized path (the same store until the first quantized layer)
+        fp_stream = self.method.source_stream
         fp_hidden, fp_topk = hidden, topk
         for i, jobs in enumerate(jobs_by_layer):
             t = time.time()
@@ -240,11 +242,9 @@ class Pass:
         clear(hidden, fp_hidden)
 
     def _layer(self, fwd: Forward, layer, i, units, rtn_named, hidden, topk, t0, targets=None):
-        """Quantize one layer. GPTQ: Hessians and reference outputs from the source layer on the
-        carried (quantized-path) inputs, as llm-compressor's sequential pipeline. AutoRound:
-        ``targets`` are the source model's own outputs of this layer (the full-precision stream),
-        which the quantized layer learns to reproduce from the quantized-path inputs, so it also
-        corrects the error the layers before it left (as auto-round's quantized-input mode)."""
+        """Quantize one layer: the method's step (``self.method.layer_step``: its statistics and its
+        quantization, from the RTN start on the same grid), then the quantized layer's outputs for
+        the next layer and its error against the step's reference, recorded with the report."""
         opt = self.opt
         report: dict = {"layer": i, "method": opt.method, "units": len(units), "samples": len(hidden)}
         fallbacks = [{"name": n, "reason": r} for n, r in rtn_named]
@@ -257,36 +257,11 @@ class Pass:
         originals = {u.key: param(layer, u).detach().clone() for u in units}
         # the loss before: RTN on the same grid, through the real quantized layer (q * scale)
         rtn_init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in units}
-
-        def put(res: dict) -> None:
-            for u in units:
-                install(layer, u, (dequant(res[u.key]) if res is not originals else originals[u.key]).to(self.device))
-
-        if opt.method == "gptq":
-            hooks = gptq.Hessians(layer, units, opt.all_experts)
-            try:
-                ref, _ = fwd(layer, hidden, topk, i, "of the source layer", collector=hooks)
-            finally:
-                hooks.remove()
-            routed = hooks.routed
-            results = self._gptq(units, originals, hooks, fallbacks)
-            put(rtn_init)
-            _, _, (e_rtn, tot) = fwd(layer, hidden, topk, i, "after the RTN layer", keep=False, ref=ref)
-        else:
-            ref = targets
-            counter = autoround.RouteCounter(layer, units)  # the routing the quantized path sees
-            put(rtn_init)
-            try:
-                _, _, (e_rtn, tot) = fwd(layer, hidden, topk, i, "after the RTN layer", keep=False, ref=ref,
-                                         collector=counter)
-            finally:
-                counter.remove()
-            routed = counter.routed
-            put(originals)
-            results, train = autoround.tune(fwd.streamer, fwd.ctx, layer, units, originals, hidden, topk, ref, routed,
-                                            opt, i, fallbacks, self.device, self.pool, self.workers)
-            report["train"] = train
-        put(results)
+        x = Layer(i, layer, units, originals, rtn_init, hidden, topk, targets, fallbacks, opt, fwd)
+        step = self.method.layer_step(x)
+        report.update(step.report)
+        results, ref, routed, e_rtn, tot = step.results, step.ref, step.routed, step.err_rtn, step.ref_sq
+        x.put(results)
         out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref)
         if ref is not targets:
             ref.clear()
@@ -316,38 +291,13 @@ class Pass:
             self.emit({"event": "warning", "message": f"layer {i}: {f['name']} quantized RTN ({f['reason']})"})
         return out, new_topk
 
-    def _gptq(self, units, originals, hooks: gptq.Hessians, fallbacks: list) -> dict[str, Result]:
-        opt = self.opt
-        results: dict[str, Result] = {}
-        items = []
-        for u in units:
-            n = hooks.tokens.get(u.key, 0)
-            h = hooks.normalized(u.key)
-            if u.expert is not None and n < opt.min_expert_tokens or h is None:
-                results[u.key] = rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype)
-                for name, _, _ in u.names:
-                    fallbacks.append({"name": name,
-                                      "reason": f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"})
-                continue
-            items.append((u, originals[u.key], h))
-        done = gptq.quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, self.workers)
-        for (u, _, _), (res, failed, _loss) in zip(items, done):
-            if failed:
-                res = Result(res.codes, res.scale, "rtn")
-                for name, _, _ in u.names:
-                    fallbacks.append({"name": name, "reason": "Hessian not positive definite after dampening "
-                                                              "(raise --damp or add samples)"})
-            results[u.key] = res
-        return results
-
     def _summary(self, layers: list[dict], outside: list[dict], seconds: float) -> dict:
         o = self.opt
         return {
             "method": o.method, "grid": o.observer, "group_size": o.group_size,
             "data": self.calib.source, "data_sha256": self.calib.sha256, "samples": len(self.calib.ids),
             "seq_len": o.seq_len, "tokens": self.calib.tokens,
-            **({"damp": o.damp, "block": o.block, "actorder": o.actorder} if o.method == "gptq" else {}),
-            **({"iters": o.iters, "lr": o.lr, "batch_size": o.batch_size} if o.method == "autoround" else {}),
+            **{k: getattr(o, k) for k in self.method.report_fields},
             "all_experts": o.all_experts, "min_expert_tokens": o.min_expert_tokens,
             "layers": layers,
             "rtn": outside + [f for r in layers for f in r.get("fallbacks", [])],
