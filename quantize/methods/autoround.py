@@ -37,9 +37,9 @@ import torch
 
 from ..errors import QuantizeError
 from ..formats import int4
-from . import units as U
-from .gptq import Collector
-from .runner import call_layer, in_order
+from .base import Layer, Method, Step
+from .forward import Collector, call_layer, in_order
+from .units import Result, Unit
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
@@ -49,9 +49,9 @@ SEED = 20240
 
 class RouteCounter(Collector):
     """Tokens the router sends each expert, counted by a pre-hook on the experts modules (per
-    sample, merged in order: see ``gptq.Collector``)."""
+    sample, merged in order: see ``forward.Collector``)."""
 
-    def __init__(self, layer, units: list[U.Unit]):
+    def __init__(self, layer, units: list[Unit]):
         super().__init__()
         self.routed: dict[tuple[str, int], int] = {}
         self._handles = []
@@ -175,8 +175,8 @@ def _set_param(layer, path: str, p: torch.nn.Parameter) -> None:
     setattr(layer.get_submodule(mod) if mod else layer, name, p)
 
 
-def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, topk: list, fp_out, routed: dict, opt,
-         i: int, fallbacks: list, device: str, pool, workers: int) -> tuple[dict[str, U.Result], dict]:
+def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk: list, fp_out, routed: dict, opt,
+         i: int, fallbacks: list, device: str, pool, workers: int) -> tuple[dict[str, Result], dict]:
     """Train the layer's rounding and clipping; samples of a step run in parallel threads (``pool``,
     ``workers`` at a time), each returning its own gradients, summed in sample order (the same for
     any thread count)."""
@@ -281,7 +281,42 @@ def tune(streamer, ctx, layer, units: list[U.Unit], originals: dict, hidden, top
         codes, scale = finals[u.path]
         if u.expert is not None:
             codes, scale = codes[u.expert], scale[u.expert]
-        results[u.key] = U.Result(codes.cpu().contiguous(), scale.cpu().contiguous(), "rtn" if u.key in starved else "autoround")
+        how = "rtn" if u.key in starved else "autoround"
+        results[u.key] = Result(codes.cpu().contiguous(), scale.cpu().contiguous(), how)
     train = {"iters": opt.iters, "lr": opt.lr, "batch_size": bs, "first_loss": losses[0] if losses else None,
              "last_loss": losses[-1] if losses else None, "best_loss": best_loss if losses else None, "best_step": best_step if losses else None}
     return results, train
+
+
+class AutoRound(Method):
+    """``--method autoround``: the layer's targets are the source model's own outputs of it (the
+    full-precision stream), which the quantized layer learns to reproduce from the quantized-path
+    inputs, so it also corrects the error the layers before it left (auto-round's quantized-input
+    mode); the routing counted is the one the quantized path sees."""
+
+    name = "autoround"
+    grid = "fullrange"
+    source_stream = True
+    report_fields = ("iters", "lr", "batch_size")
+    title = ("AutoRound-class tuning: learnable rounding offsets and per-group min/max scale factors trained by "
+             "signed gradient descent on each decoder layer's output error (Cheng et al.)")
+    loss_target = "the source model's own output of this layer (so it includes the error the layers before it left)"
+
+    def layer_step(self, layer: Layer) -> Step:
+        x = layer
+        ref = x.targets
+        counter = RouteCounter(x.module, x.units)  # the routing the quantized path sees
+        x.put(x.rtn)
+        try:
+            _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref,
+                                       collector=counter)
+        finally:
+            counter.remove()
+        x.put(x.originals)
+        f = x.fwd
+        results, train = tune(f.streamer, f.ctx, x.module, x.units, x.originals, x.hidden, x.topk, ref, counter.routed,
+                              x.options, x.index, x.fallbacks, f.device, f.pool, f.workers)
+        return Step(results, ref, counter.routed, e_rtn, tot, report={"train": train})
+
+    def card_section(self, report: dict) -> str:
+        return f"{report.get('iters')} iterations, lr {report.get('lr')}, batch {report.get('batch_size')}"

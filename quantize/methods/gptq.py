@@ -18,41 +18,23 @@ over the columns not yet quantized. The codes are ``round(W_q / scale)`` of its 
 from __future__ import annotations
 
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
 
 from ..formats import int4
-from . import units as U
+from .base import Layer, Method, Step
+from .forward import Collector
+from .units import Result, Unit, rtn
 
 CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
-
-
-class Collector:
-    """Statistics gathered by forward hooks while samples run in parallel threads: each thread
-    fills its own per-sample part (``begin`` / ``end``), and the parts are merged in sample order
-    (``merge``), so the sums are the same for any number of threads."""
-
-    def __init__(self):
-        self._tls = threading.local()
-
-    def begin(self) -> None:
-        self._tls.part = {}
-
-    def end(self) -> dict:
-        part, self._tls.part = self._tls.part, None
-        return part
-
-    def _part(self) -> dict:
-        return self._tls.part
 
 
 class Hessians(Collector):
     """Forward pre-hooks that accumulate every unit's Hessian during one calibration forward."""
 
-    def __init__(self, layer: torch.nn.Module, units: list[U.Unit], all_experts: bool):
+    def __init__(self, layer: torch.nn.Module, units: list[Unit], all_experts: bool):
         super().__init__()
         self.layer = layer
         self.units = units
@@ -63,7 +45,7 @@ class Hessians(Collector):
         self.routed: dict[tuple[str, int], int] = {}  # (experts module, e) -> tokens the router sent
         self._handles = []
         linear = [u for u in units if u.expert is None]
-        experts: dict[str, list[U.Unit]] = {}
+        experts: dict[str, list[Unit]] = {}
         for u in units:
             if u.expert is not None:
                 experts.setdefault(u.module, []).append(u)
@@ -98,12 +80,12 @@ class Hessians(Collector):
             d = part.setdefault(name, {})
             d[key] = d.get(key, 0) + v
 
-    def _linear_hook(self, u: U.Unit):
+    def _linear_hook(self, u: Unit):
         def hook(module, args):
             self._add(u.key, args[0], 1)
         return hook
 
-    def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[U.Unit]):
+    def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[Unit]):
         def hook(module, args):
             hidden, top_k_index = args[0], args[1]
             hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -187,8 +169,8 @@ def quantize_args(group_size: int, actorder: str | None):
                             actorder="weight" if actorder == "static" else None, dynamic=False)
 
 
-def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
-             block: int, damp: float, workers: int) -> list[tuple[U.Result, bool, float]]:
+def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
+             block: int, damp: float, workers: int) -> list[tuple[Result, bool, float]]:
     """``items``: (unit, weight [out, in] fp32, Hessian [in, in]) -> (result, Hessian failed and
     RTN was used, GPTQ loss) per item, in order. Chunks of same-shape units go to llm-compressor in
     a fixed partition, each on one torch thread (a Cholesky factorization differs in its last bits
@@ -202,10 +184,10 @@ def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size:
     for idx in by_shape.values():
         chunks += [idx[j: j + CHUNK] for j in range(0, len(idx), CHUNK)]
 
-    def run(chunk: list[int]) -> list[tuple[int, U.Result, bool, float]]:
+    def run(chunk: list[int]) -> list[tuple[int, Result, bool, float]]:
         ws = [items[i][1] for i in chunk]
         sdt = items[chunk[0]][0].scale_dtype
-        scales = torch.stack([U.rtn(w, group_size, observer, sdt).scale for w in ws])
+        scales = torch.stack([rtn(w, group_size, observer, sdt).scale for w in ws])
         W = torch.stack([w.to(torch.float32) for w in ws])
         H = torch.stack([items[i][2].to(torch.float32) for i in chunk])
         zp = torch.zeros(scales.shape, dtype=torch.int8, device=scales.device)
@@ -213,7 +195,7 @@ def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size:
             wq, losses, fallback = quantize_weight(W, H, scales, zp, None, qargs, blocksize=block, percdamp=damp)
         s = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
         codes = (wq.to(torch.float32) / s).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)
-        return [(i, U.Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
+        return [(i, Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
                 for j, i in enumerate(chunk)]
 
     negative = observer.startswith("fullrange")
@@ -228,3 +210,59 @@ def quantize(items: list[tuple[U.Unit, torch.Tensor, torch.Tensor]], group_size:
     finally:
         torch.set_num_threads(old)
     return out
+
+
+class GPTQ(Method):
+    """``--method gptq``: Hessians and reference outputs from the source layer on the carried
+    (quantized-path) inputs, as llm-compressor's sequential pipeline; the update per unit."""
+
+    name = "gptq"
+    grid = "minmax"
+    source_stream = False
+    report_fields = ("damp", "block", "actorder")
+    title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
+             "model's own layer-by-layer calibration forward")
+    loss_target = "the source layer's output on the same (quantized-path) inputs"
+
+    def layer_step(self, layer: Layer) -> Step:
+        x = layer
+        hooks = Hessians(x.module, x.units, x.options.all_experts)
+        try:
+            ref, _ = x.fwd(x.module, x.hidden, x.topk, x.index, "of the source layer", collector=hooks)
+        finally:
+            hooks.remove()
+        results = self._results(x, hooks)
+        x.put(x.rtn)
+        _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
+        return Step(results, ref, hooks.routed, e_rtn, tot)
+
+    def card_section(self, report: dict) -> str:
+        return (f"act-order {report.get('actorder') or 'off'} (static groups, no g_idx), "
+                f"dampening {report.get('damp')}, block {report.get('block')}")
+
+    @staticmethod
+    def _results(x: Layer, hooks: Hessians) -> dict[str, Result]:
+        """GPTQ per unit; RTN (named in ``x.fallbacks``) for an expert below --min-expert-tokens,
+        a unit no token reached, or a Hessian llm-compressor could not factorize."""
+        opt = x.options
+        results: dict[str, Result] = {}
+        items = []
+        for u in x.units:
+            n = hooks.tokens.get(u.key, 0)
+            h = hooks.normalized(u.key)
+            if u.expert is not None and n < opt.min_expert_tokens or h is None:
+                results[u.key] = rtn(x.originals[u.key], opt.group_size, opt.observer, u.scale_dtype)
+                for name, _, _ in u.names:
+                    why = f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"
+                    x.fallbacks.append({"name": name, "reason": why})
+                continue
+            items.append((u, x.originals[u.key], h))
+        done = quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, x.fwd.workers)
+        for (u, _, _), (res, failed, _loss) in zip(items, done):
+            if failed:
+                res = Result(res.codes, res.scale, "rtn")
+                for name, _, _ in u.names:
+                    x.fallbacks.append({"name": name, "reason": "Hessian not positive definite after dampening "
+                                                                "(raise --damp or add samples)"})
+            results[u.key] = res
+        return results

@@ -32,9 +32,11 @@ import torch
 from ..checkpoint.output import sha256_file
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
-from . import gptq as G
-from . import units as U
+from .base import Layer
+from .forward import Context, Forward, clear
+from .registry import METHODS
 from .store import Budget, HiddenStore
+from .units import dequant, install, join, layer_units, param, rtn, split
 
 LAYERS_DIR = "layers"
 HIDDEN_DIR = "hidden"
@@ -115,68 +117,12 @@ class LayerCache:
             return f.get_tensor(f"{module}.weight_packed"), f.get_tensor(f"{module}.weight_scale")
 
 
-class _Context:
-    """Rotary embeddings, positions and the causal mask per sequence length (built once)."""
-
-    def __init__(self, streamer, device: str):
-        self.streamer = streamer
-        self.device = device
-        self._by_len: dict[int, tuple] = {}
-
-    def __call__(self, h: torch.Tensor):
-        n = h.shape[1]
-        if n not in self._by_len:
-            pos, pe, mask = self.streamer._context(h.cpu())
-            mv = lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-            self._by_len[n] = (mv(pos), tuple(mv(t) for t in pe), mv(mask))
-        return self._by_len[n]
-
-
-def in_order(pool, width: int, fn, items):
-    """``fn`` over ``items`` on ``pool``, results in item order, ``width`` submitted at a time (so at
-    most a window of results is held beside the caller's): the same sums for any thread count."""
-    items = list(items)
-    for w0 in range(0, len(items), max(1, width)):
-        yield from pool.map(fn, items[w0: w0 + max(1, width)])
-
-
-def _clear(*stores) -> None:
-    """Clear each distinct hidden-state store once (the quantized and the source stream may share one)."""
-    for store in {id(x): x for x in stores}.values():
-        store.clear()
-
-
-def call_layer(streamer, ctx: _Context, layer, h: torch.Tensor, topk):
-    """One sample through one layer (transformers' forward, as ``LayerStreamer.run_layer``), with
-    or without autograd (the caller decides): (hidden out, DSA top-k for the next layer)."""
-    pos, pe, mask = ctx(h)
-    kw = {"prev_topk_indices": topk} if streamer.arch.hf.get("topk") else {}
-    out = layer(h.to(ctx.device), attention_mask=mask, position_embeddings=pe, position_ids=pos, past_key_values=None,
-                use_cache=False, **kw)
-    if isinstance(out, tuple):
-        return out[0], (out[1] if len(out) > 1 else None)
-    return out, None
-
-
-def _finite(t: torch.Tensor, i: int, what: str) -> None:
-    if not torch.isfinite(t).all():
-        raise QuantizeError(f"decoder layer {i}: NaN or Inf in the hidden states {what}; the source weights or the "
-                            "calibration text overflow here (check the source with `quantize check`, or use --method rtn)")
-
-
-def _sq(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(sum of squared differences, sum of squares of b): per-token sums, then in token order
-    (a fixed reduction order: the same figures for any thread count)."""
-    d = (a.float() - b.float()).pow(2).sum(-1).double().reshape(-1)
-    r = b.float().pow(2).sum(-1).double().reshape(-1)
-    return float(d.sum()), float(r.sum())
-
-
 # ---------------------------------------------------------------------------------------------
 class Pass:
     def __init__(self, plan, src: Path, output, calib: Calibration, options, workers: int, device: str,
                  memory_budget: int, emit: Emit):
         self.plan, self.src, self.o, self.calib, self.opt = plan, Path(src), output, calib, options
+        self.method = METHODS[options.method_name]
         self.workers, self.device, self.emit = max(1, workers), device, emit
         self.dir = output.path / ".quantize" / LAYERS_DIR
         self.spill = output.scratch(HIDDEN_DIR)
@@ -255,24 +201,25 @@ class Pass:
         return cache
 
     def _stream(self, streamer, jobs_by_layer, first: int) -> None:
-        ctx = _Context(streamer, self.device)
+        fwd = Forward(streamer, Context(streamer, self.device), self.pool, self.workers, self.device, self.budget,
+                      self.spill)
         hidden = HiddenStore(self.budget, self.spill, "in")
         with torch.no_grad():
             for ids in self.calib.ids:
                 hidden.append(streamer.embed(ids.unsqueeze(0)).to(torch.float32))
         topk: list = [None] * len(hidden)
-        # AutoRound's targets: the source model's own hidden states, carried beside the quantized
-        # path (the same store until the first quantized layer)
-        fp_stream = self.opt.method_name == "autoround"
+        # a source_stream method's targets (AutoRound's): the source model's own hidden states, carried
+        # beside the quantized path (the same store until the first quantized layer)
+        fp_stream = self.method.source_stream
         fp_hidden, fp_topk = hidden, topk
         for i, jobs in enumerate(jobs_by_layer):
             t = time.time()
             layer = _build(streamer, i).to(self.device)
-            units, rtn = U.layer_units(layer, streamer._layer_prefix(i), jobs)
+            units, rtn_named = layer_units(layer, streamer._layer_prefix(i), jobs)
             key = f"{i:04d}"
             fp_next = fp_next_topk = None
             if fp_stream and (units or fp_hidden is not hidden):
-                fp_next, fp_next_topk = self._forward(streamer, ctx, layer, fp_hidden, fp_topk, i, "of the source layer")
+                fp_next, fp_next_topk = fwd(layer, fp_hidden, fp_topk, i, "of the source layer")
             if i < first:  # recorded: replay through the same quantized weights
                 rec = self.o.record["layers"][key]
                 if rec["file"] is not None:
@@ -280,107 +227,48 @@ class Pass:
 
                     tensors = load_file(str(self.dir / rec["file"]))
                     for u in units:
-                        U.install(layer, u, U.dequant(U.join(u, tensors, U.param(layer, u).shape[1])).to(self.device))
-                out, new_topk = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer (replayed)")
+                        install(layer, u, dequant(join(u, tensors, param(layer, u).shape[1])).to(self.device))
+                out, new_topk = fwd(layer, hidden, topk, i, "after the quantized layer (replayed)")
                 self.emit({"event": "layer", "layer": i, "of": len(jobs_by_layer), "replayed": True})
             else:
-                out, new_topk = self._layer(streamer, ctx, layer, i, units, rtn, hidden, topk, t, targets=fp_next)
-            _clear(hidden, fp_hidden)
+                out, new_topk = self._layer(fwd, layer, i, units, rtn_named, hidden, topk, t, targets=fp_next)
+            clear(hidden, fp_hidden)
             if fp_next is not None:
                 fp_hidden, fp_topk = fp_next, fp_next_topk
             else:
                 fp_hidden, fp_topk = out, new_topk
             hidden, topk = out, new_topk
             del layer
-        _clear(hidden, fp_hidden)
+        clear(hidden, fp_hidden)
 
-    def _forward(self, streamer, ctx, layer, hidden: HiddenStore, topk: list, i: int, what: str,
-                 keep: bool = True, ref: HiddenStore | None = None, collector=None):
-        """Every sample through ``layer``: (outputs store or None, top-k[, (sq err, sq ref) vs ``ref``]).
-        Samples run in parallel threads (``workers``), each op on one torch thread, in windows of
-        ``workers`` samples whose results are taken in sample order: the figures do not depend
-        on the thread count, and at most a window of outputs is held beside the store."""
-        out = HiddenStore(self.budget, self.spill, f"l{i}") if keep else None
-        new_topk, err, tot = [], 0.0, 0.0
-
-        def one(s: int):
-            if collector is not None:
-                collector.begin()
-            with torch.no_grad():
-                o, t2 = call_layer(streamer, ctx, layer, hidden[s], topk[s])
-                e = _sq(o, ref[s].to(o.device)) if ref is not None else None
-            return o, t2, e, collector.end() if collector is not None else None
-
-        for o, t2, e, part in in_order(self.pool, self.workers, one, range(len(hidden))):
-            _finite(o, i, what)
-            if collector is not None:
-                collector.merge(part)
-            if e is not None:
-                err, tot = err + e[0], tot + e[1]
-            if out is not None:
-                out.append(o)
-            new_topk.append(t2)
-        if ref is not None:
-            return out, new_topk, (err, tot)
-        return out, new_topk
-
-    def _layer(self, streamer, ctx, layer, i, units, rtn_named, hidden, topk, t0, targets=None):
-        """Quantize one layer. GPTQ: Hessians and reference outputs from the source layer on the
-        carried (quantized-path) inputs, as llm-compressor's sequential pipeline. AutoRound:
-        ``targets`` are the source model's own outputs of this layer (the full-precision stream),
-        which the quantized layer learns to reproduce from the quantized-path inputs, so it also
-        corrects the error the layers before it left (as auto-round's quantized-input mode)."""
+    def _layer(self, fwd: Forward, layer, i, units, rtn_named, hidden, topk, t0, targets=None):
+        """Quantize one layer: the method's step (``self.method.layer_step``: its statistics and its
+        quantization, from the RTN start on the same grid), then the quantized layer's outputs for
+        the next layer and its error against the step's reference, recorded with the report."""
         opt = self.opt
         report: dict = {"layer": i, "method": opt.method, "units": len(units), "samples": len(hidden)}
         fallbacks = [{"name": n, "reason": r} for n, r in rtn_named]
         if not units:  # nothing INT4 here (e.g. a dense layer under --profile experts): carry through
-            out, topk = self._forward(streamer, ctx, layer, hidden, topk, i, "after the layer")
+            out, topk = fwd(layer, hidden, topk, i, "after the layer")
             report.update(fallbacks=fallbacks, seconds=round(time.time() - t0, 3))
             self._write(i, {}, report, {})
             self.emit({"event": "layer", "layer": i, "units": 0})
             return out, topk
-        originals = {u.key: U.param(layer, u).detach().clone() for u in units}
+        originals = {u.key: param(layer, u).detach().clone() for u in units}
         # the loss before: RTN on the same grid, through the real quantized layer (q * scale)
-        rtn = {u.key: U.rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in units}
-
-        def install(res: dict) -> None:
-            for u in units:
-                U.install(layer, u, (U.dequant(res[u.key]) if res is not originals else originals[u.key]).to(self.device))
-
-        if opt.method == "gptq":
-            hooks = G.Hessians(layer, units, opt.all_experts)
-            try:
-                ref, _ = self._forward(streamer, ctx, layer, hidden, topk, i, "of the source layer", collector=hooks)
-            finally:
-                hooks.remove()
-            routed = hooks.routed
-            results = self._gptq(units, originals, hooks, fallbacks)
-            install(rtn)
-            _, _, (e_rtn, tot) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the RTN layer", keep=False, ref=ref)
-        else:
-            from . import autoround as A
-
-            ref = targets
-            counter = A.RouteCounter(layer, units)  # the routing the quantized path sees
-            install(rtn)
-            try:
-                _, _, (e_rtn, tot) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the RTN layer", keep=False,
-                                                   ref=ref, collector=counter)
-            finally:
-                counter.remove()
-            routed = counter.routed
-            install(originals)
-            results, train = A.tune(streamer, ctx, layer, units, originals, hidden, topk, ref, routed, opt, i, fallbacks,
-                                    self.device, self.pool, self.workers)
-            report["train"] = train
-        install(results)
-        out, new_topk, (e_q, _) = self._forward(streamer, ctx, layer, hidden, topk, i, "after the quantized layer", ref=ref)
+        rtn_init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in units}
+        x = Layer(i, layer, units, originals, rtn_init, hidden, topk, targets, fallbacks, opt, fwd)
+        step = self.method.layer_step(x)
+        report.update(step.report)
+        results, ref, routed, e_rtn, tot = step.results, step.ref, step.routed, step.err_rtn, step.ref_sq
+        x.put(results)
+        out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref)
         if ref is not targets:
             ref.clear()
         numel = hidden.numel
         tensors, modules = {}, {}
         for u in units:
-            tensors.update(U.split(u, results[u.key]))
+            tensors.update(split(u, results[u.key]))
             for name, _, _ in u.names:
                 modules[name] = results[u.key].how
         counts = sorted(routed.values())
@@ -388,41 +276,20 @@ class Pass:
         for (path, e), c in sorted(routed.items()):
             per_module.setdefault(path, []).append(c)
         report.update(
-            tokens_per_expert={"experts": len(counts), "min": counts[0], "median": statistics.median(counts), "max": counts[-1],
-                               "counts": per_module} if counts else None,
+            tokens_per_expert={"experts": len(counts), "min": counts[0], "median": statistics.median(counts),
+                               "max": counts[-1], "counts": per_module} if counts else None,
             fallbacks=fallbacks,
             loss_rtn=e_rtn / numel, loss=e_q / numel,
             rel_err_rtn=(e_rtn / tot) ** 0.5 if tot else 0.0, rel_err=(e_q / tot) ** 0.5 if tot else 0.0,
             seconds=round(time.time() - t0, 3),
         )
         self._write(i, tensors, report, modules)
-        self.emit({"event": "layer", "layer": i, "method": opt.method, "units": len(units), "loss_rtn": report["loss_rtn"],
-                   "loss": report["loss"], "fallbacks": len(fallbacks), "seconds": report["seconds"]})
+        self.emit({"event": "layer", "layer": i, "method": opt.method, "units": len(units),
+                   "loss_rtn": report["loss_rtn"], "loss": report["loss"], "fallbacks": len(fallbacks),
+                   "seconds": report["seconds"]})
         for f in fallbacks:
             self.emit({"event": "warning", "message": f"layer {i}: {f['name']} quantized RTN ({f['reason']})"})
         return out, new_topk
-
-    def _gptq(self, units, originals, hooks: G.Hessians, fallbacks: list) -> dict[str, U.Result]:
-        opt = self.opt
-        results: dict[str, U.Result] = {}
-        items = []
-        for u in units:
-            n = hooks.tokens.get(u.key, 0)
-            h = hooks.normalized(u.key)
-            if u.expert is not None and n < opt.min_expert_tokens or h is None:
-                results[u.key] = U.rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype)
-                for name, _, _ in u.names:
-                    fallbacks.append({"name": name, "reason": f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"})
-                continue
-            items.append((u, originals[u.key], h))
-        done = G.quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, self.workers)
-        for (u, _, _), (res, failed, _loss) in zip(items, done):
-            if failed:
-                res = U.Result(res.codes, res.scale, "rtn")
-                for name, _, _ in u.names:
-                    fallbacks.append({"name": name, "reason": "Hessian not positive definite after dampening (raise --damp or add samples)"})
-            results[u.key] = res
-        return results
 
     def _summary(self, layers: list[dict], outside: list[dict], seconds: float) -> dict:
         o = self.opt
@@ -430,8 +297,7 @@ class Pass:
             "method": o.method, "grid": o.observer, "group_size": o.group_size,
             "data": self.calib.source, "data_sha256": self.calib.sha256, "samples": len(self.calib.ids),
             "seq_len": o.seq_len, "tokens": self.calib.tokens,
-            **({"damp": o.damp, "block": o.block, "actorder": o.actorder} if o.method == "gptq" else {}),
-            **({"iters": o.iters, "lr": o.lr, "batch_size": o.batch_size} if o.method == "autoround" else {}),
+            **{k: getattr(o, k) for k in self.method.report_fields},
             "all_experts": o.all_experts, "min_expert_tokens": o.min_expert_tokens,
             "layers": layers,
             "rtn": outside + [f for r in layers for f in r.get("fallbacks", [])],

@@ -1,0 +1,94 @@
+"""What a data-aware method is to the layer pass: the ``Method`` protocol, the ``Layer`` a
+method's step gets and the ``Step`` it gives back. The pass (``runner``) owns everything common:
+the streams of hidden states, the RTN start, the loss after the method, the layer files and the
+reports; a method supplies only its per-layer step (statistics hooks and the quantization) and
+what its reports and the model card say about it. The methods are listed in ``registry.METHODS``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .forward import Forward
+from .store import HiddenStore
+from .units import Result, Unit, dequant, install
+
+
+@dataclass
+class Layer:
+    """One decoder layer with INT4 units, as a method's ``layer_step`` gets it."""
+
+    index: int
+    module: torch.nn.Module  # transformers' layer, holding the source weights
+    units: list[Unit]
+    originals: dict[str, torch.Tensor]  # unit key -> the source weight
+    rtn: dict[str, Result]  # unit key -> round-to-nearest on the method's grid (the loss before)
+    hidden: HiddenStore  # the inputs on the quantized path
+    topk: list
+    targets: HiddenStore | None  # the source model's own outputs of this layer (``source_stream`` methods)
+    fallbacks: list[dict]  # a step appends {"name", "reason"} for each weight it leaves at RTN
+    options: object  # the plan's ConvertOptions
+    fwd: Forward  # every sample through a layer, on the pass's pool and stores
+
+    def put(self, res: dict) -> None:
+        """Install ``res`` (results, or ``originals``) as the layer's weights: ``q * scale`` as the
+        engines compute, or the source weights themselves."""
+        for u in self.units:
+            w = self.originals[u.key] if res is self.originals else dequant(res[u.key])
+            install(self.module, u, w.to(self.fwd.device))
+
+
+@dataclass
+class Step:
+    """What a method's step leaves for the pass: per unit its result, the reference outputs the
+    quantized layer's error is measured against (the pass clears them unless they are the
+    layer's ``targets``), the tokens the router sent each routed expert, the error with the RTN
+    weights (and the squared norm of the reference), and the method's own per-layer report."""
+
+    results: dict[str, Result]
+    ref: HiddenStore
+    routed: dict[tuple[str, int], int]
+    err_rtn: float
+    ref_sq: float
+    report: dict = field(default_factory=dict)
+
+
+class Method(Protocol):
+    """A data-aware method. ``name``: its ``--method`` value (and what the manifest records for
+    the tensors it made); ``grid``: its default observer; ``source_stream``: the source model's
+    own hidden states are carried beside the quantized path and given as ``Layer.targets``;
+    ``report_fields``: the options the run report records (after the common ones); ``title``,
+    ``loss_target`` and ``card_section``: what the model card says of it."""
+
+    name: str
+    grid: str
+    source_stream: bool
+    report_fields: tuple[str, ...]
+    title: str
+    loss_target: str
+
+    def layer_step(self, layer: Layer) -> Step:
+        """Statistics hooks, the quantization of ``layer.units``, and the RTN error; leaves the
+        layer's weights as it likes (the pass then installs the results)."""
+        ...
+
+    def card_section(self, report: dict) -> str:
+        """The card's words for this method's settings, from the run report (the manifest's
+        ``method``)."""
+        ...
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The convert options this method takes, as ``plan.METHOD_OPTIONS`` declares them."""
+        from ..plan import METHOD_OPTIONS  # at call time: the plan may one day import this package
+
+        return tuple(k for k, methods in METHOD_OPTIONS.items() if self.name in methods)
+
+    @property
+    def defaults(self) -> dict:
+        """``plan.METHOD_DEFAULTS`` of this method's options."""
+        from ..plan import METHOD_DEFAULTS
+
+        return {k: v for k, v in METHOD_DEFAULTS.items() if k in self.options}

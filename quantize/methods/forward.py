@@ -1,0 +1,132 @@
+"""Samples through one decoder layer, shared by the layer pass (``runner``) and the methods
+(``gptq``, ``autoround``): transformers' layer forward (``call_layer``) with its rotary
+embeddings, positions and mask (``Context``), the pool runs in sample order (``in_order``), the
+statistics hooks fill per sample and merge in order (``Collector``), and every sample of a
+hidden-state store through a layer (``Forward``). Below every other module of the package but
+``units`` and ``store``: nothing here imports the runner or a method."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from ..errors import QuantizeError
+from .store import Budget, HiddenStore
+
+
+class Context:
+    """Rotary embeddings, positions and the causal mask per sequence length (built once)."""
+
+    def __init__(self, streamer, device: str):
+        self.streamer = streamer
+        self.device = device
+        self._by_len: dict[int, tuple] = {}
+
+    def __call__(self, h: torch.Tensor):
+        n = h.shape[1]
+        if n not in self._by_len:
+            pos, pe, mask = self.streamer._context(h.cpu())
+            mv = lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+            self._by_len[n] = (mv(pos), tuple(mv(t) for t in pe), mv(mask))
+        return self._by_len[n]
+
+
+def in_order(pool, width: int, fn, items):
+    """``fn`` over ``items`` on ``pool``, results in item order, ``width`` submitted at a time (so at
+    most a window of results is held beside the caller's): the same sums for any thread count."""
+    items = list(items)
+    for w0 in range(0, len(items), max(1, width)):
+        yield from pool.map(fn, items[w0: w0 + max(1, width)])
+
+
+def clear(*stores) -> None:
+    """Clear each distinct hidden-state store once (the quantized and the source stream may share one)."""
+    for store in {id(x): x for x in stores}.values():
+        store.clear()
+
+
+def call_layer(streamer, ctx: Context, layer, h: torch.Tensor, topk):
+    """One sample through one layer (transformers' forward, as ``LayerStreamer.run_layer``), with
+    or without autograd (the caller decides): (hidden out, DSA top-k for the next layer)."""
+    pos, pe, mask = ctx(h)
+    kw = {"prev_topk_indices": topk} if streamer.arch.hf.get("topk") else {}
+    out = layer(h.to(ctx.device), attention_mask=mask, position_embeddings=pe, position_ids=pos, past_key_values=None,
+                use_cache=False, **kw)
+    if isinstance(out, tuple):
+        return out[0], (out[1] if len(out) > 1 else None)
+    return out, None
+
+
+class Collector:
+    """Statistics gathered by forward hooks while samples run in parallel threads: each thread
+    fills its own per-sample part (``begin`` / ``end``), and the parts are merged in sample order
+    (``merge``), so the sums are the same for any number of threads."""
+
+    def __init__(self):
+        self._tls = threading.local()
+
+    def begin(self) -> None:
+        self._tls.part = {}
+
+    def end(self) -> dict:
+        part, self._tls.part = self._tls.part, None
+        return part
+
+    def _part(self) -> dict:
+        return self._tls.part
+
+
+def _finite(t: torch.Tensor, i: int, what: str) -> None:
+    if not torch.isfinite(t).all():
+        raise QuantizeError(f"decoder layer {i}: NaN or Inf in the hidden states {what}; the source weights or the "
+                            "calibration text overflow here (check the source with `quantize check`, "
+                            "or use --method rtn)")
+
+
+def _sq(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(sum of squared differences, sum of squares of b): per-token sums, then in token order
+    (a fixed reduction order: the same figures for any thread count)."""
+    d = (a.float() - b.float()).pow(2).sum(-1).double().reshape(-1)
+    r = b.float().pow(2).sum(-1).double().reshape(-1)
+    return float(d.sum()), float(r.sum())
+
+
+class Forward:
+    """Every sample of a store through a layer, on the pass's pool, into stores on the pass's
+    budget and spill folder: what the runner and a method's layer step both run."""
+
+    def __init__(self, streamer, ctx: Context, pool, workers: int, device: str, budget: Budget, spill: Path):
+        self.streamer, self.ctx, self.pool, self.workers, self.device = streamer, ctx, pool, workers, device
+        self.budget, self.spill = budget, spill
+
+    def __call__(self, layer, hidden: HiddenStore, topk: list, i: int, what: str,
+                 keep: bool = True, ref: HiddenStore | None = None, collector=None):
+        """Every sample through ``layer``: (outputs store or None, top-k[, (sq err, sq ref) vs ``ref``]).
+        Samples run in parallel threads (``workers``), each op on one torch thread, in windows of
+        ``workers`` samples whose results are taken in sample order: the figures do not depend
+        on the thread count, and at most a window of outputs is held beside the store."""
+        out = HiddenStore(self.budget, self.spill, f"l{i}") if keep else None
+        new_topk, err, tot = [], 0.0, 0.0
+
+        def one(s: int):
+            if collector is not None:
+                collector.begin()
+            with torch.no_grad():
+                o, t2 = call_layer(self.streamer, self.ctx, layer, hidden[s], topk[s])
+                e = _sq(o, ref[s].to(o.device)) if ref is not None else None
+            return o, t2, e, collector.end() if collector is not None else None
+
+        for o, t2, e, part in in_order(self.pool, self.workers, one, range(len(hidden))):
+            _finite(o, i, what)
+            if collector is not None:
+                collector.merge(part)
+            if e is not None:
+                err, tot = err + e[0], tot + e[1]
+            if out is not None:
+                out.append(o)
+            new_topk.append(t2)
+        if ref is not None:
+            return out, new_topk, (err, tot)
+        return out, new_topk
