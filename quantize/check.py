@@ -36,7 +36,7 @@ from .formats import int4 as int4_fmt
 from .formats.int4 import unpack_int4
 from .kernels.cpu import CpuW4A16
 from .kernels.reference import w4a16_reference
-from .options import CheckOptions, takes
+from .options import DATA_AWARE, CheckOptions, takes  # DATA_AWARE: the source alone cannot re-derive them
 from .shard import MANIFEST, RankReader, _sha, load_manifest, plan_shard
 
 KERNEL_RTOL = 2e-2  # bf16 output of the CPU/Triton kernel vs fp32 reference (relative L2)
@@ -148,7 +148,6 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
 KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "k_proj.k_scale", "v_proj.v_scale")
 
 
-DATA_AWARE = ("gptq", "autoround")  # methods whose tensors the source alone cannot re-derive
 METHOD_BOUND = 2.0  # a data-aware method's weight error may reach this many times --max-source-rel-err
 
 

@@ -457,10 +457,13 @@ DEFAULT_PROFILE = "experts"
 DEFAULT_OBSERVER = "minmax"
 
 
+# each method's grid when --observer is not given: AutoRound tunes on the full-range grid (all 16
+# codes); RTN and GPTQ default to compressed-tensors' absmax / 7.5
+DEFAULT_GRID = {"rtn": DEFAULT_OBSERVER, "gptq": DEFAULT_OBSERVER, "autoround": "fullrange"}
+
+
 def default_observer(method: str) -> str:
-    """AutoRound tunes on the full-range grid (all 16 codes) unless --observer says otherwise; RTN
-    and GPTQ default to compressed-tensors' absmax / 7.5."""
-    return "fullrange" if method == "autoround" else DEFAULT_OBSERVER
+    return DEFAULT_GRID[method]
 
 
 def method_options() -> dict[str, tuple[str, ...]]:

@@ -295,7 +295,6 @@ class AutoRound(Method):
     mode); the routing counted is the one the quantized path sees."""
 
     name = "autoround"
-    grid = "fullrange"
     source_stream = True
     report_fields = ("iters", "lr", "batch_size")
     title = ("AutoRound-class tuning: learnable rounding offsets and per-group min/max scale factors trained by "

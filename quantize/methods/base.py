@@ -6,11 +6,12 @@ what its reports and the model card say about it. The methods are listed in ``re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
 
+from ..options import DEFAULT_GRID, ConvertOptions, method_options, spec
 from .forward import Forward
 from .store import HiddenStore
 from .units import Result, Unit, dequant, install
@@ -63,7 +64,6 @@ class Method(Protocol):
     ``loss_target`` and ``card_section``: what the model card says of it."""
 
     name: str
-    grid: str
     source_stream: bool
     report_fields: tuple[str, ...]
     title: str
@@ -80,15 +80,17 @@ class Method(Protocol):
         ...
 
     @property
-    def options(self) -> tuple[str, ...]:
-        """The convert options this method takes, as ``plan.METHOD_OPTIONS`` declares them."""
-        from ..plan import METHOD_OPTIONS  # at call time: the plan may one day import this package
+    def grid(self) -> str:
+        """Its default observer, as ``quantize.options.DEFAULT_GRID`` declares it."""
+        return DEFAULT_GRID[self.name]
 
-        return tuple(k for k, methods in METHOD_OPTIONS.items() if self.name in methods)
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The convert options this method takes, as ``quantize.options.ConvertOptions`` declares them."""
+        return tuple(k for k, methods in method_options().items() if self.name in methods)
 
     @property
     def defaults(self) -> dict:
-        """``plan.METHOD_DEFAULTS`` of this method's options."""
-        from ..plan import METHOD_DEFAULTS
-
-        return {k: v for k, v in METHOD_DEFAULTS.items() if k in self.options}
+        """The declared defaults of this method's options (``Spec.method_default``)."""
+        return {f.name: spec(f).method_default for f in fields(ConvertOptions)
+                if f.name in self.options and spec(f).method_default is not None}

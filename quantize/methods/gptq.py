@@ -217,7 +217,6 @@ class GPTQ(Method):
     (quantized-path) inputs, as llm-compressor's sequential pipeline; the update per unit."""
 
     name = "gptq"
-    grid = "minmax"
     source_stream = False
     report_fields = ("damp", "block", "actorder")
     title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
