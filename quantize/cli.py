@@ -18,13 +18,22 @@ import typer
 from . import options as O
 from .errors import QuantizeError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Offline FP8/BF16 -> INT4 (compressed-tensors pack-quantized) for GLM 5.x and Kimi K2.x on "
-                       "SGLang/vLLM.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Offline FP8/BF16 -> INT4 (compressed-tensors pack-quantized) for GLM 5.x and Kimi K2.x on SGLang/vLLM.",
+)
 
 
-def command(model: type | None = None, name: str | None = None, *, json_help: str | None = None,
-            extra: tuple = (), models: tuple = ()):
+def command(
+    model: type | None = None,
+    name: str | None = None,
+    *,
+    json_help: str | None = None,
+    extra: tuple = (),
+    models: tuple = (),
+):
     """Register the decorated renderer as a command whose parameters are the command-line fields
     of ``model`` (and of ``models``), then ``extra`` (``(name, annotation, typer.Option)``: switches
     of the command line itself) and ``--json`` when ``json_help`` is given. The renderer is called
@@ -34,8 +43,14 @@ def command(model: type | None = None, name: str | None = None, *, json_help: st
         params = [p for m in ((model,) if model else ()) + tuple(models) for p in O.cli_parameters(m)]
         params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a) for n, a, d in extra]
         if json_help is not None:
-            params.append(inspect.Parameter("json_out", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-                                            default=typer.Option(False, "--json", help=json_help)))
+            params.append(
+                inspect.Parameter(
+                    "json_out",
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=bool,
+                    default=typer.Option(False, "--json", help=json_help),
+                )
+            )
 
         def cmd(**kw):
             return body(**kw)
@@ -62,13 +77,15 @@ def _run(fn, *args, **kwargs):
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(e.exit_code)
     except KeyboardInterrupt:
-        typer.echo("interrupted: nothing is presented as complete; rerun the same command with --resume to continue",
-                   err=True)
+        typer.echo(
+            "interrupted: nothing is presented as complete; rerun the same command with --resume to continue", err=True
+        )
         raise typer.Exit(130)
 
 
 def _refuse(msg: str, error: type = QuantizeError):
     """A refusal found here (not in a library call): one line and the error's exit code."""
+
     def fail():
         raise error(msg)
 
@@ -107,25 +124,53 @@ def convert(json_out: bool, **options):
     res = _run(run_convert, emit=_emitter(json_out), **options)
     if json_out:
         return
-    err = f", weight rel. error mean {res.mean_rel_err:.4f} max {res.max_rel_err:.4f}" if res.mean_rel_err is not None else ""
+    err = (
+        f", weight rel. error mean {res.mean_rel_err:.4f} max {res.max_rel_err:.4f}"
+        if res.mean_rel_err is not None
+        else ""
+    )
     kept = f"; {res.resumed_shards} shards kept from the interrupted run" if res.resumed_shards else ""
-    _print(f"[bold green]done[/] {res.out}: {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)} in {res.seconds:.1f} s "
-           f"({res.gbps:.3f} GB/s); {res.tensors_int4} INT4 tensors{err}{kept}")
+    _print(
+        f"[bold green]done[/] {res.out}: {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)} in "
+        f"{res.seconds:.1f} s "
+        f"({res.gbps:.3f} GB/s); {res.tensors_int4} INT4 tensors{err}{kept}"
+    )
     m = res.method
     if not m:
         return
     rows = []
     for r in m["layers"]:
         tpe = r.get("tokens_per_expert")
-        rows.append((str(r["layer"]), str(r["units"]), f"{tpe['min']} / {tpe['median']:g} / {tpe['max']}" if tpe else "-",
-                     str(len(r.get("fallbacks", []))), f"{r['loss_rtn']:.4g} -> {r['loss']:.4g}" if r.get("units") else "-",
-                     f"{r['seconds']:.1f}"))
-    _print(_table(f"{m['method']} on the {m['grid']} grid, g{m['group_size']}: {m['samples']} samples ({m['tokens']} tokens) "
-                  f"of {m['data']}", ("layer", "INT4 weights", "tokens per expert min / median / max", "RTN fallbacks",
-                                      "loss RTN -> method", "seconds"), rows))
+        rows.append(
+            (
+                str(r["layer"]),
+                str(r["units"]),
+                f"{tpe['min']} / {tpe['median']:g} / {tpe['max']}" if tpe else "-",
+                str(len(r.get("fallbacks", []))),
+                f"{r['loss_rtn']:.4g} -> {r['loss']:.4g}" if r.get("units") else "-",
+                f"{r['seconds']:.1f}",
+            )
+        )
+    _print(
+        _table(
+            f"{m['method']} on the {m['grid']} grid, g{m['group_size']}: {m['samples']} samples ({m['tokens']} tokens) "
+            f"of {m['data']}",
+            (
+                "layer",
+                "INT4 weights",
+                "tokens per expert min / median / max",
+                "RTN fallbacks",
+                "loss RTN -> method",
+                "seconds",
+            ),
+            rows,
+        )
+    )
     if m["rtn"]:
-        _print(f"[yellow]{len(m['rtn'])} INT4 weights quantized RTN[/], e.g. {m['rtn'][0]['name']} "
-               f"({m['rtn'][0]['reason']}); all named in quantize_manifest.json (method.rtn)")
+        _print(
+            f"[yellow]{len(m['rtn'])} INT4 weights quantized RTN[/], e.g. {m['rtn'][0]['name']} "
+            f"({m['rtn'][0]['reason']}); all named in quantize_manifest.json (method.rtn)"
+        )
 
 
 @command(O.PlanOptions, json_help="print one JSON object")
@@ -140,22 +185,32 @@ def plan(json_out: bool, **options):
         return
     tp = options["tp"]
     kv, kin = s["kv_bytes_per_token"], s["kv_capacity_inputs"]
-    _print(_table(f"{s['architecture']} ({s['source_format']}) -> INT4 g{s['options']['group_size']}, profile "
-                  f"{s['options']['profile']}", ("role", "jobs"),
-                  [(role, ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))) for role, kinds in s["roles"].items()]),
-           f"source {_bytes(s['source_bytes'])} -> output {_bytes(s['output_bytes'])}",
-           f"per GPU at TP{tp}: largest rank {_bytes(s['per_rank_source_bytes'])} -> {_bytes(s['per_rank_output_bytes'])} "
-           f"(replicated tensors counted on every rank); even split {_bytes(s['even_split_source_bytes'])} -> "
-           f"{_bytes(s['even_split_output_bytes'])}",
-           f"ignore: {s['ignore']}",
-           f"KV cache ({kin['layout']}, {kin['layers']} layers, per GPU at TP{tp}): BF16 {kv['bf16']:,} B/token -> "
-           f"{s['kv_tokens_per_gpu']['bf16']:,} tokens; FP8 {kv['fp8']:,} B/token -> {s['kv_tokens_per_gpu']['fp8']:,} tokens "
-           f"(GPU {kin['gpu_mem_gib']} GiB x {kin['mem_fraction']} - weights {kin['weights_per_rank_gib']} GiB - reserve "
-           f"{kin['reserve_gib']} GiB)")
+    _print(
+        _table(
+            f"{s['architecture']} ({s['source_format']}) -> INT4 g{s['options']['group_size']}, profile "
+            f"{s['options']['profile']}",
+            ("role", "jobs"),
+            [(role, ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))) for role, kinds in s["roles"].items()],
+        ),
+        f"source {_bytes(s['source_bytes'])} -> output {_bytes(s['output_bytes'])}",
+        f"per GPU at TP{tp}: largest rank {_bytes(s['per_rank_source_bytes'])} -> {_bytes(s['per_rank_output_bytes'])} "
+        f"(replicated tensors counted on every rank); even split {_bytes(s['even_split_source_bytes'])} -> "
+        f"{_bytes(s['even_split_output_bytes'])}",
+        f"ignore: {s['ignore']}",
+        f"KV cache ({kin['layout']}, {kin['layers']} layers, per GPU at TP{tp}): BF16 {kv['bf16']:,} B/token -> "
+        f"{s['kv_tokens_per_gpu']['bf16']:,} tokens; FP8 {kv['fp8']:,} B/token -> {s['kv_tokens_per_gpu']['fp8']:,} "
+        "tokens "
+        f"(GPU {kin['gpu_mem_gib']} GiB x {kin['mem_fraction']} - weights {kin['weights_per_rank_gib']} GiB - reserve "
+        f"{kin['reserve_gib']} GiB)",
+    )
 
 
-@command(O.ShardOptions, "shard", json_help="print the result as JSON",
-         extra=(("merge", bool, typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT")),))
+@command(
+    O.ShardOptions,
+    "shard",
+    json_help="print the result as JSON",
+    extra=(("merge", bool, typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT")),),
+)
 def shard_cmd(json_out: bool, merge: bool, **options):
     """Per-rank weights (model-rank-{r}-part-{p}.safetensors), group-aligned, checked against the
     serving kernels' shape rules before anything is written; --merge reverses it."""
@@ -169,17 +224,26 @@ def shard_cmd(json_out: bool, merge: bool, **options):
     if json_out:
         typer.echo(json.dumps({"tp": m["tp"], "rank_bytes": m["rank_bytes"]}))
     else:
-        typer.echo(f"TP {options['tp']}: {len(m['tensors'])} tensors; bytes per rank: "
-                   + ", ".join(_bytes(b) for b in m["rank_bytes"]))
+        typer.echo(
+            f"TP {options['tp']}: {len(m['tensors'])} tensors; bytes per rank: "
+            + ", ".join(_bytes(b) for b in m["rank_bytes"])
+        )
 
 
-ENGINE_HELP = ("vllm: instead of the static checks, load MODEL in vLLM itself, generate greedy tokens on fixed prompts "
-               "and compare them and their log-probs with transformers on the same weights; exit 1 on a mismatch, 2 when "
-               "vLLM cannot serve it here")
+ENGINE_HELP = (
+    "vllm: instead of the static checks, load MODEL in vLLM itself, generate greedy tokens on fixed prompts "
+    "and compare them and their log-probs with transformers on the same weights; exit 1 on a mismatch, 2 when "
+    "vLLM cannot serve it here"
+)
 
 
-@command(O.CheckOptions, "check", models=(O.EngineCheckOptions,), json_help="print the report as JSON",
-         extra=(("engine", Optional[str], typer.Option(None, "--engine", help=ENGINE_HELP)),))
+@command(
+    O.CheckOptions,
+    "check",
+    models=(O.EngineCheckOptions,),
+    json_help="print the report as JSON",
+    extra=(("engine", Optional[str], typer.Option(None, "--engine", help=ENGINE_HELP)),),
+)
 def check_cmd(json_out: bool, engine: str | None, engine_python, engine_tolerance, **options):
     """Run the packed INT4 kernels on what was written against references; exit 1 on any failure.
     With --engine vllm: the checkpoint served by vLLM against transformers (README: 'A real engine')."""
@@ -187,8 +251,10 @@ def check_cmd(json_out: bool, engine: str | None, engine_python, engine_toleranc
         if engine != "vllm":
             _refuse(f"--engine {engine}: unknown engine; the one supported is vllm")
         if options["tp"] is not None or options["source"] is not None:
-            _refuse("--engine with --tp/--source: the engine check replaces the static checks; run `quantize check` "
-                    "without --engine for those")
+            _refuse(
+                "--engine with --tp/--source: the engine check replaces the static checks; run `quantize check` "
+                "without --engine for those"
+            )
         return _engine_check(options["model"], engine_python, engine_tolerance, json_out)
     from .check import check as run_check
     from .check import proven_parts
@@ -198,15 +264,31 @@ def check_cmd(json_out: bool, engine: str | None, engine_python, engine_toleranc
         typer.echo(json.dumps(rep.to_dict(), indent=1))
     else:
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        rows = [(role, str(d["tensors"]), str(d["failed"]), fmt(d["max_kernel_rel_err"], ".2e"),
-                 fmt(d["max_source_rel_err"], ".4f"), fmt(d["min_snr_db"], ".1f"), fmt(d["max_shard_err"], ".1e"))
-                for role, d in rep.summary().items()]
-        _print(_table(f"check {options['model']}" + (f" (sharded, TP {rep.tp})" if rep.sharded else ""),
-                      ("role", "tensors", "failed", "kernel rel. err", "source rel. err", "min SNR dB", "shard err"), rows))
+        rows = [
+            (
+                role,
+                str(d["tensors"]),
+                str(d["failed"]),
+                fmt(d["max_kernel_rel_err"], ".2e"),
+                fmt(d["max_source_rel_err"], ".4f"),
+                fmt(d["min_snr_db"], ".1f"),
+                fmt(d["max_shard_err"], ".1e"),
+            )
+            for role, d in rep.summary().items()
+        ]
+        _print(
+            _table(
+                f"check {options['model']}" + (f" (sharded, TP {rep.tp})" if rep.sharded else ""),
+                ("role", "tensors", "failed", "kernel rel. err", "source rel. err", "min SNR dB", "shard err"),
+                rows,
+            )
+        )
         v = rep.verified
         if v:
-            _print("proven: " + "; ".join([f"{v.get('files_sha256', 0)} files by SHA-256 against the manifest",
-                                           *proven_parts(v)]))
+            _print(
+                "proven: "
+                + "; ".join([f"{v.get('files_sha256', 0)} files by SHA-256 against the manifest", *proven_parts(v)])
+            )
         for f in rep.failures[:20]:
             typer.echo(f"FAIL {f}", err=True)
     if not rep.ok:
@@ -225,24 +307,32 @@ def _engine_check(model: Path, engine_python, tolerance: float, json_out: bool) 
         parts = [f"{k} ({n} linear)" for k, n in (mods.get("linear") or {}).items()]
         parts += [f"attention {k} ({n})" for k, n in (mods.get("attention") or {}).items()]
         parts += [f"MoE {k} ({n})" for k, n in (mods.get("moe") or {}).items()]
-        typer.echo(f"vLLM {erep.vllm_version} ({erep.platform}, {erep.dtype}, KV cache {erep.kv_cache_dtype}) on {model}: "
-                   + "; ".join(parts))
+        typer.echo(
+            f"vLLM {erep.vllm_version} ({erep.platform}, {erep.dtype}, KV cache {erep.kv_cache_dtype}) on {model}: "
+            + "; ".join(parts)
+        )
         typer.echo(f"vLLM's log: {', '.join(erep.kernels) or 'no kernel line'}")
         for i, r in enumerate(erep.prompts):
             same = sum(a == b for a, b in zip(r.token_ids, r.reference_argmax))
-            typer.echo(f"prompt {i} {r.prompt[:40]!r}: {len(r.token_ids)} tokens, {same} equal to transformers' greedy "
-                       f"token, max |diff log-prob| {r.max_abs_diff:.4f}")
+            typer.echo(
+                f"prompt {i} {r.prompt[:40]!r}: {len(r.token_ids)} tokens, {same} equal to transformers' greedy "
+                f"token, max |diff log-prob| {r.max_abs_diff:.4f}"
+            )
         for t in erep.ties:
             typer.echo(f"tie {t}")
         for n in erep.notes:
             typer.echo(f"note: {n}")
         mx = "-" if erep.max_abs_diff is None else f"{erep.max_abs_diff:.4f} (mean {erep.mean_abs_diff:.4f})"
-        typer.echo(f"vLLM vs transformers (fp32, same weights): max |diff log-prob| {mx}, tolerance {erep.tolerance}: "
-                   + ("pass" if erep.ok else "FAIL"))
+        typer.echo(
+            f"vLLM vs transformers (fp32, same weights): max |diff log-prob| {mx}, tolerance {erep.tolerance}: "
+            + ("pass" if erep.ok else "FAIL")
+        )
     if not erep.ok:
-        _refuse(f"{model}: vLLM disagrees with transformers on the same weights: {erep.failures[0]} "
-                f"({len(erep.failures)} failures; max |diff log-prob| {erep.max_abs_diff:.4f}, tolerance {erep.tolerance})",
-                CheckFailed)
+        _refuse(
+            f"{model}: vLLM disagrees with transformers on the same weights: {erep.failures[0]} "
+            f"({len(erep.failures)} failures; max |diff log-prob| {erep.max_abs_diff:.4f}, tolerance {erep.tolerance})",
+            CheckFailed,
+        )
 
 
 @command(O.CalibrateKVOptions, "calibrate-kv", json_help="print the report as JSON")
@@ -263,16 +353,35 @@ def calibrate_kv_cmd(json_out: bool, **options):
     g = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
     rows = []
     for i, r in enumerate(res.layers):
-        row = [str(r.layer), f"{r.amax:.4g}", f"{r.percentile:.4g}", f"{r.scale:.4g}", f"{r.overflow_unit:.1e}",
-               f"{r.subnormal_unit:.2%}", f"{r.zero_unit:.2%}", f"{r.overflow_calibrated:.1e}", f"{r.subnormal_calibrated:.2%}"]
-        row += ([fmt(r.attn_rel_err_tiles)] if res.layout == "dsa"
-                else [fmt(r.attn_rel_err_unit), fmt(r.attn_rel_err_calibrated)])
+        row = [
+            str(r.layer),
+            f"{r.amax:.4g}",
+            f"{r.percentile:.4g}",
+            f"{r.scale:.4g}",
+            f"{r.overflow_unit:.1e}",
+            f"{r.subnormal_unit:.2%}",
+            f"{r.zero_unit:.2%}",
+            f"{r.overflow_calibrated:.1e}",
+            f"{r.subnormal_calibrated:.2%}",
+        ]
+        row += (
+            [fmt(r.attn_rel_err_tiles)]
+            if res.layout == "dsa"
+            else [fmt(r.attn_rel_err_unit), fmt(r.attn_rel_err_calibrated)]
+        )
         if res.fold:
             f = res.fold[i]
             row += [f"x{f['latent']:g}", f"x{f['rope']:g}", g(f["q_absorbed_amax_after"]), g(f["q_pe_amax_after"])]
         rows.append(row + ["[red]yes[/]" if r.at_risk else "no"])
-    _print(_table(f"KV cache ({res.layout}) of {options['model']}: {res.samples} samples, {res.tokens} tokens"
-                  + (f", {res.dropped_short} too short" if res.dropped_short else ""), cols, rows), res.verdict)
+    _print(
+        _table(
+            f"KV cache ({res.layout}) of {options['model']}: {res.samples} samples, {res.tokens} tokens"
+            + (f", {res.dropped_short} too short" if res.dropped_short else ""),
+            cols,
+            rows,
+        ),
+        res.verdict,
+    )
     for f in res.fold:
         for note in f["notes"]:
             _print(f"[yellow] !! layer {f['layer']}: {note}")
@@ -302,13 +411,26 @@ def eval_cmd(json_out: bool, **options):
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=1))
     else:
-        rows = [(r.task, str(r.n), f"{r.baseline:.2f} ± {r.baseline_stderr:.2f}",
-                 f"{r.candidate:.2f} ± {r.candidate_stderr:.2f}", f"{r.delta:+.2f}", f"({r.ci_low:+.2f}, {r.ci_high:+.2f})",
-                 "[red]FAIL[/]" if not r.passed else ("pass" if r.conclusive else "[yellow]pass, inconclusive[/]"))
-                for r in rep.tasks]
+        rows = [
+            (
+                r.task,
+                str(r.n),
+                f"{r.baseline:.2f} ± {r.baseline_stderr:.2f}",
+                f"{r.candidate:.2f} ± {r.candidate_stderr:.2f}",
+                f"{r.delta:+.2f}",
+                f"({r.ci_low:+.2f}, {r.ci_high:+.2f})",
+                "[red]FAIL[/]" if not r.passed else ("pass" if r.conclusive else "[yellow]pass, inconclusive[/]"),
+            )
+            for r in rep.tasks
+        ]
         limit = options["limit"]
-        _print(_table(f"{options['candidate']} vs {options['baseline']}" + (f" (limit {limit})" if limit else ""),
-                      ("task", "n", "baseline", "candidate", "delta", "95% CI", "gate"), rows))
+        _print(
+            _table(
+                f"{options['candidate']} vs {options['baseline']}" + (f" (limit {limit})" if limit else ""),
+                ("task", "n", "baseline", "candidate", "delta", "95% CI", "gate"),
+                rows,
+            )
+        )
     if not rep.passed:  # the gate's exit code: decided here, once, after the report is out
         raise typer.Exit(1)
 
@@ -325,16 +447,34 @@ def eval_kld_cmd(json_out: bool, **options):
         return
     if len(table.reports) == 1:
         rep = table.reports[0]
-        typer.echo(f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}, median {rep.kld_median:.5f}, p99 {rep.kld_p99:.4f}, "
-                   f"p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
-                   f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f})")
+        typer.echo(
+            f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}, median {rep.kld_median:.5f}, p99 {rep.kld_p99:.4f}, "
+            f"p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
+            f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f})"
+        )
         return
     first = table.reports[0]
-    rows = [(r.candidate, f"{r.kld_mean:.5f}", f"{r.kld_median:.5f}", f"{r.kld_p99:.4f}", f"{r.kld_p999:.4f}",
-             f"{r.kld_max:.4f}", f"{r.top1_agreement:.2%}", f"{r.ppl_baseline:.3f} -> {r.ppl_candidate:.3f}",
-             f"{r.kld_mean / first.kld_mean:.3f}" if first.kld_mean else "-") for r in table.reports]
-    _print(_table(f"KL divergence against {table.baseline}: {first.tokens} tokens of {first.text}, chunks of {first.chunk}",
-                  ("candidate", "KLD mean", "median", "p99", "p99.9", "max", "same top-1", "PPL", "KLD / first"), rows))
+    rows = [
+        (
+            r.candidate,
+            f"{r.kld_mean:.5f}",
+            f"{r.kld_median:.5f}",
+            f"{r.kld_p99:.4f}",
+            f"{r.kld_p999:.4f}",
+            f"{r.kld_max:.4f}",
+            f"{r.top1_agreement:.2%}",
+            f"{r.ppl_baseline:.3f} -> {r.ppl_candidate:.3f}",
+            f"{r.kld_mean / first.kld_mean:.3f}" if first.kld_mean else "-",
+        )
+        for r in table.reports
+    ]
+    _print(
+        _table(
+            f"KL divergence against {table.baseline}: {first.tokens} tokens of {first.text}, chunks of {first.chunk}",
+            ("candidate", "KLD mean", "median", "p99", "p99.9", "max", "same top-1", "PPL", "KLD / first"),
+            rows,
+        )
+    )
 
 
 @command(O.PDOptions, "eval-pd", json_help="print the report as JSON")
@@ -350,10 +490,19 @@ def eval_pd_cmd(json_out: bool, **options):
     if json_out:
         typer.echo(json.dumps(prep.to_dict(), indent=1))
         return
-    rows = [(r.name, f"{r.kld_mean:.5f}", f"{r.kld_p99:.4f}", f"{r.kld_max:.4f}", f"{r.top1_agreement:.2%}") for r in prep.rows]
-    _print(_table(f"prefill {options['prefill_model']} -> decode {options['decode_model']}, against {options['source']} "
-                  f"alone: {options['prompt_tokens']} prompt + {options['decode_tokens']} decoded tokens, cache "
-                  f"{options['kv_cache_dtype']} ({prep.layout})", ("", "KLD mean", "KLD p99", "KLD max", "same top-1"), rows))
+    rows = [
+        (r.name, f"{r.kld_mean:.5f}", f"{r.kld_p99:.4f}", f"{r.kld_max:.4f}", f"{r.top1_agreement:.2%}")
+        for r in prep.rows
+    ]
+    _print(
+        _table(
+            f"prefill {options['prefill_model']} -> decode {options['decode_model']}, against {options['source']} "
+            f"alone: {options['prompt_tokens']} prompt + {options['decode_tokens']} decoded tokens, cache "
+            f"{options['kv_cache_dtype']} ({prep.layout})",
+            ("", "KLD mean", "KLD p99", "KLD max", "same top-1"),
+            rows,
+        )
+    )
     typer.echo(f"stored: {prep.stored}")
 
 
@@ -366,12 +515,17 @@ def list_archs():
         typer.echo(f"{a.name:12s} {', '.join(a.architectures)}  -- {a.notes}")
 
 
-OVERRIDE_HELP = ("config KEY=VALUE (VALUE parsed as JSON, else a string); repeatable, e.g. --override kv_lora_rank=512 "
-                 "(Kimi: applies to text_config)")
+OVERRIDE_HELP = (
+    "config KEY=VALUE (VALUE parsed as JSON, else a string); repeatable, e.g. --override kv_lora_rank=512 "
+    "(Kimi: applies to text_config)"
+)
 
 
-@command(O.MakeTinyOptions, "make-tiny",
-         extra=(("override", Optional[list[str]], typer.Option(None, "--override", help=OVERRIDE_HELP)),))
+@command(
+    O.MakeTinyOptions,
+    "make-tiny",
+    extra=(("override", Optional[list[str]], typer.Option(None, "--override", help=OVERRIDE_HELP)),),
+)
 def make_tiny(override: list[str] | None, **options):
     """Write a tiny checkpoint of a real architecture (transformers classes, vendor FP8 layout)."""
     from .testing.tiny import make_tiny as run
@@ -394,8 +548,11 @@ def demo(json_out: bool, out: Path):
             _run(mk, arch, src, overwrite=True)
         typer.echo(f"== {arch}: {src} -> {out / (arch + '-w4a16-g32')}", err=True)
         res = _run(run_convert, src, out / f"{arch}-w4a16-g32", overwrite=True, emit=_emitter(json_out))
-        typer.echo(f"   {res.tensors_int4} INT4 tensors, {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)}, "
-                   f"mean rel. error {res.mean_rel_err:.4f}", err=True)
+        typer.echo(
+            f"   {res.tensors_int4} INT4 tensors, {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)}, "
+            f"mean rel. error {res.mean_rel_err:.4f}",
+            err=True,
+        )
 
 
 @command(O.CardOptions, "card")
@@ -420,9 +577,15 @@ def push_cmd(**options):
 
     def emit(e: dict) -> None:
         if e.get("event") == "start":
-            typer.echo(f"{e['files']} files ({_bytes(e['bytes'])}) to upload in {e['commits']} commit(s); {e['skipped']} already on the Hub", err=True)
+            typer.echo(
+                f"{e['files']} files ({_bytes(e['bytes'])}) to upload in {e['commits']} commit(s); {e['skipped']} "
+                "already on the Hub",
+                err=True,
+            )
         elif e.get("event") == "commit":
-            typer.echo(f"commit {e['index']}/{e['of']}: {e['files']} files, {_bytes(e['bytes'])} ({e['oid'][:12]})", err=True)
+            typer.echo(
+                f"commit {e['index']}/{e['of']}: {e['files']} files, {_bytes(e['bytes'])} ({e['oid'][:12]})", err=True
+            )
         elif e.get("event") == "error":
             typer.echo("", err=True)  # the upload's progress bar may have left its line open
 
@@ -432,17 +595,22 @@ def push_cmd(**options):
     if res.dry_run:
         for f in res.files:
             typer.echo(f"{f.path:<{w}}  {f.bytes:>14,} B")
-        typer.echo(f"{len(res.files)} files, {res.total_bytes:,} bytes ({_bytes(res.total_bytes)}) would go to {repo_id}@{res.revision}"
-                   + (" as a pull request" if create_pr else "") + "; nothing was sent")
+        typer.echo(
+            f"{len(res.files)} files, {res.total_bytes:,} bytes ({_bytes(res.total_bytes)}) would go to "
+            f"{repo_id}@{res.revision}"
+            + (" as a pull request" if create_pr else "")
+            + "; nothing was sent"
+        )
     else:
         where = res.pr_url or f"{res.url or repo_id}" + (f" (branch {res.revision})" if res.revision != "main" else "")
-        typer.echo(f"pushed {sum(f.status == 'uploaded' for f in res.files)} files ({_bytes(res.sent_bytes)}) in {len(res.commits)} commit(s); "
-                   f"{sum(f.status == 'on the Hub already' for f in res.files)} already on the Hub: {where}")
+        typer.echo(
+            f"pushed {sum(f.status == 'uploaded' for f in res.files)} files ({_bytes(res.sent_bytes)}) in "
+            f"{len(res.commits)} commit(s); "
+            f"{sum(f.status == 'on the Hub already' for f in res.files)} already on the Hub: {where}"
+        )
     typer.echo(res.card)
     if res.not_uploaded:
         typer.echo(f"not uploaded (the manifest does not prove them): {', '.join(res.not_uploaded)}", err=True)
-
-
 
 
 @command(O.RunOptions, "run", json_help="NDJSON events on stdout (with --plan: one JSON object)")
@@ -486,7 +654,10 @@ def run_cmd(json_out: bool, recipe, out, plan: bool, overwrite: bool):
                 return
             st, name = e.get("state"), e.get("stage")
             if e.get("kept"):
-                console.print(f"[green]= {name}[/]: {st}, kept from the run's record" + (f" ({e['summary']})" if e.get("summary") else ""))
+                console.print(
+                    f"[green]= {name}[/]: {st}, kept from the run's record"
+                    + (f" ({e['summary']})" if e.get("summary") else "")
+                )
             elif st == "start":
                 console.rule(f"[bold]{name}[/]")
                 console.print(f"{e.get('does', '')}" + (f"  [dim]({e['why']})[/]" if e.get("why") else ""))
@@ -508,8 +679,10 @@ def run_cmd(json_out: bool, recipe, out, plan: bool, overwrite: bool):
         try:
             return run(*a, **kw)
         except KeyboardInterrupt:
-            raise Interrupted("interrupted: finished stages are kept in the run's record; rerun the same `quantize run` to continue "
-                              "(the interrupted stage continues, convert with --resume)") from None
+            raise Interrupted(
+                "interrupted: finished stages are kept in the run's record; rerun the same `quantize run` to continue "
+                "(the interrupted stage continues, convert with --resume)"
+            ) from None
 
     res = _run(run_interruptible, recipe, out=out, plan=False, overwrite=overwrite, emit=emit)
     if json_out:

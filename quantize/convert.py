@@ -56,6 +56,7 @@ class ConvertResult:
 # --------------------------------------------------------------------------------------------
 # per-job compute (pure transforms over tensors read from the source)
 
+
 def _weight_rows(job: Job, w: torch.Tensor, s: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor:
     """Rows [r0, r1) of the job's weight in its working precision (bf16 for FP8 sources)."""
     rows = w[r0:r1]
@@ -65,12 +66,14 @@ def _weight_rows(job: Job, w: torch.Tensor, s: torch.Tensor | None, r0: int, r1:
         br = job.block[0]
         if r0 % br:
             raise AssertionError("row chunks must start on a block boundary")
-        return fp8.dequant_block(rows, s[r0 // br: -(-r1 // br)], job.block)
+        return fp8.dequant_block(rows, s[r0 // br : -(-r1 // br)], job.block)
     return fp8.dequant_channel(rows, s if s.numel() == 1 else s.reshape(-1, 1)[r0:r1])
 
 
 def _nan_error(job: Job) -> QuantizeError:
-    return QuantizeError(f"{job.src.file}: tensor {job.name} contains NaN or Inf; the source weight is corrupt, re-download that shard")
+    return QuantizeError(
+        f"{job.src.file}: tensor {job.name} contains NaN or Inf; the source weight is corrupt, re-download that shard"
+    )
 
 
 def _check_finite(job: Job, t: torch.Tensor) -> None:
@@ -92,18 +95,24 @@ def _read(folder: Path, ref: TensorRef, fds: dict, slot: str) -> torch.Tensor:
     return read_tensor(folder, ref, fds, buf)
 
 
-def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, device: str = "cpu", cache=None) -> tuple[list[torch.Tensor], dict | None]:
+def compute_job(
+    job: Job, folder: Path, options: ConvertOptions, fds: dict, device: str = "cpu", cache=None
+) -> tuple[list[torch.Tensor], dict | None]:
     if job.kind == "int4" and cache is not None:
         if cache.has(job.module):
             return _cached_job(job, folder, options, fds, cache)
-        tensors, stats = compute_job(job, folder, options, fds, device)  # out of the method's reach: RTN, named in its report
+        tensors, stats = compute_job(
+            job, folder, options, fds, device
+        )  # out of the method's reach: RTN, named in its report
         return tensors, {**stats, "method": "rtn"}
     w = _read(folder, job.src, fds, "w")
     s = _read(folder, job.scale, fds, "s").clone() if job.scale is not None else None
     if device != "cpu":  # the torch reference path, on the GPU; same bits as on the CPU
         w = w.to(device)
         s = s.to(device) if s is not None else None
-    use_native = device == "cpu" and native.lib() is not None and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+    use_native = (
+        device == "cpu" and native.lib() is not None and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+    )
     if job.kind == "dequant":
         if use_native and w.dtype == torch.float8_e4m3fn:
             out, bad = native.dequant_rows(w, s, job.scale_format, job.block)
@@ -121,13 +130,29 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, devi
         rows, k = w.shape
         g = options.group_size
         scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
-        if (use_native and scale_dtype == torch.bfloat16 and options.observer in int4.NATIVE_OBSERVERS and native.supports(k, g)
-                and (job.scale_format != "block" or job.block[1] % g == 0)):
+        if (
+            use_native
+            and scale_dtype == torch.bfloat16
+            and options.observer in int4.NATIVE_OBSERVERS
+            and native.supports(k, g)
+            and (job.scale_format != "block" or job.block[1] % g == 0)
+        ):
             packed, scale, (sq_err, sq_ref, max_err), bad = native.quant_rows(
-                w, s, job.scale_format, g, options.observer, (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM), job.block)
+                w,
+                s,
+                job.scale_format,
+                g,
+                options.observer,
+                (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM),
+                job.block,
+            )
             if bad:
                 raise _nan_error(job)
-            sq_err_mm = native.quant_rows(w, s, job.scale_format, g, "minmax", block=job.block)[2][0] if options.observer != "minmax" else 0.0
+            sq_err_mm = (
+                native.quant_rows(w, s, job.scale_format, g, "minmax", block=job.block)[2][0]
+                if options.observer != "minmax"
+                else 0.0
+            )
         else:
             packed = torch.empty(int4.packed_shape((rows, k)), dtype=torch.int32, device=w.device)
             scale = torch.empty(int4.scale_shape((rows, k), g), dtype=scale_dtype, device=w.device)
@@ -145,7 +170,12 @@ def compute_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, devi
                 max_err = max(max_err, res.max_abs_err)
                 if options.observer != "minmax":
                     sq_err_mm += int4.quantize_pack(wr, g, "minmax", scale_dtype).sq_err
-        stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0, "max_abs_err": max_err}
+        stats = {
+            "name": job.name,
+            "role": job.role,
+            "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0,
+            "max_abs_err": max_err,
+        }
         if options.observer != "minmax":
             stats["rel_err_minmax"] = (sq_err_mm / sq_ref) ** 0.5 if sq_ref else 0.0
         return [packed.cpu(), scale.cpu(), torch.tensor([rows, k], dtype=torch.int64)], stats
@@ -162,8 +192,11 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
     packed, scale = cache.read(job.module)
     want = (int4.packed_shape((rows, k)), int4.scale_shape((rows, k), options.group_size))
     if tuple(packed.shape) != want[0] or tuple(scale.shape) != want[1]:
-        raise QuantizeError(f"{cache.files[job.module]}: {job.module} has shapes {tuple(packed.shape)}/{tuple(scale.shape)}, not {want}; "
-                            "the layer cache is corrupt, rerun with --overwrite")
+        raise QuantizeError(
+            f"{cache.files[job.module]}: {job.module} has shapes {tuple(packed.shape)}/{tuple(scale.shape)}, not "
+            f"{want}; "
+            "the layer cache is corrupt, rerun with --overwrite"
+        )
     sq_err = sq_ref = max_err = sq_rtn = 0.0
     for r0 in range(0, rows, ROW_CHUNK):
         r1 = min(rows, r0 + ROW_CHUNK)
@@ -172,13 +205,19 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
         e, r, m = int4.error_sums(wr, packed[r0:r1], scale[r0:r1])
         sq_err, sq_ref, max_err = sq_err + e, sq_ref + r, max(max_err, m)
         sq_rtn += int4.quantize_pack(wr, options.group_size, options.observer, scale.dtype).sq_err
-    stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0, "max_abs_err": max_err,
-             "method": cache.methods.get(job.module, options.method_name),
-             "rel_err_rtn": (sq_rtn / sq_ref) ** 0.5 if sq_ref else 0.0}
+    stats = {
+        "name": job.name,
+        "role": job.role,
+        "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0,
+        "max_abs_err": max_err,
+        "method": cache.methods.get(job.module, options.method_name),
+        "rel_err_rtn": (sq_rtn / sq_ref) ** 0.5 if sq_ref else 0.0,
+    }
     return [packed, scale, torch.tensor([rows, k], dtype=torch.int64)], stats
 
 
 # --------------------------------------------------------------------------------------------
+
 
 @contextmanager
 def _torch_threads(n: int):
@@ -228,7 +267,9 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
         ct.set_result(_ct_config(plan))
     try:
         sides = side_files(src)  # a dangling symlink is named before any shard is written
-        ident = source_identity(src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}])
+        ident = source_identity(
+            src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}]
+        )
         key = _job_key(plan, ident)
         if calib is not None:
             key["data"] = {"source": calib.source, "token_ids_sha256": calib.sha256}
@@ -244,8 +285,17 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
                 from . import methods
 
                 try:
-                    cache = methods.run(plan, src, o, calib, options, workers=workers, device=device,
-                                        memory_budget=int(options.memory_budget_gib * 2**30), emit=emit)
+                    cache = methods.run(
+                        plan,
+                        src,
+                        o,
+                        calib,
+                        options,
+                        workers=workers,
+                        device=device,
+                        memory_budget=int(options.memory_budget_gib * 2**30),
+                        emit=emit,
+                    )
                 except BaseException as e:
                     emit({"event": "error", "message": str(e)})
                     raise
@@ -258,12 +308,23 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
             total = sum(s.source_bytes for s in plan.shards)
             done_bytes = total - sum(s.source_bytes for s in todo)
             kernels = _kernel_path(device, emit)
-            emit({"event": "start", "stage": "convert", "total_bytes": total, "done_bytes": done_bytes, "shards": len(plan.shards),
-                  "workers": workers, "kernels": kernels["path"]})
+            emit(
+                {
+                    "event": "start",
+                    "stage": "convert",
+                    "total_bytes": total,
+                    "done_bytes": done_bytes,
+                    "shards": len(plan.shards),
+                    "workers": workers,
+                    "kernels": kernels["path"],
+                }
+            )
             fds: dict = {}
             try:
                 with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
-                    done_bytes = _execute(plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache)
+                    done_bytes = _execute(
+                        plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache
+                    )
                 ct.result()  # the config and its check, before anything presents the output as complete
                 _finish(plan, src, o, sides, ident, t0, kernels, emit, cache.report if cache is not None else None)
             except BaseException as e:
@@ -278,15 +339,35 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     stats = [s for shard in record["stats"].values() for s in shard]
     rel = [s["rel_err"] for s in stats]
     seconds = time.time() - t0
-    res = ConvertResult(str(out), plan.summary(), seconds, total, plan.output_bytes, len(rel),
-                        sum(rel) / len(rel) if rel else None, max(rel) if rel else None, resumed,
-                        cache.report if cache is not None else None)
-    emit({"event": "done", "seconds": round(seconds, 3), "source_bytes": total, "output_bytes": plan.output_bytes,
-          "gb_per_s": round(res.gbps, 4), "tensors_int4": len(rel), "mean_rel_err": res.mean_rel_err})
+    res = ConvertResult(
+        str(out),
+        plan.summary(),
+        seconds,
+        total,
+        plan.output_bytes,
+        len(rel),
+        sum(rel) / len(rel) if rel else None,
+        max(rel) if rel else None,
+        resumed,
+        cache.report if cache is not None else None,
+    )
+    emit(
+        {
+            "event": "done",
+            "seconds": round(seconds, 3),
+            "source_bytes": total,
+            "output_bytes": plan.output_bytes,
+            "gb_per_s": round(res.gbps, 4),
+            "tensors_int4": len(rel),
+            "mean_rel_err": res.mean_rel_err,
+        }
+    )
     return res
 
 
-def _execute(plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu", cache=None) -> int:
+def _execute(
+    plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu", cache=None
+) -> int:
     """Workers compute ahead inside a bounded window; this thread writes in plan order; a
     committer thread makes each finished shard durable (fsync, rename) and records it while the
     next shard is being computed and written."""
@@ -301,7 +382,9 @@ def _execute(plan, todo, src, out, options, output, pool, workers, fds, emit, do
             if nxt is None:
                 return
             si, j = nxt
-            fut = pool.submit(compute_job, j, src, options, fds, device, cache) if j.kind in ("int4", "dequant") else None
+            fut = (
+                pool.submit(compute_job, j, src, options, fds, device, cache) if j.kind in ("int4", "dequant") else None
+            )
             pending.append((si, j, fut))
 
     def commit(writer: StreamWriter, shard, sha: str, stats: list[dict]) -> None:
@@ -330,8 +413,15 @@ def _execute(plan, todo, src, out, options, output, pool, workers, fds, emit, do
                         if st:
                             stats.append(st)
                     done_bytes += job.src.nbytes + (job.scale.nbytes if job.scale else 0)
-                    emit({"event": "tensor", "name": job.name, "kind": job.kind, "done_bytes": done_bytes,
-                          **({"rel_err": round(st["rel_err"], 6)} if fut is not None and st else {})})
+                    emit(
+                        {
+                            "event": "tensor",
+                            "name": job.name,
+                            "kind": job.kind,
+                            "done_bytes": done_bytes,
+                            **({"rel_err": round(st["rel_err"], 6)} if fut is not None and st else {}),
+                        }
+                    )
                 sha = writer.close()
             except BaseException:
                 writer.abort()
@@ -363,7 +453,10 @@ def _copy_checked(writer: StreamWriter, name: str, fd: int, ref: TensorRef, buf:
         def check(chunk: memoryview) -> None:
             t = torch.frombuffer(chunk, dtype=dt, count=len(chunk) // size) if len(chunk) >= size else None
             if t is not None and not torch.isfinite(t).all():
-                raise QuantizeError(f"{ref.file}: tensor {ref.name} contains NaN or Inf; the source is corrupt, re-download that shard")
+                raise QuantizeError(
+                    f"{ref.file}: tensor {ref.name} contains NaN or Inf; the source is corrupt, re-download that shard"
+                )
+
     writer.copy_bytes(name, fd, ref.start, ref.nbytes, buf, on_chunk=check)
 
 
@@ -378,16 +471,32 @@ def _kernel_path(device: str, emit: Emit) -> dict:
         return {"path": "torch", "device": device, "reason": "the torch reference path runs on the GPU"}
     st = native.status()
     if st["path"] != "native" and st.get("reason") and "QUANTIZE_NATIVE=0" not in st["reason"]:
-        emit({"event": "warning", "message": f"native kernels unavailable ({st['reason']}); using the torch path (same output, slower)"})
+        emit(
+            {
+                "event": "warning",
+                "message": f"native kernels unavailable ({st['reason']}); using the torch path (same output, slower)",
+            }
+        )
     return {**st, "device": device}
 
 
-def _finish(plan: Plan, src: Path, o: Output, sides: list[Path], ident: dict, t0: float, kernels: dict, emit: Emit,
-            method: dict | None = None) -> None:
+def _finish(
+    plan: Plan,
+    src: Path,
+    o: Output,
+    sides: list[Path],
+    ident: dict,
+    t0: float,
+    kernels: dict,
+    emit: Emit,
+    method: dict | None = None,
+) -> None:
     copied = o.copy_side_files(sides)
     weight_map = {e.name: s.file for s in plan.shards for e in s.entries}
-    index = {"metadata": {"total_size": sum(e.nbytes for s in plan.shards for e in s.entries)},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum(e.nbytes for s in plan.shards for e in s.entries)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     o.write_json(INDEX_NAME, index, sort_keys=False, indent=2)
     config = json.loads((src / "config.json").read_text())
     config.pop("quantization_config", None)
@@ -399,7 +508,12 @@ def _finish(plan: Plan, src: Path, o: Output, sides: list[Path], ident: dict, t0
     manifest = {
         "kind": "convert",
         "tool": tool_versions(),
-        "source": {"path": str(src.resolve()), "revision": hub_revision(src), "files": ident, "format": plan.source_format},
+        "source": {
+            "path": str(src.resolve()),
+            "revision": hub_revision(src),
+            "files": ident,
+            "format": plan.source_format,
+        },
         "options": plan.options.to_dict(),
         "kernels": kernels,
         "plan": plan.summary(),
@@ -422,8 +536,12 @@ def _error_summary(stats: list[dict]) -> dict:
     out = {}
     for role, ss in sorted(by_role.items()):
         rel = [s["rel_err"] for s in ss]
-        d = {"tensors": len(ss), "mean_rel_err": sum(rel) / len(rel), "max_rel_err": max(rel),
-             "worst": max(ss, key=lambda s: s["rel_err"])["name"]}
+        d = {
+            "tensors": len(ss),
+            "mean_rel_err": sum(rel) / len(rel),
+            "max_rel_err": max(rel),
+            "worst": max(ss, key=lambda s: s["rel_err"])["name"],
+        }
         if "rel_err_minmax" in ss[0]:
             mm = [s["rel_err_minmax"] for s in ss]
             d["mean_rel_err_minmax"] = sum(mm) / len(mm)

@@ -92,7 +92,11 @@ def _shown(v) -> str:
 
 def _why(f: dataclasses.Field) -> str:
     s = spec(f)
-    return s.why.format(choices=", ".join(map(str, s.choices))) if s.why else f"use one of {', '.join(map(str, s.choices))}"
+    return (
+        s.why.format(choices=", ".join(map(str, s.choices)))
+        if s.why
+        else f"use one of {', '.join(map(str, s.choices))}"
+    )
 
 
 def _passes(f: dataclasses.Field, v) -> bool:
@@ -150,6 +154,7 @@ class Options:
 
 # -- the library side --------------------------------------------------------------------------
 
+
 def takes(model: type, *, keep: tuple[str, ...] = ()):
     """Decorate a library function whose keywords are ``model``'s fields: callers may pass any
     subset (the rest take the declared defaults); unknown names are a TypeError as for any
@@ -178,10 +183,16 @@ def takes(model: type, *, keep: tuple[str, ...] = ()):
             o.validate()
             return fn(options=o, **kw) if as_object else fn(**{n: getattr(o, n) for n in names}, **kw)
 
-        params = [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default,
-                                    annotation=hints(model)[f.name]) for f in fields(model)]
-        wrapper.__signature__ = sig.replace(parameters=params + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                                                                 for p in extra if p.kind != p.VAR_KEYWORD])
+        params = [
+            inspect.Parameter(
+                f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default, annotation=hints(model)[f.name]
+            )
+            for f in fields(model)
+        ]
+        wrapper.__signature__ = sig.replace(
+            parameters=params
+            + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in extra if p.kind != p.VAR_KEYWORD]
+        )
         wrapper.options = model
         return wrapper
 
@@ -190,9 +201,12 @@ def takes(model: type, *, keep: tuple[str, ...] = ()):
 
 # -- the recipe side -----------------------------------------------------------------------------
 
+
 def _type_names(tp) -> str:
     base, optional = _base(tp)
-    name = {int: "int", float: "number", str: "str", bool: "bool", list: "list"}.get(base, getattr(base, "__name__", str(base)))
+    name = {int: "int", float: "number", str: "str", bool: "bool", list: "list"}.get(
+        base, getattr(base, "__name__", str(base))
+    )
     return f"{name} or null" if optional else name
 
 
@@ -242,8 +256,9 @@ def parse_section(path, where: str, doc, section) -> dict:
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
-        raise QuantizeError(f"{path}: {where.rstrip('.') or 'pipeline'} must be a mapping, not {type(doc).__name__}; "
-                            "fix the recipe")
+        raise QuantizeError(
+            f"{path}: {where.rstrip('.') or 'pipeline'} must be a mapping, not {type(doc).__name__}; fix the recipe"
+        )
     for k in doc:
         if k not in section.model_fields:
             raise unknown_key(path, where, k, list(section.model_fields))
@@ -251,8 +266,10 @@ def parse_section(path, where: str, doc, section) -> dict:
         out = section.model_validate(doc).model_dump()
     except pydantic.ValidationError as e:
         key = e.errors()[0]["loc"][0]
-        raise QuantizeError(f"{path}: {where}{key} is {doc[key]!r}, not {_type_names(section.model_fields[key].annotation)}; "
-                            "fix the recipe") from None
+        raise QuantizeError(
+            f"{path}: {where}{key} is {doc[key]!r}, not {_type_names(section.model_fields[key].annotation)}; "
+            "fix the recipe"
+        ) from None
     for name, f in section.declared.items():
         v = out[name]
         if name in doc and not _passes(f, v):
@@ -266,6 +283,7 @@ def parse_section(path, where: str, doc, section) -> dict:
 
 
 # -- the command line side -----------------------------------------------------------------------
+
 
 def _cli_type(tp):
     base, optional = _base(tp)
@@ -290,7 +308,9 @@ def cli_parameters(model: type) -> list[inspect.Parameter]:
         decl = s.flag or flag(f.name)
         if tp is bool and "/" not in decl and f.default is True:
             decl = f"{decl}/--no-{decl[2:]}"
-        default = typer.Option(None if f.default is MISSING else f.default, decl, help=s.help or None, metavar=s.metavar)
+        default = typer.Option(
+            None if f.default is MISSING else f.default, decl, help=s.help or None, metavar=s.metavar
+        )
         opts.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=tp))
     return args + opts
 
@@ -324,62 +344,153 @@ class ConvertOptions(Options):
     an RTN run's options, resume key and manifest are what they were before data-aware methods
     existed); a data-aware option stays None under a method that does not use it."""
 
-    source: Path | None = opt(None, "source checkpoint folder (block FP8, compressed-tensors FP8, or BF16/FP16)",
-                              argument=True, record=False)
-    out: Path | None = opt(None, "output folder (must not exist unless --resume/--overwrite)", argument=True, record=False)
-    group_size: int | None = opt(None, "INT4 group size along K: 32 (default), 64 or 128", choices=SUPPORTED_GROUP_SIZES,
-                                 why="not served by the engines' INT4 kernels; use one of {choices}")
-    profile: str | None = opt(None, "experts (default: routed experts INT4, Kimi's layout) or all-linear",
-                              choices=PROFILES, why="unknown; use one of {choices}")
+    source: Path | None = opt(
+        None, "source checkpoint folder (block FP8, compressed-tensors FP8, or BF16/FP16)", argument=True, record=False
+    )
+    out: Path | None = opt(
+        None, "output folder (must not exist unless --resume/--overwrite)", argument=True, record=False
+    )
+    group_size: int | None = opt(
+        None,
+        "INT4 group size along K: 32 (default), 64 or 128",
+        choices=SUPPORTED_GROUP_SIZES,
+        why="not served by the engines' INT4 kernels; use one of {choices}",
+    )
+    profile: str | None = opt(
+        None,
+        "experts (default: routed experts INT4, Kimi's layout) or all-linear",
+        choices=PROFILES,
+        why="unknown; use one of {choices}",
+    )
     observer: str | None = opt(
-        None, "minmax (default for rtn and gptq, bit-identical to compressed-tensors RTN), mse (clipping search), "
+        None,
+        "minmax (default for rtn and gptq, bit-identical to compressed-tensors RTN), mse (clipping search), "
         "fullrange (all 16 codes: scale = signed extreme / -8; the default for autoround; negative scales, checked in "
-        "vLLM CPU, unverified on GPU Marlin/Machete), fullrange-mse", choices=OBSERVERS, why="unknown; use one of {choices}")
+        "vLLM CPU, unverified on GPU Marlin/Machete), fullrange-mse",
+        choices=OBSERVERS,
+        why="unknown; use one of {choices}",
+    )
     keep_fp8: bool = opt(False, "leave non-INT4 FP8 weights FP8 (block) instead of BF16")
-    recipe: str | None = opt(None, "llm-compressor recipe YAML (targets / ignore / group size; a GPTQModifier means "
-                                   "--method gptq, an AutoRoundModifier --method autoround)", recipe=False)
+    recipe: str | None = opt(
+        None,
+        "llm-compressor recipe YAML (targets / ignore / group size; a GPTQModifier means "
+        "--method gptq, an AutoRoundModifier --method autoround)",
+        recipe=False,
+    )
     # data-aware methods (quantize/methods/): gptq | autoround, and their options
-    method: str | None = opt(None, "rtn (default: round-to-nearest, no data), gptq (llm-compressor's GPTQ update, layer by "
-                                   "layer on calibration text) or autoround (signed-gradient rounding and clipping)",
-                             choices=METHODS, why="unknown; use one of {choices}")
-    data: str | None = opt(None, "gptq/autoround: calibration text, jsonl/txt/parquet file or folder, or hf:NAME "
-                                 "(default: the shipped corpus)", methods=DATA_AWARE, check=lambda v: bool(v.strip()),
-                           why="empty; pass a .jsonl/.txt/.parquet file or folder, or hf:NAME", recipe=False)
-    samples: int | None = opt(None, "gptq/autoround: calibration samples (default 128)", methods=DATA_AWARE, method_default=128,
-                              check=lambda v: v >= 1, why="must be at least 1 (e.g. 128)")
-    seq_len: int | None = opt(None, "gptq/autoround: tokens per sample at most (default 2048)", methods=DATA_AWARE,
-                              method_default=2048, check=lambda v: v >= 2, why="must be at least 2 tokens (e.g. 2048)")
-    damp: float | None = opt(None, "gptq: Hessian dampening, a fraction of its mean diagonal (default 0.01)", methods=("gptq",),
-                             method_default=0.01, check=lambda v: 0 < v <= 1, modifier_key="dampening_frac",
-                             why="the Hessian dampening fraction must be in (0, 1] (e.g. 0.01)")
-    block: int | None = opt(None, "gptq: columns per lazy-update block (default 128)", methods=("gptq",), method_default=128,
-                            check=lambda v: v >= 1, modifier_key="block_size",
-                            why="the GPTQ column block must be at least 1 (e.g. 128)")
-    actorder: str | None = opt(None, "gptq: static (default, llm-compressor's: columns by decreasing Hessian diagonal, groups "
-                                     "fixed, format unchanged) or off", methods=("gptq",), method_default="static",
-                               choices=ACTORDERS, modifier_key="actorder",
-                               why="use static (columns by decreasing Hessian diagonal, groups fixed: the format is "
-                                   "unchanged) or off; a dynamic group order would need g_idx, which is not written")
-    iters: int | None = opt(None, "autoround: signed-gradient steps per layer (default 200; 0 = RTN on the grid)",
-                            methods=("autoround",), method_default=200, check=lambda v: v >= 0, modifier_key="iters",
-                            why="must be 0 (RTN on the full-range grid) or more (e.g. 200)")
-    lr: float | None = opt(None, "autoround: learning rate, decayed linearly to 0 (default 1/iters)", methods=("autoround",),
-                           check=_positive, modifier_key="lr", why="the learning rate must be a positive number (default 1/iters)")
-    batch_size: int | None = opt(None, "autoround: samples per step (default 8)", methods=("autoround",), method_default=8,
-                                 check=lambda v: v >= 1, modifier_key="batch_size", why="must be at least 1 sample (e.g. 8)")
-    all_experts: bool = opt(False, "gptq/autoround: every routed expert's statistics from every token (the layer output still "
-                                   "follows the router)", methods=DATA_AWARE)
-    min_expert_tokens: int | None = opt(None, "gptq/autoround: an expert routed fewer tokens falls back to RTN, named "
-                                              "(default 16)", methods=DATA_AWARE, method_default=16,
-                                        check=lambda v: v >= 0, why="must be 0 or more tokens (e.g. 16)")
+    method: str | None = opt(
+        None,
+        "rtn (default: round-to-nearest, no data), gptq (llm-compressor's GPTQ update, layer by "
+        "layer on calibration text) or autoround (signed-gradient rounding and clipping)",
+        choices=METHODS,
+        why="unknown; use one of {choices}",
+    )
+    data: str | None = opt(
+        None,
+        "gptq/autoround: calibration text, jsonl/txt/parquet file or folder, or hf:NAME (default: the shipped corpus)",
+        methods=DATA_AWARE,
+        check=lambda v: bool(v.strip()),
+        why="empty; pass a .jsonl/.txt/.parquet file or folder, or hf:NAME",
+        recipe=False,
+    )
+    samples: int | None = opt(
+        None,
+        "gptq/autoround: calibration samples (default 128)",
+        methods=DATA_AWARE,
+        method_default=128,
+        check=lambda v: v >= 1,
+        why="must be at least 1 (e.g. 128)",
+    )
+    seq_len: int | None = opt(
+        None,
+        "gptq/autoround: tokens per sample at most (default 2048)",
+        methods=DATA_AWARE,
+        method_default=2048,
+        check=lambda v: v >= 2,
+        why="must be at least 2 tokens (e.g. 2048)",
+    )
+    damp: float | None = opt(
+        None,
+        "gptq: Hessian dampening, a fraction of its mean diagonal (default 0.01)",
+        methods=("gptq",),
+        method_default=0.01,
+        check=lambda v: 0 < v <= 1,
+        modifier_key="dampening_frac",
+        why="the Hessian dampening fraction must be in (0, 1] (e.g. 0.01)",
+    )
+    block: int | None = opt(
+        None,
+        "gptq: columns per lazy-update block (default 128)",
+        methods=("gptq",),
+        method_default=128,
+        check=lambda v: v >= 1,
+        modifier_key="block_size",
+        why="the GPTQ column block must be at least 1 (e.g. 128)",
+    )
+    actorder: str | None = opt(
+        None,
+        "gptq: static (default, llm-compressor's: columns by decreasing Hessian diagonal, groups "
+        "fixed, format unchanged) or off",
+        methods=("gptq",),
+        method_default="static",
+        choices=ACTORDERS,
+        modifier_key="actorder",
+        why="use static (columns by decreasing Hessian diagonal, groups fixed: the format is "
+        "unchanged) or off; a dynamic group order would need g_idx, which is not written",
+    )
+    iters: int | None = opt(
+        None,
+        "autoround: signed-gradient steps per layer (default 200; 0 = RTN on the grid)",
+        methods=("autoround",),
+        method_default=200,
+        check=lambda v: v >= 0,
+        modifier_key="iters",
+        why="must be 0 (RTN on the full-range grid) or more (e.g. 200)",
+    )
+    lr: float | None = opt(
+        None,
+        "autoround: learning rate, decayed linearly to 0 (default 1/iters)",
+        methods=("autoround",),
+        check=_positive,
+        modifier_key="lr",
+        why="the learning rate must be a positive number (default 1/iters)",
+    )
+    batch_size: int | None = opt(
+        None,
+        "autoround: samples per step (default 8)",
+        methods=("autoround",),
+        method_default=8,
+        check=lambda v: v >= 1,
+        modifier_key="batch_size",
+        why="must be at least 1 sample (e.g. 8)",
+    )
+    all_experts: bool = opt(
+        False,
+        "gptq/autoround: every routed expert's statistics from every token (the layer output still follows the router)",
+        methods=DATA_AWARE,
+    )
+    min_expert_tokens: int | None = opt(
+        None,
+        "gptq/autoround: an expert routed fewer tokens falls back to RTN, named (default 16)",
+        methods=DATA_AWARE,
+        method_default=16,
+        check=lambda v: v >= 0,
+        why="must be 0 or more tokens (e.g. 16)",
+    )
     # how the run goes, not what it makes: not recorded (same bytes for any value)
     resume: bool = opt(False, "continue an interrupted run in OUT (same options)", record=False, recipe=False)
     overwrite: bool = opt(False, "replace an existing quantize output in OUT", record=False, recipe=False)
     workers: int | None = opt(None, "compute threads (default: all cores)", record=False)
-    device: str = opt("cpu", "cpu (default) or cuda: where the transforms (and a method's layer math) run", record=False)
-    memory_budget_gib: float = opt(4.0, "gptq/autoround: calibration hidden states kept in memory; beyond it they go to "
-                                        "OUT/.quantize/hidden", record=False, check=_nonneg,
-                                   why="must be 0 or more GiB (0: every hidden state on disk)")
+    device: str = opt(
+        "cpu", "cpu (default) or cuda: where the transforms (and a method's layer math) run", record=False
+    )
+    memory_budget_gib: float = opt(
+        4.0,
+        "gptq/autoround: calibration hidden states kept in memory; beyond it they go to OUT/.quantize/hidden",
+        record=False,
+        check=_nonneg,
+        why="must be 0 or more GiB (0: every hidden state on disk)",
+    )
 
     @property
     def method_name(self) -> str:
@@ -400,15 +511,20 @@ class ConvertOptions(Options):
         for name, methods in method_options().items():
             if given(self, name) and self.method_name not in methods:
                 need = " or ".join(f"--method {m}" for m in methods)
-                raise QuantizeError(f"{flag(name)} is an option of {need}, but the method is {self.method_name}; "
-                                    f"add {need} or drop {flag(name)}")
+                raise QuantizeError(
+                    f"{flag(name)} is an option of {need}, but the method is {self.method_name}; "
+                    f"add {need} or drop {flag(name)}"
+                )
 
     def _method_defaults(self) -> "ConvertOptions":
         m = self.method
         if m not in DATA_AWARE:
             return self
-        fill = {f.name: spec(f).method_default for f in fields(self)
-                if spec(f).method_default is not None and getattr(self, f.name) is None and m in spec(f).methods}
+        fill = {
+            f.name: spec(f).method_default
+            for f in fields(self)
+            if spec(f).method_default is not None and getattr(self, f.name) is None and m in spec(f).methods
+        }
         out = replace(self, **fill)
         if m == "autoround" and out.lr is None and out.iters:
             out = replace(out, lr=1.0 / out.iters)  # Cheng et al.: lr 1/iters, decayed linearly to 0
@@ -419,35 +535,54 @@ class ConvertOptions(Options):
         flag that contradicts the recipe is refused rather than silently replaced."""
         if recipe is None:
             method = self.method or DEFAULT_METHOD
-            out = replace(self, group_size=self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZE,
-                          profile=self.profile or DEFAULT_PROFILE, observer=self.observer or default_observer(method),
-                          method=None if method == DEFAULT_METHOD else method)
+            out = replace(
+                self,
+                group_size=self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZE,
+                profile=self.profile or DEFAULT_PROFILE,
+                observer=self.observer or default_observer(method),
+                method=None if method == DEFAULT_METHOD else method,
+            )
             out.check_method_options()
             return out._method_defaults()
         if self.group_size is not None and self.group_size != recipe.group_size:
-            raise QuantizeError(f"--group-size {self.group_size} conflicts with group_size {recipe.group_size} in "
-                                f"{recipe.path}; drop the flag or edit the recipe")
+            raise QuantizeError(
+                f"--group-size {self.group_size} conflicts with group_size {recipe.group_size} in "
+                f"{recipe.path}; drop the flag or edit the recipe"
+            )
         if self.observer is not None and recipe.observer is not None and self.observer != recipe.observer:
-            raise QuantizeError(f"--observer {self.observer} conflicts with observer {recipe.observer} in {recipe.path}; "
-                                "drop the flag or edit the recipe")
+            raise QuantizeError(
+                f"--observer {self.observer} conflicts with observer {recipe.observer} in {recipe.path}; "
+                "drop the flag or edit the recipe"
+            )
         if self.profile is not None and self.profile != DEFAULT_PROFILE:
-            raise QuantizeError(f"--profile {self.profile} conflicts with {recipe.path}, whose targets and ignore list decide "
-                                "what is INT4; drop the flag or edit the recipe")
+            raise QuantizeError(
+                f"--profile {self.profile} conflicts with {recipe.path}, whose targets and ignore list decide "
+                "what is INT4; drop the flag or edit the recipe"
+            )
         rmethod = recipe.method or DEFAULT_METHOD
         if self.method is not None and self.method != rmethod:
-            raise QuantizeError(f"--method {self.method} conflicts with {recipe.path}, whose modifier means method {rmethod}; "
-                                "drop the flag or edit the recipe")
+            raise QuantizeError(
+                f"--method {self.method} conflicts with {recipe.path}, whose modifier means method {rmethod}; "
+                "drop the flag or edit the recipe"
+            )
         keys = {f.name: spec(f).modifier_key for f in fields(self) if spec(f).modifier_key}
         for name, key in keys.items():
             mine, theirs = getattr(self, name), getattr(recipe, name)
             if mine is not None and theirs is not None and mine != theirs:
-                raise QuantizeError(f"{flag(name)} {mine} conflicts with {key} {theirs} in {recipe.path}; "
-                                    "drop the flag or edit the recipe")
-        out = replace(self, group_size=recipe.group_size, profile=DEFAULT_PROFILE,
-                      observer=self.observer or recipe.observer or default_observer(rmethod),
-                      method=None if rmethod == DEFAULT_METHOD else rmethod,
-                      **{name: getattr(self, name) if getattr(self, name) is not None else getattr(recipe, name)
-                         for name in keys})
+                raise QuantizeError(
+                    f"{flag(name)} {mine} conflicts with {key} {theirs} in {recipe.path}; "
+                    "drop the flag or edit the recipe"
+                )
+        out = replace(
+            self,
+            group_size=recipe.group_size,
+            profile=DEFAULT_PROFILE,
+            observer=self.observer or recipe.observer or default_observer(rmethod),
+            method=None if rmethod == DEFAULT_METHOD else rmethod,
+            **{
+                name: getattr(self, name) if getattr(self, name) is not None else getattr(recipe, name) for name in keys
+            },
+        )
         out.check_method_options()
         return out._method_defaults()
 
@@ -477,16 +612,32 @@ class PlanOptions(Options):
 
     source: Path | None = opt(None, "checkpoint folder, or a folder / config.json with no weights", argument=True)
     tp: int = opt(1, "tensor parallelism for per-rank bytes", check=lambda v: v >= 1, why="must be at least 1")
-    group_size: int | None = same(ConvertOptions, "group_size", help="INT4 group size: 32, 64 or 128 (default 32, or the recipe's)")
-    profile: str | None = same(ConvertOptions, "profile", help="experts (default) or all-linear; with --recipe the recipe decides")
+    group_size: int | None = same(
+        ConvertOptions, "group_size", help="INT4 group size: 32, 64 or 128 (default 32, or the recipe's)"
+    )
+    profile: str | None = same(
+        ConvertOptions, "profile", help="experts (default) or all-linear; with --recipe the recipe decides"
+    )
     keep_fp8: bool = same(ConvertOptions, "keep_fp8")
     recipe: str | None = same(ConvertOptions, "recipe")
-    gpu_mem_gib: float = opt(H200_GIB, "GPU memory (default: an H200's)", check=_positive,
-                                    why="GPU memory must be a positive number of GiB (e.g. 140.4 for an H200)")
-    mem_fraction: float = opt(DEFAULT_MEM_FRACTION, "share for weights + KV cache", check=lambda v: 0 < v <= 1,
-                                     why="the share of GPU memory for weights and KV cache must be in (0, 1] (e.g. 0.85)")
-    reserve_gib: float = opt(DEFAULT_RESERVE_GIB, "GiB kept free inside that share", check=_nonneg,
-                                    why="the memory kept free must be 0 or more GiB (e.g. 4)")
+    gpu_mem_gib: float = opt(
+        H200_GIB,
+        "GPU memory (default: an H200's)",
+        check=_positive,
+        why="GPU memory must be a positive number of GiB (e.g. 140.4 for an H200)",
+    )
+    mem_fraction: float = opt(
+        DEFAULT_MEM_FRACTION,
+        "share for weights + KV cache",
+        check=lambda v: 0 < v <= 1,
+        why="the share of GPU memory for weights and KV cache must be in (0, 1] (e.g. 0.85)",
+    )
+    reserve_gib: float = opt(
+        DEFAULT_RESERVE_GIB,
+        "GiB kept free inside that share",
+        check=_nonneg,
+        why="the memory kept free must be 0 or more GiB (e.g. 4)",
+    )
 
 
 @dataclass
@@ -496,8 +647,9 @@ class ShardOptions(Options):
     model: Path | None = opt(None, "converted checkpoint (or, with --merge, a sharded folder)", argument=True)
     out: Path | None = opt(None, "output folder", argument=True)
     tp: int = opt(8, "tensor-parallel size", check=lambda v: v >= 1, why="must be at least 1")
-    max_part_gib: float = opt(5.0, "largest per-rank part file", check=_positive, why="must be a positive number of GiB",
-                              recipe=False)
+    max_part_gib: float = opt(
+        5.0, "largest per-rank part file", check=_positive, why="must be a positive number of GiB", recipe=False
+    )
     overwrite: bool = opt(False, "replace an earlier shard output in OUT", recipe=False)
 
 
@@ -506,13 +658,21 @@ class CheckOptions(Options):
     """``quantize check`` (static checks)."""
 
     model: Path | None = opt(None, "converted checkpoint, or a sharded folder", argument=True)
-    tp: int | None = opt(None, "also check the serving kernels' shape rules at this TP", check=lambda v: v >= 1,
-                         why="must be at least 1")
-    source: Path | None = opt(None, "source checkpoint (FP8/BF16) for error/SNR, or the unsharded checkpoint of a sharded folder")
+    tp: int | None = opt(
+        None, "also check the serving kernels' shape rules at this TP", check=lambda v: v >= 1, why="must be at least 1"
+    )
+    source: Path | None = opt(
+        None, "source checkpoint (FP8/BF16) for error/SNR, or the unsharded checkpoint of a sharded folder"
+    )
     tokens: int = opt(8, "random activation rows per kernel check", check=lambda v: v >= 1, why="must be at least 1")
     seed: int = opt(0, "seed of the random activations", cli=False)
-    max_source_rel_err: float = opt(0.25, "largest relative weight error against the source", cli=False, check=_positive,
-                                    why="must be a positive number")
+    max_source_rel_err: float = opt(
+        0.25,
+        "largest relative weight error against the source",
+        cli=False,
+        check=_positive,
+        why="must be a positive number",
+    )
 
 
 ENGINE_TOLERANCE = 0.05  # nats: vLLM (fp16) against transformers (fp32) on the same token
@@ -522,32 +682,63 @@ ENGINE_TOLERANCE = 0.05  # nats: vLLM (fp16) against transformers (fp32) on the 
 class EngineCheckOptions(Options):
     """``quantize check --engine vllm``: the checkpoint served by vLLM against transformers."""
 
-    engine_python: Path | None = opt(None, "python of a venv with vLLM (default: $QUANTIZE_VLLM_PYTHON, else "
-                                           ".venv-vllm/bin/python next to this repository)")
-    engine_tolerance: float = opt(ENGINE_TOLERANCE, "largest |log-prob difference| (nats) allowed between vLLM (fp16) and "
-                                        "transformers (fp32) on the same token", check=_positive,
-                                  why="must be a positive number of nats (default 0.05)")
+    engine_python: Path | None = opt(
+        None,
+        "python of a venv with vLLM (default: $QUANTIZE_VLLM_PYTHON, else "
+        ".venv-vllm/bin/python next to this repository)",
+    )
+    engine_tolerance: float = opt(
+        ENGINE_TOLERANCE,
+        "largest |log-prob difference| (nats) allowed between vLLM (fp16) and transformers (fp32) on the same token",
+        check=_positive,
+        why="must be a positive number of nats (default 0.05)",
+    )
 
 
 @dataclass
 class CalibrateKVOptions(Options):
     """``quantize calibrate-kv``."""
 
-    model: Path | None = opt(None, "checkpoint folder (BF16, block FP8 or a quantize convert output) with its tokenizer",
-                             argument=True)
-    out: Path | None = opt(None, "new checkpoint: the scales (compressed-tensors target, GQA) or, with --fold, the folded "
-                                 "MLA model; without it, the report only", recipe=False)
-    data: str | None = opt(None, "jsonl/txt/parquet file or folder, or hf:NAME; default: the shipped corpus", recipe=False)
+    model: Path | None = opt(
+        None, "checkpoint folder (BF16, block FP8 or a quantize convert output) with its tokenizer", argument=True
+    )
+    out: Path | None = opt(
+        None,
+        "new checkpoint: the scales (compressed-tensors target, GQA) or, with --fold, the folded "
+        "MLA model; without it, the report only",
+        recipe=False,
+    )
+    data: str | None = opt(
+        None, "jsonl/txt/parquet file or folder, or hf:NAME; default: the shipped corpus", recipe=False
+    )
     samples: int = opt(512, "calibration samples", check=lambda v: v >= 1, why="must be at least 1 (e.g. 512)")
-    seq_len: int = opt(2048, "tokens per sample at most", check=lambda v: v >= 2, why="must be at least 2 tokens (e.g. 2048)")
-    target: str = opt("sglang", "sglang | vllm | compressed-tensors: the engine the artifact is for (MLA on sglang/vllm: "
-                                "unit scale, no scales written)", choices=KV_TARGETS, why="unknown; use one of {choices}")
-    clip: float | None = opt(None, "percentile clip (e.g. 0.9999) instead of absmax", check=lambda v: 0.9 <= v <= 1,
-                             why="a percentile between 0.9 and 1 (e.g. 0.9999), or leave it off for absmax")
-    fold: bool = opt(False, "MLA: fold the cache range into the weights (exact, powers of two) so the engines' unit-scale "
-                            "FP8 cache is in range")
-    fold_headroom: float = opt(2.0, "--fold keeps the cache's amax at or below 448 / headroom", check=lambda v: v >= 1,
-                               why="must be at least 1 (the cache's amax is kept at or below 448 / headroom)")
+    seq_len: int = opt(
+        2048, "tokens per sample at most", check=lambda v: v >= 2, why="must be at least 2 tokens (e.g. 2048)"
+    )
+    target: str = opt(
+        "sglang",
+        "sglang | vllm | compressed-tensors: the engine the artifact is for (MLA on sglang/vllm: "
+        "unit scale, no scales written)",
+        choices=KV_TARGETS,
+        why="unknown; use one of {choices}",
+    )
+    clip: float | None = opt(
+        None,
+        "percentile clip (e.g. 0.9999) instead of absmax",
+        check=lambda v: 0.9 <= v <= 1,
+        why="a percentile between 0.9 and 1 (e.g. 0.9999), or leave it off for absmax",
+    )
+    fold: bool = opt(
+        False,
+        "MLA: fold the cache range into the weights (exact, powers of two) so the engines' unit-scale "
+        "FP8 cache is in range",
+    )
+    fold_headroom: float = opt(
+        2.0,
+        "--fold keeps the cache's amax at or below 448 / headroom",
+        check=lambda v: v >= 1,
+        why="must be at least 1 (the cache's amax is kept at or below 448 / headroom)",
+    )
     stats_out: Path | None = opt(None, "write per-layer statistics JSON (reusable with --stats)", recipe=False)
     stats: Path | None = opt(None, "reuse a --stats-out file instead of recomputing", recipe=False)
     chat_template: bool = opt(False, "wrap each sample in the tokenizer's chat template")
@@ -564,20 +755,30 @@ class EvalOptions(Options):
     baseline: Path | None = opt(None, "the reference model (FP8/BF16)", recipe=False)
     candidate: Path | None = opt(None, "the converted model", recipe=False)
     tasks: str = opt(EVAL_TASKS, "comma-separated lm-eval tasks")
-    limit: int | None = opt(None, "documents per task (the same for both models)", check=lambda v: v >= 1,
-                            why="must be at least 1 document")
+    limit: int | None = opt(
+        None, "documents per task (the same for both models)", check=lambda v: v >= 1, why="must be at least 1 document"
+    )
     data_dir: Path | None = opt(None, "local copies of the task data, one folder per task (default: the Hub)")
-    max_drop: float = opt(1.0, "gate: fail a task whose drop exceeds this many points beyond noise", check=_nonneg,
-                          why="must be 0 or more points")
+    max_drop: float = opt(
+        1.0,
+        "gate: fail a task whose drop exceeds this many points beyond noise",
+        check=_nonneg,
+        why="must be 0 or more points",
+    )
     out: Path | None = opt(None, "write the report JSON here", recipe=False)
     markdown: Path | None = opt(None, "write the Markdown table (for the model card) here", recipe=False)
-    max_gen_toks: int | None = opt(None, "cap generated tokens (GSM8K, MMLU-Pro) for quick runs", check=lambda v: v >= 1,
-                                   why="must be at least 1 token")
+    max_gen_toks: int | None = opt(
+        None,
+        "cap generated tokens (GSM8K, MMLU-Pro) for quick runs",
+        check=lambda v: v >= 1,
+        why="must be at least 1 token",
+    )
     device: str = opt("cpu", "where local models run: cpu or cuda")
     batch_size: int = opt(1, "lm-eval batch size", cli=False)
     resamples: int = opt(10000, "bootstrap resamples of the paired difference", cli=False)
-    base_url: str | None = opt(None, "evaluate the candidate as served by an OpenAI-compatible server (SGLang/vLLM)",
-                               recipe=False)
+    base_url: str | None = opt(
+        None, "evaluate the candidate as served by an OpenAI-compatible server (SGLang/vLLM)", recipe=False
+    )
     baseline_url: str | None = opt(None, "likewise for the baseline", recipe=False)
 
 
@@ -585,9 +786,12 @@ class EvalOptions(Options):
 class KLDOptions(Options):
     """``quantize eval-kld``: next-token KL divergence of candidates against a baseline."""
 
-    baseline: Path | None = opt(None, "the reference model (FP8/BF16); may be omitted with --baseline-logits", recipe=False)
-    candidates: list[Path] | None = opt(None, "a converted model; repeat to compare several in one table", flag="--candidate",
-                                        recipe=False)
+    baseline: Path | None = opt(
+        None, "the reference model (FP8/BF16); may be omitted with --baseline-logits", recipe=False
+    )
+    candidates: list[Path] | None = opt(
+        None, "a converted model; repeat to compare several in one table", flag="--candidate", recipe=False
+    )
     text: Path | None = opt(None, "plain text to score (default: shipped text)")
     tokens: int = opt(8192, "tokens of text to score", check=lambda v: v >= 2, why="must be at least 2 tokens")
     chunk: int = opt(512, "context length per chunk", check=lambda v: v >= 2, why="must be at least 2 tokens")
@@ -607,12 +811,18 @@ class PDOptions(Options):
     decode_model: Path | None = opt(None, "the decode pool's model (the converted model)", recipe=False)
     source: Path | None = opt(None, "the source model the pair is compared with", recipe=False)
     text: Path | None = opt(None, "plain text the prompts come from (default: shipped text)")
-    prompt_tokens: int = opt(256, "prompt tokens the prefill model caches", check=lambda v: v >= 1, why="must be at least 1")
-    decode_tokens: int = opt(64, "tokens the decode model scores from that cache", check=lambda v: v >= 1,
-                             why="must be at least 1")
-    kv_cache_dtype: str = opt("fp8_e4m3", "how the decode pool stores the cache: fp8_e4m3 or bf16", choices=KV_CACHE_DTYPES,
-                              why="use fp8_e4m3 (the decode pool's FP8 cache; SGLang requires the same on the prefill "
-                                  "pool) or bf16")
+    prompt_tokens: int = opt(
+        256, "prompt tokens the prefill model caches", check=lambda v: v >= 1, why="must be at least 1"
+    )
+    decode_tokens: int = opt(
+        64, "tokens the decode model scores from that cache", check=lambda v: v >= 1, why="must be at least 1"
+    )
+    kv_cache_dtype: str = opt(
+        "fp8_e4m3",
+        "how the decode pool stores the cache: fp8_e4m3 or bf16",
+        choices=KV_CACHE_DTYPES,
+        why="use fp8_e4m3 (the decode pool's FP8 cache; SGLang requires the same on the prefill pool) or bf16",
+    )
     device: str = opt("cpu", "where the models run: cpu or cuda")
     out: Path | None = opt(None, "write the report JSON here", recipe=False)
 
@@ -621,17 +831,28 @@ class PDOptions(Options):
 class PushOptions(Options):
     """``quantize push``."""
 
-    model: Path | None = opt(None, "a quantize output (convert, or calibrate-kv --out)", argument=True, metavar="DIR",
-                             recipe=False)
-    repo_id: str | None = opt(None, "namespace/name on the Hub (HF_ENDPOINT selects another Hub)", argument=True,
-                              metavar="REPO_ID", recipe=False)
+    model: Path | None = opt(
+        None, "a quantize output (convert, or calibrate-kv --out)", argument=True, metavar="DIR", recipe=False
+    )
+    repo_id: str | None = opt(
+        None,
+        "namespace/name on the Hub (HF_ENDPOINT selects another Hub)",
+        argument=True,
+        metavar="REPO_ID",
+        recipe=False,
+    )
     private: bool = opt(False, "create the repo private (an existing repo keeps its visibility)")
     revision: str | None = opt(None, "branch to commit to (created from main if missing; default main)")
     create_pr: bool = opt(False, "open a pull request instead of committing to the branch")
     dry_run: bool = opt(False, "check the folder and list the files and bytes that would go up; needs no token")
     message: str | None = opt(None, "commit message (default: Upload <folder> (quantize <version>))", recipe=False)
-    batch_gib: float = opt(32.0, "commit after about this many GiB of weights: what is committed survives an interruption",
-                           check=_positive, why="must be a positive number of GiB per commit (default 32)", recipe=False)
+    batch_gib: float = opt(
+        32.0,
+        "commit after about this many GiB of weights: what is committed survives an interruption",
+        check=_positive,
+        why="must be a positive number of GiB per commit (default 32)",
+        recipe=False,
+    )
 
 
 # SGLang's --disaggregation-transfer-backend choices (sglang/srt/arg_groups/choices.py, 0.5.23)
@@ -650,7 +871,9 @@ class PrefillOptions(Options):
     prefill_tp: int = opt(8, "prefill pool's tensor parallelism", check=lambda v: v >= 1, why="must be at least 1")
     decode_tp: int = opt(8, "decode pool's tensor parallelism", check=lambda v: v >= 1, why="must be at least 1")
     transfer_backend: str = opt("mooncake", "SGLang's KV transfer backend", choices=TRANSFER_BACKENDS)
-    bootstrap_port: int = opt(8998, "the prefill server's bootstrap port", check=_port, why="must be a port, 1 to 65535")
+    bootstrap_port: int = opt(
+        8998, "the prefill server's bootstrap port", check=_port, why="must be a port, 1 to 65535"
+    )
     prefill_host: str = opt("PREFILL_HOST", "the prefill server's host")
     decode_host: str = opt("DECODE_HOST", "the decode server's host")
     prefill_port: int = opt(30000, "the prefill server's port", check=_port, why="must be a port, 1 to 65535")
@@ -666,8 +889,9 @@ class PipelineOptions(Options):
 
     source: str | None = opt(None, "the source checkpoint folder, or tiny:ARCH (made on the fly)")
     out: str | None = opt(None, "the run's folder")
-    stages: list[str] | None = opt(None, "the stages to run, in order (default: convert, calibrate-kv, shard, check, "
-                                         "eval, card, push)")
+    stages: list[str] | None = opt(
+        None, "the stages to run, in order (default: convert, calibrate-kv, shard, check, eval, card, push)"
+    )
     data: str | None = opt(None, "calibration text for calibrate-kv and a data-aware convert method")
     repo: str | None = opt(None, "the Hub repo (namespace/name) the card and push name")
 
@@ -676,8 +900,12 @@ class PipelineOptions(Options):
 class EvalStageOptions(Options):
     """The run's eval stage's own key."""
 
-    if_no_data: str = opt("fail", "when lm-eval or the data is absent: fail, or skip the stage (no gate)",
-                          choices=("fail", "skip"), why="use fail or skip")
+    if_no_data: str = opt(
+        "fail",
+        "when lm-eval or the data is absent: fail, or skip the stage (no gate)",
+        choices=("fail", "skip"),
+        why="use fail or skip",
+    )
 
 
 @dataclass
@@ -685,9 +913,14 @@ class CardOptions(Options):
     """``quantize card``."""
 
     model: Path | None = opt(None, "a quantize output (convert, or calibrate-kv --out)", argument=True, metavar="DIR")
-    eval: list[Path] | None = opt(None, "a `quantize eval --out`, `eval-kld --out` or `check --json` report (repeatable; "
-                                        "default: those of the last card)")
-    repo_id: str | None = opt(None, "the Hub repo (namespace/name) the card is for: its title and launch lines", cli=False)
+    eval: list[Path] | None = opt(
+        None,
+        "a `quantize eval --out`, `eval-kld --out` or `check --json` report (repeatable; "
+        "default: those of the last card)",
+    )
+    repo_id: str | None = opt(
+        None, "the Hub repo (namespace/name) the card is for: its title and launch lines", cli=False
+    )
 
 
 @dataclass
@@ -698,7 +931,9 @@ class MakeTinyOptions(Options):
     out: Path | None = opt(None, "output folder", argument=True)
     fp8_source: bool = opt(True, "the vendor's block-FP8 layout, or BF16", flag="--fp8-source/--bf16-source")
     seed: int = opt(0, "seed of the random weights")
-    num_shards: int = opt(3, "safetensors files to spread the tensors over", check=lambda v: v >= 1, why="must be at least 1")
+    num_shards: int = opt(
+        3, "safetensors files to spread the tensors over", check=lambda v: v >= 1, why="must be at least 1"
+    )
     overrides: dict | None = opt(None, "config keys to change (KEY -> value)", cli=False)
     mtp: bool = opt(True, "include the MTP layer", cli=False)
     overwrite: bool = opt(False, "replace an earlier make-tiny output in OUT")
@@ -715,10 +950,17 @@ class DemoOptions(Options):
 class RunOptions(Options):
     """``quantize run``."""
 
-    recipe: Path | None = opt(None, "recipe YAML: the llm-compressor part plus a pipeline: section (default: the embedded "
-                                    "tiny GLM 5.2 recipe, quantize/recipes_default/tiny-glm.yaml)", argument=True,
-                              required=False)
+    recipe: Path | None = opt(
+        None,
+        "recipe YAML: the llm-compressor part plus a pipeline: section (default: the embedded "
+        "tiny GLM 5.2 recipe, quantize/recipes_default/tiny-glm.yaml)",
+        argument=True,
+        required=False,
+    )
     out: Path | None = opt(None, "the run's folder (default: the recipe's pipeline.out)")
     plan: bool = opt(False, "print each stage, what it would do and whether it is done, stale or pending; run nothing")
-    overwrite: bool = opt(False, "start the run over (the default continues it: finished stages whose options and inputs "
-                                 "are unchanged are kept)")
+    overwrite: bool = opt(
+        False,
+        "start the run over (the default continues it: finished stages whose options and inputs "
+        "are unchanged are kept)",
+    )

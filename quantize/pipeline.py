@@ -66,8 +66,9 @@ SECTIONS = {
     "push": O.recipe_section(O.PushOptions, defaults={"dry_run": True}),
     "pd": O.recipe_section(O.PDOptions, O.PrefillOptions),
 }
-TOP = O.recipe_section(O.PipelineOptions, (O.EvalOptions, ("tasks", "limit", "max_drop", "data_dir")),
-                       defaults={"tasks": "arc_easy"})
+TOP = O.recipe_section(
+    O.PipelineOptions, (O.EvalOptions, ("tasks", "limit", "max_drop", "data_dir")), defaults={"tasks": "arc_easy"}
+)
 
 
 def default_recipe() -> Path:
@@ -93,6 +94,7 @@ def _parse(path, doc) -> dict:
 @dataclass
 class Pipeline:
     """The parsed ``pipeline:`` section, with paths resolved."""
+
     recipe: Path
     source: str  # a folder, or tiny:ARCH
     out: Path
@@ -101,7 +103,7 @@ class Pipeline:
 
     @property
     def tiny(self) -> str | None:
-        return self.source[len(TINY_PREFIX):] if self.source.startswith(TINY_PREFIX) else None
+        return self.source[len(TINY_PREFIX) :] if self.source.startswith(TINY_PREFIX) else None
 
     @property
     def source_path(self) -> Path:
@@ -121,11 +123,16 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
     except yaml.YAMLError as e:
         raise QuantizeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the recipe") from e
     if not isinstance(doc, dict) or "pipeline" not in doc:
-        raise QuantizeError(f"{path}: no `pipeline:` section; add one with at least source and out (see quantize/recipes_default/tiny-glm.yaml)")
+        raise QuantizeError(
+            f"{path}: no `pipeline:` section; add one with at least source and out (see "
+            "quantize/recipes_default/tiny-glm.yaml)"
+        )
     load_recipe(path)  # the llm-compressor part, validated now (it ignores the pipeline section)
     opts = _parse(path, doc["pipeline"])
     if not opts["source"]:
-        raise QuantizeError(f"{path}: pipeline.source is missing; name the source checkpoint folder (or tiny:glm_moe_dsa)")
+        raise QuantizeError(
+            f"{path}: pipeline.source is missing; name the source checkpoint folder (or tiny:glm_moe_dsa)"
+        )
     if out is None and not opts["out"]:
         raise QuantizeError(f"{path}: pipeline.out is missing; name the run's folder (or pass --out)")
     stages = opts["stages"]
@@ -138,29 +145,41 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
         raise QuantizeError(f"{path}: pipeline.stages names a stage twice; list each once")
     order = [s for s in STAGES if s in stages]
     if list(stages) != order:
-        raise QuantizeError(f"{path}: pipeline.stages {list(stages)} is out of order; each stage needs what the ones before it "
-                            f"made, write them as {order}")
+        raise QuantizeError(
+            f"{path}: pipeline.stages {list(stages)} is out of order; each stage needs what the ones before it "
+            f"made, write them as {order}"
+        )
     src = opts["source"]
     if src.startswith(TINY_PREFIX):
         from .testing.tiny import TINY
 
-        if src[len(TINY_PREFIX):] not in TINY:
-            raise O.unknown_key(path, "pipeline.source: tiny:", src[len(TINY_PREFIX):], list(TINY), "tiny architecture")
+        if src[len(TINY_PREFIX) :] not in TINY:
+            raise O.unknown_key(
+                path, "pipeline.source: tiny:", src[len(TINY_PREFIX) :], list(TINY), "tiny architecture"
+            )
         stages = ["make-source"] + [s for s in stages if s != "make-source"]
     elif "make-source" in stages:
         raise QuantizeError(f"{path}: pipeline.stages: make-source applies only to source: tiny:ARCH; drop it")
     else:
         src = str(Path(src).expanduser())
     if opts["kv"]["fold"] and {"pd-eval", "prefill"} & set(stages):
-        raise QuantizeError(f"{path}: pipeline.kv.fold with the {'/'.join(s for s in ('pd-eval', 'prefill') if s in stages)} stage: fold "
-                            "rescales the cached MLA latent, and the prefill pool (the unfolded source) writes that cache, so a folded "
-                            "decode model would read it at the wrong scale; drop fold (the report still says whether unit scale is safe)")
+        raise QuantizeError(
+            f"{path}: pipeline.kv.fold with the {'/'.join(s for s in ('pd-eval', 'prefill') if s in stages)} stage: "
+            "fold "
+            "rescales the cached MLA latent, and the prefill pool (the unfolded source) writes that cache, so a folded "
+            "decode model would read it at the wrong scale; drop fold (the report still says whether unit scale is "
+            "safe)"
+        )
     if "push" in stages and not opts["repo"]:
-        raise QuantizeError(f"{path}: pipeline.repo is missing and the stages include push; name the Hub repo (namespace/name) or drop push")
+        raise QuantizeError(
+            f"{path}: pipeline.repo is missing and the stages include push; name the Hub repo (namespace/name) or "
+            "drop push"
+        )
     return Pipeline(path, src, Path(out if out is not None else opts["out"]).expanduser(), tuple(stages), opts)
 
 
 # -- identities -------------------------------------------------------------------------------
+
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
@@ -189,8 +208,14 @@ def _source_identity(folder: Path) -> str | None:
     if not (folder / "config.json").is_file():
         return None
     files = sorted(p.name for p in folder.glob("*.safetensors"))
-    return _digest({"path": str(folder.resolve()), "revision": hub_revision(folder), "config": sha256_file(folder / "config.json"),
-                    "files": source_identity(folder, files)})
+    return _digest(
+        {
+            "path": str(folder.resolve()),
+            "revision": hub_revision(folder),
+            "config": sha256_file(folder / "config.json"),
+            "files": source_identity(folder, files),
+        }
+    )
 
 
 def _file_identity(path: Path) -> str | None:
@@ -198,6 +223,7 @@ def _file_identity(path: Path) -> str | None:
 
 
 # -- stages ------------------------------------------------------------------------------------
+
 
 @dataclass
 class Ctx:
@@ -222,7 +248,10 @@ def _opts_convert(p: Pipeline) -> dict:
     from .recipe import load_recipe
 
     c = p.opts["convert"]
-    opts = {"recipe": asdict(load_recipe(p.recipe)) | {"path": None}, **{k: c[k] for k in ("group_size", "profile", "observer", "keep_fp8")}}
+    opts = {
+        "recipe": asdict(load_recipe(p.recipe)) | {"path": None},
+        **{k: c[k] for k in ("group_size", "profile", "observer", "keep_fp8")},
+    }
     if _recipe_method(p) != "rtn":
         # a data-aware method's result depends on its options and its calibration text (not on
         # workers or the memory budget: both give the same bytes)
@@ -247,24 +276,36 @@ def _data_identity(data: str | None) -> str | None:
         st = d.stat()
         return f"{st.st_size}:{st.st_mtime_ns}"
     if d.is_dir():
-        return _digest(sorted((str(f.relative_to(d)), f.stat().st_size, f.stat().st_mtime_ns) for f in d.rglob("*") if f.is_file()))
+        return _digest(
+            sorted((str(f.relative_to(d)), f.stat().st_size, f.stat().st_mtime_ns) for f in d.rglob("*") if f.is_file())
+        )
     return None
 
 
 def _opts_eval(p: Pipeline) -> dict:
     o = p.opts
-    return {"tasks": o["tasks"], "limit": o["limit"], "max_drop": o["max_drop"], "data_dir": o["data_dir"],
-            "data_id": _data_identity(o["data_dir"]), **o["eval"]}
+    return {
+        "tasks": o["tasks"],
+        "limit": o["limit"],
+        "max_drop": o["max_drop"],
+        "data_dir": o["data_dir"],
+        "data_id": _data_identity(o["data_dir"]),
+        **o["eval"],
+    }
 
 
 def _opts_pd(p: Pipeline) -> dict:
     pd = p.opts["pd"]
-    return {k: pd[k] for k in ("text", "prompt_tokens", "decode_tokens", "device", "kv_cache_dtype")} | {"text_id": _data_identity(pd["text"])}
+    return {k: pd[k] for k in ("text", "prompt_tokens", "decode_tokens", "device", "kv_cache_dtype")} | {
+        "text_id": _data_identity(pd["text"])
+    }
 
 
 def _opts_prefill(p: Pipeline) -> dict:
     pd = p.opts["pd"]
-    return {k: v for k, v in pd.items() if k not in ("text", "prompt_tokens", "decode_tokens", "device")} | {"repo": p.opts["repo"]}
+    return {k: v for k, v in pd.items() if k not in ("text", "prompt_tokens", "decode_tokens", "device")} | {
+        "repo": p.opts["repo"]
+    }
 
 
 def _kv_writes(ctx: Ctx) -> str | None:
@@ -290,8 +331,10 @@ def _run_make_source(ctx: Ctx, resume: bool) -> dict:
 
     out = ctx.p.out / "source"
     tiny.make_tiny(ctx.p.tiny, out, overwrite=True)
-    return {"outputs": {"source": {"path": "@source", "id": _source_identity(out)}},
-            "summary": f"tiny {ctx.p.tiny} FP8 checkpoint made from transformers' classes in {out}"}
+    return {
+        "outputs": {"source": {"path": "@source", "id": _source_identity(out)}},
+        "summary": f"tiny {ctx.p.tiny} FP8 checkpoint made from transformers' classes in {out}",
+    }
 
 
 def _run_convert(ctx: Ctx, resume: bool) -> dict:
@@ -304,15 +347,34 @@ def _run_convert(ctx: Ctx, resume: bool) -> dict:
     method_opts = {k: c[k] for k in METHOD_KEYS if c[k] is not None and c[k] is not False}
     if _recipe_method(ctx.p) != "rtn":
         method_opts.update(data=ctx.p.opts["data"], memory_budget_gib=c["memory_budget_gib"])
-    res = conv.convert(ctx.path("source"), out, group_size=c["group_size"], profile=c["profile"], observer=c["observer"],
-                       keep_fp8=c["keep_fp8"], recipe=str(ctx.p.recipe), resume=resume, overwrite=not resume and out.exists(),
-                       workers=c["workers"], device=c["device"], emit=ctx.emit, **method_opts)
+    res = conv.convert(
+        ctx.path("source"),
+        out,
+        group_size=c["group_size"],
+        profile=c["profile"],
+        observer=c["observer"],
+        keep_fp8=c["keep_fp8"],
+        recipe=str(ctx.p.recipe),
+        resume=resume,
+        overwrite=not resume and out.exists(),
+        workers=c["workers"],
+        device=c["device"],
+        emit=ctx.emit,
+        **method_opts,
+    )
     ident = _model_identity(out)
     mean = f", INT4 weight rel. error mean {res.mean_rel_err:.4f}" if res.mean_rel_err is not None else ""
-    return {"outputs": {"converted": {"path": "model", "id": ident}, "model": {"path": "model", "id": ident}},
-            "summary": f"{res.tensors_int4} INT4 tensors, {res.source_bytes:,} -> {res.output_bytes:,} bytes{mean}",
-            "result": {"tensors_int4": res.tensors_int4, "source_bytes": res.source_bytes, "output_bytes": res.output_bytes,
-                       "mean_rel_err": res.mean_rel_err, "resumed_shards": res.resumed_shards}}
+    return {
+        "outputs": {"converted": {"path": "model", "id": ident}, "model": {"path": "model", "id": ident}},
+        "summary": f"{res.tensors_int4} INT4 tensors, {res.source_bytes:,} -> {res.output_bytes:,} bytes{mean}",
+        "result": {
+            "tensors_int4": res.tensors_int4,
+            "source_bytes": res.source_bytes,
+            "output_bytes": res.output_bytes,
+            "mean_rel_err": res.mean_rel_err,
+            "resumed_shards": res.resumed_shards,
+        },
+    }
 
 
 def _run_kv(ctx: Ctx, resume: bool) -> dict:
@@ -323,17 +385,31 @@ def _run_kv(ctx: Ctx, resume: bool) -> dict:
     (p.out / "reports").mkdir(exist_ok=True)
     stats = p.out / "reports" / "kv.json"
     out = p.out / "model-kv" if writes else None
-    res = kvmod.calibrate_kv(ctx.path("converted"), out, data=p.opts["data"], samples=kv["samples"], seq_len=kv["seq_len"],
-                             target=kv["target"], clip=kv["clip"], fold=kv["fold"], fold_headroom=kv["fold_headroom"],
-                             stats_out=stats, chat_template=kv["chat_template"], overwrite=out is not None and out.exists(),
-                             emit=ctx.emit)
+    res = kvmod.calibrate_kv(
+        ctx.path("converted"),
+        out,
+        data=p.opts["data"],
+        samples=kv["samples"],
+        seq_len=kv["seq_len"],
+        target=kv["target"],
+        clip=kv["clip"],
+        fold=kv["fold"],
+        fold_headroom=kv["fold_headroom"],
+        stats_out=stats,
+        chat_template=kv["chat_template"],
+        overwrite=out is not None and out.exists(),
+        emit=ctx.emit,
+    )
     outputs = {"kv_report": {"path": "reports/kv.json", "id": _file_identity(stats)}}
     if out is not None:
         outputs["model"] = {"path": "model-kv", "id": _model_identity(out)}
     write_text_atomic(p.out / "reports" / "kv-verdict.json", json.dumps(res.to_dict(), indent=1, default=str))
     what = {"fold": "folded model in model-kv/", "scales": "KV scales in model-kv/"}.get(writes, "report only")
-    return {"outputs": outputs, "summary": f"{res.layout}: {what}; {res.verdict}",
-            "result": {"layout": res.layout, "unit_scale_safe": res.unit_scale_safe, "written": len(res.written)}}
+    return {
+        "outputs": outputs,
+        "summary": f"{res.layout}: {what}; {res.verdict}",
+        "result": {"layout": res.layout, "unit_scale_safe": res.unit_scale_safe, "written": len(res.written)},
+    }
 
 
 def _run_shard(ctx: Ctx, resume: bool) -> dict:
@@ -342,9 +418,12 @@ def _run_shard(ctx: Ctx, resume: bool) -> dict:
     out = ctx.p.out / "shard"
     tp = ctx.p.opts["shard"]["tp"]
     m = sh.shard(ctx.path("model"), out, tp=tp, overwrite=out.exists(), emit=ctx.emit)
-    return {"outputs": {"shard": {"path": "shard", "id": _file_identity(out / "shard_manifest.json")}},
-            "summary": f"TP {tp}: {len(m['tensors'])} tensors; bytes per rank {', '.join(f'{b:,}' for b in m['rank_bytes'])}",
-            "result": {"tp": tp, "rank_bytes": m["rank_bytes"]}}
+    return {
+        "outputs": {"shard": {"path": "shard", "id": _file_identity(out / "shard_manifest.json")}},
+        "summary": f"TP {tp}: {len(m['tensors'])} tensors; bytes per rank "
+        f"{', '.join(f'{b:,}' for b in m['rank_bytes'])}",
+        "result": {"tp": tp, "rank_bytes": m["rank_bytes"]},
+    }
 
 
 def _run_check(ctx: Ctx, resume: bool) -> dict:
@@ -353,7 +432,9 @@ def _run_check(ctx: Ctx, resume: bool) -> dict:
     p = ctx.p
     (p.out / "reports").mkdir(exist_ok=True)
     model = ctx.path("model")
-    source = ctx.path("source") if ctx.art["model"]["path"] == ctx.art["converted"]["path"] else None  # a folded model differs from the source by design
+    source = (
+        ctx.path("source") if ctx.art["model"]["path"] == ctx.art["converted"]["path"] else None
+    )  # a folded model differs from the source by design
     rep = chk.check(model, tp=p.opts["shard"]["tp"], source=source, emit=ctx.emit)
     write_text_atomic(p.out / "reports" / "check.json", json.dumps(rep.to_dict(), indent=1, default=str))
     outputs = {"check_report": {"path": "reports/check.json", "id": _file_identity(p.out / "reports" / "check.json")}}
@@ -365,9 +446,12 @@ def _run_check(ctx: Ctx, resume: bool) -> dict:
         failures += [f"shard: {f}" for f in srep.failures]
     if failures:
         raise CheckFailed(f"check: {failures[0]} ({len(failures)} failures; {p.out / 'reports' / 'check.json'})")
-    return {"outputs": outputs, "summary": f"pass: {proven.get('files_sha256', 0)} files by SHA-256"
-            + "".join(", " + part for part in chk.proven_parts(proven))
-            + (", the TP split exact" if "shard" in ctx.art else "")}
+    return {
+        "outputs": outputs,
+        "summary": f"pass: {proven.get('files_sha256', 0)} files by SHA-256"
+        + "".join(", " + part for part in chk.proven_parts(proven))
+        + (", the TP split exact" if "shard" in ctx.art else ""),
+    }
 
 
 def _run_eval(ctx: Ctx, resume: bool) -> dict:
@@ -380,22 +464,51 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
     skip = o["eval"]["if_no_data"] == "skip"
     if importlib.util.find_spec("lm_eval") is None:
         if skip:
-            return {"outputs": {}, "state": "skipped",
-                    "summary": "skipped: lm-eval is not installed (pip install 'quantize[eval]'; pipeline.eval.if_no_data: skip); no gate was applied"}
-        raise QuantizeError("eval: lm-eval is not installed; pip install 'quantize[eval]', or drop eval from pipeline.stages")
+            return {
+                "outputs": {},
+                "state": "skipped",
+                "summary": "skipped: lm-eval is not installed (pip install 'quantize[eval]'; "
+                "pipeline.eval.if_no_data: skip); no gate was applied",
+            }
+        raise QuantizeError(
+            "eval: lm-eval is not installed; pip install 'quantize[eval]', or drop eval from pipeline.stages"
+        )
     if dd is not None and not Path(dd).is_dir():
         if skip:
-            return {"outputs": {}, "state": "skipped",
-                    "summary": f"skipped: the eval data folder {dd} is not here (pipeline.eval.if_no_data: skip); no gate was applied"}
-        raise QuantizeError(f"{p.recipe}: pipeline.data_dir {dd}: no such folder; point it at local eval data (the layout of ../shared/data) or drop data_dir to read the Hub")
+            return {
+                "outputs": {},
+                "state": "skipped",
+                "summary": f"skipped: the eval data folder {dd} is not here (pipeline.eval.if_no_data: skip); "
+                "no gate was applied",
+            }
+        raise QuantizeError(
+            f"{p.recipe}: pipeline.data_dir {dd}: no such folder; point it at local eval data (the layout of "
+            "../shared/data) or drop data_dir to read the Hub"
+        )
     (p.out / "reports").mkdir(exist_ok=True)
     out, md = p.out / "reports" / "eval.json", p.out / "reports" / "eval.md"
-    rep = ev.evaluate(ctx.path("source"), ctx.path("model"), tasks=o["tasks"], limit=o["limit"], data_dir=dd, max_drop=o["max_drop"],
-                      out=out, markdown=md, max_gen_toks=o["eval"]["max_gen_toks"], device=o["eval"]["device"])
-    rows = "; ".join(f"{t.task} {t.baseline:.1f} -> {t.candidate:.1f} ({t.delta:+.1f}, CI {t.ci_low:+.1f}..{t.ci_high:+.1f}) {t.verdict}"
-                     for t in rep.tasks)
-    res = {"outputs": {"eval_report": {"path": "reports/eval.json", "id": _file_identity(out)}}, "summary": rows,
-           "result": {"passed": rep.passed}}
+    rep = ev.evaluate(
+        ctx.path("source"),
+        ctx.path("model"),
+        tasks=o["tasks"],
+        limit=o["limit"],
+        data_dir=dd,
+        max_drop=o["max_drop"],
+        out=out,
+        markdown=md,
+        max_gen_toks=o["eval"]["max_gen_toks"],
+        device=o["eval"]["device"],
+    )
+    rows = "; ".join(
+        f"{t.task} {t.baseline:.1f} -> {t.candidate:.1f} ({t.delta:+.1f}, CI {t.ci_low:+.1f}..{t.ci_high:+.1f}) "
+        f"{t.verdict}"
+        for t in rep.tasks
+    )
+    res = {
+        "outputs": {"eval_report": {"path": "reports/eval.json", "id": _file_identity(out)}},
+        "summary": rows,
+        "result": {"passed": rep.passed},
+    }
     if not rep.passed:
         res["state"] = "failed"
         res["error"] = f"eval: the gate failed (max drop {o['max_drop']} points): {rows}; nothing was pushed ({out})"
@@ -408,10 +521,22 @@ def _run_pd_eval(ctx: Ctx, resume: bool) -> dict:
     p, o = ctx.p, ctx.p.opts["pd"]
     (p.out / "reports").mkdir(exist_ok=True)
     out = p.out / "reports" / "pd.json"
-    rep = pd.pd_fidelity(ctx.path("source"), ctx.path("model"), ctx.path("source"), text=o["text"], prompt_tokens=o["prompt_tokens"],
-                         decode_tokens=o["decode_tokens"], kv_cache_dtype=o["kv_cache_dtype"], device=o["device"], out=out)
-    return {"outputs": {"pd_report": {"path": "reports/pd.json", "id": _file_identity(out)}}, "summary": rep.line(),
-            "result": rep.to_dict()}
+    rep = pd.pd_fidelity(
+        ctx.path("source"),
+        ctx.path("model"),
+        ctx.path("source"),
+        text=o["text"],
+        prompt_tokens=o["prompt_tokens"],
+        decode_tokens=o["decode_tokens"],
+        kv_cache_dtype=o["kv_cache_dtype"],
+        device=o["device"],
+        out=out,
+    )
+    return {
+        "outputs": {"pd_report": {"path": "reports/pd.json", "id": _file_identity(out)}},
+        "summary": rep.line(),
+        "result": rep.to_dict(),
+    }
 
 
 def _run_card(ctx: Ctx, resume: bool) -> dict:
@@ -420,8 +545,16 @@ def _run_card(ctx: Ctx, resume: bool) -> dict:
     reports = [ctx.path(a) for a in ("check_report", "eval_report") if a in ctx.art]
     res = cd.card(ctx.path("model"), eval=reports or None, repo_id=ctx.p.opts["repo"])  # push writes the same card
     model = ctx.path("model")
-    return {"outputs": {"card": {"path": str(Path(ctx.art["model"]["path"]) / "README.md"), "id": _file_identity(model / "README.md")}},
-            "summary": f"wrote {res.path}" + (f" with {', '.join(r['kind'] for r in res.reports)} reports" if res.reports else "")}
+    return {
+        "outputs": {
+            "card": {
+                "path": str(Path(ctx.art["model"]["path"]) / "README.md"),
+                "id": _file_identity(model / "README.md"),
+            }
+        },
+        "summary": f"wrote {res.path}"
+        + (f" with {', '.join(r['kind'] for r in res.reports)} reports" if res.reports else ""),
+    }
 
 
 def _run_prefill(ctx: Ctx, resume: bool) -> dict:
@@ -430,25 +563,48 @@ def _run_prefill(ctx: Ctx, resume: bool) -> dict:
     p = ctx.p
     out = p.out / "prefill"
     pd_report = ctx.path("pd_report") if "pd_report" in ctx.art else None
-    res = pd.write_prefill(ctx.path("source"), ctx.path("model"), out, repo=p.opts["repo"], pd_report=pd_report, overwrite=out.exists(),
-                           **{k: v for k, v in p.opts["pd"].items() if k not in ("text", "prompt_tokens", "decode_tokens", "device")})
-    return {"outputs": {"prefill": {"path": "prefill", "id": _file_identity(out / "README.md")}},
-            "summary": f"prefill artifact (card and launch lines, no weights) in {out}; points at {res['source']}"
-            + (f"@{res['revision']}" if res.get("revision") else "")}
+    res = pd.write_prefill(
+        ctx.path("source"),
+        ctx.path("model"),
+        out,
+        repo=p.opts["repo"],
+        pd_report=pd_report,
+        overwrite=out.exists(),
+        **{k: v for k, v in p.opts["pd"].items() if k not in ("text", "prompt_tokens", "decode_tokens", "device")},
+    )
+    return {
+        "outputs": {"prefill": {"path": "prefill", "id": _file_identity(out / "README.md")}},
+        "summary": f"prefill artifact (card and launch lines, no weights) in {out}; points at {res['source']}"
+        + (f"@{res['revision']}" if res.get("revision") else ""),
+    }
 
 
 def _run_push(ctx: Ctx, resume: bool) -> dict:
     from .publish import push as ps
 
     p, o = ctx.p, ctx.p.opts["push"]
-    res = ps.push(ctx.path("model"), p.opts["repo"], private=o["private"], revision=o["revision"], create_pr=o["create_pr"],
-                  dry_run=o["dry_run"], emit=ctx.emit)
+    res = ps.push(
+        ctx.path("model"),
+        p.opts["repo"],
+        private=o["private"],
+        revision=o["revision"],
+        create_pr=o["create_pr"],
+        dry_run=o["dry_run"],
+        emit=ctx.emit,
+    )
     (p.out / "reports").mkdir(exist_ok=True)
     write_text_atomic(p.out / "reports" / "push.json", json.dumps(res.to_dict(), indent=1, default=str))
-    what = (f"dry run: {len(res.files)} files, {res.total_bytes:,} bytes would go to {p.opts['repo']}; nothing was sent" if res.dry_run
-            else f"pushed {sum(f.status == 'uploaded' for f in res.files)} files to {res.pr_url or res.url or p.opts['repo']}")
-    return {"outputs": {"push": {"path": "reports/push.json", "id": _file_identity(p.out / "reports" / "push.json")}}, "summary": what,
-            "result": {"dry_run": res.dry_run, "files": len(res.files), "bytes": res.total_bytes}}
+    what = (
+        f"dry run: {len(res.files)} files, {res.total_bytes:,} bytes would go to {p.opts['repo']}; nothing was sent"
+        if res.dry_run
+        else f"pushed {sum(f.status == 'uploaded' for f in res.files)} files to "
+             f"{res.pr_url or res.url or p.opts['repo']}"
+    )
+    return {
+        "outputs": {"push": {"path": "reports/push.json", "id": _file_identity(p.out / "reports" / "push.json")}},
+        "summary": what,
+        "result": {"dry_run": res.dry_run, "files": len(res.files), "bytes": res.total_bytes},
+    }
 
 
 @dataclass(frozen=True)
@@ -472,25 +628,56 @@ def _does(p: Pipeline, name: str) -> str:
     o = p.opts
     c = o["convert"]
     return {
-        "make-source": lambda: f"make a tiny {p.tiny} FP8 checkpoint (transformers' classes, vendor layout) in {p.out / 'source'}",
-        "convert": lambda: f"convert {p.source_path} -> {p.out / 'model'} (recipe {p.recipe.name}"
-                           + "".join(f", {k} {c[k]}" for k in ("group_size", "profile", "observer", "method", "samples", "seq_len", "iters")
-                                     if c[k] is not None)
-                           + (f", {_recipe_method(p)} calibrated on {o['data'] or 'the shipped corpus'}" if _recipe_method(p) != "rtn" else "")
-                           + (", keep FP8" if c["keep_fp8"] else "") + ")",
-        "calibrate-kv": lambda: f"KV-cache report (target {o['kv']['target']}, {o['kv']['samples']} samples x {o['kv']['seq_len']} tokens"
-                                + (f", data {o['data']}" if o["data"] else ", the shipped corpus") + ")"
-                                + (", fold the cache range into model-kv/" if o["kv"]["fold"] else "; writes a model only for GQA or --target compressed-tensors"),
+        "make-source": lambda: (
+            f"make a tiny {p.tiny} FP8 checkpoint (transformers' classes, vendor layout) in {p.out / 'source'}"
+        ),
+        "convert": lambda: (
+            f"convert {p.source_path} -> {p.out / 'model'} (recipe {p.recipe.name}"
+            + "".join(
+                f", {k} {c[k]}"
+                for k in ("group_size", "profile", "observer", "method", "samples", "seq_len", "iters")
+                if c[k] is not None
+            )
+            + (
+                f", {_recipe_method(p)} calibrated on {o['data'] or 'the shipped corpus'}"
+                if _recipe_method(p) != "rtn"
+                else ""
+            )
+            + (", keep FP8" if c["keep_fp8"] else "")
+            + ")"
+        ),
+        "calibrate-kv": lambda: (
+            f"KV-cache report (target {o['kv']['target']}, {o['kv']['samples']} samples x {o['kv']['seq_len']} tokens"
+            + (f", data {o['data']}" if o["data"] else ", the shipped corpus")
+            + ")"
+            + (
+                ", fold the cache range into model-kv/"
+                if o["kv"]["fold"]
+                else "; writes a model only for GQA or --target compressed-tensors"
+            )
+        ),
         "shard": lambda: f"split the model for TP {o['shard']['tp']} into {p.out / 'shard'} (verification layout)",
-        "check": lambda: f"prove every file by SHA-256, the kernels, TP {o['shard']['tp']} rules"
-                         + " and every tensor against the source, and the TP split",
-        "eval": lambda: f"lm-eval {o['tasks']} (limit {o['limit']}, data {o['data_dir'] or 'the Hub'}), source vs model, gate max drop {o['max_drop']}"
-                        + (" (skipped if the data is absent)" if o["eval"]["if_no_data"] == "skip" else ""),
-        "pd-eval": lambda: f"prefill/decode fidelity: the prompt's KV from the source (prefill), stored {o['pd']['kv_cache_dtype']}, "
-                           f"decoded by the model; KLD/top-1 against the source, beside the model alone",
+        "check": lambda: (
+            f"prove every file by SHA-256, the kernels, TP {o['shard']['tp']} rules"
+            + " and every tensor against the source, and the TP split"
+        ),
+        "eval": lambda: (
+            f"lm-eval {o['tasks']} (limit {o['limit']}, data {o['data_dir'] or 'the Hub'}), source vs model, gate max "
+            f"drop {o['max_drop']}"
+            + (" (skipped if the data is absent)" if o["eval"]["if_no_data"] == "skip" else "")
+        ),
+        "pd-eval": lambda: (
+            f"prefill/decode fidelity: the prompt's KV from the source (prefill), stored {o['pd']['kv_cache_dtype']}, "
+            f"decoded by the model; KLD/top-1 against the source, beside the model alone"
+        ),
         "card": lambda: "write the model card (README.md) from the records and the check/eval reports",
-        "prefill": lambda: f"write the prefill artifact (card + SGLang PD launch lines pointing at {p.source}, no weights) in {p.out / 'prefill'}",
-        "push": lambda: f"push the model to {o['repo']}" + (" (dry run: nothing is sent)" if o["push"]["dry_run"] else ""),
+        "prefill": lambda: (
+            f"write the prefill artifact (card + SGLang PD launch lines pointing at {p.source}, no weights) in "
+            f"{p.out / 'prefill'}"
+        ),
+        "push": lambda: (
+            f"push the model to {o['repo']}" + (" (dry run: nothing is sent)" if o["push"]["dry_run"] else "")
+        ),
     }[name]()
 
 
@@ -499,18 +686,29 @@ STAGE_TABLE = {
     "convert": Stage("convert", ("source",), (), _opts_convert, _run_convert),
     "calibrate-kv": Stage("calibrate-kv", ("converted",), (), _opts_kv, _run_kv),
     "shard": Stage("shard", ("model",), (), lambda p: dict(p.opts["shard"]), _run_shard),
-    "check": Stage("check", ("model", "source", "converted"), ("shard",), lambda p: {"tp": p.opts["shard"]["tp"]}, _run_check),
+    "check": Stage(
+        "check", ("model", "source", "converted"), ("shard",), lambda p: {"tp": p.opts["shard"]["tp"]}, _run_check
+    ),
     "eval": Stage("eval", ("model", "source"), (), _opts_eval, _run_eval),
     "pd-eval": Stage("pd-eval", ("model", "source"), (), _opts_pd, _run_pd_eval),
     "card": Stage("card", ("model",), ("check_report", "eval_report"), lambda p: {}, _run_card),
     "prefill": Stage("prefill", ("source", "model"), ("pd_report",), _opts_prefill, _run_prefill),
     "push": Stage("push", ("model",), ("card",), lambda p: dict(p.opts["push"]) | {"repo": p.opts["repo"]}, _run_push),
 }
-PRODUCER = {"source": "make-source or an existing source folder", "converted": "convert", "model": "convert",
-            "shard": "shard", "check_report": "check", "eval_report": "eval", "pd_report": "pd-eval", "card": "card"}
+PRODUCER = {
+    "source": "make-source or an existing source folder",
+    "converted": "convert",
+    "model": "convert",
+    "shard": "shard",
+    "check_report": "check",
+    "eval_report": "eval",
+    "pd_report": "pd-eval",
+    "card": "card",
+}
 
 
 # -- the run --------------------------------------------------------------------------------------
+
 
 @dataclass
 class StagePlan:
@@ -538,8 +736,13 @@ class RunResult:
         return all(s.state in ("done", "skipped", "ran") for s in self.stages) if not self.plan else True
 
     def to_dict(self) -> dict:
-        return {"out": self.out, "recipe": self.recipe, "plan": self.plan, "seconds": round(self.seconds, 3),
-                "stages": [s.to_dict() for s in self.stages]}
+        return {
+            "out": self.out,
+            "recipe": self.recipe,
+            "plan": self.plan,
+            "seconds": round(self.seconds, 3),
+            "stages": [s.to_dict() for s in self.stages],
+        }
 
 
 def _outputs_intact(p: Pipeline, outputs: dict) -> bool:
@@ -581,22 +784,32 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
     if p.tiny is None:
         ctx.art["source"] = {"path": "@source", "id": _source_identity(p.source_path)}
         if ctx.art["source"]["id"] is None:
-            raise QuantizeError(f"{p.recipe}: pipeline.source {p.source}: not a checkpoint folder (no config.json); "
-                                f"point it at the vendor's release, or tiny:glm_moe_dsa")
+            raise QuantizeError(
+                f"{p.recipe}: pipeline.source {p.source}: not a checkpoint folder (no config.json); "
+                f"point it at the vendor's release, or tiny:glm_moe_dsa"
+            )
     rerun: set[str] = set()  # artifacts that were (or, planning, would be) rewritten in this run
     plans: list[StagePlan] = []
     # artifacts a stage not listed this time made in an earlier run (e.g. convert done, stages: [eval])
     for name in STAGES:
         rec = stages_rec.get(name)
-        if name not in p.stages and rec and rec.get("state") in ("done", "skipped") and _outputs_intact(p, rec.get("outputs", {})):
+        if (
+            name not in p.stages
+            and rec
+            and rec.get("state") in ("done", "skipped")
+            and _outputs_intact(p, rec.get("outputs", {}))
+        ):
             for a, v in rec.get("outputs", {}).items():
                 ctx.art.setdefault(a, v)
     available = set(ctx.art)  # every stage's inputs are checked before any stage runs
     for name in p.stages:
         for a in STAGE_TABLE[name].needs:
             if a not in available:
-                raise QuantizeError(f"{p.recipe}: stage {name} needs the {a.replace('_', ' ')} that {PRODUCER.get(a, a)} makes, and this run "
-                                    f"has none; add {PRODUCER.get(a, a).split(' or ')[0]} to pipeline.stages (before {name})")
+                raise QuantizeError(
+                    f"{p.recipe}: stage {name} needs the {a.replace('_', ' ')} that {PRODUCER.get(a, a)} makes, and "
+                    "this run "
+                    f"has none; add {PRODUCER.get(a, a).split(' or ')[0]} to pipeline.stages (before {name})"
+                )
         available.update(STAGE_MAKES[name])
     for name in p.stages:
         st = STAGE_TABLE[name]
@@ -611,14 +824,30 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
         if fresh and rec.get("state") in ("done", "skipped") and _outputs_intact(p, rec.get("outputs", {})):
             for a, v in rec.get("outputs", {}).items():
                 ctx.art[a] = v
-            plans.append(StagePlan(name, rec["state"], does, seconds=rec.get("seconds"), summary=rec.get("summary", "")))
-            emit({"event": "stage", "stage": name, "state": rec["state"], "kept": True, "summary": rec.get("summary", "")})
+            plans.append(
+                StagePlan(name, rec["state"], does, seconds=rec.get("seconds"), summary=rec.get("summary", ""))
+            )
+            emit(
+                {
+                    "event": "stage",
+                    "stage": name,
+                    "state": rec["state"],
+                    "kept": True,
+                    "summary": rec.get("summary", ""),
+                }
+            )
             continue
         if fresh and rec.get("state") == "failed":
-            plans.append(StagePlan(name, "failed", does, why="failed with these options and inputs", summary=rec.get("summary", "")))
+            plans.append(
+                StagePlan(
+                    name, "failed", does, why="failed with these options and inputs", summary=rec.get("summary", "")
+                )
+            )
             emit({"event": "stage", "stage": name, "state": "failed", "kept": True, "summary": rec.get("summary", "")})
             if execute is not None:
-                raise CheckFailed(rec.get("error") or f"{name}: failed (recorded); change the options or inputs, or --overwrite")
+                raise CheckFailed(
+                    rec.get("error") or f"{name}: failed (recorded); change the options or inputs, or --overwrite"
+                )
             break
         if rec is None:
             state, why = "pending", "not run yet"
@@ -630,8 +859,17 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
             changed = _diff_keys(rec.get("options") or {}, opts)
             ins = sorted(set(a for a in inputs if (rec.get("inputs") or {}).get(a) != inputs[a]) | set(upstream))
             state = "stale"
-            why = "; ".join(x for x in (f"options changed: {', '.join(changed)}" if changed else "",
-                                        f"input changed: {', '.join(ins)}" if ins else "") if x) or "record differs"
+            why = (
+                "; ".join(
+                    x
+                    for x in (
+                        f"options changed: {', '.join(changed)}" if changed else "",
+                        f"input changed: {', '.join(ins)}" if ins else "",
+                    )
+                    if x
+                )
+                or "record differs"
+            )
         plans.append(StagePlan(name, state, does, why=why))
         rerun.update(STAGE_MAKES[name])
         if name == "calibrate-kv" and _kv_writes(ctx) is None:
@@ -650,9 +888,18 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
     return plans
 
 
-STAGE_MAKES = {"make-source": ("source",), "convert": ("converted", "model"), "calibrate-kv": ("kv_report", "model"),
-               "shard": ("shard",), "check": ("check_report",), "eval": ("eval_report",), "pd-eval": ("pd_report",),
-               "card": ("card",), "prefill": ("prefill",), "push": ("push",)}
+STAGE_MAKES = {
+    "make-source": ("source",),
+    "convert": ("converted", "model"),
+    "calibrate-kv": ("kv_report", "model"),
+    "shard": ("shard",),
+    "check": ("check_report",),
+    "eval": ("eval_report",),
+    "pd-eval": ("pd_report",),
+    "card": ("card",),
+    "prefill": ("prefill",),
+    "push": ("push",),
+}
 
 
 @O.takes(O.RunOptions)
@@ -667,7 +914,9 @@ def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
     record = read_record(p.out) if p.out.is_dir() else None
     if plan:
         if record is not None and record.get("kind") not in ("run", None):
-            raise QuantizeError(f"{p.out}: holds a `quantize {record.get('kind')}` output, not a run; choose another pipeline.out")
+            raise QuantizeError(
+                f"{p.out}: holds a `quantize {record.get('kind')}` output, not a run; choose another pipeline.out"
+            )
         rec = {} if overwrite or not record or record.get("kind") != "run" else json.loads(json.dumps(record))
         plans = _walk(p, rec, None, null_emit)
         return RunResult(str(p.out), str(p.recipe), True, plans, time.time() - t0)
@@ -698,11 +947,25 @@ def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
                 emit({"event": "stage", "stage": name, "state": "error", "error": f"{type(e).__name__}: {e}"})
                 raise
             res["seconds"] = round(time.time() - t, 3)
-            recs[name].update(state=res.get("state", "done"), outputs=res.get("outputs", {}), summary=res.get("summary", ""),
-                              result=res.get("result"), seconds=res["seconds"], finished=time.time(), error=res.get("error"))
+            recs[name].update(
+                state=res.get("state", "done"),
+                outputs=res.get("outputs", {}),
+                summary=res.get("summary", ""),
+                result=res.get("result"),
+                seconds=res["seconds"],
+                finished=time.time(),
+                error=res.get("error"),
+            )
             o.save()
-            emit({"event": "stage", "stage": name, "state": res.get("state", "done"), "seconds": res["seconds"],
-                  "summary": res.get("summary", "")})
+            emit(
+                {
+                    "event": "stage",
+                    "stage": name,
+                    "state": res.get("state", "done"),
+                    "seconds": res["seconds"],
+                    "summary": res.get("summary", ""),
+                }
+            )
             return res
 
         plans = _walk(p, o.record, execute, emit)

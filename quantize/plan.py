@@ -22,8 +22,19 @@ from .checkpoint.reader import fp8_scale_format
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError
 from .formats import layout
-from .options import (ACTORDERS, DEFAULT_GROUP_SIZE, DEFAULT_METHOD, DEFAULT_OBSERVER, DEFAULT_PROFILE,  # noqa: F401
-                      METHODS, ConvertOptions, PlanOptions, default_observer, method_options, takes)
+from .options import (
+    ACTORDERS,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_METHOD,
+    DEFAULT_OBSERVER,
+    DEFAULT_PROFILE,  # noqa: F401
+    METHODS,
+    ConvertOptions,
+    PlanOptions,
+    default_observer,
+    method_options,
+    takes,
+)
 from .recipe import Recipe, load_recipe
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zero_point", "weight_global_scale")
@@ -111,11 +122,15 @@ class Plan:
         """Hash of everything that determines the output bytes."""
         h = hashlib.sha256()
         h.update(json.dumps(self.options.to_dict(), sort_keys=True).encode())
-        h.update(json.dumps(self.config_view, sort_keys=True).encode())  # the config is a function of it and the options
+        h.update(
+            json.dumps(self.config_view, sort_keys=True).encode()
+        )  # the config is a function of it and the options
         for s in self.shards:
             h.update(s.file.encode())
             for j in s.jobs:
-                h.update(f"{j.kind}|{j.name}|{j.src.file}|{j.src.dtype}|{j.src.shape}|{j.src.start}|{j.src.end}".encode())
+                h.update(
+                    f"{j.kind}|{j.name}|{j.src.file}|{j.src.dtype}|{j.src.shape}|{j.src.start}|{j.src.end}".encode()
+                )
                 for e in j.outputs:
                     h.update(f"{e.name}|{e.dtype}|{e.shape}".encode())
         return h.hexdigest()
@@ -145,9 +160,19 @@ class Plan:
             "even_split_source_bytes": -(-self.source_total_bytes // self.tp),
             "even_split_output_bytes": -(-self.output_bytes // self.tp),
             "ignore": self.config_view["ignore"],
-            **({"kv_bytes_per_token": self.kv.kv_bytes_per_token, "kv_tokens_per_gpu": self.kv.kv_tokens_per_gpu,
-                "kv_capacity_inputs": {k: v for k, v in self.kv.to_dict().items() if k not in ("kv_bytes_per_token", "kv_tokens_per_gpu")}}
-               if self.kv is not None else {}),
+            **(
+                {
+                    "kv_bytes_per_token": self.kv.kv_bytes_per_token,
+                    "kv_tokens_per_gpu": self.kv.kv_tokens_per_gpu,
+                    "kv_capacity_inputs": {
+                        k: v
+                        for k, v in self.kv.to_dict().items()
+                        if k not in ("kv_bytes_per_token", "kv_tokens_per_gpu")
+                    },
+                }
+                if self.kv is not None
+                else {}
+            ),
         }
 
 
@@ -162,15 +187,26 @@ def detect_source_format(config: dict, arch: Architecture, where: str) -> tuple[
             raise QuantizeError(f"{where}: FP8 format {qc.get('fmt')!r} is not read; only e4m3 block FP8 is")
         return "fp8-block", qc
     if method == "compressed-tensors":
-        fmts = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()} or {qc.get("format")}
+        fmts = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()} or {
+            qc.get("format")
+        }
         if fmts <= {"float-quantized", "naive-quantized"}:
             for g in (qc.get("config_groups") or {}).values():
                 w = g.get("weights") or {}
                 if w.get("type") != "float" or w.get("num_bits") != 8:
-                    raise QuantizeError(f"{where}: compressed-tensors weights {w.get('type')}{w.get('num_bits')} are not read; only FP8 float-quantized sources are")
+                    raise QuantizeError(
+                        f"{where}: compressed-tensors weights {w.get('type')}{w.get('num_bits')} are not read; only "
+                        "FP8 float-quantized sources are"
+                    )
             return "ct-fp8", qc
-        raise QuantizeError(f"{where}: checkpoint is already compressed-tensors {sorted(map(str, fmts))}; convert reads BF16/FP16 or FP8 sources, not a quantized output")
-    raise QuantizeError(f"{where}: quant_method {method!r} is not read; sources must be BF16/FP16, block FP8 (quant_method fp8) or compressed-tensors FP8")
+        raise QuantizeError(
+            f"{where}: checkpoint is already compressed-tensors {sorted(map(str, fmts))}; convert reads BF16/FP16 or "
+            "FP8 sources, not a quantized output"
+        )
+    raise QuantizeError(
+        f"{where}: quant_method {method!r} is not read; sources must be BF16/FP16, block FP8 (quant_method fp8) or "
+        "compressed-tensors FP8"
+    )
 
 
 def virtual_index(folder: Path, config: dict, arch: Architecture, source_format: str, qc: dict) -> CheckpointIndex:
@@ -179,7 +215,9 @@ def virtual_index(folder: Path, config: dict, arch: Architecture, source_format:
         raise QuantizeError(f"{folder}: no safetensors here, and {arch.name} cannot be planned from config.json alone")
     tensors: dict[str, TensorRef] = {}
     block = tuple(qc.get("weight_block_size") or layout.DEFAULT_BLOCK)
-    dtype = {"float16": "F16", "float32": "F32"}.get(str(arch.text_config(config).get("torch_dtype") or config.get("torch_dtype") or config.get("dtype")), "BF16")
+    dtype = {"float16": "F16", "float32": "F32"}.get(
+        str(arch.text_config(config).get("torch_dtype") or config.get("torch_dtype") or config.get("dtype")), "BF16"
+    )
     pos = 0
     for name, shape, role in arch.expected(arch.text_config(config)):
         lin, _, keep = ROLES[role]
@@ -208,14 +246,18 @@ def _decide_by_recipe(recipe: Recipe, module: str) -> bool:
     return targeted and not any(match_name(module, i) for i in recipe.ignore)
 
 
-def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_config_only: bool = False, ct_check: bool = True) -> Plan:
+def build_plan(
+    source: str | Path, options: ConvertOptions, tp: int = 1, allow_config_only: bool = False, ct_check: bool = True
+) -> Plan:
     """``ct_check``: also match the config with compressed-tensors' own matcher (convert does; the
     header-only ``quantize plan`` keeps to the engines' matching, without importing it)."""
     options.validate()
     folder = Path(source)
     recipe = load_recipe(options.recipe) if options.recipe else None
     options = options.resolve(recipe)  # never None from here on: plan.options is what the record and manifest hold
-    has_tensors = folder.is_dir() and (any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").exists())
+    has_tensors = folder.is_dir() and (
+        any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").exists()
+    )
     if has_tensors or not allow_config_only:
         index = CheckpointIndex.open(folder)
         config = index.config
@@ -238,7 +280,9 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
         if param in SCALE_SUFFIXES:
             weight = f"{base}.weight"
             if weight not in tensors:
-                raise QuantizeError(f"{folder / ref.file}: scale tensor {name} has no weight {weight}; the checkpoint is incomplete")
+                raise QuantizeError(
+                    f"{folder / ref.file}: scale tensor {name} has no weight {weight}; the checkpoint is incomplete"
+                )
             continue  # consumed by its weight's job (or dropped) below
         role, layer = arch.role_of(name)
         job = Job("copy", name, role, ref, outputs=[Entry(name, ref.dtype, ref.shape)])
@@ -246,13 +290,18 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
         if is_fp8:
             sname = f"{base}.weight_scale_inv" if source_format == "fp8-block" else f"{base}.weight_scale"
             if param != "weight" or sname not in tensors:
-                raise QuantizeError(f"{folder / ref.file}: FP8 tensor {name} has no {sname}; the checkpoint is incomplete or not {source_format} (re-download the shard that should hold it)")
+                raise QuantizeError(
+                    f"{folder / ref.file}: FP8 tensor {name} has no {sname}; the checkpoint is incomplete or not "
+                    f"{source_format} (re-download the shard that should hold it)"
+                )
             job.scale = tensors[sname]
             job.block = block
             consumed.add(sname)
             job.scale_format = fp8_scale_format(ref, job.scale, block, folder)  # one decision, shared with the reader
         elif ref.dtype.startswith("F8"):
-            raise QuantizeError(f"{folder / ref.file}: tensor {name} has dtype {ref.dtype}; only e4m3 FP8 weights are read")
+            raise QuantizeError(
+                f"{folder / ref.file}: tensor {name} has dtype {ref.dtype}; only e4m3 FP8 weights are read"
+            )
         is_weight2d = param == "weight" and len(ref.shape) == 2 and ROLES[role][0]
         if is_weight2d:
             module = base
@@ -263,12 +312,21 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
                 sdt = "BF16" if is_fp8 or ref.dtype == "BF16" else ref.dtype
                 job.outputs = [
                     Entry(f"{module}.weight_packed", "I32", layout.packed_shape((out, k))),
-                    Entry(f"{module}.weight_scale", sdt, layout.scale_shape((out, k), options.group_size) if k % options.group_size == 0 else (out, k // options.group_size)),
+                    Entry(
+                        f"{module}.weight_scale",
+                        sdt,
+                        layout.scale_shape((out, k), options.group_size)
+                        if k % options.group_size == 0
+                        else (out, k // options.group_size),
+                    ),
                     Entry(f"{module}.weight_shape", "I64", (2,)),
                 ]
             elif is_fp8 and options.keep_fp8:
                 job.kind = "keep_fp8"
-                job.outputs = [Entry(name, ref.dtype, ref.shape), Entry(f"{module}.weight_scale", job.scale.dtype, job.scale.shape)]
+                job.outputs = [
+                    Entry(name, ref.dtype, ref.shape),
+                    Entry(f"{module}.weight_scale", job.scale.dtype, job.scale.shape),
+                ]
             elif is_fp8:
                 job.kind = "dequant"
                 job.outputs = [Entry(name, "BF16", ref.shape)]
@@ -285,13 +343,18 @@ def build_plan(source: str | Path, options: ConvertOptions, tp: int = 1, allow_c
             if param == "weight_scale" and source_format == "float":
                 continue
             ref = tensors[name]
-            raise QuantizeError(f"{folder / ref.file}: {name} is a scale for a weight that is not FP8 ({tensors[base + '.weight'].dtype}); the checkpoint mixes formats, re-export it")
+            raise QuantizeError(
+                f"{folder / ref.file}: {name} is a scale for a weight that is not FP8 "
+                f"({tensors[base + '.weight'].dtype}); the checkpoint mixes formats, re-export it"
+            )
     dropped += sorted(consumed)
 
     meta = {"format": "pt"}
     shards = [ShardPlan(f, jobs_by_file[f], meta) for f in index.files if jobs_by_file.get(f)]
     view = config_view(arch, config, options, recipe, shards)
-    plan = Plan(str(folder), arch, options, source_format, shards, dropped, view, config, index.total_bytes, tp, recipe=recipe)
+    plan = Plan(
+        str(folder), arch, options, source_format, shards, dropped, view, config, index.total_bytes, tp, recipe=recipe
+    )
     validate_plan(plan, recipe, ct_check=ct_check)
     return plan
 
@@ -308,8 +371,13 @@ def _load_config_file(path: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles_present: set[str],
-                fp8_roles: frozenset[str] = frozenset()) -> list[str]:
+def ignore_list(
+    arch: Architecture,
+    config: dict,
+    options: ConvertOptions,
+    roles_present: set[str],
+    fp8_roles: frozenset[str] = frozenset(),
+) -> list[str]:
     """Engine-safe ignore patterns for every high-precision (BF16) Linear role present; roles kept
     FP8 (``--keep-fp8``) are targeted by their own config group instead of ignored."""
     # lm_head is never INT4, and exists in every engine even when tied to the embeddings (then the
@@ -341,7 +409,9 @@ def ignore_list(arch: Architecture, config: dict, options: ConvertOptions, roles
     return pats
 
 
-def config_view(arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]) -> dict:
+def config_view(
+    arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]
+) -> dict:
     """What the engines match against their module names: the ignore list and each config group's
     targets (config_group_0: INT4; config_group_1: the FP8 weights --keep-fp8 keeps)."""
     roles = {j.role for s in shards for j in s.jobs}
@@ -358,24 +428,48 @@ def config_view(arch: Architecture, config: dict, options: ConvertOptions, recip
     return {"ignore": ignore, "config_groups": groups}
 
 
-def quantization_config(arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]) -> dict:
+def quantization_config(
+    arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]
+) -> dict:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     from .formats import int4
 
     view = config_view(arch, config, options, recipe, shards)
     # compressed-tensors' own models, dumped as its 0.19 writes them (llmcompressor's update_config)
-    groups = {"config_group_0": QuantizationScheme(targets=view["config_groups"]["config_group_0"]["targets"], format="pack-quantized",
-                                                   weights=QuantizationArgs.model_validate(int4.weights_args(options.group_size)))}
+    groups = {
+        "config_group_0": QuantizationScheme(
+            targets=view["config_groups"]["config_group_0"]["targets"],
+            format="pack-quantized",
+            weights=QuantizationArgs.model_validate(int4.weights_args(options.group_size)),
+        )
+    }
     kept = "config_group_1" in view["config_groups"]
     if kept:  # the vendor's 128x128 block FP8 weights, dynamic per-128-group FP8 activations
         groups["config_group_1"] = QuantizationScheme(
-            targets=view["config_groups"]["config_group_1"]["targets"], format="float-quantized",
-            weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128], dynamic=False),
-            input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group", group_size=128, dynamic=True))
-    qc = QuantizationConfig(config_groups=groups, format="mixed-precision" if kept else "pack-quantized", ignore=view["ignore"],
-                            quantization_status="compressed", kv_cache_scheme=None, global_compression_ratio=None)
-    return {"version": CT_VERSION, "quant_method": "compressed-tensors", "transform_config": {}, **qc.model_dump(mode="json")}
+            targets=view["config_groups"]["config_group_1"]["targets"],
+            format="float-quantized",
+            weights=QuantizationArgs(
+                num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128], dynamic=False
+            ),
+            input_activations=QuantizationArgs(
+                num_bits=8, type="float", symmetric=True, strategy="group", group_size=128, dynamic=True
+            ),
+        )
+    qc = QuantizationConfig(
+        config_groups=groups,
+        format="mixed-precision" if kept else "pack-quantized",
+        ignore=view["ignore"],
+        quantization_status="compressed",
+        kv_cache_scheme=None,
+        global_compression_ratio=None,
+    )
+    return {
+        "version": CT_VERSION,
+        "quant_method": "compressed-tensors",
+        "transform_config": {},
+        **qc.model_dump(mode="json"),
+    }
 
 
 # --keep-fp8: the BF16 indexer head is ignored on its own; everything else of attention is FP8
@@ -437,7 +531,9 @@ def check_with_compressed_tensors(plan: Plan) -> None:
             want = EXPECT.get(j.kind, "bf16")
             got = _scheme_for(j.module, plan.config_view, _ct_match)
             if got != want:
-                raise QuantizeError(f"internal: quantization_config puts {j.module} in {got}, the plan in {want}; please report this")
+                raise QuantizeError(
+                    f"internal: quantization_config puts {j.module} in {got}, the plan in {want}; please report this"
+                )
 
 
 def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> None:
@@ -451,20 +547,30 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
         if j.kind == "int4" and j.src.shape[1] % g:
             k = j.src.shape[1]
             fits = [x for x in layout.SUPPORTED_GROUP_SIZES if k % x == 0]
-            fix = f"use --group-size {fits[-1]}" if fits else "keep it high precision (--profile experts or a recipe ignore)"
+            fix = (
+                f"use --group-size {fits[-1]}"
+                if fits
+                else "keep it high precision (--profile experts or a recipe ignore)"
+            )
             raise QuantizeError(f"{j.src.file}: tensor {j.name} has K={k}, not a multiple of group size {g}; {fix}")
     # fused sets and experts share one scheme
     by_layer: dict[str, set[bool]] = defaultdict(set)
     for module, q in decision.items():
         for member in arch.fused_members(module):
             if member in decision and decision[member] != q:
-                raise QuantizeError(f"{module} is {'INT4' if q else 'high precision'} but {member}, which the engines fuse with it, is not; quantize both or neither (adjust the recipe's ignore list)")
+                raise QuantizeError(
+                    f"{module} is {'INT4' if q else 'high precision'} but {member}, which the engines fuse with it, "
+                    "is not; quantize both or neither (adjust the recipe's ignore list)"
+                )
         role, layer = arch.role_of(module + ".weight")
         if role in archs.base.EXPERT_ROLES:
             by_layer[module.split(".experts.")[0]].add(q)
     for layer, qs in by_layer.items():
         if len(qs) > 1:
-            raise QuantizeError(f"{layer}: some routed experts are INT4 and others are not; fused MoE kernels need one scheme for all experts of a layer (fix the recipe's ignore list)")
+            raise QuantizeError(
+                f"{layer}: some routed experts are INT4 and others are not; fused MoE kernels need one scheme for all "
+                "experts of a layer (fix the recipe's ignore list)"
+            )
     # the written config must reproduce the plan's decisions, for compressed-tensors (checkpoint
     # names, exact/regex) and for SGLang (its module names, fused ones included)
     qc = plan.config_view
@@ -477,7 +583,11 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
         for ename in arch.engine_module_names(j.module, cfg):
             got = _scheme_for(ename, qc, _sglang_match)
             if got != want:
-                raise QuantizeError(f"quantization_config puts engine module {ename} (checkpoint {j.module}) in {got}, but the checkpoint holds it as {want}: SGLang would build the wrong layer and fail to load; fix the ignore list with re:.* patterns that {'match' if want == 'bf16' else 'exclude'} it")
+                raise QuantizeError(
+                    f"quantization_config puts engine module {ename} (checkpoint {j.module}) in {got}, but the "
+                    f"checkpoint holds it as {want}: SGLang would build the wrong layer and fail to load; fix the "
+                    f"ignore list with re:.* patterns that {'match' if want == 'bf16' else 'exclude'} it"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,13 +598,21 @@ def plan(source, tp, group_size, profile, keep_fp8, recipe, gpu_mem_gib, mem_fra
     ``profile`` None: not given (the recipe's, else 32 / experts)."""
     from . import kvcache
 
-    p = build_plan(Path(source), ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe), tp=tp,
-                   allow_config_only=True, ct_check=False)
+    p = build_plan(
+        Path(source),
+        ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe),
+        tp=tp,
+        allow_config_only=True,
+        ct_check=False,
+    )
     # the same rule as ``quantize shard``: attention heads split evenly over the ranks
     heads = int(p.arch.text_config(p.config).get("num_attention_heads", tp))
     if heads % tp:
         where = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
         fits = [t for t in range(1, heads + 1) if heads % t == 0 and t <= 64]
-        raise QuantizeError(f"--tp {tp}: {heads} attention heads in {where} do not split over TP {tp}; use a TP that divides {heads} ({', '.join(map(str, fits))})")
+        raise QuantizeError(
+            f"--tp {tp}: {heads} attention heads in {where} do not split over TP {tp}; use a TP that divides {heads} "
+            f"({', '.join(map(str, fits))})"
+        )
     p.kv = kvcache.capacity(p.arch, p.config, p.per_rank_bytes(tp)[1], tp, gpu_mem_gib, mem_fraction, reserve_gib)
     return p
