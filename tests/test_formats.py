@@ -103,3 +103,20 @@ def test_fp8_block_scale_shape_mismatch_refused():
     q, s = fp8.quant_block(torch.randn(576, 256))
     with pytest.raises(ValueError, match="ceil grid"):
         fp8.dequant_block(q, s[:4])
+
+
+def test_observer_table_names_and_math_agree():
+    """formats/layout.py names the observers (torch-free, for the options and the card);
+    formats/int4.py's GRIDS holds their math: one key set, and each grid does what its name says."""
+    from quantize.formats import int4, layout
+
+    assert list(int4.GRIDS) == list(layout.OBSERVERS)
+    w = torch.tensor([[1.0, -3.0, 2.0, 0.5] * 8])
+    q, s = int4.quantize_groups(w, 32, "minmax")
+    assert float(s[0, 0]) == pytest.approx(3.0 / 7.5, rel=1e-2) and int(q.max()) <= 7 and int(q.min()) >= -8
+    q, s = int4.quantize_groups(w, 32, "fullrange")  # the signed extreme -3 lands on code -8: a positive scale
+    assert float(s[0, 0]) == pytest.approx(3.0 / 8, rel=1e-2) and int(q.min()) == -8
+    q, s = int4.quantize_groups(-w, 32, "fullrange")  # +3 on code -8: a negative scale
+    assert float(s[0, 0]) < 0 and int(q.min()) == -8
+    assert [n for n, g in int4.GRIDS.items() if g.signed] == ["fullrange", "fullrange-mse"]
+    assert [n for n, g in int4.GRIDS.items() if g.search] == ["mse", "fullrange-mse"]

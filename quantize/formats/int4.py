@@ -95,17 +95,13 @@ def quantize_groups(
     out, k = w.shape
     if k % group_size:
         raise ValueError(f"input dim {k} is not a multiple of group size {group_size}")
-    if observer not in OBSERVERS:
-        raise ValueError(f"unknown observer {observer!r}; choose one of {', '.join(OBSERVERS)}")
+    if observer not in GRIDS:
+        raise ValueError(f"unknown observer {observer!r}; choose one of {', '.join(GRIDS)}")
     wq = w.to(scale_dtype)  # the module dtype compressed-tensors quantizes from
     wg = wq.float().view(out, k // group_size, group_size)
-    groups = wq.view(out, k // group_size, group_size)
-    if observer in ("minmax", "mse"):
-        absmax = groups.abs().amax(-1)
-        scale = _minmax_scale(absmax, scale_dtype) if observer == "minmax" else _mse_scale(wg, absmax, scale_dtype)
-    else:
-        extreme = _signed_extreme(groups)
-        scale = _fullrange_scale(extreme, scale_dtype) if observer == "fullrange" else _mse_scale(wg, extreme, scale_dtype, _fullrange_scale)
+    grid = GRIDS[observer]
+    rng = grid.range(wq.view(out, k // group_size, group_size))
+    scale = _mse_scale(wg, rng, scale_dtype, grid.scale) if grid.search else grid.scale(rng, scale_dtype)
     q = _codes(wg, scale, scale_dtype)
     return q.to(torch.int8).view(out, k), scale
 
@@ -127,6 +123,31 @@ def _mse_scale(wg: torch.Tensor, absmax: torch.Tensor, scale_dtype: torch.dtype,
         best = torch.where(better, cand, best)
     return best
 
+
+
+def _absmax(groups: torch.Tensor) -> torch.Tensor:
+    return groups.abs().amax(-1)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """An RTN observer: the range a group is measured by (``range``: [..., g] -> [...]), the scale
+    that range maps to (``scale``), whether a per-group shrink of the range is searched, and
+    whether its scales can be negative (``signed``: the range keeps the extreme's sign)."""
+
+    range: object
+    scale: object
+    search: bool = False
+    signed: bool = False
+
+
+# the observers, keyed as formats/layout.py's OBSERVERS (which holds their names without torch)
+GRIDS = {
+    "minmax": Grid(_absmax, _minmax_scale),
+    "mse": Grid(_absmax, _minmax_scale, search=True),
+    "fullrange": Grid(_signed_extreme, _fullrange_scale, signed=True),
+    "fullrange-mse": Grid(_signed_extreme, _fullrange_scale, search=True, signed=True),
+}
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q int8 [out, in] in [-8, 7] (in % 8 == 0) -> int32 [out, in/8], low nibble first."""

@@ -182,7 +182,7 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
     any thread count)."""
     import threading
 
-    fullrange = opt.observer.startswith("fullrange")
+    fullrange = int4.GRIDS[opt.observer].signed
     layer.requires_grad_(False)
     tuned: dict[str, Tuned] = {}
     for u in units:

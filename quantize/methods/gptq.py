@@ -198,7 +198,7 @@ def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: i
         return [(i, Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
                 for j, i in enumerate(chunk)]
 
-    negative = observer.startswith("fullrange")
+    negative = int4.GRIDS[observer].signed
     out: list = [None] * len(items)
     old = torch.get_num_threads()
     torch.set_num_threads(1)
