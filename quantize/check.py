@@ -10,7 +10,8 @@ from the source with the recorded group size and observer (round-to-nearest is d
 compared code for code and scale for scale — plus each INT4 tensor's relative error and SNR against
 the source. A tensor GPTQ or AutoRound made (the manifest says which) cannot be re-derived without
 its calibration pass: its grid is proven instead (GPTQ's scales bit for bit, AutoRound's within its
-clip range) and its error against the source is recomputed and must equal the recorded one. A zeroed o_proj or a few flipped bytes anywhere fail, naming the tensor. Sharded: every
+clip range) and its error against the source is recomputed and must equal the recorded one.
+A zeroed o_proj or a few flipped bytes anywhere fail, naming the tensor. Sharded: every
 slice matches its manifest checksum, and the concatenation of column-parallel outputs and the sum
 of row-parallel partial products equal the unsharded product (fp32).
 """
@@ -75,8 +76,8 @@ class CheckReport:
     def summary(self) -> dict:
         out: dict[str, dict] = {}
         for r in self.rows:
-            d = out.setdefault(r.role, {"tensors": 0, "failed": 0, "max_kernel_rel_err": 0.0, "max_source_rel_err": None,
-                                        "min_snr_db": None, "max_shard_err": None})
+            d = out.setdefault(r.role, {"tensors": 0, "failed": 0, "max_kernel_rel_err": 0.0,
+                                        "max_source_rel_err": None, "min_snr_db": None, "max_shard_err": None})
             d["tensors"] += 1
             d["failed"] += bool(r.failures)
             if r.kernel_rel_err is not None:
@@ -117,7 +118,8 @@ def verify_files(model: Path) -> tuple[list[str], dict]:
         if not isinstance(files, dict):
             raise TypeError
     except FileNotFoundError:
-        return [f"{path}: missing, so no file can be proven; the output is incomplete or was not written by quantize"], {}
+        return [f"{path}: missing, so no file can be proven; the output is incomplete "
+                f"or was not written by quantize"], {}
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         return [f"{path}: not a quantize manifest (needs per-file SHA-256 under 'files'); the output is corrupt"], {}
     failures = []
@@ -141,7 +143,8 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
     av, bv = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     if torch.equal(av, bv):
         return None
-    n = int((a.reshape(-1).view(torch.uint8).view(-1, a.element_size()) != b.reshape(-1).view(torch.uint8).view(-1, b.element_size())).any(1).sum())
+    n = int((a.reshape(-1).view(torch.uint8).view(-1, a.element_size())
+             != b.reshape(-1).view(torch.uint8).view(-1, b.element_size())).any(1).sum())
     return f"{n} of {a.numel()} values differ"
 
 
@@ -175,8 +178,9 @@ def _method_tensor(where: str, how: str, rec: dict, scale: torch.Tensor, exp: "i
     want_rel, want_max = rec.get("rel_err"), rec.get("max_abs_err")
     if not (isinstance(want_rel, (int, float)) and math.isclose(rel, want_rel, rel_tol=1e-9, abs_tol=1e-12)
             and isinstance(want_max, (int, float)) and max_err == want_max):
-        return (f"{where}: its error against this source (relative {rel:.9g}, max {max_err:.6g}) is not the one the conversion "
-                f"recorded ({want_rel}, {want_max}): the codes or scales changed, or another source was used")
+        return (f"{where}: its error against this source (relative {rel:.9g}, max {max_err:.6g}) is not the one "
+                f"the conversion recorded ({want_rel}, {want_max}): the codes or scales changed, or another source "
+                f"was used")
     return None
 
 
@@ -209,7 +213,8 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                         sc = s.fp8_scale(name)
                         kept = base + ".weight_scale"
                         accounted.add(kept)
-                        d = _diff(o.raw(kept), s.raw(sc[0].name)) if sc and kept in out.tensors else "its scale is missing"
+                        d = (_diff(o.raw(kept), s.raw(sc[0].name)) if sc and kept in out.tensors
+                             else "its scale is missing")
                 elif ref.dtype == torch.float8_e4m3fn:
                     d = _diff(got, s.weight(name, torch.bfloat16))
                 else:
@@ -225,7 +230,8 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                 shape = [int(v) for v in o.raw(base + ".weight_shape").tolist()]
                 ref_shape = list(src.tensors[name].shape)
                 if shape != ref_shape or scale.shape[0] != shape[0] or shape[1] % scale.shape[1]:
-                    failures.append(f"{where}: INT4 shape {shape} / scale {list(scale.shape)} do not fit the source {ref_shape}")
+                    failures.append(f"{where}: INT4 shape {shape} / scale {list(scale.shape)} do not fit the source "
+                                    f"{ref_shape}")
                     continue
                 fp8src = s.scheme(name).startswith("fp8")
                 w = s.weight(name, torch.bfloat16 if fp8src else src.tensors[name].torch_dtype)
@@ -243,7 +249,8 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                 else:
                     d = _diff(packed, exp.packed) or _diff(scale, exp.scale)
                     if d:
-                        failures.append(f"{where}: INT4 codes/scales differ from re-quantizing the source (group {g}, observer {observer}: {d})")
+                        failures.append(f"{where}: INT4 codes/scales differ from re-quantizing the source "
+                                        f"(group {g}, observer {observer}: {d})")
                     else:
                         proven += 1
                 row = rows.get(base)
@@ -253,9 +260,11 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                     row.snr_db = 10 * math.log10(sq_ref / sq_err) if sq_err > 0 else float("inf")
                     bound = max_source_rel_err * (METHOD_BOUND if by_data else 1.0)
                     if row.source_rel_err > bound:
-                        row.failures.append(f"{base}: relative error {row.source_rel_err:.3f} against the source exceeds {bound:g}"
-                                            + (f" ({METHOD_BOUND:g} x --max-source-rel-err for a {how} tensor: the method lowers the "
-                                               "layer's output error, not the weight error)" if bound != max_source_rel_err else ""))
+                        row.failures.append(f"{base}: relative error {row.source_rel_err:.3f} against the source "
+                                            f"exceeds {bound:g}"
+                                            + (f" ({METHOD_BOUND:g} x --max-source-rel-err for a {how} tensor: "
+                                               "the method lowers the layer's output error, not the weight error)"
+                                               if bound != max_source_rel_err else ""))
                 continue
             failures.append(f"{where}: in the source but not in the output")
         for name in out.tensors:
@@ -304,8 +313,10 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
         scale = read_tensor(model, index.tensors[m + ".weight_scale"])
         shape = tuple(int(v) for v in read_tensor(model, index.tensors[m + ".weight_shape"]).tolist())
         row = Row(m, arch.role_of(m + ".weight")[0])
-        if tuple(packed.shape) != (shape[0], math.ceil(shape[1] / 8)) or scale.shape[0] != shape[0] or shape[1] % scale.shape[1]:
-            row.failures.append(f"{m}: weight_packed {list(packed.shape)} / weight_scale {list(scale.shape)} do not fit weight_shape {list(shape)}")
+        if (tuple(packed.shape) != (shape[0], math.ceil(shape[1] / 8)) or scale.shape[0] != shape[0]
+                or shape[1] % scale.shape[1]):
+            row.failures.append(f"{m}: weight_packed {list(packed.shape)} / weight_scale {list(scale.shape)} "
+                                f"do not fit weight_shape {list(shape)}")
             rows.append(row)
             continue
         ours = unpack_int4(packed, shape[1])
@@ -315,13 +326,15 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
         x = torch.randn(tokens, shape[1], generator=g).to(torch.bfloat16)
         row.kernel_rel_err, _ = _kernel_err(x, packed, scale, shape)
         if not row.kernel_rel_err <= KERNEL_RTOL:
-            row.failures.append(f"{m}: W4A16 kernel differs from the reference (rel. error {row.kernel_rel_err:.3g} > {KERNEL_RTOL})")
+            row.failures.append(f"{m}: W4A16 kernel differs from the reference "
+                                f"(rel. error {row.kernel_rel_err:.3g} > {KERNEL_RTOL})")
         rows.append(row)
         emit({"event": "tensor", "name": m, "done_bytes": i + 1})
     if src is not None:
-        records = {t["name"]: t for t in manifest.get("tensors") or [] if isinstance(t, dict) and isinstance(t.get("name"), str)}
-        bad, proven, by_method = verify_against_source(index, src, manifest.get("options") or {}, {r.tensor: r for r in rows},
-                                                       max_source_rel_err, emit, records)
+        records = {t["name"]: t for t in manifest.get("tensors") or []
+                   if isinstance(t, dict) and isinstance(t.get("name"), str)}
+        bad, proven, by_method = verify_against_source(index, src, manifest.get("options") or {},
+                                                       {r.tensor: r for r in rows}, max_source_rel_err, emit, records)
         failures += bad
         verified["tensors_exact_vs_source"] = proven
         if by_method:
@@ -348,7 +361,8 @@ def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) ->
         for name, rec in man["tensors"].items():
             for r in range(tp):
                 if _sha(reader.get(r, name)) != rec["ranks"][r]["sha256"]:
-                    failures.append(f"{sharded / rec['ranks'][r]['file']}: tensor {name} of rank {r} does not match the manifest checksum")
+                    failures.append(f"{sharded / rec['ranks'][r]['file']}: tensor {name} of rank {r} "
+                                    f"does not match the manifest checksum")
         modules = [n[: -len(".weight_packed")] for n in man["tensors"] if n.endswith(".weight_packed")]
         emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0})
         for i, m in enumerate(modules):
@@ -382,10 +396,12 @@ def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) ->
             row.shard_max_err = float((y - y_full).abs().max() / y_full.abs().max().clamp_min(1e-30))
             if row.shard_max_err > SHARD_RTOL:
                 bad_r = _guilty_rank(parts, y_full, rec["split"], tp)
-                row.failures.append(f"{m}: ranks recombined ({rec['split']}-parallel) differ from the unsharded product "
-                                    f"(max rel. {row.shard_max_err:.3g}){'; rank ' + str(bad_r) + ' is off' if bad_r is not None else ''}")
+                row.failures.append(f"{m}: ranks recombined ({rec['split']}-parallel) differ from the unsharded "
+                                    f"product (max rel. {row.shard_max_err:.3g})"
+                                    f"{'; rank ' + str(bad_r) + ' is off' if bad_r is not None else ''}")
             if row.kernel_rel_err > KERNEL_RTOL:
-                row.failures.append(f"{m}: W4A16 kernel differs from the reference on a rank (rel. error {row.kernel_rel_err:.3g})")
+                row.failures.append(f"{m}: W4A16 kernel differs from the reference on a rank "
+                                    f"(rel. error {row.kernel_rel_err:.3g})")
             rows.append(row)
             emit({"event": "tensor", "name": m, "done_bytes": i + 1})
     finally:

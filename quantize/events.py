@@ -35,7 +35,8 @@ class RichEmitter:
         self.task = None
 
     def __call__(self, event: dict) -> None:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
 
         kind = event.get("event")
         if kind == "start":
@@ -50,7 +51,8 @@ class RichEmitter:
         elif kind == "tensor" and self.progress is not None:
             self.progress.update(self.task, completed=event["done_bytes"], tensor=event["name"][-60:])
         elif kind == "shard" and self.progress is not None:
-            self.progress.console.print(f" -- {event['file']}  {event['bytes'] / 2**20:,.1f} MiB  sha256 {event['sha256'][:12]}")
+            self.progress.console.print(f" -- {event['file']}  {event['bytes'] / 2**20:,.1f} MiB  "
+                                        f"sha256 {event['sha256'][:12]}")
         elif kind == "skip":
             self.console.print(f" -- {event['file']}: already complete, kept (resume)")
         elif kind == "warning":

@@ -44,9 +44,10 @@ PATTERN = "rank-{rank:02d}/part-{part:03d}.safetensors"
 MANIFEST = "shard_manifest.json"
 UNSHARDED = "unsharded"  # the unsharded checkpoint's non-weight files, for --merge
 CARRIED = SIDE_FILES + ("config.json", INDEX_NAME, QUANTIZE_MANIFEST)
-LAYOUT_NOTE = ("verification layout: per-rank slices under checkpoint names, for proving the split exact and sizing ranks; "
-               "not an engine load format (SGLang/vLLM sharded_state files hold the engine's runtime tensors and only the "
-               "engine can write them: SGLang --load-format presharded, or save_sharded_model on a GPU node)")
+LAYOUT_NOTE = ("verification layout: per-rank slices under checkpoint names, for proving the split exact and sizing "
+               "ranks; not an engine load format (SGLang/vLLM sharded_state files hold the engine's runtime tensors "
+               "and only the engine can write them: SGLang --load-format presharded, or save_sharded_model on a GPU "
+               "node)")
 MARLIN_GROUPS = (-1, 32, 64, 128)
 
 
@@ -70,7 +71,8 @@ def _int4_modules(index: CheckpointIndex) -> dict[str, tuple[int, int, int]]:
             scale = index.tensors.get(m + ".weight_scale")
             shape_t = index.tensors.get(m + ".weight_shape")
             if scale is None or shape_t is None:
-                raise QuantizeError(f"{index.folder / ref.file}: {m} has weight_packed but no weight_scale/weight_shape; the checkpoint is incomplete")
+                raise QuantizeError(f"{index.folder / ref.file}: {m} has weight_packed but no "
+                                    f"weight_scale/weight_shape; the checkpoint is incomplete")
             n = ref.shape[0]
             k = ref.shape[1] * 8
             out[m] = (n, k, k // scale.shape[1])
@@ -98,7 +100,8 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
     text = arch.text_config(index.config)
     heads = int(text.get("num_attention_heads", tp))
     if heads % tp:
-        raise QuantizeError(f"{model / 'config.json'}: {heads} attention heads do not split over TP {tp}; use a TP that divides {heads}")
+        raise QuantizeError(f"{model / 'config.json'}: {heads} attention heads do not split over TP {tp}; "
+                            f"use a TP that divides {heads}")
     splits: list[TensorSplit] = []
     for name, ref in index.tensors.items():
         kind, dim = _split_of(arch, name, ref)
@@ -108,7 +111,8 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
                 shape = ref.shape  # replicated; an INT4 weight_shape keeps its shape, values are per rank
             else:
                 if ref.shape[dim] % tp:
-                    raise QuantizeError(f"{model / ref.file}: tensor {name} has {ref.shape[dim]} along dim {dim}, not divisible by TP {tp}; use a TP that divides it")
+                    raise QuantizeError(f"{model / ref.file}: tensor {name} has {ref.shape[dim]} along dim {dim}, "
+                                        f"not divisible by TP {tp}; use a TP that divides it")
                 shape = tuple(s // tp if i == dim else s for i, s in enumerate(ref.shape))
             ts.rank_shapes.append(shape)
         splits.append(ts)
@@ -159,14 +163,16 @@ def _check_rules(arch, index: CheckpointIndex, splits: list[TensorSplit], int4: 
         elif rule.startswith("MoE Marlin needs hidden"):
             fix = "this model cannot use INT4 Marlin MoE"
         else:
-            alt = [t for t in (1, 2, 4, 8, 16) if t != tp and marlin_violation(n, k, g, t, s.split, role, hidden) is None]
+            alt = [t for t in (1, 2, 4, 8, 16)
+                   if t != tp and marlin_violation(n, k, g, t, s.split, role, hidden) is None]
             fix = f"use --tp {' or '.join(map(str, alt))}" if alt else "convert with a smaller --group-size"
         raise QuantizeError(f"{index.folder / s.file}: tensor {module} at TP {tp}: {rule}; {fix}")
     # fused sets must share one scheme
     for module in int4:
         for member in arch.fused_members(module):
             if member != module and (member + ".weight") in by_name:
-                raise QuantizeError(f"{index.folder}: {module} is INT4 but {member}, which the engines fuse with it, is not; convert both alike")
+                raise QuantizeError(f"{index.folder}: {module} is INT4 but {member}, which the engines fuse with it, "
+                                    f"is not; convert both alike")
 
 
 def _slices(t: torch.Tensor, ts: TensorSplit, tp: int, rank_shapes: list[tuple[int, int]] | None) -> list[torch.Tensor]:
@@ -237,10 +243,13 @@ def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> di
                         if writers[r] is not None:
                             finish(r)
                         part_idx[r] = p
-                        writers[r] = StreamWriter(out / PATTERN.format(rank=r, part=p), [Entry(x.name, x.dtype, x.rank_shapes[r]) for x in parts[r][p]],
-                                                  {"format": "pt", "tp_rank": str(r), "tp_size": str(tp), "layout": "quantize-verification"})
+                        writers[r] = StreamWriter(out / PATTERN.format(rank=r, part=p),
+                                                  [Entry(x.name, x.dtype, x.rank_shapes[r]) for x in parts[r][p]],
+                                                  {"format": "pt", "tp_rank": str(r), "tp_size": str(tp),
+                                                   "layout": "quantize-verification"})
                     writers[r].write_tensor(ts.name, piece)
-                    rec["ranks"].append({"file": PATTERN.format(rank=r, part=part_idx[r]), "shape": list(piece.shape), "sha256": _sha(piece)})
+                    rec["ranks"].append({"file": PATTERN.format(rank=r, part=part_idx[r]), "shape": list(piece.shape),
+                                         "sha256": _sha(piece)})
                 manifest_tensors[ts.name] = rec
                 done += index.tensors[ts.name].nbytes
                 emit({"event": "tensor", "name": ts.name, "kind": ts.split, "done_bytes": done})
@@ -256,13 +265,15 @@ def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> di
             for fd in fds.values():
                 os.close(fd)
         names = o.copy_side_files(carried, subdir=UNSHARDED)
-        rank_bytes = [sum((out / PATTERN.format(rank=r, part=p)).stat().st_size for p in range(len(parts[r]))) for r in range(tp)]
+        rank_bytes = [sum((out / PATTERN.format(rank=r, part=p)).stat().st_size for p in range(len(parts[r])))
+                      for r in range(tp)]
         files_order: dict[str, list[str]] = {}
         for name, ref in index.tensors.items():
             files_order.setdefault(ref.file, []).append(name)
-        manifest = {"kind": "shard", "layout": LAYOUT_NOTE, "tp": tp, "pattern": PATTERN, "source": str(model.resolve()),
-                    "architecture": archs.resolve(index.config).name, "files": files_order, "unsharded_files": names,
-                    "rank_bytes": rank_bytes, "tensors": manifest_tensors}
+        manifest = {"kind": "shard", "layout": LAYOUT_NOTE, "tp": tp, "pattern": PATTERN,
+                    "source": str(model.resolve()), "architecture": archs.resolve(index.config).name,
+                    "files": files_order, "unsharded_files": names, "rank_bytes": rank_bytes,
+                    "tensors": manifest_tensors}
         o.complete()
         o.write_json(MANIFEST, manifest, sort_keys=False)
     emit({"event": "done", "rank_bytes": rank_bytes})
@@ -285,7 +296,8 @@ def load_manifest(sharded: Path) -> dict:
                 confined(sharded, r["file"], str(path))
         for f in files:
             if "/" in f or "\\" in f or not f.endswith(".safetensors"):
-                raise QuantizeError(f"{path}: names output file {f!r}, which is not a plain *.safetensors name; the manifest is corrupt or hostile, re-shard")
+                raise QuantizeError(f"{path}: names output file {f!r}, which is not a plain *.safetensors name; "
+                                    f"the manifest is corrupt or hostile, re-shard")
         for f in m.get("unsharded_files", []):
             confined(sharded / UNSHARDED, f, str(path))
     except FileNotFoundError as e:
@@ -293,7 +305,8 @@ def load_manifest(sharded: Path) -> dict:
     except json.JSONDecodeError as e:
         raise QuantizeError(f"{path}: corrupt ({e.msg}); re-shard") from e
     except (KeyError, TypeError, ValueError) as e:
-        raise QuantizeError(f"{path}: not a shard manifest (tp, files, tensors with one rank record per rank); re-shard") from e
+        raise QuantizeError(f"{path}: not a shard manifest (tp, files, tensors with one rank record per rank); "
+                            f"re-shard") from e
     return m
 
 
@@ -346,7 +359,8 @@ def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = 
                     for r, p in enumerate(pieces):
                         if _sha(p) != rec["ranks"][r]["sha256"]:
                             w.abort()
-                            raise QuantizeError(f"{sharded / rec['ranks'][r]['file']}: tensor {n} of rank {r} does not match its checksum; the file is corrupt, re-shard")
+                            raise QuantizeError(f"{sharded / rec['ranks'][r]['file']}: tensor {n} of rank {r} "
+                                                f"does not match its checksum; the file is corrupt, re-shard")
                     full = _full_shape(m, n) if n.endswith(".weight_shape") else None
                     if full is not None:
                         t = torch.tensor(full, dtype=torch.int64)
@@ -356,12 +370,15 @@ def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = 
                         t = torch.cat(pieces, dim=rec["dim"])
                     if _sha(t) != rec["sha256"]:
                         w.abort()
-                        raise QuantizeError(f"{sharded}: reassembled {n} differs from the tensor that was sharded; the shard is inconsistent")
+                        raise QuantizeError(f"{sharded}: reassembled {n} differs from the tensor that was sharded; "
+                                            f"the shard is inconsistent")
                     w.write_tensor(n, t)
                 o.mark_done(fname, w.finish(), w.bytes_written)
-            o.copy_side_files(sorted(carried, key=lambda p: p.name == QUANTIZE_MANIFEST))  # the manifest last: it means complete
+            # the manifest last: it means complete
+            o.copy_side_files(sorted(carried, key=lambda p: p.name == QUANTIZE_MANIFEST))
             if not (out / INDEX_NAME).exists():
-                index = {"metadata": {"total_size": sum(math.prod(t["shape"]) * itemsize(t["dtype"]) for t in m["tensors"].values())},
+                index = {"metadata": {"total_size": sum(math.prod(t["shape"]) * itemsize(t["dtype"])
+                                                        for t in m["tensors"].values())},
                          "weight_map": {n: f for f, names in m["files"].items() for n in names}}
                 o.write_json(INDEX_NAME, index, sort_keys=False, indent=2)
             o.complete()

@@ -50,12 +50,16 @@ def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 
         p = f"model.layers.{layer}."
         tensors.append((p + "input_layernorm.weight", torch.ones(HIDDEN, dtype=torch.bfloat16)))
         w = fp8((KV_A, HIDDEN))
-        tensors += [(p + "self_attn.kv_a_proj_with_mqa.weight", w), (p + "self_attn.kv_a_proj_with_mqa.weight_scale_inv", scale(w.shape))]
-        tensors.append((p + "mlp.gate.weight", torch.randn(per_layer_experts, HIDDEN, generator=g).to(torch.bfloat16) * 0.02))
+        tensors += [(p + "self_attn.kv_a_proj_with_mqa.weight", w),
+                    (p + "self_attn.kv_a_proj_with_mqa.weight_scale_inv", scale(w.shape))]
+        tensors.append((p + "mlp.gate.weight",
+                        torch.randn(per_layer_experts, HIDDEN, generator=g).to(torch.bfloat16) * 0.02))
         for e in range(per_layer_experts):
-            for proj, shape in (("gate_proj", (MOE_I, HIDDEN)), ("up_proj", (MOE_I, HIDDEN)), ("down_proj", (HIDDEN, MOE_I))):
+            for proj, shape in (("gate_proj", (MOE_I, HIDDEN)), ("up_proj", (MOE_I, HIDDEN)),
+                                ("down_proj", (HIDDEN, MOE_I))):
                 w = fp8(shape)
-                tensors += [(f"{p}mlp.experts.{e}.{proj}.weight", w), (f"{p}mlp.experts.{e}.{proj}.weight_scale_inv", scale(shape))]
+                tensors += [(f"{p}mlp.experts.{e}.{proj}.weight", w),
+                            (f"{p}mlp.experts.{e}.{proj}.weight_scale_inv", scale(shape))]
     shards, cur, size = [], {}, 0
     for name, t in tensors:
         b = t.numel() * t.element_size()
@@ -71,11 +75,13 @@ def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 
         save_file(s, str(d / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in s})
         total += sum(t.numel() * t.element_size() for t in s.values())
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                "weight_map": weight_map}))
     cfg = {
         "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": HIDDEN,
         "moe_intermediate_size": MOE_I, "num_hidden_layers": layers, "n_routed_experts": per_layer_experts,
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
     }
     (d / "config.json").write_text(json.dumps(cfg))
     return total
@@ -106,9 +112,11 @@ elif kind == "model_free_ptq":
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor import model_free_ptq
     ignore = ["re:.*mlp\\.gate$", "re:.*self_attn.*", "re:.*layernorm.*"]
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True,
+                                                                             strategy="group", group_size=32))
     model_free_ptq(model_stub=src, save_directory=out, scheme=scheme, ignore=ignore,
-                   converter=FP8BlockDequantizer(ignore=["re:.*mlp\\.gate$", "re:.*layernorm.*"]), max_workers=2, device="cpu")
+                   converter=FP8BlockDequantizer(ignore=["re:.*mlp\\.gate$", "re:.*layernorm.*"]), max_workers=2,
+                   device="cpu")
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
 print(json.dumps({"seconds": time.time() - t0, "peak_rss": int(hwm) * 1024}))
 """

@@ -45,7 +45,8 @@ def main() -> None:
         from quantize.kernels.triton_w4a16 import w4a16_triton
         print(f"device: {torch.cuda.get_device_name()}  (Triton W4A16 vs torch BF16 matmul; ratio > 1 = W4A16 faster)")
     else:
-        print(f"device: CPU, {torch.get_num_threads()} threads  (CPU int4 path vs dequantize-then-matmul; ratio > 1 = int4 path faster)")
+        print(f"device: CPU, {torch.get_num_threads()} threads  "
+              f"(CPU int4 path vs dequantize-then-matmul; ratio > 1 = int4 path faster)")
     print(f"{'model':8s} {'proj':8s} {'TP':>3s} {'N':>5s} {'K':>5s} " + " ".join(f"{'M=' + str(m):>9s}" for m in a.m))
     g = torch.Generator().manual_seed(0)
     for model, proj, n, k in SHAPES:

@@ -2,12 +2,13 @@
 """Fidelity of the INT4 methods, side by side in one run (a benchmark, not a test).
 
 SmolLM2-135M-Instruct (scripts/smollm2_to_hf.py), every decoder Linear INT4, at each --groups size:
-RTN (minmax, mse, fullrange), GPTQ (minmax and full-range grids) and AutoRound, calibrated on GSM8K train; KL divergence against
-the BF16 source over --chunks x --chunk tokens of GSM8K test (in domain) and of ARC questions with
-their choices (out of domain), one table per text with each method's ratio to RTN minmax. Then the
-tiny glm_moe_dsa and deepseek_v3 fixtures (BF16 sources, routed experts INT4): KLD against the
-source and the tokens-per-expert report of each MoE layer. The closing note gives wall time per
-decoder layer and the peak RSS of each conversion (each runs as its own process).
+RTN (minmax, mse, fullrange), GPTQ (minmax and full-range grids) and AutoRound, calibrated on GSM8K
+train; KL divergence against the BF16 source over --chunks x --chunk tokens of GSM8K test (in
+domain) and of ARC questions with their choices (out of domain), one table per text with each
+method's ratio to RTN minmax. Then the tiny glm_moe_dsa and deepseek_v3 fixtures (BF16 sources,
+routed experts INT4): KLD against the source and the tokens-per-expert report of each MoE layer. The
+closing note gives wall time per decoder layer and the peak RSS of each conversion (each runs as its
+own process).
 
     python scripts/bench_methods.py --smollm2 /tmp/smollm2 --work /tmp/bench [--groups 32 64]
         [--samples 64] [--seq-len 512] [--iters 50] [--chunks 16] [--chunk 512] [--only gptq,autoround] [--depth]
@@ -51,13 +52,15 @@ def convert(src: Path, out: Path, args: list[str], reuse: bool) -> dict:
     hwm.unlink(missing_ok=True)
     t0 = time.time()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "BENCH_HWM": str(hwm)}).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                            env={**os.environ, "BENCH_HWM": str(hwm)}).returncode
     seconds = time.time() - t0
     if rc:
         lines = log.read_text().strip().splitlines()
         raise SystemExit(f"convert {' '.join(args)} failed: {lines[-1] if lines else '?'} (log: {log})")
     m = json.loads((out / "quantize_manifest.json").read_text())
-    return {"seconds": seconds, "peak_rss_mib": int(hwm.read_text()) / 1024 if hwm.exists() else None, "reused": False, "manifest": m}
+    return {"seconds": seconds, "peak_rss_mib": int(hwm.read_text()) / 1024 if hwm.exists() else None,
+            "reused": False, "manifest": m}
 
 
 def texts(work: Path) -> dict[str, Path]:
@@ -67,8 +70,10 @@ def texts(work: Path) -> dict[str, Path]:
         recs = [json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines() if line.strip()]
         gsm.write_text("\n\n".join(f"{r['question']}\n{r['answer']}" for r in recs))
     if not arc.exists():
-        recs = [json.loads(line) for line in (DATA / "arc" / "arc_challenge.jsonl").read_text().splitlines() if line.strip()]
-        arc.write_text("\n\n".join(f"{r['query']}\n" + "\n".join(f"{chr(65 + i)}. {c}" for i, c in enumerate(r["choices"]))
+        recs = [json.loads(line) for line in (DATA / "arc" / "arc_challenge.jsonl").read_text().splitlines()
+                if line.strip()]
+        arc.write_text("\n\n".join(f"{r['query']}\n"
+                                   + "\n".join(f"{chr(65 + i)}. {c}" for i, c in enumerate(r["choices"]))
                                    + f"\nAnswer: {chr(65 + r['gold'])}" for r in recs))
     return {"GSM8K test (in domain)": gsm, "ARC questions (out of domain)": arc}
 
@@ -87,14 +92,16 @@ def kld_rows(src: Path, runs: dict[str, dict], text: Path, tokens: int, chunk: i
     names = list(runs)
     table = kld_table(src, [runs[n]["out"] for n in names], text=text, tokens=tokens, chunk=chunk)
     base = table.reports[names.index(first)].kld_mean if first in names else None
-    return [(n, r.kld_mean, r.top1_agreement, r.kld_p99, r.kld_mean / base if base else None) for n, r in zip(names, table.reports)]
+    return [(n, r.kld_mean, r.top1_agreement, r.kld_p99, r.kld_mean / base if base else None)
+            for n, r in zip(names, table.reports)]
 
 
 def print_table(title: str, rows: list[tuple], first: str) -> None:
     print(f"\n{title}")
     print(f"  {'method':<28} {'KLD mean':>10} {'top-1':>8} {'KLD p99':>9} {'/ ' + first:>14}")
     for n, k, t1, p99, ratio in rows:
-        print(f"  {n:<28} {k:>10.4f} {t1:>8.2%} {p99:>9.3f} {ratio:>14.3f}" if ratio is not None else f"  {n:<28} {k:>10.4f} {t1:>8.2%} {p99:>9.3f}")
+        print(f"  {n:<28} {k:>10.4f} {t1:>8.2%} {p99:>9.3f} {ratio:>14.3f}" if ratio is not None
+              else f"  {n:<28} {k:>10.4f} {t1:>8.2%} {p99:>9.3f}")
 
 
 def main() -> None:
@@ -107,13 +114,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--only", default=None, help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq,gptq-fullrange,autoround")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq,gptq-fullrange,autoround")
     ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--reuse", action="store_true", help="keep finished conversions in --work (their timings are the recorded ones)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep finished conversions in --work (their timings are the recorded ones)")
     ap.add_argument("--skip-tiny", action="store_true")
-    ap.add_argument("--depth", action="store_true", help="also peak RSS of GPTQ/AutoRound on a 4- and a 16-layer MoE (memory flat in depth)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for the KLD evaluation (default 1: on a shared "
-                    "machine OpenMP threads that wait on a busy core cost far more than they give)")
+    ap.add_argument("--depth", action="store_true",
+                    help="also peak RSS of GPTQ/AutoRound on a 4- and a 16-layer MoE (memory flat in depth)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the KLD evaluation (default 1: "
+                    "on a shared machine OpenMP threads that wait on a busy core cost far more than they give)")
     a = ap.parse_args()
     import torch
 
@@ -140,18 +150,22 @@ def main() -> None:
                 out = a.work / f"smollm2-g{g}-{name}"
                 r = convert(a.smollm2, out, ["--profile", "all-linear", "--group-size", str(g), *extra, *wk], a.reuse)
                 runs[name] = {"out": out, **r}
-                notes.append(f"SmolLM2 g{g} {name}: {r['seconds']:.0f} s" + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] else "")
+                notes.append(f"SmolLM2 g{g} {name}: {r['seconds']:.0f} s"
+                             + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] else "")
                              + f", per layer {per_layer(r['manifest'])}" + (" (reused)" if r["reused"] else ""))
             first = "rtn-minmax" if "rtn-minmax" in runs else next(iter(runs))
             for label, path in txt.items():
                 rows = kld_rows(a.smollm2, runs, path, a.chunks * a.chunk, a.chunk, first)
-                print_table(f"SmolLM2-135M all-linear g{g}, {label}: KLD vs BF16 over {a.chunks}x{a.chunk} tokens", rows, first)
-                results["smollm2"].setdefault(f"g{g}", {})[label] = [dict(zip(("method", "kld_mean", "top1", "kld_p99", "ratio"), r)) for r in rows]
+                print_table(f"SmolLM2-135M all-linear g{g}, {label}: KLD vs BF16 over {a.chunks}x{a.chunk} tokens",
+                            rows, first)
+                results["smollm2"].setdefault(f"g{g}", {})[label] = [
+                    dict(zip(("method", "kld_mean", "top1", "kld_p99", "ratio"), r)) for r in rows]
             for name, r in runs.items():
                 rep = r["manifest"].get("method")
                 if rep:
                     lr = [x for x in rep["layers"] if x.get("units")]
-                    results["smollm2"][f"g{g}"][f"{name} layers"] = [{k: x.get(k) for k in ("layer", "loss_rtn", "loss", "seconds")} for x in lr]
+                    results["smollm2"][f"g{g}"][f"{name} layers"] = [
+                        {k: x.get(k) for k in ("layer", "loss_rtn", "loss", "seconds")} for x in lr]
     if not a.skip_tiny:
         from quantize.testing.tiny import make_tiny
 
@@ -160,22 +174,27 @@ def main() -> None:
             if not (src / "quantize_manifest.json").exists():
                 make_tiny(arch, src, fp8_source=False, overwrite=True)
             runs = {}
-            for name, extra in (("rtn-minmax", []), ("gptq", ["--method", "gptq", "--samples", "16", "--seq-len", "128"]),
-                                ("autoround", ["--method", "autoround", "--iters", str(a.iters), "--samples", "16", "--seq-len", "128"])):
+            for name, extra in (("rtn-minmax", []),
+                                ("gptq", ["--method", "gptq", "--samples", "16", "--seq-len", "128"]),
+                                ("autoround", ["--method", "autoround", "--iters", str(a.iters), "--samples", "16",
+                                               "--seq-len", "128"])):
                 out = a.work / f"tiny-{arch}-{name}"
                 r = convert(src, out, extra + wk, a.reuse)
                 runs[name] = {"out": out, **r}
             rows = kld_rows(src, runs, None, 1024, 128, "rtn-minmax")
-            print_table(f"tiny {arch} (BF16 source, routed experts INT4 g32, 16 samples x 128 tokens of the shipped corpus): "
-                        "KLD vs the source over 1024 tokens of the shipped text", rows, "rtn-minmax")
-            results["tiny"][arch] = {"kld": [dict(zip(("method", "kld_mean", "top1", "kld_p99", "ratio"), r)) for r in rows]}
+            print_table(f"tiny {arch} (BF16 source, routed experts INT4 g32, 16 samples x 128 tokens of the "
+                        "shipped corpus): KLD vs the source over 1024 tokens of the shipped text",
+                        rows, "rtn-minmax")
+            results["tiny"][arch] = {"kld": [dict(zip(("method", "kld_mean", "top1", "kld_p99", "ratio"), r))
+                                             for r in rows]}
             for name in ("gptq", "autoround"):
                 rep = runs[name]["manifest"]["method"]
                 for x in rep["layers"]:
                     t = x.get("tokens_per_expert")
                     if t:
-                        print(f"  {name} layer {x['layer']}: tokens per expert min {t['min']} / median {t['median']} / max {t['max']} "
-                              f"({t['experts']} experts); fallbacks {len(x['fallbacks'])}; loss {x['loss_rtn']:.3g} (RTN) -> {x['loss']:.3g}")
+                        print(f"  {name} layer {x['layer']}: tokens per expert min {t['min']} / median {t['median']} "
+                              f"/ max {t['max']} ({t['experts']} experts); fallbacks {len(x['fallbacks'])}; "
+                              f"loss {x['loss_rtn']:.3g} (RTN) -> {x['loss']:.3g}")
                 named = {f["reason"] for f in rep["rtn"]}
                 print(f"  {name}: {len(rep['rtn'])} weights RTN, named ({'; '.join(sorted(named))})")
                 results["tiny"][arch][f"{name} layers"] = rep["layers"]
@@ -189,17 +208,22 @@ def main() -> None:
         for n in (4, 16):
             src = a.work / f"depth-{n}-bf16"
             if not (src / "quantize_manifest.json").exists():
-                make_tiny("deepseek_v3", src, fp8_source=False, overwrite=True, mtp=False, overrides={**big, "num_hidden_layers": n})
+                make_tiny("deepseek_v3", src, fp8_source=False, overwrite=True, mtp=False,
+                          overrides={**big, "num_hidden_layers": n})
             src_mib = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 2**20
-            for name, extra in (("gptq", ["--method", "gptq"]), ("autoround", ["--method", "autoround", "--iters", "10"])):
-                r = convert(src, a.work / f"depth-{n}-{name}", extra + ["--samples", "16", "--seq-len", "128"] + wk, False)
+            for name, extra in (("gptq", ["--method", "gptq"]),
+                                ("autoround", ["--method", "autoround", "--iters", "10"])):
+                r = convert(src, a.work / f"depth-{n}-{name}", extra + ["--samples", "16", "--seq-len", "128"] + wk,
+                            False)
                 rows.append((n, name, src_mib, r["peak_rss_mib"], r["seconds"], per_layer(r["manifest"]),
                              r["manifest"]["method"]["hidden_bytes_peak_in_memory"] / 2**20))
         print("\nMemory in depth (tiny deepseek_v3, hidden 512, 8 routed experts of 1024, BF16 source, experts INT4):")
-        print(f"  {'layers':>6} {'method':<10} {'source MiB':>10} {'peak RSS MiB':>12} {'wall s':>7} {'hidden MiB':>10}  per layer")
+        print(f"  {'layers':>6} {'method':<10} {'source MiB':>10} {'peak RSS MiB':>12} {'wall s':>7} "
+              f"{'hidden MiB':>10}  per layer")
         for n, name, smib, rss, sec, pl, hid in rows:
             print(f"  {n:>6} {name:<10} {smib:>10.0f} {rss:>12.0f} {sec:>7.1f} {hid:>10.1f}  {pl}")
-        results["depth"] = [dict(zip(("layers", "method", "source_mib", "peak_rss_mib", "seconds", "per_layer", "hidden_mib"), r)) for r in rows]
+        results["depth"] = [dict(zip(("layers", "method", "source_mib", "peak_rss_mib", "seconds", "per_layer",
+                                      "hidden_mib"), r)) for r in rows]
     print("\nClosing note (this machine, " + f"{os.cpu_count()} cores):")
     for n in notes:
         print("  " + n)

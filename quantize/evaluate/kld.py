@@ -61,7 +61,8 @@ def check_device(device: str) -> torch.device:
         raise QuantizeError(f"--device {device}: no CUDA GPU is visible here; use --device cpu")
     dev = torch.device(device)
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise QuantizeError(f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) are visible; use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise QuantizeError(f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) are visible; "
+                            f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 
@@ -72,12 +73,14 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device = torch.device("c
     if cfg is None:
         raise QuantizeError(f"{path}: no config.json; pass a model folder")
     arch = (cfg.get("architectures") or [""])[0]
-    cls = getattr(transformers, {"KimiK25ForConditionalGeneration": "Kimi_K25ForConditionalGeneration"}.get(arch, arch), None) \
+    cls = getattr(transformers, {"KimiK25ForConditionalGeneration": "Kimi_K25ForConditionalGeneration"}.get(arch, arch),
+                  None) \
         or transformers.AutoModelForCausalLM
     try:
         m = cls.from_pretrained(str(path), dtype=dtype)
     except Exception as e:  # noqa: BLE001 - surface one line naming the model
-        raise QuantizeError(f"{path}: transformers cannot load this model ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
+        raise QuantizeError(f"{path}: transformers cannot load this model "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
     return m.to(device=device, dtype=dtype).eval()
 
 
@@ -89,7 +92,8 @@ def _tokenizer(path: Path):
 
 def _same_tokenizer(a, b, text: str, pa: Path, pb: Path) -> None:
     if a.get_vocab() != b.get_vocab() or a(text[:2000])["input_ids"] != b(text[:2000])["input_ids"]:
-        raise QuantizeError(f"{pb}: its tokenizer differs from {pa}'s; KL divergence needs both models over the same token ids")
+        raise QuantizeError(f"{pb}: its tokenizer differs from {pa}'s; KL divergence needs both models over the same "
+                            f"token ids")
 
 
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
@@ -141,18 +145,21 @@ def kld(
         saved = _open_logits(Path(baseline_logits))
         meta = saved["meta"]
         if meta["token_ids_sha"] != _sha_ids(ids, chunk):
-            raise QuantizeError(f"{baseline_logits}: saved for another text, token count or chunk size; recompute it with --save-baseline")
+            raise QuantizeError(f"{baseline_logits}: saved for another text, token count or chunk size; "
+                                f"recompute it with --save-baseline")
     base_model = _load(Path(baseline), tdtype, dev) if saved is None else None
     cand_model = _load(cand_path, tdtype, dev)
     if base_model is not None and base_model.config.vocab_size != cand_model.config.vocab_size:
-        raise QuantizeError(f"{cand_path}: vocabulary {cand_model.config.vocab_size} differs from the baseline's {base_model.config.vocab_size}")
+        raise QuantizeError(f"{cand_path}: vocabulary {cand_model.config.vocab_size} differs from the baseline's "
+                            f"{base_model.config.vocab_size}")
 
     writers: list[tuple[StreamWriter, torch.dtype]] = []
     for path, st, tdt in ((save_baseline, "F16", torch.float16), (keep_baseline, "F32", torch.float32)):
         if path is not None and base_model is not None:
             vocab = int(base_model.config.vocab_size)
             entries = [Entry(f"chunk.{i}", st, (c.numel() - 1, vocab)) for i, c in enumerate(chunks)]
-            writers.append((StreamWriter(Path(path), entries, {"format": "quantize-kld", "token_ids_sha": _sha_ids(ids, chunk),
+            writers.append((StreamWriter(Path(path), entries, {"format": "quantize-kld",
+                                                               "token_ids_sha": _sha_ids(ids, chunk),
                                                                "baseline": str(baseline), "chunk": str(chunk)}), tdt))
     kl_all, agree, nll_b, nll_c = [], 0, 0.0, 0.0
     n = 0
@@ -168,7 +175,8 @@ def kld(
                     writer.write_tensor(f"chunk.{i}", lb.to(tdt).cpu())
             lc = _logprobs(cand_model, c[:-1])
             if lb.shape != lc.shape:
-                raise QuantizeError(f"{cand_path}: logits shape {tuple(lc.shape)} differs from the baseline's {tuple(lb.shape)}")
+                raise QuantizeError(f"{cand_path}: logits shape {tuple(lc.shape)} differs from the baseline's "
+                                    f"{tuple(lb.shape)}")
             pb = lb.exp()
             kl = (pb * (lb - lc)).sum(-1).clamp_min(0)
             kl_all.append(kl.cpu())
@@ -185,8 +193,9 @@ def kld(
         raise
     k = torch.cat(kl_all).double()
     q = lambda p: float(torch.quantile(k, p)) if k.numel() > 1 else float(k[0])  # noqa: E731
-    rep = KldReport(str(baseline or baseline_logits), str(candidate), n, chunk, float(k.mean()), q(0.5), q(0.99), q(0.999),
-                    float(k.max()), agree / n, math.exp(nll_b / n), math.exp(nll_c / n), math.exp((nll_c - nll_b) / n), str(text_path))
+    rep = KldReport(str(baseline or baseline_logits), str(candidate), n, chunk, float(k.mean()), q(0.5), q(0.99),
+                    q(0.999), float(k.max()), agree / n, math.exp(nll_b / n), math.exp(nll_c / n),
+                    math.exp((nll_c - nll_b) / n), str(text_path))
     if out is not None:
         Path(out).write_text(json.dumps(rep.to_dict(), indent=1))
     emit({"event": "done"})

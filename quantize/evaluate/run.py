@@ -44,7 +44,8 @@ class TaskResult:
     def verdict(self) -> str:
         if not self.passed:
             return "FAIL"
-        return "pass" if self.conclusive else "pass (inconclusive: the CI reaches below -max-drop; use a larger --limit)"
+        return ("pass" if self.conclusive
+                else "pass (inconclusive: the CI reaches below -max-drop; use a larger --limit)")
 
 
 @dataclass
@@ -64,11 +65,14 @@ class EvalReport:
                 "passed": self.passed, "tasks": {t.task: {**asdict(t), "verdict": t.verdict} for t in self.tasks}}
 
     def markdown(self) -> str:
-        rows = ["| task | metric | n | baseline | candidate | delta (95% CI) | gate |", "|---|---|---:|---:|---:|---|---|"]
+        rows = ["| task | metric | n | baseline | candidate | delta (95% CI) | gate |",
+                "|---|---|---:|---:|---:|---|---|"]
         for t in self.tasks:
-            rows.append(f"| {t.task} | {t.metric} | {t.n} | {t.baseline:.2f} ± {t.baseline_stderr:.2f} | {t.candidate:.2f} ± {t.candidate_stderr:.2f} "
+            rows.append(f"| {t.task} | {t.metric} | {t.n} | {t.baseline:.2f} ± {t.baseline_stderr:.2f} "
+                        f"| {t.candidate:.2f} ± {t.candidate_stderr:.2f} "
                         f"| {t.delta:+.2f} ({t.ci_low:+.2f}, {t.ci_high:+.2f}) | {t.verdict} |")
-        return "\n".join(rows) + (f"\n\nGate: a task fails when the 95% CI of (candidate - baseline) lies entirely below -{self.max_drop} points; "
+        return "\n".join(rows) + (f"\n\nGate: a task fails when the 95% CI of (candidate - baseline) lies entirely "
+                                   f"below -{self.max_drop} points; "
                                    f"it passes conclusively when the whole CI lies above -{self.max_drop}.\n")
 
 
@@ -83,12 +87,14 @@ def served_model(url: str, timeout: float = 10.0) -> str:
             data = json.loads(r.read())
         return data["data"][0]["id"]
     except (urllib.error.URLError, OSError, TimeoutError) as e:
-        raise QuantizeError(f"--base-url {url}: server not reachable ({getattr(e, 'reason', e)}); start it or fix the URL") from e
+        raise QuantizeError(f"--base-url {url}: server not reachable ({getattr(e, 'reason', e)}); "
+                            f"start it or fix the URL") from e
     except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
         raise QuantizeError(f"--base-url {url}: /v1/models did not answer like an OpenAI-compatible server") from e
 
 
-def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int, base_url: str | None = None) -> dict:
+def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int,
+               base_url: str | None = None) -> dict:
     import lm_eval
 
     if not (Path(path) / "config.json").exists() and not (Path(path) / "tokenizer.json").exists():
@@ -102,8 +108,8 @@ def _run_model(path: str, configs: list, limit: int | None, device: str, batch_s
         model, args = "hf", {"pretrained": str(path), "dtype": "float32"}
     try:
         return lm_eval.simple_evaluate(model=model, model_args=args, tasks=configs,
-                                       limit=limit, log_samples=True, batch_size=batch_size, device=device, random_seed=0,
-                                       numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+                                       limit=limit, log_samples=True, batch_size=batch_size, device=device,
+                                       random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     except QuantizeError:
         raise
     except FileNotFoundError as e:
@@ -112,9 +118,12 @@ def _run_model(path: str, configs: list, limit: int | None, device: str, batch_s
         cause = e
         while cause.__cause__ is not None:
             cause = cause.__cause__
-        if type(e).__module__.startswith(("datasets", "pyarrow")) or type(cause).__module__.startswith(("datasets", "pyarrow", "json")):
-            files = [str(f) for c in configs if isinstance(c, dict) for f in (c.get("dataset_kwargs") or {}).get("data_files", {}).values()]
-            raise QuantizeError(f"evaluation data could not be read ({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "
+        if (type(e).__module__.startswith(("datasets", "pyarrow"))
+                or type(cause).__module__.startswith(("datasets", "pyarrow", "json"))):
+            files = [str(f) for c in configs if isinstance(c, dict)
+                     for f in (c.get("dataset_kwargs") or {}).get("data_files", {}).values()]
+            raise QuantizeError(f"evaluation data could not be read "
+                                f"({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "
                                 f"check {', '.join(files[:3]) or 'the data files'}") from e
         raise
 
@@ -174,7 +183,8 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
             metric = metric or _metric(sb)
             da, dc = _per_doc(sb, metric), _per_doc(sc, metric)
             if set(da) != set(dc):
-                raise QuantizeError(f"{t}/{s}: the two models were scored on different documents; rerun both with the same --limit")
+                raise QuantizeError(f"{t}/{s}: the two models were scored on different documents; "
+                                    f"rerun both with the same --limit")
             keys = sorted(da)
             a_all += [da[k] for k in keys]
             b_all += [dc[k] for k in keys]
@@ -184,8 +194,8 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
         n = len(a)
         se = lambda x: float(x.std(ddof=1) / np.sqrt(n) * 100) if n > 1 else 0.0  # noqa: E731
         delta, lo, hi = paired_stats(a, b, resamples)
-        results.append(TaskResult(t, metric, n, float(a.mean() * 100), se(a), float(b.mean() * 100), se(b), delta, lo, hi,
-                                  hi >= -max_drop, lo >= -max_drop))
+        results.append(TaskResult(t, metric, n, float(a.mean() * 100), se(a), float(b.mean() * 100), se(b), delta,
+                                  lo, hi, hi >= -max_drop, lo >= -max_drop))
     rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results)
     if out is not None:
         Path(out).write_text(json.dumps(rep.to_dict(), indent=1))

@@ -42,14 +42,16 @@ def _mmlu_docs(dataset):
     """CSV question,choice0..3,answer -> the fields lm-eval's MMLU prompt reads."""
 
     def fix(doc):
-        return {"question": doc["question"], "choices": [doc[f"choice{i}"] for i in range(4)], "answer": int(doc["answer"])}
+        return {"question": doc["question"], "choices": [doc[f"choice{i}"] for i in range(4)],
+                "answer": int(doc["answer"])}
 
     return dataset.map(fix)
 
 
 def _need(path: Path, what: str) -> str:
     if not path.exists():
-        raise QuantizeError(f"{path}: missing {what}; --data-dir must hold the layout of ../shared/data (see its SOURCES.md)")
+        raise QuantizeError(f"{path}: missing {what}; --data-dir must hold the layout of ../shared/data "
+                            f"(see its SOURCES.md)")
     return str(path)
 
 
@@ -59,8 +61,10 @@ def expand(tasks: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for t in tasks:
         if t not in SUPPORTED:
-            close = difflib.get_close_matches(t, list(SUPPORTED) + [n for n in tm.task_index if n.startswith(("mmlu", "arc", "gsm"))], n=3)
-            raise QuantizeError(f"--tasks {t}: unknown task; supported: {', '.join(SUPPORTED)}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+            close = difflib.get_close_matches(t, list(SUPPORTED) + [n for n in tm.task_index
+                                                                    if n.startswith(("mmlu", "arc", "gsm"))], n=3)
+            raise QuantizeError(f"--tasks {t}: unknown task; supported: {', '.join(SUPPORTED)}"
+                                + (f" (did you mean {', '.join(close)}?)" if close else ""))
         if t in GROUPS:
             prefix = GROUPS[t]
             subs = sorted(n for n, e in tm.task_index.items() if n.startswith(prefix) and str(e.kind).endswith("TASK")
@@ -71,7 +75,8 @@ def expand(tasks: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def task_configs(tasks: list[str], data_dir: str | Path | None, max_gen_toks: int | None = None) -> tuple[list[dict | str], dict[str, list[str]]]:
+def task_configs(tasks: list[str], data_dir: str | Path | None,
+                 max_gen_toks: int | None = None) -> tuple[list[dict | str], dict[str, list[str]]]:
     """The task list to hand to ``simple_evaluate`` (dicts for local data, names for the Hub)."""
     groups = expand(tasks)
     if data_dir is None:
@@ -85,7 +90,8 @@ def task_configs(tasks: list[str], data_dir: str | Path | None, max_gen_toks: in
             cfg["task"] = name
             if t == "gsm8k":
                 cfg.update(dataset_path="json", dataset_name=None,
-                           dataset_kwargs={"data_files": {"train": _need(d / "gsm8k/train.jsonl", "GSM8K train"), "test": _need(d / "gsm8k/test.jsonl", "GSM8K test")}})
+                           dataset_kwargs={"data_files": {"train": _need(d / "gsm8k/train.jsonl", "GSM8K train"),
+                                                          "test": _need(d / "gsm8k/test.jsonl", "GSM8K test")}})
             elif t.startswith("arc_"):
                 cfg.update(dataset_path="json", dataset_name=None,
                            dataset_kwargs={"data_files": {"test": _need(d / f"arc/{t}.jsonl", "ARC")}},
@@ -96,16 +102,21 @@ def task_configs(tasks: list[str], data_dir: str | Path | None, max_gen_toks: in
                 subject = name[len("mmlu_"):]
                 import datasets
 
-                feats = datasets.Features({c: datasets.Value("string") for c in ("question", "choice0", "choice1", "choice2", "choice3", "answer")})
+                feats = datasets.Features({c: datasets.Value("string")
+                                           for c in ("question", "choice0", "choice1", "choice2", "choice3", "answer")})
                 cfg.update(dataset_path="csv", dataset_name=None,
-                           dataset_kwargs={"data_files": {"test": _need(d / f"mmlu/test/{subject}_test.csv", f"MMLU {subject}"),
-                                                          "dev": _need(d / f"mmlu/dev/{subject}_dev.csv", f"MMLU {subject} dev")},
+                           dataset_kwargs={"data_files": {"test": _need(d / f"mmlu/test/{subject}_test.csv",
+                                                                        f"MMLU {subject}"),
+                                                          "dev": _need(d / f"mmlu/dev/{subject}_dev.csv",
+                                                                       f"MMLU {subject} dev")},
                                            "keep_default_na": False, "na_filter": False, "features": feats},
                            process_docs=_mmlu_docs, test_split="test", fewshot_split="dev")
             elif t == "mmlu_pro":
                 cfg.update(dataset_path="parquet", dataset_name=None,
-                           dataset_kwargs={"data_files": {"test": _need(d / "mmlu_pro/test-00000-of-00001.parquet", "MMLU-Pro test"),
-                                                          "validation": _need(d / "mmlu_pro/validation-00000-of-00001.parquet", "MMLU-Pro validation")}})
+                           dataset_kwargs={"data_files": {
+                               "test": _need(d / "mmlu_pro/test-00000-of-00001.parquet", "MMLU-Pro test"),
+                               "validation": _need(d / "mmlu_pro/validation-00000-of-00001.parquet",
+                                                   "MMLU-Pro validation")}})
             if max_gen_toks is not None and isinstance(cfg.get("generation_kwargs"), dict):
                 cfg["generation_kwargs"] = {**cfg["generation_kwargs"], "max_gen_toks": max_gen_toks}
             out.append(cfg)

@@ -43,7 +43,8 @@ from .units import Result, Unit
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
-DIVERGED = 100.0  # a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
+# a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
+DIVERGED = 100.0
 SEED = 20240
 
 
@@ -187,7 +188,8 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
     tuned: dict[str, Tuned] = {}
     for u in units:
         if u.path not in tuned:
-            tuned[u.path] = Tuned(u.path, layer.get_parameter(u.path).detach().clone(), opt.group_size, fullrange, u.scale_dtype)
+            tuned[u.path] = Tuned(u.path, layer.get_parameter(u.path).detach().clone(), opt.group_size, fullrange,
+                                  u.scale_dtype)
     # starved experts keep their RTN initialisation (their updates are masked)
     starved: set[str] = set()
     for u in units:
@@ -200,7 +202,8 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
             if u.key not in starved:
                 starved.add(u.key)
                 for name, _, _ in u.names:
-                    fallbacks.append({"name": name, "reason": f"{n} routed calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"})
+                    fallbacks.append({"name": name, "reason": f"{n} routed calibration tokens < --min-expert-tokens "
+                                                              f"{opt.min_expert_tokens}"})
     tls = threading.local()
     handles = []
     if opt.all_experts:
@@ -213,7 +216,8 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
             if gu is None or d is None:
                 continue
             mod = layer.get_submodule(path)
-            handles.append(mod.register_forward_pre_hook(_all_experts_hook(gu.wg.reshape(gu.shape), d.wg.reshape(d.shape), sorted(es), tls)))
+            handles.append(mod.register_forward_pre_hook(_all_experts_hook(gu.wg.reshape(gu.shape),
+                                                                           d.wg.reshape(d.shape), sorted(es), tls)))
     n = len(hidden)
     bs = min(opt.batch_size, n)
     gen = torch.Generator().manual_seed(SEED + i)
@@ -269,8 +273,8 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
         for h in handles:
             h.remove()
     if losses and losses[-1] > DIVERGED * losses[0]:
-        raise QuantizeError(f"decoder layer {i}: the AutoRound loss diverged ({losses[0]:.4g} at step 0, {losses[-1]:.4g} at the "
-                            f"last step); lower --lr (now {opt.lr:g}) or --iters")
+        raise QuantizeError(f"decoder layer {i}: the AutoRound loss diverged ({losses[0]:.4g} at step 0, "
+                            f"{losses[-1]:.4g} at the last step); lower --lr (now {opt.lr:g}) or --iters")
     for path, t in tuned.items():  # the layer's own parameters back (the caller installs the results)
         _set_param(layer, path, torch.nn.Parameter(t.wg.reshape(t.shape).clone(), requires_grad=False))
     for t, snap in zip(tuned.values(), best):
@@ -284,7 +288,8 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
         how = "rtn" if u.key in starved else "autoround"
         results[u.key] = Result(codes.cpu().contiguous(), scale.cpu().contiguous(), how)
     train = {"iters": opt.iters, "lr": opt.lr, "batch_size": bs, "first_loss": losses[0] if losses else None,
-             "last_loss": losses[-1] if losses else None, "best_loss": best_loss if losses else None, "best_step": best_step if losses else None}
+             "last_loss": losses[-1] if losses else None, "best_loss": best_loss if losses else None,
+             "best_step": best_step if losses else None}
     return results, train
 
 

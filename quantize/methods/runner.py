@@ -59,8 +59,9 @@ def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
 
     s = build_samples(Path(src), options.data, options.samples, options.seq_len)
     if len(s.ids) < options.samples:
-        raise QuantizeError(f"--data {s.source}: {len(s.ids)} usable samples ({s.texts_read} texts read, {s.dropped_short} shorter than "
-                            f"2 tokens), fewer than --samples {options.samples}; pass more text or lower --samples to {len(s.ids)}")
+        raise QuantizeError(f"--data {s.source}: {len(s.ids)} usable samples ({s.texts_read} texts read, "
+                            f"{s.dropped_short} shorter than 2 tokens), fewer than --samples {options.samples}; "
+                            f"pass more text or lower --samples to {len(s.ids)}")
     h = hashlib.sha256()
     for ids in s.ids:
         h.update(len(ids).to_bytes(8, "little"))

@@ -66,12 +66,12 @@ TINY: dict[str, dict] = {
 # Router keys as the releases' config.json carry them; n_group/topk_group 1 fit the tiny 8 experts
 # (DeepSeek-V3 ships 8/4 for 256 experts; Kimi K2.x and GLM-5 ship 1/1). Overrides win.
 VENDOR_ROUTER = {
-    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-                    "n_group": 1, "topk_group": 1},
-    "kimi_k25": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.827,
-                 "n_group": 1, "topk_group": 1},
-    "glm_moe_dsa": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-                    "n_group": 1, "topk_group": 1},
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+                    "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1},
+    "kimi_k25": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+                 "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1},
+    "glm_moe_dsa": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+                    "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1},
 }
 
 # Kimi K2.5 vision settings (moonshotai/Kimi-K2.5 config.json values; sizes scaled down below)
@@ -84,9 +84,9 @@ KIMI_TINY_VISION = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_he
 # (vllm/transformers_utils/processors/kimi_k25_vision_fused.py) and SGLang's kimi_k25 processor read it
 KIMI_PREPROCESSOR = {"media_proc_cfg": {
     "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096,
-    "in_patch_limit_video": None, "sample_fps": 2.0, "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4,
-    "timestamp_mode": "hh:mm:ss.fff"}}
+    "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
+    "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
+    "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}}
 
 VENDOR_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 ARCH_NAMES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -106,7 +106,8 @@ def _build_model(arch: str, overrides: dict | None):
         cfg = ck.Kimi_K25Config(text_config=text, tie_word_embeddings=False, projection_hidden_size=64,
                                 vision_config=dict(KIMI_TINY_VISION))
         return cfg, mk.Kimi_K25ForConditionalGeneration(cfg)
-    cfg = getattr(transformers, spec["config"])(**{**spec["kwargs"], **VENDOR_ROUTER.get(arch, {}), **(overrides or {})})
+    cfg = getattr(transformers, spec["config"])(**{**spec["kwargs"], **VENDOR_ROUTER.get(arch, {}),
+                                                   **(overrides or {})})
     return cfg, getattr(transformers, spec["model"])(cfg)
 
 
@@ -126,7 +127,8 @@ def _ondisk_state(model, arch: str) -> dict[str, torch.Tensor]:
         # vLLM's MoonViT3dPretrainedModel names it (vllm/model_executor/models/kimi_k25_vit.py)
         state = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
                   .replace("model.mm_projector.", "mm_projector.")
-                  .replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."): v for k, v in state.items()}
+                  .replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."): v
+                 for k, v in state.items()}
     return state
 
 
@@ -151,7 +153,8 @@ def make_tiny(arch, out, fp8_source, seed, num_shards, overrides, mtp, overwrite
     if arch not in TINY:
         raise QuantizeError(f"make-tiny {arch}: unknown tiny architecture; choose one of {', '.join(TINY)}")
     out = Path(out)
-    key = {"arch": arch, "fp8_source": fp8_source, "seed": seed, "num_shards": num_shards, "overrides": overrides, "mtp": mtp}
+    key = {"arch": arch, "fp8_source": fp8_source, "seed": seed, "num_shards": num_shards, "overrides": overrides,
+           "mtp": mtp}
     with Output.open(out, "make-tiny", [], overwrite=overwrite, key=key) as o:
         _make(arch, out, fp8_source, seed, num_shards, overrides, mtp)
         o.complete()
@@ -159,7 +162,8 @@ def make_tiny(arch, out, fp8_source, seed, num_shards, overrides, mtp, overwrite
     return out
 
 
-def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, overrides: dict | None, mtp: bool) -> None:
+def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, overrides: dict | None,
+          mtp: bool) -> None:
     torch.manual_seed(seed)
     cfg, model = _build_model(arch, overrides)
     model = model.to(torch.bfloat16).eval()
@@ -181,7 +185,8 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
         src_p, dst_p = f"{prefix}model.layers.{L - 1}.", f"{prefix}model.layers.{L}."
         mtp_names = {n: tuple(s) for n, s, _ in A.expected(text) if n.startswith(dst_p)}
         for k in [k for k in state if k.startswith(src_p)]:
-            if mtp_names.get(dst_p + k[len(src_p):]) == tuple(state[k].shape):  # the MTP layer is MoE even after dense layers
+            # the MTP layer is MoE even after dense layers
+            if mtp_names.get(dst_p + k[len(src_p):]) == tuple(state[k].shape):
                 state[dst_p + k[len(src_p):]] = state[k].clone()
         for name, shape, role in A.expected(text):
             if name.startswith(dst_p) and name not in state:
@@ -192,12 +197,14 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
             state[k] = state[k].float()  # vendors keep the routing bias in fp32
     # check our config-derived table against what transformers wrote (names and shapes)
     expected = {n: s for n, s, _ in A.expected(text)}
-    text_state = {k: tuple(v.shape) for k, v in state.items() if A.role_of(k)[0] not in ("vision", "projector", "other") or k in expected}
+    text_state = {k: tuple(v.shape) for k, v in state.items()
+                  if A.role_of(k)[0] not in ("vision", "projector", "other") or k in expected}
     if expected != text_state:
         missing = sorted(set(expected) - set(text_state))[:5]
         extra = sorted(set(text_state) - set(expected))[:5]
         bad = sorted(k for k in set(expected) & set(text_state) if expected[k] != text_state[k])[:5]
-        raise AssertionError(f"{arch}: tensor table disagrees with transformers: missing {missing} extra {extra} shape {bad}")
+        raise AssertionError(f"{arch}: tensor table disagrees with transformers: missing {missing} extra {extra} "
+                             f"shape {bad}")
 
     tensors: dict[str, torch.Tensor] = {}
     not_converted: list[str] = []
@@ -224,8 +231,10 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
     cfg_dict["torch_dtype"] = "bfloat16"
     _write_shards(out, tensors, num_shards)
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True, default=str))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "max_new_tokens": 16}, indent=2))
-    (out / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "max_new_tokens": 16},
+                                                           indent=2))
+    (out / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                                             "<|assistant|>")
     _write_tokenizer(out, int(text["vocab_size"]))
     if arch == "kimi_k25":
         (out / "preprocessor_config.json").write_text(json.dumps(KIMI_PREPROCESSOR, indent=2))
@@ -253,7 +262,8 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) 
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file({n: tensors[n] for n in group}, str(out / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in group})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -267,7 +277,8 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     vocab = {tok: i for i, tok in enumerate(specials + words + chars)}
     assert len(vocab) <= vocab_size
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split("", "isolated")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Split("", "isolated")])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "<eos>", "pad_token": "<pad>",

@@ -168,7 +168,8 @@ def _compile() -> ctypes.CDLL:
                 try:
                     dirs.append(_private_dir())
                 except OSError as e:
-                    raise _Unavailable(f"cache folder {cache} is not writable and no temp folder ({e.strerror or e})") from None
+                    raise _Unavailable(f"cache folder {cache} is not writable and no temp folder "
+                                       f"({e.strerror or e})") from None
             out = dirs[-1] / name
             try:
                 fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
@@ -287,7 +288,8 @@ def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str |
 
 
 def quant_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | None, group: int, observer: str,
-               mse=(100, 20, 2.4), block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float, float], bool]:
+               mse=(100, 20, 2.4),
+               block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float, float], bool]:
     """w [R, K] fp8 (+ scale) / bf16 / fp32 -> (packed int32 [R, K/8], scale bf16 [R, K/g],
     (sq_err, sq_ref, max_abs_err), saw_nan_or_inf)."""
     L = lib()
@@ -303,14 +305,16 @@ def quant_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | 
     sc = torch.empty((R, K // group), dtype=torch.bfloat16)
     stats = (ctypes.c_double * 3)(0.0, 0.0, 0.0)
     src = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
-    bad = L.quant_rows(_ptr(src), kind, _ptr(_LUT), _ptr(s), R, K, br, bc, cols, group, 0 if observer == "minmax" else 1,
-                       mse[0], mse[1], mse[2], _ptr(packed), _ptr(sc), ctypes.addressof(stats))
+    bad = L.quant_rows(_ptr(src), kind, _ptr(_LUT), _ptr(s), R, K, br, bc, cols, group,
+                       0 if observer == "minmax" else 1, mse[0], mse[1], mse[2], _ptr(packed), _ptr(sc),
+                       ctypes.addressof(stats))
     if bad not in (0, 1):
         raise ValueError(f"quant.c rejected K={K}, group {group}")
     return packed, sc, (stats[0], stats[1], stats[2]), bool(bad)
 
 
-def dequant_rows(w: torch.Tensor, scale: torch.Tensor, scale_format: str, block=(128, 128)) -> tuple[torch.Tensor, bool]:
+def dequant_rows(w: torch.Tensor, scale: torch.Tensor, scale_format: str,
+                 block=(128, 128)) -> tuple[torch.Tensor, bool]:
     """FP8 [R, K] + scale -> (bf16 [R, K], saw_nan_or_inf)."""
     L = lib()
     assert L is not None
@@ -318,5 +322,6 @@ def dequant_rows(w: torch.Tensor, scale: torch.Tensor, scale_format: str, block=
     kind, s, br, bc, cols = _scale_args(w, scale, scale_format, block)
     out = torch.empty((R, K), dtype=torch.bfloat16)
     per_row = {0: 0, 3: 1, 4: 2}[kind]
-    bad = L.dequant_rows(_ptr(w.contiguous().view(torch.uint8)), _ptr(_LUT), _ptr(s), R, K, br, bc, cols, per_row, _ptr(out))
+    bad = L.dequant_rows(_ptr(w.contiguous().view(torch.uint8)), _ptr(_LUT), _ptr(s), R, K, br, bc, cols, per_row,
+                         _ptr(out))
     return out, bool(bad)
