@@ -2,6 +2,7 @@
 the `quantize run` recipe all come from it, and every bound refuses a near miss in one line."""
 
 import dataclasses
+import json
 import inspect
 from types import SimpleNamespace
 
@@ -208,3 +209,33 @@ def test_old_eval_modes_are_their_own_commands():
     assert {"eval", "eval-kld", "eval-pd"} <= names
     assert "kld" not in _cli_params("eval") and "pd_prefill" not in _cli_params("eval")
     assert {"prefill_model", "decode_model", "source"} <= set(_cli_params("eval-pd"))
+
+
+def test_a_new_observer_is_one_row_in_each_table(tiny, tmp_path, monkeypatch):
+    """docs/extending.md's dummy observer: a name (layout.OBSERVERS) and a grid (int4.GRIDS) are all
+    it takes for convert to accept it and write it."""
+    import torch
+
+    from quantize.convert import convert
+    from quantize.formats import int4, layout
+    from .conftest import load_dir
+
+    monkeypatch.setitem(layout.OBSERVERS, "halfrange", "a dummy: scale = group absmax / 4")
+    monkeypatch.setitem(int4.GRIDS, "halfrange",
+                        int4.Grid(int4._absmax, lambda a, dt: int4._minmax_scale(a * (7.5 / 4), dt)))
+    src = tiny("llama", fp8_source=False)
+    convert(src, tmp_path / "half", observer="halfrange", profile="all-linear")
+    convert(src, tmp_path / "minmax", profile="all-linear")
+    half, mm = load_dir(tmp_path / "half"), load_dir(tmp_path / "minmax")
+    name = next(k for k in half if k.endswith("q_proj.weight_scale"))
+    assert torch.allclose(half[name].float(), mm[name].float() * (7.5 / 4), rtol=1e-2)
+    manifest = json.loads((tmp_path / "half" / "quantize_manifest.json").read_text())
+    assert manifest["options"]["observer"] == "halfrange"
+
+
+def test_method_names_agree_with_the_method_table():
+    from quantize.methods.registry import METHODS
+
+    assert O.DATA_AWARE == tuple(METHODS) and O.METHODS == ("rtn", *METHODS)
+    assert set(O.DEFAULT_GRID) == set(O.METHODS)
+    assert {m for f in dataclasses.fields(O.ConvertOptions) for m in O.spec(f).methods} == set(METHODS)
