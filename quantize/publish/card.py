@@ -14,7 +14,6 @@ updated, so ``quantize check`` still proves every file.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import math
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from ..checkpoint.index import CheckpointIndex, itemsize, read_tensor
 from ..checkpoint.manifest import MANIFEST
-from ..checkpoint.output import LOCK, RECORD_DIR, sha256_file, write_text_atomic
+from ..checkpoint.output import LOCK, RECORD_DIR, sha256_file, take_lock, write_text_atomic
 from ..errors import QuantizeError
 
 README = "README.md"
@@ -119,19 +118,11 @@ def folder_lock(folder: Path):
     """Hold the folder's job lock (``.quantize/lock``, the one every writing command takes): no
     convert/calibrate-kv --resume, card or push runs into it meanwhile."""
     rec = Path(folder) / RECORD_DIR
+    fd = take_lock(Path(folder), unopenable=lambda e: QuantizeError(
+        f"{rec / LOCK}: cannot open the folder's lock ({e.strerror}); is {folder} writable?"),
+        busy=lambda holder: QuantizeError(f"{folder}: another quantize run is using this folder"
+                                          f"{f' (pid {holder})' if holder else ''}; wait for it to end"))
     try:
-        rec.mkdir(exist_ok=True)
-        fd = os.open(rec / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise QuantizeError(f"{rec / LOCK}: cannot open the folder's lock ({e.strerror}); is {folder} writable?") from e
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            raise QuantizeError(f"{folder}: another quantize run is using this folder{f' (pid {holder})' if holder else ''}; wait for it to end") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(fd)
