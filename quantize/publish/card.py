@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.index import CheckpointIndex, itemsize, read_tensor
+from ..checkpoint.index import CheckpointIndex, hf_snapshot, itemsize, read_tensor
 from ..checkpoint.manifest import MANIFEST
 from ..checkpoint.output import LOCK, RECORD_DIR, sha256_file, take_lock, write_text_atomic
 from ..errors import QuantizeError
@@ -169,9 +169,6 @@ def conversion_record(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
 
 # -- facts -----------------------------------------------------------------------------------
 
-_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+)/snapshots/([^/]+)/?$")
-
-
 def _valid_repo_id(s: str) -> bool:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -188,11 +185,9 @@ def base_model(conv: tuple[Path, dict] | None) -> tuple[str | None, str]:
         return None, "the conversion's record (its quantize_manifest.json) is not on disk, so the source is not known"
     folder, m = conv
     path = str((m.get("source") or {}).get("path") or "")
-    match = _SNAPSHOT.search(path)
-    if match:
-        rid = match.group(1).replace("--", "/", 1)
-        if _valid_repo_id(rid):
-            return rid, f"the source was the Hugging Face cache snapshot `{path}`"
+    snap = hf_snapshot(path)  # the manifest records the source resolved
+    if snap and snap.repo_id and _valid_repo_id(snap.repo_id):
+        return snap.repo_id, f"the source was the Hugging Face cache snapshot `{path}`"
     try:
         name = json.loads((folder / "config.json").read_text()).get("_name_or_path")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
