@@ -169,14 +169,18 @@ def conversion_record(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
 
 # -- facts -----------------------------------------------------------------------------------
 
-def _valid_repo_id(s: str) -> bool:
+def repo_id_error(repo_id: str) -> str | None:
+    """Why ``repo_id`` is not a Hub repo id naming its namespace (namespace/name), in one line as
+    ``quantize push`` says it; None when it is one."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
-        validate_repo_id(s)
-    except HFValidationError:
-        return False
-    return s.count("/") == 1
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        return f"REPO_ID {repo_id!r}: {str(e).splitlines()[0]}; use namespace/name, e.g. my-org/GLM-5-W4A16"
+    if repo_id.count("/") != 1:
+        return f"REPO_ID {repo_id!r}: name the namespace too (namespace/name, e.g. my-org/{repo_id})"
+    return None
 
 
 def base_model(conv: tuple[Path, dict] | None) -> tuple[str | None, str]:
@@ -186,13 +190,13 @@ def base_model(conv: tuple[Path, dict] | None) -> tuple[str | None, str]:
     folder, m = conv
     path = str((m.get("source") or {}).get("path") or "")
     snap = hf_snapshot(path)  # the manifest records the source resolved
-    if snap and snap.repo_id and _valid_repo_id(snap.repo_id):
+    if snap and snap.repo_id and repo_id_error(snap.repo_id) is None:
         return snap.repo_id, f"the source was the Hugging Face cache snapshot `{path}`"
     try:
         name = json.loads((folder / "config.json").read_text()).get("_name_or_path")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         name = None
-    if isinstance(name, str) and _valid_repo_id(name) and not Path(name).exists():
+    if isinstance(name, str) and repo_id_error(name) is None and not Path(name).exists():
         return name, "the source's config.json names it (`_name_or_path`)"
     return None, (f"the source `{path}` is a local folder that names no Hub repository (not a Hugging Face cache snapshot, "
                   "no repo id in its config.json `_name_or_path`)")
@@ -495,7 +499,7 @@ def card(model: str | os.PathLike, eval: list[str | os.PathLike] | None = None, 
     folder = Path(model)
     manifest = load_manifest(folder)
     reports = [load_report(p, folder) for p in eval] if eval else None
-    if repo_id is not None and not _valid_repo_id(repo_id):
+    if repo_id is not None and repo_id_error(repo_id) is not None:
         raise QuantizeError(f"repo id {repo_id!r}: not a Hub repo id; use namespace/name (letters, digits, '-', '_', '.')")
     with folder_lock(folder):
         return write_card(folder, manifest, reports, repo_id)
