@@ -54,7 +54,6 @@ def st_dtype(dtype) -> str:
     raise KeyError(dtype)
 
 INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER = 100 * 1024 * 1024
 

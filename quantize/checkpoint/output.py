@@ -220,7 +220,7 @@ class Output:
                        unopenable=lambda e: _oserror(out, e, "creating the output folder"))
         try:
             # state again, under the lock: another run may have changed it since the first look
-            cls._check_state(out, kind, resume, overwrite, locked=True)
+            cls._check_state(out, kind, resume, overwrite)
             record = read_record(out)
             resumed = bool(resume and record and record.get("kind") == kind)
             if not resumed:
@@ -236,7 +236,7 @@ class Output:
             raise
 
     @staticmethod
-    def _check_state(out: Path, kind: str, resume: bool, overwrite: bool, locked: bool = False) -> None:
+    def _check_state(out: Path, kind: str, resume: bool, overwrite: bool) -> None:
         if not out.exists() or not _has_content(out):
             return  # nothing written yet: start (``--resume`` included)
         rec = read_record(out)
