@@ -32,7 +32,3 @@ class CpuW4A16:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.weight, self.group, self.scales_zeros)
-
-
-def w4a16_cpu(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    return CpuW4A16.from_packed(packed, scale, shape)(x)

@@ -6,6 +6,7 @@ gptq for a GPTQModifier, autoround for an AutoRoundModifier)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,8 @@ import yaml
 from .errors import QuantizeError
 from .formats.layout import OBSERVERS, SUPPORTED_GROUP_SIZES
 
-PRESETS = {"W4A16": 128}
+# the preset schemes this tool writes (symmetric INT4, group-wise); their group size is compressed-tensors'
+PRESETS = ("W4A16",)
 MODIFIERS = ("QuantizationModifier", "GPTQModifier", "AutoRoundModifier")
 
 
@@ -120,7 +122,7 @@ def load_recipe(path: str | Path) -> Recipe:
     elif isinstance(scheme, str):
         if scheme not in PRESETS:
             raise QuantizeError(f"{path}: scheme {scheme!r} is not supported; use W4A16 or a config_groups block with num_bits 4")
-        group_size = PRESETS[scheme]
+        group_size = _preset_group_size(scheme)
         targets = _strings(path, "targets", mod.get("targets")) or ("Linear",)
         observer = None
     else:
@@ -146,6 +148,16 @@ def load_recipe(path: str | Path) -> Recipe:
                   damp=_number(path, "dampening_frac", mod.get("dampening_frac", 0.01), float),
                   block=_number(path, "block_size", mod.get("block_size", 128), int),
                   actorder=_actorder(path, actorder if actorder_given else "static"))
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_group_size(scheme: str) -> int:
+    """A preset's group size as compressed-tensors defines the scheme (``preset_name_to_scheme``; W4A16:
+    128). Imported here, not with this module: compressed-tensors brings torch, seconds that
+    loading a config_groups recipe (and ``quantize plan``) does not need."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return preset_name_to_scheme(scheme, ["Linear"]).weights.group_size
 
 
 def _whole(path: Path, key: str, val, least: int) -> int:

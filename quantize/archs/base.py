@@ -119,9 +119,6 @@ class Architecture:
     def num_layers(self, cfg: dict) -> int:
         return int(self.text_config(cfg)["num_hidden_layers"])
 
-    def num_mtp_layers(self, cfg: dict) -> int:
-        return int(self.text_config(cfg).get("num_nextn_predict_layers", 0) or 0)
-
     def _compiled(self):
         return (
             [(re.compile(p), r) for p, r in self.layer_rules],
@@ -148,9 +145,6 @@ class Architecture:
             if rx.fullmatch(rest) or rx.fullmatch(module):
                 return role, None
         return "other", None
-
-    def is_mtp_layer(self, layer: int | None, cfg: dict) -> bool:
-        return layer is not None and layer >= self.num_layers(cfg)
 
     def engine_module_names(self, module: str, cfg: dict) -> list[str]:
         """The serving engine's name(s) for a checkpoint module: prefix stripped (SGLang builds

@@ -16,6 +16,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import QuantizeError
 
@@ -53,7 +54,6 @@ def st_dtype(dtype) -> str:
     raise KeyError(dtype)
 
 INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER = 100 * 1024 * 1024
 
@@ -181,11 +181,27 @@ def _refs_from_header(folder: Path, fname: str) -> dict[str, TensorRef]:
     }
 
 
+class HubSnapshot(NamedTuple):
+    repo: Path  # <cache>/models--org--name
+    revision: str  # the snapshot folder's name
+    repo_id: str | None  # "org/name" when the repo folder is named models--org--name (not validated)
+
+
+def hf_snapshot(path: str | os.PathLike) -> HubSnapshot | None:
+    """The Hugging Face cache layout, ``<cache>/models--org--name/snapshots/<rev>``, read from
+    ``path`` as written (resolve a folder on disk first); None for any other path."""
+    p = Path(path)
+    if p.parent.name != "snapshots":
+        return None
+    repo = p.parent.parent
+    rid = repo.name[len("models--"):].replace("--", "/", 1) if repo.name.startswith("models--") else None
+    return HubSnapshot(repo, p.name, rid)
+
+
 def hf_blobs(root: Path) -> Path | None:
     """``<cache>/models--org--name/blobs`` when ``root`` (resolved) is ``.../snapshots/<rev>``."""
-    if root.parent.name == "snapshots":
-        return (root.parent.parent / "blobs").resolve()
-    return None
+    snap = hf_snapshot(root)
+    return (snap.repo / "blobs").resolve() if snap else None
 
 
 def inside(folder: Path, fname: str) -> bool:
@@ -216,9 +232,9 @@ def _check_weight_file(folder: Path, idx_path: Path, fname: object) -> None:
 def hub_revision(folder: Path) -> str | None:
     """The Hub commit: the folder name of a cache snapshot (``.../snapshots/<rev>``), else the one
     ``hf download --local-dir`` records (first line of ``.cache/huggingface/download/*.metadata``)."""
-    root = folder.resolve()
-    if root.parent.name == "snapshots":
-        return root.name
+    snap = hf_snapshot(folder.resolve())
+    if snap:
+        return snap.revision
     for meta in sorted((folder / ".cache" / "huggingface" / "download").glob("*.metadata")):
         try:
             first = meta.read_text().split("\n", 1)[0].strip()

@@ -27,6 +27,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from ..errors import QuantizeError
 from .index import hf_blobs, inside
@@ -124,6 +125,30 @@ def read_record(out: Path) -> dict | None:
     return data
 
 
+def take_lock(folder: Path, busy: Callable[[str], Exception], unopenable: Callable[[OSError], Exception]) -> int:
+    """Take ``folder/.quantize/lock`` (the one lock of every command that writes a folder: ``flock``,
+    exclusive, never waiting) and write this process's pid into it; -> its descriptor, held until
+    closed. Raises ``busy(the holder's pid, or "")`` while another run holds it and
+    ``unopenable(the OSError)`` when the lock file cannot be made (``folder`` must exist)."""
+    rec = Path(folder) / RECORD_DIR
+    try:
+        rec.mkdir(exist_ok=True)
+        fd = os.open(rec / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise unopenable(e) from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy(os.pread(fd, 64, 0).decode(errors="replace").strip()) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _busy(out: Path, holder: str) -> QuantizeError:
     return QuantizeError(f"{out}: another quantize run is writing this folder{f' (pid {holder})' if holder else ''}; wait for it to end or choose another OUT")
 
@@ -188,21 +213,14 @@ class Output:
                 raise QuantizeError(f"{out}: overlaps the input {i}; choose an OUT outside it (inputs are never modified)")
         cls._check_state(out, kind, resume, overwrite)
         try:
-            (out / RECORD_DIR).mkdir(parents=True, exist_ok=True)
-            fd = os.open(out / RECORD_DIR / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _oserror(out, e, "creating the output folder") from e
+        fd = take_lock(out, busy=lambda holder: _busy(out, holder),
+                       unopenable=lambda e: _oserror(out, e, "creating the output folder"))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise _busy(out, holder) from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
             # state again, under the lock: another run may have changed it since the first look
-            cls._check_state(out, kind, resume, overwrite, locked=True)
+            cls._check_state(out, kind, resume, overwrite)
             record = read_record(out)
             resumed = bool(resume and record and record.get("kind") == kind)
             if not resumed:
@@ -218,7 +236,7 @@ class Output:
             raise
 
     @staticmethod
-    def _check_state(out: Path, kind: str, resume: bool, overwrite: bool, locked: bool = False) -> None:
+    def _check_state(out: Path, kind: str, resume: bool, overwrite: bool) -> None:
         if not out.exists() or not _has_content(out):
             return  # nothing written yet: start (``--resume`` included)
         rec = read_record(out)

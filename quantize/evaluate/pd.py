@@ -329,15 +329,6 @@ def pd_fidelity(prefill_model: str | os.PathLike, decode_model: str | os.PathLik
 
 # -- the prefill artifact -------------------------------------------------------------------------
 
-def _hub_repo(folder: Path) -> str | None:
-    """``org/name`` of a Hugging Face cache snapshot (``.../models--org--name/snapshots/<rev>``)."""
-    parts = folder.resolve().parts
-    for p in parts:
-        if p.startswith("models--"):
-            return p[len("models--"):].replace("--", "/", 1)
-    return None
-
-
 def launch_lines(prefill: str, decode: str, *, revision: str | None = None, prefill_tp: int = 8, decode_tp: int = 8,
                  transfer_backend: str = "mooncake", bootstrap_port: int = 8998, prefill_host: str = "PREFILL_HOST",
                  decode_host: str = "DECODE_HOST", prefill_port: int = 30000, decode_port: int = 30001, router_port: int = 8000,
@@ -361,14 +352,15 @@ def write_prefill(source: str | os.PathLike, decode_model: str | os.PathLike, ou
     """Write the prefill artifact into ``out``: README.md (the card), launch.sh and prefill.json,
     pointing at ``source`` (a Hub repo and revision where known, else the folder) for the prefill
     pool and at ``decode_model`` (or ``repo``) for the decode pool. No weights are written."""
-    from ..checkpoint.index import hub_revision
+    from ..checkpoint.index import hf_snapshot, hub_revision
     from ..checkpoint.manifest import write_manifest
     from ..checkpoint.output import Output
 
     src, dec = Path(source), Path(decode_model)
     cfg = json.loads((src / "config.json").read_text())
     revision = revision or hub_revision(src)
-    source_repo = source_repo or _hub_repo(src)
+    snap = hf_snapshot(src.resolve())
+    source_repo = source_repo or (snap.repo_id if snap else None)
     prefill_ref = source_repo or str(src.resolve())
     decode_ref = repo or str(dec.resolve())
     lines = launch_lines(prefill_ref, decode_ref, revision=revision if source_repo else None,

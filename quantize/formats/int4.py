@@ -36,8 +36,6 @@ MSE_GRID = 100
 MSE_MAXSHRINK = 0.20
 MSE_NORM = 2.4
 
-PARAM_NAMES = ("weight_packed", "weight_scale", "weight_shape")
-
 
 @dataclass(frozen=True)
 class Int4Result:
@@ -51,10 +49,6 @@ class Int4Result:
     @property
     def rel_err(self) -> float:
         return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref > 0 else 0.0
-
-
-def _bf16_eps() -> float:
-    return torch.finfo(torch.bfloat16).eps
 
 
 def _minmax_scale(absmax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,7 @@ updated, so ``quantize check`` still proves every file.
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import json
 import math
 import os
@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.index import CheckpointIndex, itemsize, read_tensor
+from ..checkpoint.index import CheckpointIndex, hf_snapshot, itemsize, read_tensor
 from ..checkpoint.manifest import MANIFEST
-from ..checkpoint.output import LOCK, RECORD_DIR, sha256_file, write_text_atomic
+from ..checkpoint.output import LOCK, RECORD_DIR, sha256_file, take_lock, write_text_atomic
 from ..errors import QuantizeError
 
 README = "README.md"
@@ -79,61 +79,15 @@ METHODS = {
 }
 
 
-def method_rows(opts: dict, rep: dict | None) -> list[tuple[str, str]]:
-    """The method rows of the card: what the conversion's manifest records, never more. A data-aware
-    method names its grid, options, calibration data (path and SHA-256), samples, tokens and what
-    fell back to round-to-nearest; RTN says it used no data."""
-    observer = opts.get("observer")
-    if not rep:
-        if not observer:
-            return [("method", "not recorded")]
-        if opts.get("method") not in (None, "rtn"):
-            return [("method", f"`{opts.get('method')}` in the options but no method report in the manifest: not claimed")]
-        return [("method", f"observer `{observer}`: {OBSERVERS.get(observer, 'see the quantize documentation')}; "
-                           "data-free (no calibration set)")]
-    m = rep.get("method")
-    grid = rep.get("grid")
-    how = [f"`{m}`: {METHODS.get(m, 'see the quantize documentation')}", f"grid `{grid}`: {OBSERVERS.get(grid, '?')}"]
-    if m == "gptq":
-        how.append(f"act-order {rep.get('actorder') or 'off'} (static groups, no g_idx), dampening {rep.get('damp')}, block {rep.get('block')}")
-    if m == "autoround":
-        how.append(f"{rep.get('iters')} iterations, lr {rep.get('lr')}, batch {rep.get('batch_size')}")
-    sha = rep.get("data_sha256")
-    rows = [("method", "; ".join(how)),
-            ("calibration data", f"`{rep.get('data')}`" + (f" (SHA-256 {sha[:16]}…)" if sha else "") + f": {rep.get('samples')} samples, "
-                                 f"at most {rep.get('seq_len')} tokens each, {rep.get('tokens'):,} tokens in all"
-                                 if isinstance(rep.get("tokens"), int) else f"`{rep.get('data')}`"),
-            ("routed experts", "statistics from every token (`--all-experts`)" if rep.get("all_experts")
-             else f"each expert's statistics from exactly the tokens its router sends it; fewer than {rep.get('min_expert_tokens')} tokens: RTN")]
-    rtn = rep.get("rtn") or []
+def _method_facts(rep: dict | None) -> tuple[list[tuple[str, int]], list[dict]]:
+    """From a data-aware method's report: (why weights fell back to round-to-nearest, with how many
+    each, one row per kind; the decoder layers it reports on)."""
     reasons: dict[str, int] = {}
-    for f in rtn:
-        why = re.sub(r"^\d+ calibration tokens <", "fewer calibration tokens than", f.get("reason", "?"))  # one row per kind
+    for f in (rep or {}).get("rtn") or []:
+        # one row per kind of reason
+        why = re.sub(r"^\d+ calibration tokens <", "fewer calibration tokens than", f.get("reason", "?"))
         reasons[why] = reasons.get(why, 0) + 1
-    rows.append(("round-to-nearest instead", "; ".join(f"{n} weight{'s' if n != 1 else ''}: {r}" for r, n in sorted(reasons.items()))
-                 + " (each named in the manifest)" if rtn else "none: every INT4 weight in the decoder layers went through the method"))
-    return rows
-
-
-def method_layers(rep: dict | None) -> list[str]:
-    """The per-layer report of a data-aware method: the layer's output error with RTN and with the
-    method (the quantity it minimised, on the calibration tokens), tokens per routed expert, the
-    weights that fell back, and wall time."""
-    layers = [x for x in (rep or {}).get("layers") or [] if x.get("units")]
-    if not layers:
-        return []
-    target = ("the source layer's output on the same (quantized-path) inputs" if rep.get("method") == "gptq" else
-              "the source model's own output of this layer (so it includes the error the layers before it left)")
-    L = [f"Per decoder layer ({rep.get('method')}; loss = mean squared error of the quantized layer's output on the calibration "
-         f"tokens against {target}, RTN on the same grid -> the method):", "",
-         "| layer | weights | loss RTN | loss | tokens per expert (min / median / max) | fallbacks | seconds |", "|---:|---:|---:|---:|---|---:|---:|"]
-    f = lambda v: "—" if not isinstance(v, (int, float)) else f"{v:.4g}"  # noqa: E731
-    for x in layers:
-        t = x.get("tokens_per_expert")
-        tpe = f"{t['min']} / {t['median']:g} / {t['max']} ({t['experts']} experts)" if t else "—"
-        L.append(f"| {x.get('layer')} | {x.get('units')} | {f(x.get('loss_rtn'))} | {f(x.get('loss'))} | {tpe} | "
-                 f"{len(x.get('fallbacks') or [])} | {f(x.get('seconds'))} |")
-    return L + [""]
+    return sorted(reasons.items()), [x for x in (rep or {}).get("layers") or [] if x.get("units")]
 
 
 # -- the folder ------------------------------------------------------------------------------
@@ -164,19 +118,11 @@ def folder_lock(folder: Path):
     """Hold the folder's job lock (``.quantize/lock``, the one every writing command takes): no
     convert/calibrate-kv --resume, card or push runs into it meanwhile."""
     rec = Path(folder) / RECORD_DIR
+    fd = take_lock(Path(folder), unopenable=lambda e: QuantizeError(
+        f"{rec / LOCK}: cannot open the folder's lock ({e.strerror}); is {folder} writable?"),
+        busy=lambda holder: QuantizeError(f"{folder}: another quantize run is using this folder"
+                                          f"{f' (pid {holder})' if holder else ''}; wait for it to end"))
     try:
-        rec.mkdir(exist_ok=True)
-        fd = os.open(rec / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise QuantizeError(f"{rec / LOCK}: cannot open the folder's lock ({e.strerror}); is {folder} writable?") from e
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            raise QuantizeError(f"{folder}: another quantize run is using this folder{f' (pid {holder})' if holder else ''}; wait for it to end") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(fd)
@@ -223,17 +169,18 @@ def conversion_record(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
 
 # -- facts -----------------------------------------------------------------------------------
 
-_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+)/snapshots/([^/]+)/?$")
-
-
-def _valid_repo_id(s: str) -> bool:
+def repo_id_error(repo_id: str) -> str | None:
+    """Why ``repo_id`` is not a Hub repo id naming its namespace (namespace/name), in one line as
+    ``quantize push`` says it; None when it is one."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
-        validate_repo_id(s)
-    except HFValidationError:
-        return False
-    return s.count("/") == 1
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        return f"REPO_ID {repo_id!r}: {str(e).splitlines()[0]}; use namespace/name, e.g. my-org/GLM-5-W4A16"
+    if repo_id.count("/") != 1:
+        return f"REPO_ID {repo_id!r}: name the namespace too (namespace/name, e.g. my-org/{repo_id})"
+    return None
 
 
 def base_model(conv: tuple[Path, dict] | None) -> tuple[str | None, str]:
@@ -242,16 +189,14 @@ def base_model(conv: tuple[Path, dict] | None) -> tuple[str | None, str]:
         return None, "the conversion's record (its quantize_manifest.json) is not on disk, so the source is not known"
     folder, m = conv
     path = str((m.get("source") or {}).get("path") or "")
-    match = _SNAPSHOT.search(path)
-    if match:
-        rid = match.group(1).replace("--", "/", 1)
-        if _valid_repo_id(rid):
-            return rid, f"the source was the Hugging Face cache snapshot `{path}`"
+    snap = hf_snapshot(path)  # the manifest records the source resolved
+    if snap and snap.repo_id and repo_id_error(snap.repo_id) is None:
+        return snap.repo_id, f"the source was the Hugging Face cache snapshot `{path}`"
     try:
         name = json.loads((folder / "config.json").read_text()).get("_name_or_path")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         name = None
-    if isinstance(name, str) and _valid_repo_id(name) and not Path(name).exists():
+    if isinstance(name, str) and repo_id_error(name) is None and not Path(name).exists():
         return name, "the source's config.json names it (`_name_or_path`)"
     return None, (f"the source `{path}` is a local folder that names no Hub repository (not a Hugging Face cache snapshot, "
                   "no repo id in its config.json `_name_or_path`)")
@@ -386,26 +331,38 @@ def _same_model(report: Path, model, folder: Path) -> None:
 
 # -- the card --------------------------------------------------------------------------------
 
+TEMPLATE = "card.md.j2"  # beside this module (package data): the card's wording
+
+
 def _gib(n: float | None) -> str:
     if n is None:
         return "not recorded"
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
-def _cmd(m: dict | None, what: str) -> str:
-    c = (m or {}).get("command")
-    return c if isinstance(c, str) and c else f"# {what}: a library call (its manifest records no command line)"
-
-
 def _cell(v) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(rows: list[tuple[str, str]]) -> list[str]:
-    return ["| | |", "|---|---|", *[f"| {_cell(k)} | {_cell(v)} |" for k, v in rows]]
+@functools.lru_cache(maxsize=1)
+def _template():
+    """The card's Jinja template; a template line ending in a backslash is joined to the next."""
+    from importlib.resources import files
+
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
+                             undefined=jinja2.StrictUndefined)
+    env.filters.update(cell=_cell, gib=_gib, fmt=format, pyint=int, basename=lambda p: Path(p).name,
+                       num=lambda v, spec: "—" if v is None else format(v, spec),
+                       g4=lambda v: format(v, ".4g") if isinstance(v, (int, float)) else "—")
+    env.tests.update(int=lambda v: isinstance(v, int), real=lambda v: isinstance(v, (int, float)))
+    return env.from_string(re.sub(r"\\\n[ \t]*", "", files(__package__).joinpath(TEMPLATE).read_text("utf-8")))
 
 
-def _metadata(repo_name: str, base: str | None, src_meta: dict, reports: list[dict], arch_name: str | None) -> dict:
+def _metadata(repo_name: str, base: str | None, src_meta: dict, reports: list[dict], arch_name: str | None):
+    """The card's Hub metadata (a ``ModelCardData``): base model, licence carried from the source's
+    card, tags, and a model-index from the eval reports."""
     from huggingface_hub import EvalResult, ModelCardData
 
     results = []
@@ -416,21 +373,29 @@ def _metadata(repo_name: str, base: str | None, src_meta: dict, reports: list[di
         for task, t in d["tasks"].items():
             name, dtype, config = TASK_DATASETS.get(task, (task, task, None))
             subset = f", {t['n']} items (--limit {d['limit']})" if d.get("limit") else f", {t['n']} items"
-            results.append(EvalResult(task_type="text-generation", dataset_type=dtype, dataset_name=name, dataset_config=config,
-                                      dataset_split="test", metric_type=t["metric"], metric_value=round(float(t["candidate"]), 2),
+            results.append(EvalResult(task_type="text-generation", dataset_type=dtype, dataset_name=name,
+                                      dataset_config=config, dataset_split="test", metric_type=t["metric"],
+                                      metric_value=round(float(t["candidate"]), 2),
                                       metric_name=f"{t['metric']} (%, lm-eval{subset})"))
     tags = ["quantize", "compressed-tensors", "int4", "w4a16", "quantized"] + ([arch_name] if arch_name else [])
     kw = {k: src_meta[k] for k in CARRIED_KEYS if isinstance(src_meta.get(k), str) and src_meta[k]}
-    data = ModelCardData(base_model=base, library_name="transformers", tags=tags, model_name=repo_name if results else None,
-                         eval_results=results or None, base_model_relation="quantized" if base else None, **kw)
-    return data.to_dict()
+    return ModelCardData(base_model=base, library_name="transformers", tags=tags,
+                         model_name=repo_name if results else None, eval_results=results or None,
+                         base_model_relation="quantized" if base else None, **kw)
 
 
 def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | None, proven: int) -> CardResult:
-    """The card's text and metadata, from the records; writes nothing."""
-    import yaml
+    """The card's text and metadata, from the records; writes nothing. The wording is the template
+    (``card.md.j2``); this gathers the facts it reads. The front matter is huggingface_hub's own YAML
+    of the metadata (``ModelCardData.to_yaml``) and the card's metadata is what ``ModelCard`` reads back
+    from the text, as the Hub does. ``ModelCard.from_template`` is not used: it renders with jinja2's
+    defaults (no block trimming, the template's last newline dropped, no filters) and its text
+    re-serialises the front matter with a line ending guessed from the whole card, which a report's
+    carriage returns could change."""
+    from huggingface_hub import ModelCard
 
     from .. import __version__, archs
+    from ..check import proven_parts
 
     folder = Path(folder)
     index = CheckpointIndex.open(folder)
@@ -445,197 +410,48 @@ def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | Non
     cm = conv[1] if conv else None
     base, base_how = base_model(conv)
     src_text = source_card(folder, manifest)
-    src_meta = _front_matter(src_text) if src_text else {}
     name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
-    meta = _metadata(name, base, src_meta, reports, arch.name if arch else None)
+    data = _metadata(name, base, _front_matter(src_text) if src_text else {}, reports, arch.name if arch else None)
     notes: list[str] = []
     if base is None:
         notes.append(f"base_model is not set: {base_how}")
     if src_text is None:
         notes.append("no licence carried: the source shipped no README.md (its card)")
-    elif not any(k in meta for k in CARRIED_KEYS):
+    elif not any(k in data.to_dict() for k in CARRIED_KEYS):
         notes.append("no licence carried: the source's card states none")
 
-    weights = [w for g in (qc.get("config_groups") or {}).values() for w in [g.get("weights") or {}]]
+    weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
     w0 = weights[0] if weights else {}
-    group = w0.get("group_size")
-    opts = (cm or {}).get("options") or {}
-    plan = (cm or {}).get("plan") or {}
-    src = (cm or {}).get("source") or {}
-    bpw = bits_per_weight(index)
-    tpf = tp_figures(folder, index)
-    model_ref = repo_id or str(folder.resolve())
-    L: list[str] = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", MARKER_LINE, "", f"# {name}", ""]
-
-    scheme = (f"INT{w0.get('num_bits')} weights ({'symmetric' if w0.get('symmetric') else 'asymmetric'} `{w0.get('type')}`, "
-              f"{w0.get('strategy')}-wise, group size {group}), BF16 activations (W4A16), compressed-tensors "
-              f"`{qc.get('format')}`") if w0 else "no INT4 scheme recorded in config.json"
-    L += [(f"[{base}](https://huggingface.co/{base})" if base else "The source model") + f" quantized by `quantize` to {scheme}. "
-          "Every figure on this card comes from this folder's records (`quantize_manifest.json`"
-          + (", the conversion's manifest" if manifest.get("kind") != "convert" and cm else "")
-          + ", the safetensors headers) or from the reports listed below; what is not recorded is marked so.", ""]
-    for n in notes:
-        L.append(f"> Note: {n}.")
-    if notes:
-        L.append("")
-
-    # how it was made
-    L += ["## How it was made", ""]
-    rows = []
-    if cm:
-        files = src.get("files") or {}
-        rows += [("source", f"`{src.get('path')}`"),
-                 ("source on the Hub", f"`{base}`" + (f" at revision `{src.get('revision')}`" if src.get("revision") else " (revision not recorded)") if base
-                  else ("revision `" + src["revision"] + "`" if src.get("revision") else "not known")),
-                 ("source format", SOURCE_FORMATS.get(plan.get("source_format") or src.get("format"), str(plan.get("source_format") or src.get("format")))),
-                 ("source identity", f"{len(files)} weight files, {_gib(sum(int(v.get('bytes', 0)) for v in files.values()))}; size, mtime and header SHA-256 of each in the manifest"),
-                 ("options", ", ".join(f"{k.replace('_', ' ')} {v if v is not None else '—'}" for k, v in opts.items()) or "not recorded"),
-                 ("transform path", f"{(cm.get('kernels') or {}).get('path', 'not recorded')} ({(cm.get('kernels') or {}).get('device', '?')})"),
-                 ("conversion time", f"{cm['seconds']:.1f} s" if isinstance(cm.get("seconds"), (int, float)) else "not recorded")]
-    else:
-        rows.append(("conversion", f"not known: the source of this folder (`{(manifest.get('source') or {}).get('path')}`) has no quantize conversion record on disk"))
-    tools = (cm or manifest).get("tool") or {}
-    rows.append(("tools", ", ".join(f"{k} {v}" for k, v in tools.items()) or "not recorded"))
-    if manifest.get("kind") == "calibrate-kv":
-        ktools = manifest.get("tool") or {}
-        if ktools != tools:
-            rows.append(("tools (calibrate-kv)", ", ".join(f"{k} {v}" for k, v in ktools.items())))
-    L += _table(rows) + ["", "Commands, as recorded:", "", "```"]
-    if cm:
-        L.append(_cmd(cm, "convert"))
-    if manifest.get("kind") == "calibrate-kv":
-        L.append(_cmd(manifest, "calibrate-kv"))
-    L += ["```", ""]
-
-    # quantization
-    L += ["## Quantization", ""]
+    rec = cm or {}
+    plan, src = rec.get("plan") or {}, rec.get("source") or {}
     roles = plan.get("roles") or {}
     int4_roles = sorted(r for r, k in roles.items() if "int4" in k)
-    kept = {}
+    kept: dict[str, list[str]] = {}
     for r, k in roles.items():
-        if "int4" not in k:
-            for kind in k:
-                kept.setdefault(KIND_WORDS.get(kind, kind), []).append(r)
-    rows = [("scheme", scheme),
-            *method_rows(opts, (cm or {}).get("method")),
-            ("INT4", (", ".join(int4_roles) + f" ({sum(sum(roles[r].values()) for r in int4_roles)} tensors)") if int4_roles else "not recorded"),
-            ("kept high precision", "; ".join(f"{how}: {', '.join(sorted(rs))}" for how, rs in sorted(kept.items())) or "not recorded"),
-            ("ignore (config.json)", ", ".join(f"`{x}`" for x in qc.get("ignore") or []) or "none")]
-    if bpw["int4"] is not None:
-        rows.append(("bits per weight, INT4 modules", f"{bpw['int4']:.3f} (4-bit codes + BF16 scale per {group} + shape) over {bpw['int4_weights']:,} weights"))
-    if bpw["overall"] is not None:
-        rows.append(("bits per weight, whole checkpoint", f"{bpw['overall']:.3f} over {bpw['weights']:,} weights (high-precision part {bpw['high_precision']:.2f})"))
-    before = sum(int(v.get("bytes", 0)) for v in (src.get("files") or {}).values()) if cm else None
-    after = sum((folder / f).stat().st_size for f in index.files)
-    rows.append(("bytes", f"source {_gib(before)} -> this checkpoint {_gib(after)}" + (f" ({after / before:.1%})" if before else "")))
-    if tpf["tp"] is not None:
-        kv = tpf["kv"]
-        rows.append((f"per GPU at TP {tpf['tp']}", f"{_gib(tpf['per_gpu_bytes'])} of weights on the largest rank (the serving TP split, replicated tensors on every rank)"))
-        rows.append((f"KV cache per GPU at TP {tpf['tp']}",
-                     f"FP8 e4m3: {kv['kv_tokens_per_gpu']['fp8']:,} tokens ({kv['kv_bytes_per_token']['fp8']:,} B/token); "
-                     f"BF16: {kv['kv_tokens_per_gpu']['bf16']:,} tokens — `quantize plan`'s model: {kv['gpu_mem_gib']} GiB (H200) x "
-                     f"{kv['mem_fraction']} - weights - {kv['reserve_gib']} GiB reserve, {kv['layers']} layers, {kv['layout']} cache"))
-    for r in tpf["refused"]:
-        rows.append((f"TP {r['tp']}", f"does not fit: {r['reason']}"))
-    L += _table(rows) + [""]
-    L += method_layers((cm or {}).get("method"))
-    err = (cm or {}).get("error_summary") or {}
-    if err:
-        L += ["Weight error of the INT4 tensors against the source, measured at conversion (relative L2 per tensor):", "",
-              "| role | tensors | mean | max | worst tensor |", "|---|---:|---:|---:|---|"]
-        L += [f"| {r} | {d.get('tensors')} | {d.get('mean_rel_err', 0):.4f} | {d.get('max_rel_err', 0):.4f} | `{d.get('worst')}` |" for r, d in err.items()]
-        L.append("")
-
-    # KV cache
-    L += ["## FP8 KV cache", ""]
-    rep = manifest.get("report") if manifest.get("kind") == "calibrate-kv" else None
-    if isinstance(rep, dict):
-        folded = manifest.get("mode") == "fold"
-        L += [f"Measured by `quantize calibrate-kv` on `{rep.get('model')}`" + (" (before the fold below)" if folded else "")
-              + f": {rep.get('layout')} cache, target {manifest.get('target')}, {rep.get('samples')} samples, {rep.get('tokens')} tokens.", "",
-              str(rep.get("verdict", "")), ""]
-        if rep.get("engine_scale") and str(rep["engine_scale"]) not in str(rep.get("verdict", "")):
-            L += [str(rep["engine_scale"]), ""]
-        layers = rep.get("layers") or []
-        if layers:
-            L += ["Per layer" + (", before the fold (the fold multiplies the cached latent and rope parts by its factors)" if folded else "") + ":", "",
-                  "| layer | amax | p99.9 | overflow at unit scale | subnormal at unit scale | attention error at unit scale | at risk |",
-                  "|---:|---:|---:|---:|---:|---:|---|"]
-            f = lambda v, s: "—" if v is None else format(v, s)  # noqa: E731
-            for x in layers:
-                err1 = x.get("attn_rel_err_unit") if x.get("attn_rel_err_unit") is not None else x.get("attn_rel_err_tiles")
-                L.append(f"| {x.get('layer')} | {f(x.get('amax'), '.4g')} | {f(x.get('percentile'), '.4g')} | {f(x.get('overflow_unit'), '.1e')} | "
-                         f"{f(x.get('subnormal_unit'), '.2%')} | {f(err1, '.4f')} | {'yes: ' + x.get('why', '') if x.get('at_risk') else 'no'} |")
-            L.append("")
-        fold = manifest.get("fold") or []
-        if fold:
-            L += ["Folded factors (powers of two; the model's function is unchanged):", "", "| layer | latent | rope | notes |", "|---:|---:|---:|---|"]
-            L += [f"| {x.get('layer')} | x{x.get('latent')} | x{x.get('rope')} | {'; '.join(x.get('notes') or []) or '—'} |" for x in fold]
-            L.append("")
-    else:
-        L += ["Not measured for this folder: it holds no `quantize calibrate-kv` record. How the engines' FP8 (e4m3) cache fits "
-              "this model's KV range is not claimed here.", ""]
-
-    # checks
-    L += ["## Checks", "", f"- {proven} files proven against their SHA-256 in `quantize_manifest.json` when this card was written.", ""]
-    checks = [r for r in reports if r["kind"] == "check"]
-    if checks:
-        from ..check import proven_parts
-    for r in checks:
-        d = r["report"]
-        v = d.get("verified") or {}
-        L.append(f"`quantize check` of `{d.get('model')}`" + (f" at TP {d['tp']}" if d.get("tp") else "") + f": {'passed' if d.get('ok', not d.get('failures')) else 'FAILED'}"
-                 + "".join("; " + part for part in proven_parts(v))
-                 + (f"; failures: {'; '.join(d['failures'][:5])}" if d.get("failures") else "") + ".")
-        L += ["", "| role | tensors | failed | kernel rel. error | source rel. error | min SNR dB |", "|---|---:|---:|---:|---:|---:|"]
-        g = lambda x, s: "—" if x is None else format(x, s)  # noqa: E731
-        L += [f"| {role} | {s.get('tensors')} | {s.get('failed')} | {g(s.get('max_kernel_rel_err'), '.2e')} | {g(s.get('max_source_rel_err'), '.4f')} | {g(s.get('min_snr_db'), '.1f')} |"
-              for role, s in (d.get("summary") or {}).items()]
-        L.append("")
-    if not checks:
-        L += ["No `quantize check` report attached (`quantize check DIR --json > check.json`, then `quantize card DIR --eval check.json`).", ""]
-
-    # evaluation
-    L += ["## Evaluation", ""]
-    evals = [r for r in reports if r["kind"] == "eval"]
-    klds = [r for r in reports if r["kind"] == "kld"]
-    for r in evals:
-        d = r["report"]
-        L += [f"lm-eval through `quantize eval`: baseline `{d.get('baseline')}`, candidate `{d.get('candidate')}`, "
-              + (f"{d['limit']} documents per task" if d.get("limit") else "all documents") + f", gate: max drop {d.get('max_drop')} points.", "",
-              "| task | metric | n | baseline | candidate | delta (95% CI) | gate |", "|---|---|---:|---:|---:|---|---|"]
-        for task, t in d["tasks"].items():
-            ci = f" ({t['ci_low']:+.2f}, {t['ci_high']:+.2f})" if t.get("ci_low") is not None else ""
-            L.append(f"| {task} | {t['metric']} | {t['n']} | {t['baseline']:.2f} ± {t.get('baseline_stderr', 0):.2f} | "
-                     f"{t['candidate']:.2f} ± {t.get('candidate_stderr', 0):.2f} | {t['delta']:+.2f}{ci} | {t.get('verdict', '')} |")
-        L.append("")
-    for r in klds:
-        d = r["report"]
-        L += [f"Next-token KL divergence through `quantize eval --kld`: baseline `{d.get('baseline')}`, candidate `{d.get('candidate')}`, "
-              f"{d.get('tokens')} tokens in chunks of {d.get('chunk')}.", "",
-              "| KLD mean | median | p99 | p99.9 | max | same top-1 | PPL baseline | PPL candidate |", "|---:|---:|---:|---:|---:|---:|---:|---:|",
-              f"| {d['kld_mean']:.5f} | {d.get('kld_median', 0):.5f} | {d.get('kld_p99', 0):.4f} | {d.get('kld_p999', 0):.4f} | {d.get('kld_max', 0):.4f} | "
-              f"{d['top1_agreement']:.2%} | {d.get('ppl_baseline', 0):.3f} | {d.get('ppl_candidate', 0):.3f} |", ""]
-    if not evals and not klds:
-        L += ["No evaluation report attached; no accuracy is claimed (`quantize eval --out report.json`, then `quantize card DIR --eval report.json`).", ""]
-
-    # serving
-    L += ["## Serving", ""]
-    if tpf["tp"] is None:
-        L += ["No tensor-parallel size up to 8 satisfies the serving kernels' shape rules for this checkpoint (see Quantization), so no launch line is given.", ""]
-    else:
-        tp = tpf["tp"]
-        trc = " --trust-remote-code" if cfg.get("auto_map") else ""
-        L += ["compressed-tensors is detected from config.json; state the KV-cache dtype explicitly:", "", "```",
-              f"python -m sglang.launch_server --model-path {model_ref} --tp {tp} --kv-cache-dtype fp8_e4m3{trc}",
-              f"vllm serve {model_ref} --tensor-parallel-size {tp} --kv-cache-dtype fp8_e4m3{trc}", "```", ""]
-        if int(text_cfg.get("n_shared_experts") or 0):
-            L += ["SGLang turns shared-expert fusion off by itself for this INT4 MoE; never pass `--enforce-shared-experts-fusion` "
-                  "(it would drop the BF16 shared expert).", ""]
-        L += ["These lines follow what SGLang 0.5.23 and vLLM 0.33.0 read from such a checkpoint; this card does not claim they were run.", ""]
-    L += ["---", f"Card written by quantize {__version__} (`quantize card`) from this folder's records"
-          + (" and: " + ", ".join(f"`{Path(r['file']).name}` ({r['kind']})" for r in reports) if reports else "") + "."]
-    return CardResult(str(folder / README), "\n".join(L) + "\n", meta, readme_kind(folder, manifest), reports, notes)
+        for how in [] if "int4" in k else k:
+            kept.setdefault(KIND_WORDS.get(how, how), []).append(r)
+    rtn_reasons, layers = _method_facts(rec.get("method"))
+    source_format = plan.get("source_format") or src.get("format")
+    src_bytes = sum(int(v.get("bytes", 0)) for v in (src.get("files") or {}).values())
+    text = _template().render(
+        card_data=data.to_yaml(), marker=MARKER_LINE, name=name, base=base, notes=notes, kind=manifest.get("kind"),
+        manifest=manifest, cm=cm, cfg=cfg, qc=qc, w0=w0, group=w0.get("group_size"), src=src,
+        source_format=SOURCE_FORMATS.get(source_format, str(source_format)), src_files=len(src.get("files") or {}),
+        src_bytes=src_bytes, opts=rec.get("options") or {}, kernels=rec.get("kernels") or {},
+        conv_tools=(cm or manifest).get("tool") or {}, kv_tools=manifest.get("tool") or {},
+        mrep=rec.get("method"), methods=METHODS, observers=OBSERVERS, rtn_reasons=rtn_reasons, method_layers=layers,
+        int4_roles=int4_roles, int4_tensors=sum(sum(roles[r].values()) for r in int4_roles),
+        kept=sorted((how, sorted(rs)) for how, rs in kept.items()), bpw=bits_per_weight(index),
+        bytes_before=src_bytes if cm else None, bytes_after=sum((folder / f).stat().st_size for f in index.files),
+        tpf=tp_figures(folder, index), error_summary=rec.get("error_summary") or {},
+        kv_rep=manifest.get("report") if manifest.get("kind") == "calibrate-kv" else None, proven=proven,
+        checks=[(r["report"], proven_parts(r["report"].get("verified") or {}))
+                for r in reports if r["kind"] == "check"],
+        evals=[r["report"] for r in reports if r["kind"] == "eval"],
+        klds=[r["report"] for r in reports if r["kind"] == "kld"], model_ref=repo_id or str(folder.resolve()),
+        n_shared=text_cfg.get("n_shared_experts"), version=__version__, reports=reports)
+    return CardResult(str(folder / README), text, ModelCard(text).data.to_dict(), readme_kind(folder, manifest),
+                      reports, notes)
 
 
 def _stored_reports(folder: Path) -> list[dict]:
@@ -683,7 +499,7 @@ def card(model: str | os.PathLike, eval: list[str | os.PathLike] | None = None, 
     folder = Path(model)
     manifest = load_manifest(folder)
     reports = [load_report(p, folder) for p in eval] if eval else None
-    if repo_id is not None and not _valid_repo_id(repo_id):
+    if repo_id is not None and repo_id_error(repo_id) is not None:
         raise QuantizeError(f"repo id {repo_id!r}: not a Hub repo id; use namespace/name (letters, digits, '-', '_', '.')")
     with folder_lock(folder):
         return write_card(folder, manifest, reports, repo_id)

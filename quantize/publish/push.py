@@ -32,7 +32,7 @@ from ..checkpoint.manifest import MANIFEST
 from ..checkpoint.output import RECORD_DIR, TMP_SUFFIX, confined, sha256_file, write_text_atomic
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
-from .card import README, folder_lock, load_manifest, readme_kind, render, verify, write_card
+from .card import README, folder_lock, load_manifest, readme_kind, render, repo_id_error, verify, write_card
 
 STATE = "push.json"  # in .quantize/
 DEFAULT_BATCH_GIB = 32.0
@@ -70,17 +70,6 @@ class PushResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total_bytes": self.total_bytes, "sent_bytes": self.sent_bytes}
-
-
-def _check_repo_id(repo_id: str) -> None:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise QuantizeError(f"REPO_ID {repo_id!r}: {str(e).splitlines()[0]}; use namespace/name, e.g. my-org/GLM-5-W4A16") from None
-    if repo_id.count("/") != 1:
-        raise QuantizeError(f"REPO_ID {repo_id!r}: name the namespace too (namespace/name, e.g. my-org/{repo_id})")
 
 
 def _upload_set(folder: Path, manifest: dict) -> tuple[list[PushFile], list[str]]:
@@ -211,7 +200,8 @@ def push(model: str | os.PathLike, repo_id: str, private: bool = False, revision
     from .. import __version__
 
     folder = Path(model)
-    _check_repo_id(repo_id)
+    if why := repo_id_error(repo_id):
+        raise QuantizeError(why)
     if not batch_gib > 0:
         raise QuantizeError(f"--batch-gib {batch_gib}: must be a positive number of GiB per commit (default {DEFAULT_BATCH_GIB:g})")
     if revision is not None and (not revision.strip() or revision != revision.strip()):
