@@ -1,4 +1,4 @@
-"""Next-token KL divergence between a baseline and a candidate model (``quantize eval --kld``).
+"""Next-token KL divergence between a baseline and a candidate model (``quantize eval-kld``).
 
 The same text goes through both models in fixed-size chunks; per token, KL(P_base || P_cand) over
 the whole vocabulary, top-1 agreement and each model's negative log-likelihood. Memory stays

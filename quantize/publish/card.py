@@ -291,7 +291,7 @@ def tp_figures(folder: Path, index: CheckpointIndex, tps: tuple[int, ...] = (LAU
 # -- reports ---------------------------------------------------------------------------------
 
 def load_report(path: str | os.PathLike, folder: Path) -> dict:
-    """One ``--eval`` file: a ``quantize eval --out`` report, a ``quantize eval --kld --out``
+    """One ``--eval`` file: a ``quantize eval --out`` report, a ``quantize eval-kld --out``
     report or ``quantize check --json`` output, detected by its fields; it must be about this
     checkpoint (a report naming another quantize output with other weights is refused)."""
     p = Path(path)
@@ -311,7 +311,7 @@ def load_report(path: str | os.PathLike, folder: Path) -> dict:
     elif isinstance(d, dict) and "verified" in d and "failures" in d and "summary" in d:
         kind, model = "check", d.get("model")
     else:
-        raise QuantizeError(f"--eval {p}: neither a `quantize eval --out` report, a `quantize eval --kld --out` report nor `quantize check --json` output")
+        raise QuantizeError(f"--eval {p}: neither a `quantize eval --out` report, a `quantize eval-kld --out` report nor `quantize check --json` output")
     _same_model(p, model, folder)
     return {"file": str(p), "kind": kind, "report": d}
 
