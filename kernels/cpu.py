@@ -31,4 +31,6 @@ class CpuW4A16:
         return cls(w, sz, group, (n, k))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.weight, self.group, self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16).contiguous(), self.weight, self.group, self.scales_zeros
+        )

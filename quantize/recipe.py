@@ -59,10 +59,15 @@ def _strings(path: Path, key: str, val) -> tuple[str, ...]:
     if val is None:
         return ()
     if not isinstance(val, list):
-        raise QuantizeError(f"{path}: {key} must be a list of strings, not {type(val).__name__} {val!r}; write {key}: [{val!r}] or fix the recipe")
+        raise QuantizeError(
+            f"{path}: {key} must be a list of strings, not {type(val).__name__} {val!r}; write {key}: "
+            f"[{val!r}] or fix the recipe"
+        )
     bad = [v for v in val if not isinstance(v, str)]
     if bad:
-        raise QuantizeError(f"{path}: {key} must be a list of strings, but holds {bad[0]!r}; quote it or fix the recipe")
+        raise QuantizeError(
+            f"{path}: {key} must be a list of strings, but holds {bad[0]!r}; quote it or fix the recipe"
+        )
     return tuple(val)
 
 
@@ -88,7 +93,10 @@ def load_recipe(path: str | Path) -> Recipe:
         raise QuantizeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the recipe") from e
     found = _find_modifier(doc)
     if found is None:
-        raise QuantizeError(f"{path}: no QuantizationModifier found; a recipe needs quant_stage.quant_modifiers.QuantizationModifier (or GPTQModifier, AutoRoundModifier)")
+        raise QuantizeError(
+            f"{path}: no QuantizationModifier found; a recipe needs "
+            "quant_stage.quant_modifiers.QuantizationModifier (or GPTQModifier, AutoRoundModifier)"
+        )
     kind, mod = found
     actorder_given = "actorder" in mod
     actorder = mod.get("actorder")
@@ -97,38 +105,70 @@ def load_recipe(path: str | Path) -> Recipe:
     scheme = mod.get("scheme")
     if groups:
         if not isinstance(groups, dict):
-            raise QuantizeError(f"{path}: config_groups must be a mapping of group name -> scheme, not a {type(groups).__name__}; fix the recipe")
+            raise QuantizeError(
+                f"{path}: config_groups must be a mapping of group name -> scheme, not a "
+                f"{type(groups).__name__}; fix the recipe"
+            )
         if len(groups) != 1:
-            raise QuantizeError(f"{path}: {len(groups)} config_groups; this tool writes one INT4 group scheme, merge them into one")
-        (gname, group), = groups.items()
+            raise QuantizeError(
+                f"{path}: {len(groups)} config_groups; this tool writes one INT4 group scheme, merge them into one"
+            )
+        ((gname, group),) = groups.items()
         if not isinstance(group, dict) or not isinstance(group.get("weights") or {}, dict):
-            raise QuantizeError(f"{path}: config group {gname} must be a mapping with a 'weights' mapping; fix the recipe")
+            raise QuantizeError(
+                f"{path}: config group {gname} must be a mapping with a 'weights' mapping; fix the recipe"
+            )
         w = group.get("weights") or {}
         if group.get("input_activations") or group.get("output_activations"):
-            raise QuantizeError(f"{path}: config group {gname} quantizes activations; convert writes weight-only W4A16, drop input_activations")
-        bad = {k: w.get(k) for k, want in (("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group")) if w.get(k, want) != want}
+            raise QuantizeError(
+                f"{path}: config group {gname} quantizes activations; convert writes weight-only "
+                "W4A16, drop input_activations"
+            )
+        bad = {
+            k: w.get(k)
+            for k, want in (("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group"))
+            if w.get(k, want) != want
+        }
         if bad:
-            raise QuantizeError(f"{path}: config group {gname} asks for {bad}; this tool writes symmetric INT4 group-wise weights (num_bits 4, type int, symmetric true, strategy group)")
+            raise QuantizeError(
+                f"{path}: config group {gname} asks for {bad}; this tool writes symmetric INT4 "
+                "group-wise weights (num_bits 4, type int, symmetric true, strategy group)"
+            )
         group_size = w.get("group_size", 128)
         if type(group_size) is not int:  # not bool, str or float
-            raise QuantizeError(f"{path}: config group {gname} group_size {group_size!r} must be an integer, one of {SUPPORTED_GROUP_SIZES}; fix the recipe")
+            raise QuantizeError(
+                f"{path}: config group {gname} group_size {group_size!r} must be an integer, one of "
+                f"{SUPPORTED_GROUP_SIZES}; fix the recipe"
+            )
         targets = _strings(path, "targets", group.get("targets")) or ("Linear",)
         observer = w.get("observer")
         if "actorder" in w:
-            if actorder_given and w.get("actorder") != actorder and w.get("actorder") is not None and actorder is not None:
-                raise QuantizeError(f"{path}: actorder {actorder!r} of the {kind} conflicts with actorder {w.get('actorder')!r} of config group {gname}; keep one")
+            if (
+                actorder_given
+                and w.get("actorder") != actorder
+                and w.get("actorder") is not None
+                and actorder is not None
+            ):
+                raise QuantizeError(
+                    f"{path}: actorder {actorder!r} of the {kind} conflicts with actorder "
+                    f"{w.get('actorder')!r} of config group {gname}; keep one"
+                )
             actorder_given = actorder_given or w.get("actorder") is not None
             actorder = actorder if actorder is not None else w.get("actorder")
     elif isinstance(scheme, str):
         if scheme not in PRESETS:
-            raise QuantizeError(f"{path}: scheme {scheme!r} is not supported; use W4A16 or a config_groups block with num_bits 4")
+            raise QuantizeError(
+                f"{path}: scheme {scheme!r} is not supported; use W4A16 or a config_groups block with num_bits 4"
+            )
         group_size = _preset_group_size(scheme)
         targets = _strings(path, "targets", mod.get("targets")) or ("Linear",)
         observer = None
     else:
         raise QuantizeError(f"{path}: QuantizationModifier has neither config_groups nor a scheme; add one")
     if group_size not in SUPPORTED_GROUP_SIZES:
-        raise QuantizeError(f"{path}: group_size {group_size} is not served by Marlin/Machete; use one of {SUPPORTED_GROUP_SIZES}")
+        raise QuantizeError(
+            f"{path}: group_size {group_size} is not served by Marlin/Machete; use one of {SUPPORTED_GROUP_SIZES}"
+        )
     if observer in ("memoryless_mse", "static_mse"):
         observer = "mse"
     if observer in ("static_minmax", "memoryless_minmax"):
@@ -140,14 +180,33 @@ def load_recipe(path: str | Path) -> Recipe:
     if kind == "AutoRoundModifier":
         lr = mod.get("lr")
         if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")):
-            raise QuantizeError(f"{path}: AutoRoundModifier lr {lr!r} must be a positive number or null (1/iters); fix the recipe")
-        return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"), method="autoround",
-                      iters=_whole(path, "iters", mod.get("iters", 200), 0), batch_size=_whole(path, "batch_size", mod.get("batch_size", 8), 1),
-                      lr=None if lr is None else float(lr))
-    return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"), method="gptq",
-                  damp=_number(path, "dampening_frac", mod.get("dampening_frac", 0.01), float),
-                  block=_number(path, "block_size", mod.get("block_size", 128), int),
-                  actorder=_actorder(path, actorder if actorder_given else "static"))
+            raise QuantizeError(
+                f"{path}: AutoRoundModifier lr {lr!r} must be a positive number or null (1/iters); fix the recipe"
+            )
+        return Recipe(
+            str(path),
+            targets,
+            ignore,
+            group_size,
+            observer,
+            mod.get("kv_cache_scheme"),
+            method="autoround",
+            iters=_whole(path, "iters", mod.get("iters", 200), 0),
+            batch_size=_whole(path, "batch_size", mod.get("batch_size", 8), 1),
+            lr=None if lr is None else float(lr),
+        )
+    return Recipe(
+        str(path),
+        targets,
+        ignore,
+        group_size,
+        observer,
+        mod.get("kv_cache_scheme"),
+        method="gptq",
+        damp=_number(path, "dampening_frac", mod.get("dampening_frac", 0.01), float),
+        block=_number(path, "block_size", mod.get("block_size", 128), int),
+        actorder=_actorder(path, actorder if actorder_given else "static"),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,14 +222,20 @@ def _preset_group_size(scheme: str) -> int:
 def _whole(path: Path, key: str, val, least: int) -> int:
     """An AutoRoundModifier count: iters >= 0, batch_size >= 1."""
     if not (isinstance(val, int) and not isinstance(val, bool) and val >= least):
-        raise QuantizeError(f"{path}: AutoRoundModifier {key} {val!r} must be a whole number >= {least}; fix the recipe")
+        raise QuantizeError(
+            f"{path}: AutoRoundModifier {key} {val!r} must be a whole number >= {least}; fix the recipe"
+        )
     return val
 
 
 def _number(path: Path, key: str, val, kind):
     """A GPTQModifier number: dampening_frac in (0, 1], block_size >= 1."""
-    ok = (isinstance(val, (int, float)) and not isinstance(val, bool) and (kind is float or isinstance(val, int))
-          and (0 < val <= 1 if kind is float else val >= 1))
+    ok = (
+        isinstance(val, (int, float))
+        and not isinstance(val, bool)
+        and (kind is float or isinstance(val, int))
+        and (0 < val <= 1 if kind is float else val >= 1)
+    )
     if not ok:
         want = "a number in (0, 1], e.g. 0.01" if kind is float else "a whole number of columns, e.g. 128"
         raise QuantizeError(f"{path}: GPTQModifier {key} {val!r} must be {want}; fix the recipe")
@@ -185,4 +250,7 @@ def _actorder(path: Path, val) -> str | None:
         return "off"
     if val in ("static", "weight"):
         return "static"
-    raise QuantizeError(f"{path}: GPTQModifier actorder {val!r} is not written by this tool (pack-quantized has no g_idx); use actorder: null or static")
+    raise QuantizeError(
+        f"{path}: GPTQModifier actorder {val!r} is not written by this tool (pack-quantized has no "
+        "g_idx); use actorder: null or static"
+    )

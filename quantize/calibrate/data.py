@@ -40,11 +40,17 @@ def _read_text(path: Path) -> str:
         raise QuantizeError(f"{path}: cannot read ({e.strerror}); pass another --data") from e
     nul = raw.find(b"\0")
     if nul >= 0:
-        raise QuantizeError(f"{path}: binary data (NUL byte at offset {nul}), not text; pass UTF-8 .jsonl/.txt or a .parquet file as --data")
+        raise QuantizeError(
+            f"{path}: binary data (NUL byte at offset {nul}), not text; pass UTF-8 .jsonl/.txt or a "
+            ".parquet file as --data"
+        )
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise QuantizeError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); re-encode it as UTF-8 or pass another --data") from e
+        raise QuantizeError(
+            f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); re-encode it as "
+            "UTF-8 or pass another --data"
+        ) from e
 
 
 def _texts_from_jsonl(path: Path) -> list[str]:
@@ -75,8 +81,12 @@ def _texts_from_parquet(path: Path) -> list[str]:
     try:
         table = pq.read_table(path)
     except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
-        raise QuantizeError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:120]}); pass another --data") from e
-    cols = [c for c in TEXT_FIELDS if c in table.column_names] or [f.name for f in table.schema if str(f.type) in ("string", "large_string")]
+        raise QuantizeError(
+            f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:120]}); pass another --data"
+        ) from e
+    cols = [c for c in TEXT_FIELDS if c in table.column_names] or [
+        f.name for f in table.schema if str(f.type) in ("string", "large_string")
+    ]
     if not cols:
         raise QuantizeError(f"{path}: no text column (looked for {', '.join(TEXT_FIELDS)} or any string column)")
     return [str(x) for x in table.column(cols[0]).to_pylist() if x]
@@ -86,7 +96,12 @@ def _texts_from_txt(path: Path) -> list[str]:
     return [p.strip() for p in _read_text(path).split("\n\n") if p.strip()]
 
 
-READERS = {".jsonl": _texts_from_jsonl, ".json": _texts_from_jsonl, ".txt": _texts_from_txt, ".parquet": _texts_from_parquet}
+READERS = {
+    ".jsonl": _texts_from_jsonl,
+    ".json": _texts_from_jsonl,
+    ".txt": _texts_from_txt,
+    ".parquet": _texts_from_parquet,
+}
 
 
 def load_texts(data: str | None) -> tuple[list[str], str]:
@@ -99,7 +114,10 @@ def load_texts(data: str | None) -> tuple[list[str], str]:
 
             ds = datasets.load_dataset(name, split="train")
         except Exception as e:  # noqa: BLE001 - any failure to reach or find it is the same to the user
-            raise QuantizeError(f"--data {data}: dataset {name} is neither reachable nor cached ({type(e).__name__}); pass local files instead") from e
+            raise QuantizeError(
+                f"--data {data}: dataset {name} is neither reachable nor cached ({type(e).__name__}); "
+                "pass local files instead"
+            ) from e
         col = next((c for c in TEXT_FIELDS if c in ds.column_names), None)
         if col is None:
             raise QuantizeError(f"--data {data}: no text column among {ds.column_names}")
@@ -123,11 +141,15 @@ def load_tokenizer(model: Path):
     from transformers import AutoTokenizer
 
     if not any((model / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        raise QuantizeError(f"{model}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy the model's tokenizer into it")
+        raise QuantizeError(
+            f"{model}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy the model's tokenizer into it"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(model))
     except Exception as e:  # noqa: BLE001
-        raise QuantizeError(f"{model}: the tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from e
+        raise QuantizeError(
+            f"{model}: the tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from e
 
 
 def build_samples(model: Path, data: str | None, samples: int, seq_len: int, chat_template: bool = False) -> Samples:
@@ -149,5 +171,8 @@ def build_samples(model: Path, data: str | None, samples: int, seq_len: int, cha
             continue
         ids.append(torch.tensor(enc, dtype=torch.long))
     if not ids:
-        raise QuantizeError(f"--data {source}: no usable samples ({len(texts)} texts read, {dropped} shorter than 2 tokens); pass more or longer text")
+        raise QuantizeError(
+            f"--data {source}: no usable samples ({len(texts)} texts read, {dropped} shorter than 2 "
+            "tokens); pass more or longer text"
+        )
     return Samples(ids, len(texts), dropped, source)

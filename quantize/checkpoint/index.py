@@ -53,6 +53,7 @@ def st_dtype(dtype) -> str:
             return k
     raise KeyError(dtype)
 
+
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER = 100 * 1024 * 1024
@@ -100,18 +101,29 @@ def read_header(path: Path) -> tuple[dict, int]:
                 raise QuantizeError(f"{path}: file is {size} bytes, too short for a safetensors header; re-download it")
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER:
-                raise QuantizeError(f"{path}: header length {n} exceeds the safetensors limit of {MAX_HEADER} bytes; the file is corrupt or not safetensors, re-download it")
+                raise QuantizeError(
+                    f"{path}: header length {n} exceeds the safetensors limit of {MAX_HEADER} bytes; "
+                    "the file is corrupt or not safetensors, re-download it"
+                )
             if 8 + n > size:
-                raise QuantizeError(f"{path}: header length {n} does not fit in a {size}-byte file; the file is truncated or not safetensors, re-download it")
+                raise QuantizeError(
+                    f"{path}: header length {n} does not fit in a {size}-byte file; the file is "
+                    "truncated or not safetensors, re-download it"
+                )
             text = f.read(n)
     except OSError as e:
         raise QuantizeError(f"{path}: cannot read ({e.strerror})") from e
     if not text.startswith(b"{"):
-        raise QuantizeError(f"{path}: header must start with '{{' (it starts with {text[:8]!r}); the file is corrupt or not safetensors, re-download it")
+        raise QuantizeError(
+            f"{path}: header must start with '{{' (it starts with {text[:8]!r}); the file is corrupt "
+            "or not safetensors, re-download it"
+        )
     try:
         header = json.loads(text.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QuantizeError(f"{path}: header is not valid UTF-8 JSON; the file is corrupt or not safetensors, re-download it") from e
+        raise QuantizeError(
+            f"{path}: header is not valid UTF-8 JSON; the file is corrupt or not safetensors, re-download it"
+        ) from e
     if not isinstance(header, dict):
         raise QuantizeError(f"{path}: header is not a JSON object; re-download it")
     _check_header(path, header, size - 8 - n, 8 + n)
@@ -138,20 +150,30 @@ def _check_header(path: Path, header: dict, data_len: int, base: int) -> None:
     for name, info in header.items():
         if name == "__metadata__":
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-                raise QuantizeError(f"{path}: __metadata__ must be an object of strings to strings, not {_short(info)}; {_CORRUPT}")
+                raise QuantizeError(
+                    f"{path}: __metadata__ must be an object of strings to strings, not {_short(info)}; {_CORRUPT}"
+                )
             continue
         if not isinstance(info, dict) or info.keys() != _INFO_KEYS:
             got = sorted(info) if isinstance(info, dict) else type(info).__name__
-            raise QuantizeError(f"{path}: tensor {name}: entry must be an object with exactly dtype, shape and data_offsets (got {got}); {_CORRUPT}")
+            raise QuantizeError(
+                f"{path}: tensor {name}: entry must be an object with exactly dtype, shape and "
+                f"data_offsets (got {got}); {_CORRUPT}"
+            )
         dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dt, str) or dt not in ST_DTYPES:
             raise QuantizeError(f"{path}: tensor {name}: dtype {_short(dt)} is not a safetensors dtype; {_CORRUPT}")
         if dt not in DTYPES:
             raise QuantizeError(f"{path}: tensor {name} has dtype {dt!r}, which this tool does not read")
         if type(shape) is not list or not all(_is_uint(x) for x in shape):
-            raise QuantizeError(f"{path}: tensor {name}: shape {_short(shape)} must be a list of non-negative integers; {_CORRUPT}")
+            raise QuantizeError(
+                f"{path}: tensor {name}: shape {_short(shape)} must be a list of non-negative integers; {_CORRUPT}"
+            )
         if type(offs) is not list or len(offs) != 2 or not all(_is_uint(x) for x in offs) or offs[0] > offs[1]:
-            raise QuantizeError(f"{path}: tensor {name}: data_offsets {_short(offs)} must be [begin, end] integers with 0 <= begin <= end; {_CORRUPT}")
+            raise QuantizeError(
+                f"{path}: tensor {name}: data_offsets {_short(offs)} must be [begin, end] integers "
+                f"with 0 <= begin <= end; {_CORRUPT}"
+            )
         b, e = offs
         if e - b != math.prod(shape) * DTYPES[dt][1]:
             raise QuantizeError(f"{path}: tensor {name} declares shape {shape} {dt} but {e - b} bytes; {_CORRUPT}")
@@ -161,21 +183,40 @@ def _check_header(path: Path, header: dict, data_len: int, base: int) -> None:
     pos, prev = 0, None
     for b, e, name in spans:
         if b < pos:
-            raise QuantizeError(f"{path}: tensor {name} (data bytes {b}..{e}) overlaps {prev}, which ends at {pos}; {_CORRUPT}")
+            raise QuantizeError(
+                f"{path}: tensor {name} (data bytes {b}..{e}) overlaps {prev}, which ends at {pos}; {_CORRUPT}"
+            )
         if b > pos:
             after = "the start of the data" if prev is None else f"{prev}, which ends at {pos}"
-            raise QuantizeError(f"{path}: tensor {name} begins at data byte {b}, leaving a gap of {b - pos} bytes after {after}; {_CORRUPT}")
+            raise QuantizeError(
+                f"{path}: tensor {name} begins at data byte {b}, leaving a gap of {b - pos} bytes "
+                f"after {after}; {_CORRUPT}"
+            )
         pos, prev = e, name
     if pos > data_len:
-        raise QuantizeError(f"{path}: tensor {prev} ends at byte {base + pos} but the file has {base + data_len} bytes; the shard is truncated, re-download it")
+        raise QuantizeError(
+            f"{path}: tensor {prev} ends at byte {base + pos} but the file has {base + data_len} "
+            "bytes; the shard is truncated, re-download it"
+        )
     if pos < data_len:
-        raise QuantizeError(f"{path}: {data_len - pos} trailing bytes after the last tensor{f' ({prev})' if prev else ''}; safetensors refuses such a file (MetadataIncompleteBuffer), re-download it")
+        raise QuantizeError(
+            f"{path}: {data_len - pos} trailing bytes after the last "
+            f"tensor{f' ({prev})' if prev else ''}; safetensors refuses such a file "
+            "(MetadataIncompleteBuffer), re-download it"
+        )
 
 
 def _refs_from_header(folder: Path, fname: str) -> dict[str, TensorRef]:
     header, base = read_header(folder / fname)
     return {
-        name: TensorRef(name, fname, info["dtype"], tuple(info["shape"]), base + info["data_offsets"][0], base + info["data_offsets"][1])
+        name: TensorRef(
+            name,
+            fname,
+            info["dtype"],
+            tuple(info["shape"]),
+            base + info["data_offsets"][0],
+            base + info["data_offsets"][1],
+        )
         for name, info in header.items()
         if name != "__metadata__"
     }
@@ -194,7 +235,7 @@ def hf_snapshot(path: str | os.PathLike) -> HubSnapshot | None:
     if p.parent.name != "snapshots":
         return None
     repo = p.parent.parent
-    rid = repo.name[len("models--"):].replace("--", "/", 1) if repo.name.startswith("models--") else None
+    rid = repo.name[len("models--") :].replace("--", "/", 1) if repo.name.startswith("models--") else None
     return HubSnapshot(repo, p.name, rid)
 
 
@@ -224,9 +265,15 @@ def _check_weight_file(folder: Path, idx_path: Path, fname: object) -> None:
         raise QuantizeError(f"{idx_path}: entry {fname!r} points outside {folder}; the index is unsafe, fix it")
     path = folder / p
     if path.is_symlink() and not path.exists():
-        raise QuantizeError(f"{path}: dangling symlink to {os.readlink(path)} (the file it names is gone, e.g. an interrupted download); re-download it")
+        raise QuantizeError(
+            f"{path}: dangling symlink to {os.readlink(path)} (the file it names is gone, e.g. an "
+            "interrupted download); re-download it"
+        )
     if not inside(folder, fname):
-        raise QuantizeError(f"{path}: symlink points outside {folder} to {path.resolve()}; only links into the folder or its Hugging Face cache's blobs/ are followed, copy the file in instead")
+        raise QuantizeError(
+            f"{path}: symlink points outside {folder} to {path.resolve()}; only links into the folder "
+            "or its Hugging Face cache's blobs/ are followed, copy the file in instead"
+        )
 
 
 def hub_revision(folder: Path) -> str | None:
@@ -269,7 +316,9 @@ class CheckpointIndex:
     def open(cls, folder: str | os.PathLike) -> "CheckpointIndex":
         folder = Path(folder)
         if not folder.is_dir():
-            raise QuantizeError(f"{folder}: not a directory; pass a checkpoint folder with config.json and *.safetensors")
+            raise QuantizeError(
+                f"{folder}: not a directory; pass a checkpoint folder with config.json and *.safetensors"
+            )
         config = load_config(folder)
         idx_path = folder / INDEX_NAME
         weight_map: dict[str, str] | None = None
@@ -277,43 +326,69 @@ class CheckpointIndex:
         if idx_path.exists():
             idx = _load_json(idx_path, "index (or delete it)")
             if not isinstance(idx, dict) or not isinstance(idx.get("weight_map"), dict):
-                raise QuantizeError(f"{idx_path}: not a valid safetensors index (needs a 'weight_map' object of tensor name -> file name); fix or delete it")
+                raise QuantizeError(
+                    f"{idx_path}: not a valid safetensors index (needs a 'weight_map' object of "
+                    "tensor name -> file name); fix or delete it"
+                )
             weight_map = idx["weight_map"]
             for name, f in weight_map.items():
                 if not isinstance(f, str) or not f:
-                    raise QuantizeError(f"{idx_path}: weight_map maps {name} to {_short(f)}, not a file name; fix or regenerate the index")
+                    raise QuantizeError(
+                        f"{idx_path}: weight_map maps {name} to {_short(f)}, not a file name; fix or "
+                        "regenerate the index"
+                    )
             meta = idx.get("metadata")
             if meta is None:
                 meta = {}
             elif not isinstance(meta, dict):
-                raise QuantizeError(f"{idx_path}: 'metadata' must be an object, not {type(meta).__name__}; fix or regenerate the index")
+                raise QuantizeError(
+                    f"{idx_path}: 'metadata' must be an object, not {type(meta).__name__}; fix or regenerate the index"
+                )
             files = list(dict.fromkeys(weight_map.values()))
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
         if not files:
             pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if pickles:
-                raise QuantizeError(f"{folder / pickles[0]}: pickle checkpoints (.bin/.pt) are not read, since loading them can execute code; convert the model to safetensors first")
-            raise QuantizeError(f"{folder}: no *.safetensors files and no {INDEX_NAME}; pass a safetensors checkpoint folder")
+                raise QuantizeError(
+                    f"{folder / pickles[0]}: pickle checkpoints (.bin/.pt) are not read, since "
+                    "loading them can execute code; convert the model to safetensors first"
+                )
+            raise QuantizeError(
+                f"{folder}: no *.safetensors files and no {INDEX_NAME}; pass a safetensors checkpoint folder"
+            )
         for f in files:
             _check_weight_file(folder, idx_path, f)
             if not (folder / f).exists():
                 missing = [x for x in files if not (folder / x).exists()]
-                raise QuantizeError(f"{folder / f}: missing ({len(missing)} of {len(files)} shards named by the index are absent: {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}); download them")
+                raise QuantizeError(
+                    f"{folder / f}: missing ({len(missing)} of {len(files)} shards named by the index "
+                    f"are absent: {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}); "
+                    "download them"
+                )
         per_file = {f: _refs_from_header(folder, f) for f in files}
         tensors: dict[str, TensorRef] = {}
         for f in files:
             for ref in sorted(per_file[f].values(), key=lambda r: r.start):
                 if ref.name in tensors:
-                    raise QuantizeError(f"{folder / f}: tensor {ref.name} also appears in {tensors[ref.name].file}; remove the duplicate")
+                    raise QuantizeError(
+                        f"{folder / f}: tensor {ref.name} also appears in {tensors[ref.name].file}; "
+                        "remove the duplicate"
+                    )
                 tensors[ref.name] = ref
         if weight_map is not None:
             for name, f in weight_map.items():
                 if name not in per_file[f]:
-                    raise QuantizeError(f"{folder / f}: the index says it holds {name}, but its header does not; the shard is stale or truncated, re-download it")
+                    raise QuantizeError(
+                        f"{folder / f}: the index says it holds {name}, but its header does not; the "
+                        "shard is stale or truncated, re-download it"
+                    )
             extra = [n for n in tensors if n not in weight_map]
             if extra:
-                raise QuantizeError(f"{folder / tensors[extra[0]].file}: holds {extra[0]} which the index does not list; the index is stale, regenerate it")
+                raise QuantizeError(
+                    f"{folder / tensors[extra[0]].file}: holds {extra[0]} which the index does not "
+                    "list; the index is stale, regenerate it"
+                )
         return cls(folder, tensors, files, config, meta, hub_revision(folder))
 
     def __contains__(self, name: str) -> bool:
@@ -356,10 +431,17 @@ def _check_quant_config(cfg: dict, where: Path | str, prefix: str) -> None:
     if qc is None:
         return
     if not isinstance(qc, dict):
-        raise QuantizeError(f"{where}: '{prefix}quantization_config' must be an object, not {type(qc).__name__}; fix the file")
+        raise QuantizeError(
+            f"{where}: '{prefix}quantization_config' must be an object, not {type(qc).__name__}; fix the file"
+        )
     block = qc.get("weight_block_size")
-    if block is not None and (type(block) is not list or len(block) != 2 or not all(_is_uint(x) and x > 0 for x in block)):
-        raise QuantizeError(f"{where}: '{prefix}quantization_config.weight_block_size' must be two positive integers like [128, 128], not {_short(block)}; fix the file")
+    if block is not None and (
+        type(block) is not list or len(block) != 2 or not all(_is_uint(x) and x > 0 for x in block)
+    ):
+        raise QuantizeError(
+            f"{where}: '{prefix}quantization_config.weight_block_size' must be two positive integers "
+            f"like [128, 128], not {_short(block)}; fix the file"
+        )
 
 
 def cached_fd(cache: dict, path: Path) -> int:
@@ -384,7 +466,9 @@ def read_tensor(folder: Path, ref: TensorRef, fd_cache: dict | None = None, buf:
         while got < ref.nbytes:
             n = os.preadv(fd, [view[got:]], ref.start + got)
             if n <= 0:
-                raise QuantizeError(f"{path}: tensor {ref.name} could not be read completely (file shrank?); re-download it")
+                raise QuantizeError(
+                    f"{path}: tensor {ref.name} could not be read completely (file shrank?); re-download it"
+                )
             got += n
     finally:
         if close:

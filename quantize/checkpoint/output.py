@@ -42,18 +42,40 @@ HASH_CHUNK = 8 << 20
 # generation config, tokenizer and chat template files, processor configs, custom code named by
 # auto_map, the card and licence. Never `original/*.pth`, stray weights or folders.
 SIDE_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model",
-    "*.tiktoken", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
-    "video_preprocessor_config.json", "configuration_*.py", "modeling_*.py", "tokenization_*.py",
-    "processing_*.py", "image_processing*.py", "README.md", "LICENSE", "LICENSE.*", "NOTICE",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "*.tiktoken",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "configuration_*.py",
+    "modeling_*.py",
+    "tokenization_*.py",
+    "processing_*.py",
+    "image_processing*.py",
+    "README.md",
+    "LICENSE",
+    "LICENSE.*",
+    "NOTICE",
 )
 
 
 def _oserror(path: Path, e: OSError, doing: str) -> QuantizeError:
     """One line for the ways a filesystem says no."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return QuantizeError(f"{path}: no space left on the output disk while {doing}; free space and rerun with --resume")
+        return QuantizeError(
+            f"{path}: no space left on the output disk while {doing}; free space and rerun with --resume"
+        )
     if e.errno == errno.EROFS:
         return QuantizeError(f"{path}: the output filesystem is read-only; choose an OUT on a writable disk")
     if e.errno in (errno.EACCES, errno.EPERM):
@@ -96,7 +118,9 @@ def confined(folder: Path, name: str, what: str) -> Path:
     stays inside ``folder`` (no absolute path, no ``..``, no symlink out)."""
     p = Path(name)
     if not name or p.is_absolute() or ".." in p.parts or not (folder / p).resolve().is_relative_to(folder.resolve()):
-        raise QuantizeError(f"{what}: names {name!r}, a path outside {folder}; the record is corrupt or hostile, re-create it")
+        raise QuantizeError(
+            f"{what}: names {name!r}, a path outside {folder}; the record is corrupt or hostile, re-create it"
+        )
     return folder / p
 
 
@@ -121,7 +145,9 @@ def read_record(out: Path) -> dict | None:
         return {"kind": None, "corrupt": True}
     if not isinstance(data, dict):
         return {"kind": None, "corrupt": True}
-    data.setdefault("kind", "convert" if "key" in data and "shards" in data else None)  # records before kinds: convert's
+    data.setdefault(
+        "kind", "convert" if "key" in data and "shards" in data else None
+    )  # records before kinds: convert's
     return data
 
 
@@ -150,7 +176,10 @@ def take_lock(folder: Path, busy: Callable[[str], Exception], unopenable: Callab
 
 
 def _busy(out: Path, holder: str) -> QuantizeError:
-    return QuantizeError(f"{out}: another quantize run is writing this folder{f' (pid {holder})' if holder else ''}; wait for it to end or choose another OUT")
+    return QuantizeError(
+        f"{out}: another quantize run is writing this folder{f' (pid {holder})' if holder else ''}; "
+        "wait for it to end or choose another OUT"
+    )
 
 
 def _refuse_if_busy(out: Path) -> None:
@@ -192,14 +221,23 @@ class Output:
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
-    def open(cls, out: str | os.PathLike, kind: str, inputs: list[str | os.PathLike] = (), resume: bool = False,
-             overwrite: bool = False, key: dict | None = None) -> "Output":
+    def open(
+        cls,
+        out: str | os.PathLike,
+        kind: str,
+        inputs: list[str | os.PathLike] = (),
+        resume: bool = False,
+        overwrite: bool = False,
+        key: dict | None = None,
+    ) -> "Output":
         out = Path(out)
         if resume and overwrite:
             raise QuantizeError(f"{out}: --resume and --overwrite together; pass one of them")
         try:
             if out.is_symlink():
-                raise QuantizeError(f"{out}: is a symlink; pass the real folder (outputs are never written through a symlink)")
+                raise QuantizeError(
+                    f"{out}: is a symlink; pass the real folder (outputs are never written through a symlink)"
+                )
             if out.exists() and not out.is_dir():
                 raise QuantizeError(f"{out}: exists and is a file, not a folder; choose another OUT")
             o = out.resolve()
@@ -210,22 +248,33 @@ class Output:
             ip = Path(i).resolve()
             roots = [ip] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
             if any(_overlaps(o, r) for r in roots):
-                raise QuantizeError(f"{out}: overlaps the input {i}; choose an OUT outside it (inputs are never modified)")
+                raise QuantizeError(
+                    f"{out}: overlaps the input {i}; choose an OUT outside it (inputs are never modified)"
+                )
         cls._check_state(out, kind, resume, overwrite)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _oserror(out, e, "creating the output folder") from e
-        fd = take_lock(out, busy=lambda holder: _busy(out, holder),
-                       unopenable=lambda e: _oserror(out, e, "creating the output folder"))
+        fd = take_lock(
+            out,
+            busy=lambda holder: _busy(out, holder),
+            unopenable=lambda e: _oserror(out, e, "creating the output folder"),
+        )
         try:
             # state again, under the lock: another run may have changed it since the first look
             cls._check_state(out, kind, resume, overwrite)
             record = read_record(out)
             resumed = bool(resume and record and record.get("kind") == kind)
             if not resumed:
-                record = {"kind": kind, "inputs": [str(Path(i).resolve()) for i in inputs], "state": "running", "key": key or {},
-                          "shards": {}, "stats": {}}
+                record = {
+                    "kind": kind,
+                    "inputs": [str(Path(i).resolve()) for i in inputs],
+                    "state": "running",
+                    "key": key or {},
+                    "shards": {},
+                    "stats": {},
+                }
             self = cls(out, kind, fd, record, resumed)
             self.save()  # ours from here on, whatever happens next
             if not resumed:
@@ -242,11 +291,18 @@ class Output:
         rec = read_record(out)
         if rec is None or rec.get("corrupt") and not rec.get("kind"):
             what = "has no quantize job record" if rec is None else "has a corrupt quantize job record"
-            raise QuantizeError(f"{out}: exists and {what}, so this tool did not write it and will not touch it; choose another OUT or remove it yourself")
+            raise QuantizeError(
+                f"{out}: exists and {what}, so this tool did not write it and will not touch it; "
+                "choose another OUT or remove it yourself"
+            )
         if rec.get("kind") != kind:
-            raise QuantizeError(f"{out}: holds a `quantize {rec.get('kind')}` output, not a {kind} one; choose another OUT for {kind}")
+            raise QuantizeError(
+                f"{out}: holds a `quantize {rec.get('kind')}` output, not a {kind} one; choose another OUT for {kind}"
+            )
         if not (resume or overwrite):
-            raise QuantizeError(f"{out}: already exists; pass --resume to continue an interrupted run or --overwrite to replace it")
+            raise QuantizeError(
+                f"{out}: already exists; pass --resume to continue an interrupted run or --overwrite to replace it"
+            )
 
     # -- record --------------------------------------------------------------------------------
     @property
@@ -261,7 +317,10 @@ class Output:
         old = self.record.get("key") or {}
         diff = [k for k in sorted(set(old) | set(key)) if old.get(k) != key.get(k)]
         if diff:
-            raise QuantizeError(f"{self.record_path}: --resume with different {', '.join(diff)} than the interrupted run; rerun with the same options, or --overwrite to start over")
+            raise QuantizeError(
+                f"{self.record_path}: --resume with different {', '.join(diff)} than the interrupted "
+                "run; rerun with the same options, or --overwrite to start over"
+            )
 
     def mark_done(self, file: str, sha256: str, nbytes: int, stats: list[dict] | None = None) -> None:
         self.record["shards"][file] = {"sha256": sha256, "bytes": nbytes}
@@ -272,8 +331,13 @@ class Output:
     def kept(self, files: list[str], workers: int = 4) -> set[str]:
         """Of ``files``, those already written whose SHA-256 matches the record (read in full:
         size alone does not prove a shard). A mismatch is dropped from the record, to be redone."""
-        cand = [f for f in files if (rec := self.record["shards"].get(f)) and (self.path / f).is_file()
-                and (self.path / f).stat().st_size == rec["bytes"]]
+        cand = [
+            f
+            for f in files
+            if (rec := self.record["shards"].get(f))
+            and (self.path / f).is_file()
+            and (self.path / f).stat().st_size == rec["bytes"]
+        ]
         with ThreadPoolExecutor(max(1, min(workers, len(cand) or 1))) as pool:
             shas = list(pool.map(lambda f: sha256_file(self.path / f), cand))
         good = {f for f, s in zip(cand, shas) if s == self.record["shards"][f]["sha256"]}
@@ -375,9 +439,13 @@ def side_files(src: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
             continue
         if p.is_symlink():
             if not p.exists():
-                raise QuantizeError(f"{p}: dangling symlink (its target {os.readlink(p)} is missing); re-download it or remove the link")
+                raise QuantizeError(
+                    f"{p}: dangling symlink (its target {os.readlink(p)} is missing); re-download it or remove the link"
+                )
             if not inside(src, p.name):
-                raise QuantizeError(f"{p}: symlink to {p.resolve()}, outside the checkpoint and its Hub cache; copy the file in instead")
+                raise QuantizeError(
+                    f"{p}: symlink to {p.resolve()}, outside the checkpoint and its Hub cache; copy the file in instead"
+                )
         if not p.is_file():
             continue
         out.append(p)

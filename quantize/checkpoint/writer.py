@@ -50,7 +50,10 @@ def file_size(entries: list[Entry], metadata: dict[str, str] | None = None) -> i
 
 
 def _disk_full(path: Path, e: OSError) -> QuantizeError:
-    return QuantizeError(f"{path}: no space left on the output disk; free space (the plan says how many bytes the output needs) and rerun with --resume")
+    return QuantizeError(
+        f"{path}: no space left on the output disk; free space (the plan says how many bytes the "
+        "output needs) and rerun with --resume"
+    )
 
 
 class StreamWriter:
@@ -92,9 +95,13 @@ class StreamWriter:
             raise RuntimeError(f"{name}: planned {e.dtype}{list(e.shape)}, got {st_dtype(t.dtype)}{list(t.shape)}")
         t = t.contiguous()
         if t.numel():
-            self._write(memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy()))
+            self._write(
+                memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else memoryview(t.numpy())
+            )
 
-    def copy_bytes(self, name: str, src_fd: int, offset: int, nbytes: int, buf: bytearray | None = None, on_chunk=None) -> None:
+    def copy_bytes(
+        self, name: str, src_fd: int, offset: int, nbytes: int, buf: bytearray | None = None, on_chunk=None
+    ) -> None:
         """Copy a tensor's bytes verbatim from a source file in chunks (no tensor in memory)."""
         self._expect(name, nbytes)
         buf = buf if buf is not None else bytearray(min(COPY_CHUNK, max(nbytes, 1)))
@@ -103,7 +110,9 @@ class StreamWriter:
         while done < nbytes:
             n = os.preadv(src_fd, [view[: min(len(buf), nbytes - done)]], offset + done)
             if n <= 0:
-                raise QuantizeError(f"source tensor {name}: short read at byte {offset + done}; the shard changed or is truncated")
+                raise QuantizeError(
+                    f"source tensor {name}: short read at byte {offset + done}; the shard changed or is truncated"
+                )
             if on_chunk is not None:
                 on_chunk(view[:n])
             self._write(view[:n])

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import NATIVE_OBSERVERS, NUM_BITS, OBSERVERS, SUPPORTED_GROUP_SIZES, packed_shape, scale_shape  # noqa: F401
+from .layout import (  # noqa: F401
+    NATIVE_OBSERVERS,
+    NUM_BITS,
+    OBSERVERS,
+    SUPPORTED_GROUP_SIZES,
+    packed_shape,
+    scale_shape,
+)
 
 QMIN, QMAX = -8, 7
 OFFSET = 8  # uint4b8: stored = q + 8
@@ -118,7 +125,6 @@ def _mse_scale(wg: torch.Tensor, absmax: torch.Tensor, scale_dtype: torch.dtype,
     return best
 
 
-
 def _absmax(groups: torch.Tensor) -> torch.Tensor:
     return groups.abs().amax(-1)
 
@@ -142,6 +148,7 @@ GRIDS = {
     "fullrange": Grid(_signed_extreme, _fullrange_scale, signed=True),
     "fullrange-mse": Grid(_signed_extreme, _fullrange_scale, search=True, signed=True),
 }
+
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q int8 [out, in] in [-8, 7] (in % 8 == 0) -> int32 [out, in/8], low nibble first."""
@@ -200,8 +207,11 @@ def error_sums(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tu
     rows, k = w.shape
     ref = w.to(scale.dtype).float()
     diff = dequantize_int4(packed, scale, (rows, k), dtype=torch.float32).sub_(ref)
-    return (float(diff.pow(2).sum(dtype=torch.float64)), float(ref.pow(2).sum(dtype=torch.float64)),
-            float(diff.abs().max()) if diff.numel() else 0.0)
+    return (
+        float(diff.pow(2).sum(dtype=torch.float64)),
+        float(ref.pow(2).sum(dtype=torch.float64)),
+        float(diff.abs().max()) if diff.numel() else 0.0,
+    )
 
 
 def weights_args(group_size: int, observer: str | None = None) -> dict:
@@ -209,5 +219,12 @@ def weights_args(group_size: int, observer: str | None = None) -> dict:
     pydantic model."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    return QuantizationArgs(num_bits=NUM_BITS, type="int", symmetric=True, strategy="group", group_size=group_size,
-                            dynamic=False, observer=observer).model_dump(mode="json")
+    return QuantizationArgs(
+        num_bits=NUM_BITS,
+        type="int",
+        symmetric=True,
+        strategy="group",
+        group_size=group_size,
+        dynamic=False,
+        observer=observer,
+    ).model_dump(mode="json")

@@ -48,12 +48,27 @@ TASK_DATASETS = {
     "mmlu": ("MMLU", "cais/mmlu", None),
     "mmlu_pro": ("MMLU-Pro", "TIGER-Lab/MMLU-Pro", None),
 }
-SOURCE_FORMATS = {"fp8-block": "block FP8 (e4m3, 128x128 `weight_scale_inv`)", "ct-fp8": "compressed-tensors FP8",
-                  "float": "BF16/FP16"}
-KIND_WORDS = {"dequant": "BF16 (dequantized from FP8)", "copy": "as stored in the source", "keep_fp8": "FP8 (kept, block scales)",
-              "int4": "INT4"}
-OVERHEAD = {"weight_scale", "weight_shape", "weight_zero_point", "weight_global_scale", "weight_scale_inv", "input_scale",
-            "k_scale", "v_scale"}
+SOURCE_FORMATS = {
+    "fp8-block": "block FP8 (e4m3, 128x128 `weight_scale_inv`)",
+    "ct-fp8": "compressed-tensors FP8",
+    "float": "BF16/FP16",
+}
+KIND_WORDS = {
+    "dequant": "BF16 (dequantized from FP8)",
+    "copy": "as stored in the source",
+    "keep_fp8": "FP8 (kept, block scales)",
+    "int4": "INT4",
+}
+OVERHEAD = {
+    "weight_scale",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_global_scale",
+    "weight_scale_inv",
+    "input_scale",
+    "k_scale",
+    "v_scale",
+}
 
 
 @dataclass
@@ -64,8 +79,6 @@ class CardResult:
     readme_was: str  # "missing" | "source" | "ours"
     reports: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
 
 
 def _method_words(rep: dict | None) -> dict | None:
@@ -98,16 +111,24 @@ def _method_facts(rep: dict | None) -> tuple[list[tuple[str, int]], list[dict]]:
 
 # -- the folder ------------------------------------------------------------------------------
 
+
 def load_manifest(folder: Path) -> dict:
     """The folder's quantize manifest, for a finished convert or calibrate-kv output; one line otherwise."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise QuantizeError(f"{folder}: not a directory; pass a folder that `quantize convert` (or `calibrate-kv --out`) wrote")
+        raise QuantizeError(
+            f"{folder}: not a directory; pass a folder that `quantize convert` (or `calibrate-kv --out`) wrote"
+        )
     if (folder / SHARD_MANIFEST).exists():
-        raise QuantizeError(f"{folder}: a `quantize shard` verification layout, which no engine loads; publish the unsharded checkpoint")
+        raise QuantizeError(
+            f"{folder}: a `quantize shard` verification layout, which no engine loads; publish the unsharded checkpoint"
+        )
     path = folder / MANIFEST
     if not path.is_file():
-        raise QuantizeError(f"{path}: missing, so {folder} is not a finished quantize output; convert into it first (or rerun the interrupted job with --resume)")
+        raise QuantizeError(
+            f"{path}: missing, so {folder} is not a finished quantize output; convert into it first "
+            "(or rerun the interrupted job with --resume)"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -115,7 +136,10 @@ def load_manifest(folder: Path) -> dict:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise QuantizeError(f"{path}: not a quantize manifest (no per-file SHA-256 under 'files'); convert it again")
     if manifest.get("kind") not in KINDS:
-        raise QuantizeError(f"{path}: records a `quantize {manifest.get('kind')}` output, not a converted checkpoint; publish a convert or calibrate-kv --out folder")
+        raise QuantizeError(
+            f"{path}: records a `quantize {manifest.get('kind')}` output, not a converted checkpoint; "
+            "publish a convert or calibrate-kv --out folder"
+        )
     return manifest
 
 
@@ -124,10 +148,16 @@ def folder_lock(folder: Path):
     """Hold the folder's job lock (``.quantize/lock``, the one every writing command takes): no
     convert/calibrate-kv --resume, card or push runs into it meanwhile."""
     rec = Path(folder) / RECORD_DIR
-    fd = take_lock(Path(folder), unopenable=lambda e: QuantizeError(
-        f"{rec / LOCK}: cannot open the folder's lock ({e.strerror}); is {folder} writable?"),
-        busy=lambda holder: QuantizeError(f"{folder}: another quantize run is using this folder"
-                                          f"{f' (pid {holder})' if holder else ''}; wait for it to end"))
+    fd = take_lock(
+        Path(folder),
+        unopenable=lambda e: QuantizeError(
+            f"{rec / LOCK}: cannot open the folder's lock ({e.strerror}); is {folder} writable?"
+        ),
+        busy=lambda holder: QuantizeError(
+            f"{folder}: another quantize run is using this folder"
+            f"{f' (pid {holder})' if holder else ''}; wait for it to end"
+        ),
+    )
     try:
         yield
     finally:
@@ -135,7 +165,7 @@ def folder_lock(folder: Path):
 
 
 def readme_kind(folder: Path, manifest: dict) -> str:
-    """"missing", "ours" (carries MARKER), "source" (the copy the job wrote: its SHA-256 is the
+    """ "missing", "ours" (carries MARKER), "source" (the copy the job wrote: its SHA-256 is the
     manifest's) or "user" (anything else: a card someone wrote)."""
     p = Path(folder) / README
     if not p.is_file():
@@ -175,6 +205,7 @@ def conversion_record(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
 
 # -- facts -----------------------------------------------------------------------------------
 
+
 def repo_id_error(repo_id: str) -> str | None:
     """Why ``repo_id`` is not a Hub repo id naming its namespace (namespace/name), in one line as
     ``quantize push`` says it; None when it is one."""
@@ -204,8 +235,11 @@ def base_model(conv: tuple[Path, dict] | None) -> tuple[str | None, str]:
         name = None
     if isinstance(name, str) and repo_id_error(name) is None and not Path(name).exists():
         return name, "the source's config.json names it (`_name_or_path`)"
-    return None, (f"the source `{path}` is a local folder that names no Hub repository (not a Hugging Face cache snapshot, "
-                  "no repo id in its config.json `_name_or_path`)")
+    return None, (
+        f"the source `{path}` is a local folder that names no Hub repository (not a Hugging Face cache "
+        "snapshot, "
+        "no repo id in its config.json `_name_or_path`)"
+    )
 
 
 def _front_matter(text: str) -> dict:
@@ -261,10 +295,15 @@ def bits_per_weight(index: CheckpointIndex) -> dict:
         for fd in fds.values():
             os.close(fd)
     total_w = int4_w + other_w
-    return {"int4": int4_bits / int4_w if int4_w else None, "int4_weights": int4_w,
-            "high_precision": other_bits / other_w if other_w else None, "high_precision_weights": other_w,
-            "overall": (int4_bits + other_bits) / total_w if total_w else None, "weights": total_w,
-            "bytes": (int4_bits + other_bits) // 8}
+    return {
+        "int4": int4_bits / int4_w if int4_w else None,
+        "int4_weights": int4_w,
+        "high_precision": other_bits / other_w if other_w else None,
+        "high_precision_weights": other_w,
+        "overall": (int4_bits + other_bits) / total_w if total_w else None,
+        "weights": total_w,
+        "bytes": (int4_bits + other_bits) // 8,
+    }
 
 
 def tp_figures(folder: Path, index: CheckpointIndex, tps: tuple[int, ...] = (LAUNCH_TP, 4, 2, 1)) -> dict:
@@ -290,6 +329,7 @@ def tp_figures(folder: Path, index: CheckpointIndex, tps: tuple[int, ...] = (LAU
 
 # -- reports ---------------------------------------------------------------------------------
 
+
 def load_report(path: str | os.PathLike, folder: Path) -> dict:
     """One ``--eval`` file: a ``quantize eval --out`` report, a ``quantize eval-kld --out``
     report or ``quantize check --json`` output, detected by its fields; it must be about this
@@ -300,18 +340,26 @@ def load_report(path: str | os.PathLike, folder: Path) -> dict:
     except FileNotFoundError:
         raise QuantizeError(f"--eval {p}: no such file; pass the JSON that `quantize eval --out` wrote") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise QuantizeError(f"--eval {p}: not a JSON report ({type(e).__name__}); pass the file `quantize eval --out` wrote") from e
+        raise QuantizeError(
+            f"--eval {p}: not a JSON report ({type(e).__name__}); pass the file `quantize eval --out` wrote"
+        ) from e
     if isinstance(d, dict) and isinstance(d.get("tasks"), dict) and "candidate" in d and "baseline" in d:
         kind, model = "eval", d["candidate"]
         for t, r in d["tasks"].items():
             if not isinstance(r, dict) or not all(k in r for k in ("metric", "n", "candidate", "baseline", "delta")):
-                raise QuantizeError(f"--eval {p}: task {t} lacks metric/n/candidate/baseline/delta; pass the file `quantize eval --out` wrote")
+                raise QuantizeError(
+                    f"--eval {p}: task {t} lacks metric/n/candidate/baseline/delta; pass the file "
+                    "`quantize eval --out` wrote"
+                )
     elif isinstance(d, dict) and "kld_mean" in d and "top1_agreement" in d:
         kind, model = "kld", d.get("candidate")
     elif isinstance(d, dict) and "verified" in d and "failures" in d and "summary" in d:
         kind, model = "check", d.get("model")
     else:
-        raise QuantizeError(f"--eval {p}: neither a `quantize eval --out` report, a `quantize eval-kld --out` report nor `quantize check --json` output")
+        raise QuantizeError(
+            f"--eval {p}: neither a `quantize eval --out` report, a `quantize eval-kld --out` report "
+            "nor `quantize check --json` output"
+        )
     _same_model(p, model, folder)
     return {"file": str(p), "kind": kind, "report": d}
 
@@ -332,7 +380,10 @@ def _same_model(report: Path, model, folder: Path) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return
     if theirs != ours:
-        raise QuantizeError(f"--eval {report}: measures {model}, a checkpoint with other weights than {folder}; pass a report of this folder")
+        raise QuantizeError(
+            f"--eval {report}: measures {model}, a checkpoint with other weights than {folder}; pass "
+            "a report of this folder"
+        )
 
 
 # -- the card --------------------------------------------------------------------------------
@@ -357,11 +408,22 @@ def _template():
 
     import jinja2
 
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
-                             undefined=jinja2.StrictUndefined)
-    env.filters.update(cell=_cell, gib=_gib, fmt=format, pyint=int, basename=lambda p: Path(p).name,
-                       num=lambda v, spec: "—" if v is None else format(v, spec),
-                       g4=lambda v: format(v, ".4g") if isinstance(v, (int, float)) else "—")
+    env = jinja2.Environment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(
+        cell=_cell,
+        gib=_gib,
+        fmt=format,
+        pyint=int,
+        basename=lambda p: Path(p).name,
+        num=lambda v, spec: "—" if v is None else format(v, spec),
+        g4=lambda v: format(v, ".4g") if isinstance(v, (int, float)) else "—",
+    )
     env.tests.update(int=lambda v: isinstance(v, int), real=lambda v: isinstance(v, (int, float)))
     return env.from_string(re.sub(r"\\\n[ \t]*", "", files(__package__).joinpath(TEMPLATE).read_text("utf-8")))
 
@@ -379,15 +441,29 @@ def _metadata(repo_name: str, base: str | None, src_meta: dict, reports: list[di
         for task, t in d["tasks"].items():
             name, dtype, config = TASK_DATASETS.get(task, (task, task, None))
             subset = f", {t['n']} items (--limit {d['limit']})" if d.get("limit") else f", {t['n']} items"
-            results.append(EvalResult(task_type="text-generation", dataset_type=dtype, dataset_name=name,
-                                      dataset_config=config, dataset_split="test", metric_type=t["metric"],
-                                      metric_value=round(float(t["candidate"]), 2),
-                                      metric_name=f"{t['metric']} (%, lm-eval{subset})"))
+            results.append(
+                EvalResult(
+                    task_type="text-generation",
+                    dataset_type=dtype,
+                    dataset_name=name,
+                    dataset_config=config,
+                    dataset_split="test",
+                    metric_type=t["metric"],
+                    metric_value=round(float(t["candidate"]), 2),
+                    metric_name=f"{t['metric']} (%, lm-eval{subset})",
+                )
+            )
     tags = ["quantize", "compressed-tensors", "int4", "w4a16", "quantized"] + ([arch_name] if arch_name else [])
     kw = {k: src_meta[k] for k in CARRIED_KEYS if isinstance(src_meta.get(k), str) and src_meta[k]}
-    return ModelCardData(base_model=base, library_name="transformers", tags=tags,
-                         model_name=repo_name if results else None, eval_results=results or None,
-                         base_model_relation="quantized" if base else None, **kw)
+    return ModelCardData(
+        base_model=base,
+        library_name="transformers",
+        tags=tags,
+        model_name=repo_name if results else None,
+        eval_results=results or None,
+        base_model_relation="quantized" if base else None,
+        **kw,
+    )
 
 
 def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | None, proven: int) -> CardResult:
@@ -440,25 +516,54 @@ def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | Non
     source_format = plan.get("source_format") or src.get("format")
     src_bytes = sum(int(v.get("bytes", 0)) for v in (src.get("files") or {}).values())
     text = _template().render(
-        card_data=data.to_yaml(), marker=MARKER_LINE, name=name, base=base, notes=notes, kind=manifest.get("kind"),
-        manifest=manifest, cm=cm, cfg=cfg, qc=qc, w0=w0, group=w0.get("group_size"), src=src,
-        source_format=SOURCE_FORMATS.get(source_format, str(source_format)), src_files=len(src.get("files") or {}),
-        src_bytes=src_bytes, opts=rec.get("options") or {}, kernels=rec.get("kernels") or {},
-        conv_tools=(cm or manifest).get("tool") or {}, kv_tools=manifest.get("tool") or {},
-        mrep=rec.get("method"), method=_method_words(rec.get("method")), observers=OBSERVERS, rtn_reasons=rtn_reasons,
+        card_data=data.to_yaml(),
+        marker=MARKER_LINE,
+        name=name,
+        base=base,
+        notes=notes,
+        kind=manifest.get("kind"),
+        manifest=manifest,
+        cm=cm,
+        cfg=cfg,
+        qc=qc,
+        w0=w0,
+        group=w0.get("group_size"),
+        src=src,
+        source_format=SOURCE_FORMATS.get(source_format, str(source_format)),
+        src_files=len(src.get("files") or {}),
+        src_bytes=src_bytes,
+        opts=rec.get("options") or {},
+        kernels=rec.get("kernels") or {},
+        conv_tools=(cm or manifest).get("tool") or {},
+        kv_tools=manifest.get("tool") or {},
+        mrep=rec.get("method"),
+        method=_method_words(rec.get("method")),
+        observers=OBSERVERS,
+        rtn_reasons=rtn_reasons,
         method_layers=layers,
-        int4_roles=int4_roles, int4_tensors=sum(sum(roles[r].values()) for r in int4_roles),
-        kept=sorted((how, sorted(rs)) for how, rs in kept.items()), bpw=bits_per_weight(index),
-        bytes_before=src_bytes if cm else None, bytes_after=sum((folder / f).stat().st_size for f in index.files),
-        tpf=tp_figures(folder, index), error_summary=rec.get("error_summary") or {},
-        kv_rep=manifest.get("report") if manifest.get("kind") == "calibrate-kv" else None, proven=proven,
-        checks=[(r["report"], proven_parts(r["report"].get("verified") or {}))
-                for r in reports if r["kind"] == "check"],
+        int4_roles=int4_roles,
+        int4_tensors=sum(sum(roles[r].values()) for r in int4_roles),
+        kept=sorted((how, sorted(rs)) for how, rs in kept.items()),
+        bpw=bits_per_weight(index),
+        bytes_before=src_bytes if cm else None,
+        bytes_after=sum((folder / f).stat().st_size for f in index.files),
+        tpf=tp_figures(folder, index),
+        error_summary=rec.get("error_summary") or {},
+        kv_rep=manifest.get("report") if manifest.get("kind") == "calibrate-kv" else None,
+        proven=proven,
+        checks=[
+            (r["report"], proven_parts(r["report"].get("verified") or {})) for r in reports if r["kind"] == "check"
+        ],
         evals=[r["report"] for r in reports if r["kind"] == "eval"],
-        klds=[r["report"] for r in reports if r["kind"] == "kld"], model_ref=repo_id or str(folder.resolve()),
-        n_shared=text_cfg.get("n_shared_experts"), version=__version__, reports=reports)
-    return CardResult(str(folder / README), text, ModelCard(text).data.to_dict(), readme_kind(folder, manifest),
-                      reports, notes)
+        klds=[r["report"] for r in reports if r["kind"] == "kld"],
+        model_ref=repo_id or str(folder.resolve()),
+        n_shared=text_cfg.get("n_shared_experts"),
+        version=__version__,
+        reports=reports,
+    )
+    return CardResult(
+        str(folder / README), text, ModelCard(text).data.to_dict(), readme_kind(folder, manifest), reports, notes
+    )
 
 
 def _stored_reports(folder: Path) -> list[dict]:
@@ -466,23 +571,38 @@ def _stored_reports(folder: Path) -> list[dict]:
         d = json.loads((Path(folder) / RECORD_DIR / CARD_STATE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return []
-    return [r for r in d.get("reports", []) if isinstance(r, dict) and r.get("kind") in ("eval", "kld", "check")] if isinstance(d, dict) else []
+    return (
+        [r for r in d.get("reports", []) if isinstance(r, dict) and r.get("kind") in ("eval", "kld", "check")]
+        if isinstance(d, dict)
+        else []
+    )
 
 
-def write_card(folder: Path, manifest: dict, reports: list[dict] | None = None, repo_id: str | None = None,
-               proven: int | None = None) -> CardResult:
+def write_card(
+    folder: Path,
+    manifest: dict,
+    reports: list[dict] | None = None,
+    repo_id: str | None = None,
+    proven: int | None = None,
+) -> CardResult:
     """Write README.md (the caller holds the folder lock). ``reports`` None: the ones the last
     card was written from. ``proven``: files already verified by the caller (push's pre-flight)."""
     folder = Path(folder)
     kind = readme_kind(folder, manifest)
     if kind == "user":
-        raise QuantizeError(f"{folder / README}: a card someone wrote (neither the source's copy nor one quantize generated); "
-                            "quantize does not overwrite it: move it aside to have one generated (push uploads it as it is)")
+        raise QuantizeError(
+            f"{folder / README}: a card someone wrote (neither the source's copy nor one quantize "
+            "generated); "
+            "quantize does not overwrite it: move it aside to have one generated (push uploads it as "
+            "it is)"
+        )
     if proven is None:
         failures, proven = verify(folder)
         if failures:
-            raise QuantizeError(f"{failures[0]}; the card would describe files that are not what quantize wrote"
-                                + (f" ({len(failures) - 1} more)" if len(failures) > 1 else ""))
+            raise QuantizeError(
+                f"{failures[0]}; the card would describe files that are not what quantize wrote"
+                + (f" ({len(failures) - 1} more)" if len(failures) > 1 else "")
+            )
     if reports is None:
         reports = _stored_reports(folder)
     res = render(folder, manifest, reports, repo_id, proven)
@@ -494,12 +614,17 @@ def write_card(folder: Path, manifest: dict, reports: list[dict] | None = None, 
     # the manifest proves README.md as it is now, so `quantize check` keeps proving every file
     m = json.loads((folder / MANIFEST).read_text())
     m["files"][README] = {"sha256": sha256_file(folder / README), "bytes": (folder / README).stat().st_size}
-    m["card"] = {"written_by": "quantize card", "source_card": f"{RECORD_DIR}/{SOURCE_CARD}" if (rec / SOURCE_CARD).exists() else None}
+    m["card"] = {
+        "written_by": "quantize card",
+        "source_card": f"{RECORD_DIR}/{SOURCE_CARD}" if (rec / SOURCE_CARD).exists() else None,
+    }
     write_text_atomic(folder / MANIFEST, json.dumps(m, indent=1, sort_keys=True, default=str))
     return res
 
 
-def card(model: str | os.PathLike, eval: list[str | os.PathLike] | None = None, repo_id: str | None = None) -> CardResult:
+def card(
+    model: str | os.PathLike, eval: list[str | os.PathLike] | None = None, repo_id: str | None = None
+) -> CardResult:
     """``quantize card``: write ``model``/README.md from its records and the ``eval`` reports
     (``quantize eval --out``, ``--kld --out`` or ``quantize check --json`` files; None: those of
     the last card). ``repo_id`` names the Hub repo in the launch lines (push passes it)."""
@@ -507,6 +632,8 @@ def card(model: str | os.PathLike, eval: list[str | os.PathLike] | None = None, 
     manifest = load_manifest(folder)
     reports = [load_report(p, folder) for p in eval] if eval else None
     if repo_id is not None and repo_id_error(repo_id) is not None:
-        raise QuantizeError(f"repo id {repo_id!r}: not a Hub repo id; use namespace/name (letters, digits, '-', '_', '.')")
+        raise QuantizeError(
+            f"repo id {repo_id!r}: not a Hub repo id; use namespace/name (letters, digits, '-', '_', '.')"
+        )
     with folder_lock(folder):
         return write_card(folder, manifest, reports, repo_id)

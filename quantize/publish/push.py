@@ -83,14 +83,21 @@ def _upload_set(folder: Path, manifest: dict) -> tuple[list[PushFile], list[str]
         p = confined(folder, name, str(folder / MANIFEST))
         files.append(PushFile(name, int(rec["bytes"]), str(rec["sha256"])))
         if not p.is_file():
-            raise QuantizeError(f"{p}: recorded in the manifest but missing; the folder is incomplete, nothing was pushed")
+            raise QuantizeError(
+                f"{p}: recorded in the manifest but missing; the folder is incomplete, nothing was pushed"
+            )
     weights = [f for f in files if f.path.endswith(".safetensors")]
     rest = [f for f in files if not f.path.endswith(".safetensors")]
     taken = {f.path for f in files} | {README, MANIFEST}
     others = []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
-        if rel.split("/")[0] in (RECORD_DIR, ".cache") or rel in taken or not p.is_file() or p.name.endswith(TMP_SUFFIX):
+        if (
+            rel.split("/")[0] in (RECORD_DIR, ".cache")
+            or rel in taken
+            or not p.is_file()
+            or p.name.endswith(TMP_SUFFIX)
+        ):
             continue
         others.append(rel)
     return weights + rest, others
@@ -175,7 +182,7 @@ def _on_hub(api, repo_id: str, revision: str, files: list[PushFile], folder: Pat
     remote = {}
     paths = [f.path for f in files]
     for i in range(0, len(paths), PATHS_INFO_CHUNK):
-        for r in api.get_paths_info(repo_id, paths[i:i + PATHS_INFO_CHUNK], revision=revision, repo_type="model"):
+        for r in api.get_paths_info(repo_id, paths[i : i + PATHS_INFO_CHUNK], revision=revision, repo_type="model"):
             remote[r.path] = r
     same = set()
     for f in files:
@@ -191,8 +198,17 @@ def _on_hub(api, repo_id: str, revision: str, files: list[PushFile], folder: Pat
     return same
 
 
-def push(model: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None, create_pr: bool = False,
-         dry_run: bool = False, message: str | None = None, batch_gib: float = DEFAULT_BATCH_GIB, emit: Emit = null_emit) -> PushResult:
+def push(
+    model: str | os.PathLike,
+    repo_id: str,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    dry_run: bool = False,
+    message: str | None = None,
+    batch_gib: float = DEFAULT_BATCH_GIB,
+    emit: Emit = null_emit,
+) -> PushResult:
     """``quantize push``: check ``model`` and upload it to ``repo_id`` (created if missing;
     ``private`` for a new repo), on branch ``revision`` (created from main if missing) or, with
     ``create_pr``, as a pull request; ``dry_run`` checks and lists, needs no token, sends nothing.
@@ -203,7 +219,9 @@ def push(model: str | os.PathLike, repo_id: str, private: bool = False, revision
     if why := repo_id_error(repo_id):
         raise QuantizeError(why)
     if not batch_gib > 0:
-        raise QuantizeError(f"--batch-gib {batch_gib}: must be a positive number of GiB per commit (default {DEFAULT_BATCH_GIB:g})")
+        raise QuantizeError(
+            f"--batch-gib {batch_gib}: must be a positive number of GiB per commit (default {DEFAULT_BATCH_GIB:g})"
+        )
     if revision is not None and (not revision.strip() or revision != revision.strip()):
         raise QuantizeError(f"--revision {revision!r}: not a branch name")
     if message is not None and not message.strip():
@@ -214,10 +232,16 @@ def push(model: str | os.PathLike, repo_id: str, private: bool = False, revision
 
         token = get_token()
         if not token:
-            raise QuantizeError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN to a token with write access "
-                                "(`quantize push --dry-run` needs none)")
+            raise QuantizeError(
+                "no Hugging Face token: log in with `hf auth login` or set HF_TOKEN to a token with "
+                "write access "
+                "(`quantize push --dry-run` needs none)"
+            )
         if constants.is_offline_mode():
-            raise QuantizeError("HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, so huggingface_hub sends no request; set HF_HUB_OFFLINE=0 to push")
+            raise QuantizeError(
+                "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, so huggingface_hub sends no "
+                "request; set HF_HUB_OFFLINE=0 to push"
+            )
     manifest = load_manifest(folder)
     base = revision or "main"
     lock = None if dry_run else folder_lock(folder)  # a dry run writes nothing, not even the lock's pid
@@ -228,28 +252,44 @@ def push(model: str | os.PathLike, repo_id: str, private: bool = False, revision
         del index
         failures, proven = verify(folder)
         if failures:
-            raise QuantizeError(f"{failures[0]}; the folder is not what quantize wrote, so nothing was pushed"
-                                + (f" ({len(failures) - 1} more)" if len(failures) > 1 else ""))
+            raise QuantizeError(
+                f"{failures[0]}; the folder is not what quantize wrote, so nothing was pushed"
+                + (f" ({len(failures) - 1} more)" if len(failures) > 1 else "")
+            )
         files, others = _upload_set(folder, manifest)
         kind = readme_kind(folder, manifest)
         if kind == "user":
             card = "README.md: the card you wrote, uploaded as it is"
         elif dry_run:
             text = render(folder, manifest, _stored(folder), repo_id, proven).text.encode()
-            card = f"README.md: would be {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
+            card = (
+                f"README.md: would be {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
+            )
         else:
             write_card(folder, manifest, None, repo_id, proven)
             card = f"README.md: {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
         files = _finish_set(folder, files)
         if dry_run and kind != "user":  # the card as it would be written
-            files = [f for f in files if f.path != README] + [PushFile(README, len(text), hashlib.sha256(text).hexdigest())]
+            files = [f for f in files if f.path != README] + [
+                PushFile(README, len(text), hashlib.sha256(text).hexdigest())
+            ]
         res = PushResult(str(folder), repo_id, base, dry_run, files, others, card)
         if dry_run:
             return res
         endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
         try:
-            _upload(folder, res, token, endpoint, private, revision, create_pr,
-                    message or f"Upload {folder.resolve().name} (quantize {__version__})", int(batch_gib * 2**30), emit)
+            _upload(
+                folder,
+                res,
+                token,
+                endpoint,
+                private,
+                revision,
+                create_pr,
+                message or f"Upload {folder.resolve().name} (quantize {__version__})",
+                int(batch_gib * 2**30),
+                emit,
+            )
         except QuantizeError as e:
             emit({"event": "error", "message": str(e)})  # ends a progress line the upload left open
             raise
@@ -265,8 +305,18 @@ def _stored(folder: Path) -> list[dict]:
     return _stored_reports(folder)
 
 
-def _upload(folder: Path, res: PushResult, token: str, endpoint: str | None, private: bool, revision: str | None,
-            create_pr: bool, message: str, batch_bytes: int, emit: Emit) -> None:
+def _upload(
+    folder: Path,
+    res: PushResult,
+    token: str,
+    endpoint: str | None,
+    private: bool,
+    revision: str | None,
+    create_pr: bool,
+    message: str,
+    batch_bytes: int,
+    emit: Emit,
+) -> None:
     from huggingface_hub import CommitOperationAdd, HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
 
@@ -287,7 +337,12 @@ def _upload(folder: Path, res: PushResult, token: str, endpoint: str | None, pri
         except RevisionNotFoundError:
             if target == base:
                 raise
-            st = {"key": key, "pr_revision": None, "pr_url": None, "commits": []}  # that pull request is gone: open another
+            st = {
+                "key": key,
+                "pr_revision": None,
+                "pr_url": None,
+                "commits": [],
+            }  # that pull request is gone: open another
             target = base
             same = _on_hub(api, repo_id, target, res.files, folder)
         res.pr_url = st.get("pr_url")
@@ -296,8 +351,16 @@ def _upload(folder: Path, res: PushResult, token: str, endpoint: str | None, pri
                 f.status = "on the Hub already"
         todo = [f for f in res.files if f.path not in same]
         batches = _batches(todo, batch_bytes)
-        emit({"event": "start", "stage": "push", "files": len(todo), "skipped": len(same), "commits": len(batches),
-              "bytes": sum(f.bytes for f in todo)})
+        emit(
+            {
+                "event": "start",
+                "stage": "push",
+                "files": len(todo),
+                "skipped": len(same),
+                "commits": len(batches),
+                "bytes": sum(f.bytes for f in todo),
+            }
+        )
         earlier = len(st["commits"])  # an interrupted run's commits count too: (2/3), (3/3) after a resume
         for i, batch in enumerate(batches, 1):
             first_pr = create_pr and not st.get("pr_revision")
@@ -306,10 +369,17 @@ def _upload(folder: Path, res: PushResult, token: str, endpoint: str | None, pri
                 op = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(folder / f.path))
                 op.upload_info.sha256 = bytes.fromhex(f.sha256)  # proven by the pre-flight: no second read to hash
                 ops.append(op)
-            stage = f"uploading commit {i}/{len(batches)} ({', '.join(f.path for f in batch[:3])}{', ...' if len(batch) > 3 else ''})"
+            shown = ", ".join(f.path for f in batch[:3]) + (", ..." if len(batch) > 3 else "")
+            stage = f"uploading commit {i}/{len(batches)} ({shown})"
             n = earlier + len(batches)
-            info = api.create_commit(repo_id, ops, commit_message=message if n == 1 else f"{message} ({earlier + i}/{n})",
-                                     revision=base if first_pr else target, create_pr=True if first_pr else None, repo_type="model")
+            info = api.create_commit(
+                repo_id,
+                ops,
+                commit_message=message if n == 1 else f"{message} ({earlier + i}/{n})",
+                revision=base if first_pr else target,
+                create_pr=True if first_pr else None,
+                repo_type="model",
+            )
             if first_pr:
                 st["pr_revision"], st["pr_url"] = info.pr_revision, info.pr_url
                 target, res.pr_url = info.pr_revision, info.pr_url
@@ -318,23 +388,43 @@ def _upload(folder: Path, res: PushResult, token: str, endpoint: str | None, pri
             res.commits.append(info.oid)
             for f in batch:
                 f.status = "uploaded"
-            emit({"event": "commit", "index": i, "of": len(batches), "oid": info.oid, "files": len(batch),
-                  "bytes": sum(f.bytes for f in batch)})
+            emit(
+                {
+                    "event": "commit",
+                    "index": i,
+                    "of": len(batches),
+                    "oid": info.oid,
+                    "files": len(batch),
+                    "bytes": sum(f.bytes for f in batch),
+                }
+            )
     except QuantizeError:
         raise
     except (HfHubHTTPError, RuntimeError, ValueError, OSError) as e:
         code = _status(e)
         if code == 401:
-            raise QuantizeError(f"the Hub at {key['endpoint']} refused the token (401) while {stage}; log in again with "
-                                "`hf auth login` or set HF_TOKEN to a token with write access") from None
+            raise QuantizeError(
+                f"the Hub at {key['endpoint']} refused the token (401) while {stage}; log in again "
+                "with "
+                "`hf auth login` or set HF_TOKEN to a token with write access"
+            ) from None
         if code == 403 and stage == "creating the repo":
-            raise QuantizeError(f"REPO_ID {repo_id}: the token may not create or write this repo (403); use a namespace you can write to") from None
-        raise QuantizeError(f"push to {repo_id} failed while {stage}: {_why(e, token)}; rerun the same command to resume "
-                            "(files already on the Hub are not sent again)") from None
+            raise QuantizeError(
+                f"REPO_ID {repo_id}: the token may not create or write this repo (403); use a "
+                "namespace you can write to"
+            ) from None
+        raise QuantizeError(
+            f"push to {repo_id} failed while {stage}: {_why(e, token)}; rerun the same command to "
+            "resume "
+            "(files already on the Hub are not sent again)"
+        ) from None
     except Exception as e:  # noqa: BLE001 - httpx transport errors (connection refused, timeouts)
         import httpx
 
         if isinstance(e, httpx.HTTPError):
-            raise QuantizeError(f"push to {repo_id} failed while {stage}: {_why(e, token)}; check HF_ENDPOINT and the network, then rerun "
-                                "the same command to resume (files already on the Hub are not sent again)") from None
+            raise QuantizeError(
+                f"push to {repo_id} failed while {stage}: {_why(e, token)}; check HF_ENDPOINT and the "
+                "network, then rerun "
+                "the same command to resume (files already on the Hub are not sent again)"
+            ) from None
         raise
