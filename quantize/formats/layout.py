@@ -11,7 +11,8 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)
 # the RTN observers (the grid a group's scale is chosen on) and what the card says of each; their
 # math is formats/int4.py's GRIDS table, keyed the same (tests/test_formats.py checks both agree)
 OBSERVERS = {
-    "minmax": "round-to-nearest, scale = group absmax / 7.5 (compressed-tensors' RTN, as llm-compressor's model_free_ptq)",
+    "minmax": "round-to-nearest, scale = group absmax / 7.5 (compressed-tensors' RTN, as llm-compressor's "
+    "model_free_ptq)",
     "mse": "round-to-nearest with a per-group clipping search (the scale minimising the group's error)",
     "fullrange": "round-to-nearest over all 16 codes (scale = the group's signed extreme / -8)",
     "fullrange-mse": "all 16 codes with a per-group clipping search",

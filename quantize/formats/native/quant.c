@@ -31,7 +31,8 @@ static inline float rbf(float f) { return bf2f(f2bf(f)); }
 #define MAXG 128
 #define EPS_BF16 0.0078125f
 
-static inline void codes_pack(const float *w, int64_t g, float s, uint8_t *packed, double *sq_err, double *sq_ref, float *max_err) {
+static inline void codes_pack(const float *w, int64_t g, float s, uint8_t *packed, double *sq_err, double *sq_ref,
+                              float *max_err) {
     double se = 0.0, sr = 0.0;
     float me = *max_err;
     for (int64_t k = 0; k < g; k += 2) {
@@ -198,7 +199,8 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
             for (int64_t c = 0; c < K; c++) wrow[c] = rbf_nn(p[c]);
         }
         if (observer == 0) {
-            bad |= row_minmax(wrow, K, g, packed + r * (K / 2), scale_out + r * (K / g), sc, &sq_err, &sq_ref, &max_err);
+            bad |= row_minmax(wrow, K, g, packed + r * (K / 2), scale_out + r * (K / g), sc, &sq_err, &sq_ref,
+                              &max_err);
             continue;
         }
         for (int64_t c0 = 0; c0 < K; c0 += g) {
