@@ -236,7 +236,8 @@ class Mla(_LatentRow):
     }
 
     def cache_bytes(self, cfg: dict, tp: int) -> dict[str, float]:
-        # replicated on every TP rank (the latent is not split by heads); FP8: one byte per value
+        # kv_lora_rank + qk_rope_head_dim (512 + 64 = 576) values, replicated on every TP rank (the latent is
+        # not split by heads); FP8: one byte per value (the per-tensor scale is negligible)
         row = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
         return {"bf16": row * 2, "fp8": row}
 
