@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..errors import QuantizeError
+from .attention import LAYOUTS, AttentionLayout, attention_layout, cache_layout  # noqa: F401
 from .base import ROLES, Architecture, profile_quantizes  # noqa: F401
 from .gqa import GQA_FUSIONS, GQA_GLOBAL_RULES, GQA_LAYER_RULES, gqa_expected
 from .mla import MLA_FUSIONS, MLA_GLOBAL_RULES, MLA_LAYER_RULES, mla_expected
@@ -73,7 +74,8 @@ register(Architecture(
     global_rules=GQA_GLOBAL_RULES,
     fusions=GQA_FUSIONS,
     attention="gqa",
-    hf={"module": "llama", "prefix": "Llama"},
+    hf={"module": "llama", "prefix": "Llama",
+        "by_model_type": {"qwen2": ("qwen2", "Qwen2"), "qwen3": ("qwen3", "Qwen3"), "mistral": ("mistral", "Mistral")}},
     expected=gqa_expected,
     notes="dense GQA decoders (Llama, Qwen2/3, Mistral)",
 ))

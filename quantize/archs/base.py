@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .attention import AttentionLayout, attention_layout
+
 # role -> (is a Linear weight, TP split, vendor FP8 source keeps it high precision)
 #   split: "col" (split out dim), "row" (split in dim), "rep" (replicated), "vocab" (split rows)
 ROLES: dict[str, tuple[bool, str, bool]] = {
@@ -102,14 +104,24 @@ class Architecture:
     fusions: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # the engine's name for the MTP layer (SGLang names GLM-5's `model.decoder`)
     engine_mtp_name: str | None = None
-    # MLA / DSA facts used by later stages
-    attention: str = "mla"  # "mla" | "dsa" | "gqa"
+    # the attention layout (archs/attention.py LAYOUTS): "mla" | "dsa" | "gqa"
+    attention: str = "mla"
     # transformers' own text-model classes for layer-streamed calibration:
-    # {"module": "deepseek_v3", "prefix": "DeepseekV3", "mask_kwargs": {...}, "topk": bool}
+    # {"module": "deepseek_v3", "prefix": "DeepseekV3", "mask_kwargs": {...}, "topk": bool,
+    #  "by_model_type": {text model_type: (module, prefix)} where a family spans several}
     hf: dict = field(default_factory=dict)
     # tensors from config alone: cfg(text) -> [(name, shape, role)]
     expected: Callable[[dict], list[tuple[str, tuple[int, ...], str]]] | None = None
     notes: str = ""
+
+    @property
+    def layout(self) -> AttentionLayout:
+        return attention_layout(self.attention)
+
+    def hf_classes(self, text: dict) -> tuple[str, str]:
+        """(transformers module, class-name prefix) of this text config's layer classes."""
+        by_type = self.hf.get("by_model_type", {})
+        return by_type.get(text.get("model_type")) or (self.hf["module"], self.hf["prefix"])
 
     def text_config(self, cfg: dict) -> dict:
         if self.text_config_key:

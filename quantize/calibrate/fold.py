@@ -18,6 +18,9 @@ and non-rope rows cannot move one part alone: that part is not folded, and the r
 What the fold moves elsewhere: the absorbed query ``q_nope x W_UK`` shrinks by ``fl`` and ``q_pe`` by
 ``fr`` (SGLang's FlashMLA FP8 path casts q to e4m3 at the same scale), so each factor is capped so
 the query neither overflows e4m3 nor sinks below its normal range; a capped factor is named.
+
+Which tensors a layer's fold touches and where the rope rows lie in them is the MLA layout's
+(``archs.attention.MLA.fold_tensors``, ``MlaNames``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from ..archs.attention import MlaNames
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
@@ -85,37 +90,6 @@ def choose_factor(cache_amax: float, query_amax: float | None, headroom: float, 
     return 2.0**mid, (f"{part}: cache (wants 2^{k}) and query (needs 2^{k_lo}..2^{k_hi}) cannot both fit e4m3; balanced at 2^{mid}")
 
 
-@dataclass(frozen=True)
-class MlaNames:
-    """The tensors one layer's fold touches, and the head layout of the query projection."""
-
-    norm: str  # kv_a_layernorm.weight
-    kv_a: str  # kv_a_proj_with_mqa.weight (rope rows at the end)
-    kv_b: str  # kv_b_proj.weight
-    q: str  # q_b_proj.weight or q_proj.weight
-    kv_lora_rank: int
-    rope: int
-    nope: int
-    heads: int
-
-
-def layer_names(prefix: str, layer: int, text: dict) -> MlaNames:
-    base = f"{prefix}model.layers.{layer}.self_attn."
-    q = "q_b_proj" if text.get("q_lora_rank") else "q_proj"
-    return MlaNames(base + "kv_a_layernorm.weight", base + "kv_a_proj_with_mqa.weight", base + "kv_b_proj.weight",
-                    base + q + ".weight", int(text["kv_lora_rank"]), int(text["qk_rope_head_dim"]),
-                    int(text["qk_nope_head_dim"]), int(text["num_attention_heads"]))
-
-
-def rope_rows_kv_a(n: MlaNames) -> list[int]:
-    return list(range(n.kv_lora_rank, n.kv_lora_rank + n.rope))
-
-
-def rope_rows_q(n: MlaNames) -> list[int]:
-    stride = n.nope + n.rope
-    return [h * stride + n.nope + j for h in range(n.heads) for j in range(n.rope)]
-
-
 def rows_foldable(scheme: str, rows: list[int], total_rows: int, block_rows: int) -> str | None:
     """None when rows can be scaled alone in this storage scheme, else why not."""
     if scheme != "fp8-block":
@@ -155,7 +129,7 @@ def _stored(reader, weight: str) -> tuple[str, str]:
 
 def rope_fold_blocker(reader, n: MlaNames) -> str | None:
     """Why the rope part of this layer cannot be folded exactly in its storage, or None."""
-    for weight, rows in ((n.kv_a, rope_rows_kv_a(n)), (n.q, rope_rows_q(n))):
+    for weight, rows in ((n.kv_a, n.rope_rows_kv_a()), (n.q, n.rope_rows_q())):
         scheme, carrier = _stored(reader, weight)
         total = reader.index.tensors[weight].shape[0] if weight in reader.index.tensors else None
         if scheme == "fp8-block":
@@ -183,7 +157,7 @@ def fold_changes(reader, n: MlaNames, fl: float, fr: float) -> dict[str, torch.T
         _, carrier = _stored(reader, n.kv_b)
         changed[carrier] = scale_all(reader.raw(carrier), 1.0 / fl)
     if fr != 1.0:
-        for weight, rows, f in ((n.kv_a, rope_rows_kv_a(n), fr), (n.q, rope_rows_q(n), 1.0 / fr)):
+        for weight, rows, f in ((n.kv_a, n.rope_rows_kv_a(), fr), (n.q, n.rope_rows_q(), 1.0 / fr)):
             scheme, carrier = _stored(reader, weight)
             t = changed.get(carrier, reader.raw(carrier))
             if t.dim() == 1:

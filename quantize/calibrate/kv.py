@@ -14,6 +14,8 @@ output when the cached row goes through e4m3, against BF16; for MLA also the abs
 q_pe's range. What is written follows what the target engine does (docs/kv-cache.md#what-calibrate-kv-writes): for
 MLA on SGLang/vLLM nothing but, with ``fold``, the exactly reparametrised model (calibrate/fold.py);
 for transformers (``compressed-tensors``) and GQA models the scales and ``kv_cache_scheme``.
+What differs by layout (what is observed, the scales, the verdict, what is written) is the layout
+object's (``archs/attention.py``); this module measures and writes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from safetensors.torch import save_file
 
 from compressed_tensors.quantization import QuantizationArgs
 
+from ..archs.attention import AttentionLayout
 from ..checkpoint.index import INDEX_NAME, cached_fd, hub_revision, read_header
 from ..checkpoint.manifest import tool_versions, write_manifest
 from ..checkpoint.output import SIDE_FILES, TMP_SUFFIX, Output, side_files, write_text_atomic
@@ -138,46 +141,31 @@ class ObservingCache:
     """Duck-typed ``past_key_values`` for one forward: sees what the attention caches and returns it,
     optionally through FP8 (``mode``: None | "unit" | "calibrated" | "tiles")."""
 
-    def __init__(self, layout: str, obs: LayerObs | None, rope_dim: int, mode: str | None = None,
+    def __init__(self, layout: AttentionLayout, obs: LayerObs | None, rope_dim: int, mode: str | None = None,
                  scales: tuple[float, float] = (1.0, 1.0)):
         self.layout, self.obs, self.rope_dim, self.mode, self.scales = layout, obs, rope_dim, mode, scales
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.layout == "mla":  # k = kv_c_normed [.., 512], v = post-RoPE k_pe [.., 64]: one cached row
-            if self.obs is not None:
-                self.obs.latent.add(k)
-                self.obs.rope.add(v)
-                self.obs.row.add(k)
-                self.obs.row.add(v)
-            if self.mode in ("unit", "calibrated"):
-                s = self.scales[0] if self.mode == "calibrated" else 1.0
-                return fake_e4m3(k, s), fake_e4m3(v, s)
+        if self.obs is not None:  # what the layout caches, into the layer's histograms
+            for part, t in self.layout.observed(k, v, self.rope_dim):
+                getattr(self.obs, part).add(t)
+        scales = self.layout.cache_scales(self.mode, self.scales)
+        if scales is None:
             return k, v
-        if self.layout == "dsa":  # expanded per-head K; its rope part is the cached k_pe (same in every head)
-            if self.obs is not None:
-                rope = k[:, :1, :, -self.rope_dim:]
-                self.obs.rope.add(rope)
-                self.obs.row.add(rope)
-            return k, v
-        if self.obs is not None:  # gqa
-            self.obs.k.add(k)
-            self.obs.v.add(v)
-        if self.mode in ("unit", "calibrated"):
-            ks, vs = self.scales if self.mode == "calibrated" else (1.0, 1.0)
-            return fake_e4m3(k, ks), fake_e4m3(v, vs)
-        return k, v
+        return fake_e4m3(k, scales[0]), fake_e4m3(v, scales[1])
 
     def update_indexer(self, k: torch.Tensor, layer_idx: int, *args, **kwargs):
         return k
 
 
-def _latent_hook(obs: LayerObs | None, mode: str | None):
-    """DSA: kv_c_normed is not handed to the cache; observe (and for "tiles", round) it here."""
+def _latent_hook(layout: AttentionLayout, obs: LayerObs | None, mode: str | None):
+    """Where the cache is not handed the latent (DSA's kv_c_normed): observe (and for "tiles",
+    round) it on the module that makes it (``layout.latent_module``)."""
 
     def hook(module, inputs, output):
         if obs is not None:
-            obs.latent.add(output)
-            obs.row.add(output)
+            for part, t in layout.observed_latent(output):
+                getattr(obs, part).add(t)
         if mode == "tiles":
             return fake_e4m3_tiles(output)
         return output
@@ -220,8 +208,8 @@ def _fingerprint(streamer: LayerStreamer) -> str:
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _report_layer(i: int, obs: LayerObs, layout: str, clip: float | None) -> LayerReport:
-    h = obs.row if layout in ("mla", "dsa") else obs.k
+def _report_layer(i: int, obs: LayerObs, layout: AttentionLayout, clip: float | None) -> LayerReport:
+    h = getattr(obs, layout.scaled)
     thresh = h.quantile(clip) if clip else h.amax
     scale = max(thresh, 1e-30) / E4M3_MAX
     r = LayerReport(
@@ -230,12 +218,11 @@ def _report_layer(i: int, obs: LayerObs, layout: str, clip: float | None) -> Lay
         overflow_calibrated=h.frac_above(E4M3_MAX * scale), subnormal_calibrated=h.frac_below(E4M3_MIN_NORMAL * scale),
         zero_calibrated=h.frac_below(E4M3_ZERO_BELOW * scale),
     )
-    if layout in ("mla", "dsa"):
-        r.amax_latent, r.amax_rope = obs.latent.amax, obs.rope.amax
-    else:
-        r.k_amax, r.v_amax = obs.k.amax, obs.v.amax
-        r.k_scale = (obs.k.quantile(clip) if clip else obs.k.amax) / E4M3_MAX
-        r.v_scale = (obs.v.quantile(clip) if clip else obs.v.amax) / E4M3_MAX
+    for name, part in layout.amax_fields.items():
+        setattr(r, name, getattr(obs, part).amax)
+    for name, part in layout.scale_fields.items():
+        hp = getattr(obs, part)
+        setattr(r, name, (hp.quantile(clip) if clip else hp.amax) / E4M3_MAX)
     return r
 
 
@@ -260,14 +247,16 @@ def _query_amax(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], rep:
     rep.q_absorbed_amax, rep.q_pe_amax = qa, qp
 
 
-def _attn_error(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layout: str, rope_dim: int, rep: LayerReport) -> None:
+def _attn_error(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layout: AttentionLayout, rope_dim: int,
+                rep: LayerReport) -> None:
     """Relative error of the attention output with the cached row through e4m3, against BF16."""
     attn = layer.self_attn
     norm = layer.input_layernorm
 
     def run(mode: str | None, scales=(1.0, 1.0)) -> list[torch.Tensor]:
         outs = []
-        handle = attn.kv_a_layernorm.register_forward_hook(_latent_hook(None, mode)) if layout == "dsa" else None
+        tap = layout.latent_module(attn)
+        handle = tap.register_forward_hook(_latent_hook(layout, None, mode)) if tap is not None else None
         try:
             for h in inputs:
                 pos, pe, mask = streamer._context(h)
@@ -281,8 +270,8 @@ def _attn_error(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layo
                 handle.remove()
         return outs
 
-    if layout == "dsa" and getattr(attn, "indexer", 1) is None:
-        return  # a shared-index layer: its attention needs the previous layer's top-k
+    if layout.skips_error(attn):
+        return  # e.g. a DSA shared-index layer: its attention needs the previous layer's top-k
     ref = run(None)
 
     def err(outs):
@@ -290,15 +279,12 @@ def _attn_error(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layo
         den = sum(float(r.float().pow(2).sum()) for r in ref)
         return (num / den) ** 0.5 if den else 0.0
 
-    if layout == "dsa":
-        rep.attn_rel_err_tiles = err(run("tiles"))
-        return
-    rep.attn_rel_err_unit = err(run("unit"))
-    scales = (rep.scale, rep.scale) if layout == "mla" else (rep.k_scale, rep.v_scale)
-    rep.attn_rel_err_calibrated = err(run("calibrated", scales))
+    for mode in layout.error_modes:  # "unit" / "calibrated" (MLA, GQA), "tiles" (DSA's per-128 scales)
+        scales = layout.calibrated_scales(rep) if mode == "calibrated" else (1.0, 1.0)
+        setattr(rep, f"attn_rel_err_{mode}", err(run(mode, scales)))
 
 
-def _risk(r: LayerReport, layout: str) -> None:
+def _risk(r: LayerReport, layout: AttentionLayout) -> None:
     why = []
     if r.overflow_unit > 0:
         why.append(f"{r.overflow_unit:.2e} of values exceed +-448 at unit scale")
@@ -307,7 +293,7 @@ def _risk(r: LayerReport, layout: str) -> None:
     if (r.attn_rel_err_unit is not None and r.attn_rel_err_calibrated is not None
             and r.attn_rel_err_unit > 1.5 * r.attn_rel_err_calibrated and r.attn_rel_err_unit - r.attn_rel_err_calibrated > 0.01):
         why.append(f"attention error {r.attn_rel_err_unit:.3f} at unit scale vs {r.attn_rel_err_calibrated:.3f} calibrated")
-    r.at_risk = bool(why) and layout != "dsa"
+    r.at_risk = bool(why) and layout.static_scale
     r.why = "; ".join(why)
 
 
@@ -371,7 +357,7 @@ def calibrate_kv(
     if not fold_headroom >= 1.0:
         raise QuantizeError(f"--fold-headroom {fold_headroom}: must be at least 1 (the cache's amax is kept at or below 448 / headroom)")
     streamer = LayerStreamer(model)
-    layout = streamer.arch.attention
+    layout = streamer.arch.layout
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     fp = _fingerprint(streamer)
     mode = _mode(model, layout, target, fold, out is not None)
@@ -401,14 +387,12 @@ def calibrate_kv(
     return result
 
 
-def _mode(model: Path, layout: str, target: str, fold: bool, writing: bool) -> str | None:
+def _mode(model: Path, layout: AttentionLayout, target: str, fold: bool, writing: bool) -> str | None:
     """What an ``--out`` checkpoint holds: "scales", "fold", or None (report only); bad
     combinations refused in one line before anything is measured."""
     if fold:
-        if layout != "mla":
-            why = ("GLM-5 DSA's FP8 cache carries per-128 dynamic scales, so there is no range to fold" if layout == "dsa"
-                   else "it is an MLA reparametrisation and this model caches K and V per head (GQA); use the scales instead")
-            raise QuantizeError(f"{model}: --fold does not apply: {why}")
+        if layout.fold_refusal:
+            raise QuantizeError(f"{model}: --fold does not apply: {layout.fold_refusal}")
         if target == "compressed-tensors":
             raise QuantizeError("--fold with --target compressed-tensors: transformers applies the calibrated k_scale itself; "
                                 "fold for the engines (--target sglang or vllm), or drop --fold")
@@ -417,22 +401,9 @@ def _mode(model: Path, layout: str, target: str, fold: bool, writing: bool) -> s
         return "fold"
     if not writing:
         return None
-    if layout == "dsa":
-        raise QuantizeError(f"{model}: GLM-5 DSA: the engines compute per-128 KV scales when they write the cache, so there is "
-                            f"nothing to write; drop --out for the report")
-    if layout == "mla" and target in ("sglang", "vllm"):
-        raise QuantizeError(f"--target {target}: {ENGINE_MLA[target]} So there is no scale to write; drop --out for the report, "
-                            f"add --fold to write a model whose unit-scale cache is in range, or --target compressed-tensors for transformers")
+    if not layout.applies_scales(target):
+        raise QuantizeError(layout.write_refusal(str(model), target))
     return "scales"
-
-
-ENGINE_MLA = {
-    "sglang": ("SGLang writes the MLA cache without a scale (mem_cache/memory_pool.py) and its fa3 backend, the H200 default, "
-               "ignores k_scale for 576-wide rows (FlashMLA would mis-apply it), and kv_cache_scheme in config.json would "
-               "silently switch its cache to FP8."),
-    "vllm": ("vLLM's compressed-tensors path attaches no KV-cache scales to MLAAttention, so MLA runs at unit scale "
-             "(\"k_scale is not loaded\")."),
-}
 
 
 def _finish(model, output, carried, streamer, reports, meta, fp, target, layout, clip, stats_out, mode, headroom) -> "KvResult":
@@ -441,16 +412,16 @@ def _finish(model, output, carried, streamer, reports, meta, fp, target, layout,
     for r in reports:
         _risk(r, layout)
     result = _verdict(str(model), target, layout, reports, meta)
-    if layout == "mla":
-        factors = _fold_factors(streamer, reports, headroom)
+    if layout.folds:
+        factors = _fold_factors(streamer, layout, reports, headroom)
         result.fold = [f.to_dict() for f in factors]
         if mode != "fold":
             moves = [f"layer {f.layer}: latent x{f.latent:g}, rope x{f.rope:g}" for f in factors if (f.latent, f.rope) != (1.0, 1.0)]
             result.verdict += (f" --fold (headroom {headroom:g}) would scale the cached row by powers of two: "
                                + ("; ".join(moves[:4]) + ("; ..." if len(moves) > 4 else "") if moves else "nothing to move") + ".")
     if stats_out is not None:
-        doc = {"version": STATS_VERSION, "model": str(model), "fingerprint": fp, "layout": layout, "clip": clip, **meta,
-               "layers": [r.__dict__ for r in reports]}
+        doc = {"version": STATS_VERSION, "model": str(model), "fingerprint": fp, "layout": layout.name, "clip": clip,
+               **meta, "layers": [r.__dict__ for r in reports]}
         write_text_atomic(Path(stats_out), json.dumps(doc, indent=1))
         result.stats_path = str(stats_out)
     if output is None:
@@ -473,15 +444,16 @@ def _measure(streamer, model, data, samples, seq_len, chat_template, clip, error
 
     def before(i, layer):
         obs[i] = LayerObs()
-        if layout == "dsa":  # DSA hands the cache expanded K/V: the latent is observed on kv_a_layernorm
-            handles.append(layer.self_attn.kv_a_layernorm.register_forward_hook(_latent_hook(obs[i], None)))
+        tap = layout.latent_module(layer.self_attn)  # DSA hands the cache expanded K/V: the latent is observed here
+        if tap is not None:
+            handles.append(tap.register_forward_hook(_latent_hook(layout, obs[i], None)))
 
     def after(i, layer, inputs):
         while handles:
             handles.pop().remove()
         rep = _report_layer(i, obs.pop(i), layout, clip)
         _attn_error(streamer, layer, inputs[:error_samples], layout, rope_dim, rep)
-        if layout == "mla":
+        if layout.absorbed_query:
             _query_amax(streamer, layer, inputs, rep)
         reports.append(rep)
         emit({"event": "tensor", "name": f"layer {i}", "done_bytes": i + 1})
@@ -504,58 +476,24 @@ def _load_stats(path: Path, fp: str, streamer) -> tuple[list[LayerReport], dict]
     return layers, {k: doc.get(k) for k in ("samples", "tokens", "dropped_short", "data")}
 
 
-def _verdict(model: str, target: str, layout: str, reports: list[LayerReport], meta: dict) -> KvResult:
-    risky = [r.layer for r in reports if r.at_risk]
-    if layout == "dsa":
-        worst = max((r.attn_rel_err_tiles or 0.0) for r in reports)
-        verdict = (f"GLM-5 DSA: engines write the FP8 cache with per-128 dynamic scales; no checkpoint scale is used or written. "
-                   f"Worst attention-output error of that layout: {worst:.4f}.")
-        safe = True
-    elif layout == "mla":
-        engine = ENGINE_MLA.get(target, "transformers applies the calibrated self_attn.k_scale (compressed-tensors' kv_cache_scheme).")
-        if target in ENGINE_MLA:
-            head = f"{target}: the MLA cache is e4m3 at UNIT scale, whatever the checkpoint holds ({engine})"
-        else:
-            head = f"compressed-tensors: {engine}"
-        if risky:
-            verdict = (f"{head} Unit scale is NOT safe: layers {risky} are at risk ({reports[risky[0]].why}); "
-                       f"use --fold so the unit-scale cache sees a good range.")
-            safe = False
-        else:
-            verdict = (f"{head} Unit scale is safe for this model: no layer overflows e4m3 or loses >10% of its values below "
-                       f"the normal range, and the attention error stays close to the calibrated scale's.")
-            safe = True
-    elif risky:
-        verdict = f"Unit scale is NOT safe for this model: layers {risky} are at risk ({reports[risky[0]].why}). Use the calibrated scales."
-        safe = False
-    else:
-        verdict = "Unit scale is safe for this model: no layer overflows e4m3."
-        safe = True
-    return KvResult(model, None, target, layout, reports, meta.get("samples") or 0, meta.get("tokens") or 0,
-                    meta.get("dropped_short") or 0, safe, verdict, [], engine_scale=ENGINE_MLA.get(target, "") if layout == "mla" else "")
+def _verdict(model: str, target: str, layout: AttentionLayout, reports: list[LayerReport], meta: dict) -> KvResult:
+    verdict, safe = layout.verdict(target, reports)
+    return KvResult(model, None, target, layout.name, reports, meta.get("samples") or 0, meta.get("tokens") or 0,
+                    meta.get("dropped_short") or 0, safe, verdict, [], engine_scale=layout.engine_scale(target))
 
 
-def _scale_tensors(streamer, reports: list[LayerReport], target: str, layout: str) -> dict[str, torch.Tensor]:
-    """``self_attn.k_scale`` / ``self_attn.v_scale`` per layer (fp32 scalars). What reads them:
-    transformers (compressed-tensors' kv_cache_scheme: the attention module's own parameters);
-    SGLang 0.5.23 for GQA models remaps ``.self_attn.k_scale`` to ``.self_attn.attn.k_scale``
-    (``model_loader/weight_utils.py`` ``maybe_remap_kv_scale_name``; llama.py calls it); vLLM
-    likewise (checked by running its CPU build, tests/test_engine.py). MLA never gets here for
-    sglang/vllm (they use no checkpoint scale: see ``_mode``); its one scale covers the whole row."""
-    out = {}
-    p = streamer.arch.prefix
-    for r in reports:
-        base = f"{p}model.layers.{r.layer}.self_attn."
-        ks, vs = (r.scale, r.scale) if layout == "mla" else (r.k_scale, r.v_scale)
-        out[base + "k_scale"] = torch.tensor(ks, dtype=torch.float32)
-        out[base + "v_scale"] = torch.tensor(vs, dtype=torch.float32)
-    return out
+def _scale_tensors(streamer, reports: list[LayerReport], target: str,
+                   layout: AttentionLayout) -> dict[str, torch.Tensor]:
+    """The scales ``target`` applies for this layout (``layout.scale_tensors``: ``self_attn.k_scale`` /
+    ``self_attn.v_scale`` per layer, MLA's one scale covering the whole row) as fp32 scalars."""
+    return {name: torch.tensor(v, dtype=torch.float32)
+            for name, v in layout.scale_tensors(streamer.arch.prefix, reports, target).items()}
 
 
-def _fold_factors(streamer, reports: list[LayerReport], headroom: float) -> list[FoldFactors]:
+def _fold_factors(streamer, layout: AttentionLayout, reports: list[LayerReport], headroom: float) -> list[FoldFactors]:
     out = []
     for r in reports:
-        n = folding.layer_names(streamer.arch.prefix, r.layer, streamer.text)
+        n = layout.fold_tensors(streamer.arch.prefix, r.layer, streamer.text)
         f = FoldFactors(r.layer, latent_amax_before=r.amax_latent or 0.0, rope_amax_before=r.amax_rope or 0.0,
                         q_absorbed_amax_before=r.q_absorbed_amax, q_pe_amax_before=r.q_pe_amax)
         f.latent, note = folding.choose_factor(f.latent_amax_before, r.q_absorbed_amax, headroom, "latent")
@@ -579,7 +517,8 @@ def _write_folded(model: Path, output: Output, carried: list[Path], streamer, re
     factors = [FoldFactors(**{k: v for k, v in d.items() if k in FoldFactors.__dataclass_fields__}) for d in result.fold]
     for f in factors:
         try:
-            changed.update(folding.fold_changes(reader, folding.layer_names(streamer.arch.prefix, f.layer, streamer.text), f.latent, f.rope))
+            names = streamer.arch.layout.fold_tensors(streamer.arch.prefix, f.layer, streamer.text)
+            changed.update(folding.fold_changes(reader, names, f.latent, f.rope))
         except ValueError as e:
             raise QuantizeError(f"{model}: layer {f.layer} cannot be folded exactly ({e})") from e
     by_file: dict[str, list] = {}
@@ -630,7 +569,8 @@ def _check_writable_config(model: Path, streamer) -> None:
                             f"kv_cache_scheme to (transformers' loader needs one for MoE); run `quantize convert` first and calibrate its output")
 
 
-def _write_checkpoint(model: Path, output: Output, carried: list[Path], streamer, reports, target: str, layout: str, result) -> list[str]:
+def _write_checkpoint(model: Path, output: Output, carried: list[Path], streamer, reports, target: str,
+                      layout: AttentionLayout, result) -> list[str]:
     """The model's weights (hard-linked where possible: shared, never modified), its side files,
     the scales in ``kv_scales.safetensors``, index and config with ``kv_cache_scheme``, and a
     fresh manifest covering every file (the source's manifest is not carried: its hashes would
@@ -659,7 +599,7 @@ def _write_checkpoint(model: Path, output: Output, carried: list[Path], streamer
     output.write_json("config.json", cfg, indent=2)
     output.complete()
     write_manifest(output, {"kind": "calibrate-kv", "tool": tool_versions(), "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
-                            "target": target, "layout": layout, "kv_cache_scheme": qc["kv_cache_scheme"],
+                            "target": target, "layout": layout.name, "kv_cache_scheme": qc["kv_cache_scheme"],
                             "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out")},
                             "scales": sorted(tensors)})
     return sorted(tensors)

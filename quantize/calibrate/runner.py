@@ -22,9 +22,6 @@ from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.reader import WeightReader
 from ..errors import QuantizeError
 
-HF_BY_MODEL_TYPE = {"llama": ("llama", "Llama"), "qwen2": ("qwen2", "Qwen2"), "qwen3": ("qwen3", "Qwen3"),
-                    "mistral": ("mistral", "Mistral")}
-
 
 class LayerStreamer:
     def __init__(self, model: str | Path, dtype: torch.dtype = torch.float32):
@@ -34,8 +31,7 @@ class LayerStreamer:
         if not self.arch.hf:
             raise QuantizeError(f"{self.folder / 'config.json'}: {self.arch.name} has no layer classes registered for calibration")
         self.text = dict(self.arch.text_config(self.index.config))
-        mt = self.text.get("model_type")
-        mod, prefix = HF_BY_MODEL_TYPE.get(mt) or (self.arch.hf["module"], self.arch.hf["prefix"])
+        mod, prefix = self.arch.hf_classes(self.text)
         self.modeling = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
         conf_mod = importlib.import_module(f"transformers.models.{mod}.configuration_{mod}")
         self.prefix = prefix

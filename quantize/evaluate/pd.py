@@ -66,6 +66,7 @@ from pathlib import Path
 
 import torch
 
+from ..archs.attention import AttentionLayout, cache_layout
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
 
@@ -134,48 +135,52 @@ class _LatentTap:
                 del m.expand_kv
 
 
-def _layout(model, cache) -> str:
-    """How ``cache`` holds this model's KV: "mla-latent", "mla-expanded" (DSA) or "gqa"."""
+def _layout(model, cache) -> AttentionLayout:
+    """The attention layout ``cache`` holds this model's KV in: the MLA latent itself, DSA's
+    expanded K/V (its attention modules expand the latent) or K and V per head."""
     mods = _attention_modules(model)
-    layer = cache.layers[0]
     rank = getattr(model.config.get_text_config(), "kv_lora_rank", None)
-    if rank and layer.keys.shape[1] == 1 and layer.keys.shape[-1] == rank:
-        return "mla-latent"
-    if any(hasattr(m, "expand_kv") for m in mods.values()):
-        return "mla-expanded"
-    return "gqa"
+    return cache_layout(rank, cache.layers[0], mods)
+
+
+class _Store:
+    """How the decode pool stores one layer (``archs.attention.PromptStore``): the numerics above,
+    the latent the prefill model expanded, the decode model's ``kv_b_proj`` and loaded scales."""
+
+    e4m3 = staticmethod(_e4m3)
+    tiles = staticmethod(_e4m3_tiles)
+    bf16 = staticmethod(_bf16)
+
+    def __init__(self, kv: str, tap: _LatentTap | None, decode_modules: dict):
+        self.fp8, self.tap, self.decode = kv == "fp8_e4m3", tap, decode_modules
+
+    def latent(self, layer: int):
+        return self.tap.latents[layer]
+
+    def expand(self, layer: int, latent: torch.Tensor, k_pe: torch.Tensor):
+        with torch.no_grad():
+            return self.decode[layer].expand_kv(latent, k_pe)
+
+    def scale(self, layer: int, name: str) -> float:
+        m = self.decode.get(layer)
+        return float(getattr(m, name, 1.0)) if m is not None and torch.is_tensor(getattr(m, name, None)) else 1.0
+
+
+def _stored(prefill, decode, cache, tap: _LatentTap | None, kv: str):
+    out = copy.deepcopy(cache)
+    layout = _layout(prefill, cache)
+    store = _Store(kv, tap, _attention_modules(decode))
+    for i, layer in enumerate(out.layers):
+        layout.store_prompt_layer(layer, i, store)
+    return out, layout
 
 
 def stored_cache(prefill, decode, cache, tap: _LatentTap | None, kv: str):
     """The prefill model's prompt cache as the decode model reads it from the decode pool: a copy
     of ``cache`` rounded per ``kv`` ("fp8_e4m3" or "bf16") and, for MLA, expanded by the decode
-    model's own ``kv_b_proj``."""
-    out = copy.deepcopy(cache)
-    layout = _layout(prefill, cache)
-    dmods = _attention_modules(decode)
-    for i, layer in enumerate(out.layers):
-        if layout == "mla-latent":  # keys: kv_c_normed [B,1,S,rank]; values: k_pe [B,1,S,rope]
-            f = _e4m3 if kv == "fp8_e4m3" else _bf16
-            layer.keys, layer.values = f(layer.keys), f(layer.values)
-        elif layout == "mla-expanded":
-            c, k_pe = tap.latents[i]
-            if kv == "fp8_e4m3":
-                c, k_pe = _e4m3_tiles(c), _bf16(k_pe)
-            else:
-                c, k_pe = _bf16(c), _bf16(k_pe)
-            with torch.no_grad():
-                layer.keys, layer.values = dmods[i].expand_kv(c, k_pe)
-            if getattr(layer, "indexer_keys", None) is not None and layer.indexer_keys.numel():
-                layer.indexer_keys = _e4m3_tiles(layer.indexer_keys) if kv == "fp8_e4m3" else _bf16(layer.indexer_keys)
-        else:
-            if kv == "fp8_e4m3":
-                m = dmods.get(i)
-                ks = float(getattr(m, "k_scale", 1.0)) if m is not None and torch.is_tensor(getattr(m, "k_scale", None)) else 1.0
-                vs = float(getattr(m, "v_scale", 1.0)) if m is not None and torch.is_tensor(getattr(m, "v_scale", None)) else 1.0
-                layer.keys, layer.values = _e4m3(layer.keys, ks), _e4m3(layer.values, vs)
-            else:
-                layer.keys, layer.values = _bf16(layer.keys), _bf16(layer.values)
-    return out, layout
+    model's own ``kv_b_proj``. -> (that cache, the layout's name in the PD report)."""
+    out, layout = _stored(prefill, decode, cache, tap, kv)
+    return out, layout.pd_name
 
 
 # -- the fidelity check ---------------------------------------------------------------------------
@@ -232,12 +237,6 @@ ROWS = (  # name, prefill side, decode side, stored cache dtype ("kv": the optio
     ("decode model alone, BF16 cache", "decode", "decode", "bf16"),
     ("source, its cache stored as the decode pool does", "source", "source", "kv"),
 )
-STORED = {
-    "mla-latent": "the MLA latent (kv_a_layernorm(c)) and post-RoPE k_pe, as transformers and the engines cache them; {kv} at unit scale",
-    "mla-expanded": ("the MLA latent taken from the prefill model's attention, {kv} with one dynamic scale per 128 values, k_pe BF16 "
-                     "(GLM-5 DSA's 656 B/token/layer layout), expanded by the decode model's kv_b_proj; indexer keys {kv} per 128 values"),
-    "gqa": "K and V per head, {kv} at the decode model's k_scale/v_scale (unit scale when it has none), exactly what the engine stores",
-}
 
 
 def _forward(model, ids: torch.Tensor, cache=None):
@@ -308,7 +307,7 @@ def pd_fidelity(prefill_model: str | os.PathLike, decode_model: str | os.PathLik
     rows, layout = [], None
     for i, (name, pside, dside, kv) in enumerate(ROWS):
         cache, tap = prefill(pside)
-        stored, lay = stored_cache(models[pside], models[dside], cache, tap, kv_cache_dtype if kv == "kv" else "bf16")
+        stored, lay = _stored(models[pside], models[dside], cache, tap, kv_cache_dtype if kv == "kv" else "bf16")
         layout = layout or lay
         lp = torch.log_softmax(_forward(models[dside], cont, stored).logits[0].float(), -1)
         kl = (ref.exp() * (ref - lp)).sum(-1).clamp_min(0).double()
@@ -317,7 +316,7 @@ def pd_fidelity(prefill_model: str | os.PathLike, decode_model: str | os.PathLik
                           float(-lp.gather(-1, target.unsqueeze(-1).to(lp.device)).mean())))
         emit({"event": "tensor", "name": name, "done_bytes": i + 2})
     rep = PdReport(str(prefill_model), str(decode_model), str(source), str(text_path), prompt_tokens, decode_tokens, kv_cache_dtype,
-                   layout, STORED[layout].format(kv=kv_cache_dtype), rows,
+                   layout.pd_name, layout.pd_stored.format(kv=kv_cache_dtype), rows,
                    float(-ref.gather(-1, target.unsqueeze(-1).to(ref.device)).mean()), path_diff)
     if out is not None:
         from ..checkpoint.output import write_text_atomic

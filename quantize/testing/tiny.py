@@ -175,7 +175,7 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
         _kimi_vendor_config(cfg_dict)
     text = A.text_config(cfg_dict)
     prefix = A.prefix
-    has_mtp = mtp and A.attention in ("mla", "dsa")
+    has_mtp = mtp and A.layout.latent  # the MLA families (DeepSeek-V3, Kimi, GLM-5) carry an MTP layer
     if not has_mtp and "num_nextn_predict_layers" in text:
         text["num_nextn_predict_layers"] = 0  # transformers' DeepseekV3Config defaults num_mtp_layers to 1
     if has_mtp:
