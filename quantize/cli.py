@@ -345,34 +345,11 @@ def calibrate_kv_cmd(json_out: bool, **options):
     if json_out:
         typer.echo(json.dumps(res.to_dict(), indent=1))
         return
-    cols = ["layer", "amax", "p99.9", "scale", "overflow@1", "subnormal@1", "zero@1", "overflow@s", "subnormal@s"]
-    cols += ["attn err per-128"] if res.layout == "dsa" else ["attn err @1", "attn err @s"]
-    cols += ["fold latent", "fold rope", "|q_abs| after", "|q_pe| after"] if res.fold else []
-    cols += ["risk"]
-    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-    g = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
-    rows = []
-    for i, r in enumerate(res.layers):
-        row = [
-            str(r.layer),
-            f"{r.amax:.4g}",
-            f"{r.percentile:.4g}",
-            f"{r.scale:.4g}",
-            f"{r.overflow_unit:.1e}",
-            f"{r.subnormal_unit:.2%}",
-            f"{r.zero_unit:.2%}",
-            f"{r.overflow_calibrated:.1e}",
-            f"{r.subnormal_calibrated:.2%}",
-        ]
-        row += (
-            [fmt(r.attn_rel_err_tiles)]
-            if res.layout == "dsa"
-            else [fmt(r.attn_rel_err_unit), fmt(r.attn_rel_err_calibrated)]
-        )
-        if res.fold:
-            f = res.fold[i]
-            row += [f"x{f['latent']:g}", f"x{f['rope']:g}", g(f["q_absorbed_amax_after"]), g(f["q_pe_amax_after"])]
-        rows.append(row + ["[red]yes[/]" if r.at_risk else "no"])
+    from .archs import attention_layout
+
+    layout = attention_layout(res.layout)  # its report's columns and cells: no branch on the layout here
+    cols = layout.report_columns(bool(res.fold))
+    rows = [layout.report_cells(r, res.fold[i] if res.fold else None) for i, r in enumerate(res.layers)]
     _print(
         _table(
             f"KV cache ({res.layout}) of {options['model']}: {res.samples} samples, {res.tokens} tokens"

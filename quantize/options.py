@@ -725,9 +725,14 @@ class CalibrateKVOptions(Options):
     clip: float | None = opt(
         None,
         "percentile clip (e.g. 0.9999) instead of absmax",
-        check=lambda v: 0.9 <= v <= 1,
+        check=lambda v: 0.9 <= v < 1,
         why="a percentile between 0.9 and 1 (e.g. 0.9999), or leave it off for absmax",
     )
+    stats_out: Path | None = opt(None, "write per-layer statistics JSON (reusable with --stats)", recipe=False)
+    stats: Path | None = opt(None, "reuse a --stats-out file instead of recomputing", recipe=False)
+    chat_template: bool = opt(False, "wrap each sample in the tokenizer's chat template")
+    error_samples: int = opt(8, "samples the attention error is measured on", cli=False, recipe=False,
+                             check=lambda v: v >= 1, why="must be at least 1")
     fold: bool = opt(
         False,
         "MLA: fold the cache range into the weights (exact, powers of two) so the engines' unit-scale "
@@ -739,9 +744,6 @@ class CalibrateKVOptions(Options):
         check=lambda v: v >= 1,
         why="must be at least 1 (the cache's amax is kept at or below 448 / headroom)",
     )
-    stats_out: Path | None = opt(None, "write per-layer statistics JSON (reusable with --stats)", recipe=False)
-    stats: Path | None = opt(None, "reuse a --stats-out file instead of recomputing", recipe=False)
-    chat_template: bool = opt(False, "wrap each sample in the tokenizer's chat template")
     overwrite: bool = opt(False, "replace an earlier calibrate-kv output in OUT", recipe=False)
 
 

@@ -35,6 +35,7 @@ too; nothing else does. A crash leaves the stage ``running``: the rerun continue
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -310,8 +311,8 @@ def _opts_prefill(p: Pipeline) -> dict:
 
 def _kv_writes(ctx: Ctx) -> str | None:
     """What calibrate-kv writes for this model and these options: "fold", "scales" or None (the
-    report only), as calibrate_kv decides it (MLA on sglang/vllm: unit scale, nothing to write;
-    GLM-5 DSA: per-128 dynamic scales, nothing to write)."""
+    report only), as calibrate_kv decides it (the attention layout's ``writes``: MLA on
+    sglang/vllm: unit scale, nothing to write; GLM-5 DSA: per-128 dynamic scales, nothing to write)."""
     from . import archs
 
     kv = ctx.p.opts["kv"]
@@ -320,10 +321,8 @@ def _kv_writes(ctx: Ctx) -> str | None:
     folder = ctx.path("converted") if "converted" in ctx.art else ctx.p.source_path
     if not (folder / "config.json").is_file():  # planning a run whose source is not made yet
         return "scales" if kv["target"] == "compressed-tensors" else None
-    layout = archs.resolve(json.loads((folder / "config.json").read_text()), str(folder / "config.json")).attention
-    if layout == "gqa" or (layout == "mla" and kv["target"] == "compressed-tensors"):
-        return "scales"
-    return None
+    arch = archs.resolve(json.loads((folder / "config.json").read_text()), str(folder / "config.json"))
+    return arch.layout.writes(kv["target"], fold=False)
 
 
 def _run_make_source(ctx: Ctx, resume: bool) -> dict:
@@ -346,20 +345,15 @@ def _run_convert(ctx: Ctx, resume: bool) -> dict:
     # iters 0); the calibration text and memory budget only for a data-aware method
     method_opts = {k: c[k] for k in METHOD_KEYS if c[k] is not None and c[k] is not False}
     if _recipe_method(ctx.p) != "rtn":
-        method_opts.update(data=ctx.p.opts["data"], memory_budget_gib=c["memory_budget_gib"])
+        method_opts["data"] = ctx.p.opts["data"]
     res = conv.convert(
         ctx.path("source"),
         out,
-        group_size=c["group_size"],
-        profile=c["profile"],
-        observer=c["observer"],
-        keep_fp8=c["keep_fp8"],
         recipe=str(ctx.p.recipe),
         resume=resume,
         overwrite=not resume and out.exists(),
-        workers=c["workers"],
-        device=c["device"],
         emit=ctx.emit,
+        **{k: v for k, v in c.items() if k not in METHOD_KEYS},  # the section is convert's own options
         **method_opts,
     )
     ident = _model_identity(out)
@@ -389,16 +383,10 @@ def _run_kv(ctx: Ctx, resume: bool) -> dict:
         ctx.path("converted"),
         out,
         data=p.opts["data"],
-        samples=kv["samples"],
-        seq_len=kv["seq_len"],
-        target=kv["target"],
-        clip=kv["clip"],
-        fold=kv["fold"],
-        fold_headroom=kv["fold_headroom"],
         stats_out=stats,
-        chat_template=kv["chat_template"],
         overwrite=out is not None and out.exists(),
         emit=ctx.emit,
+        **kv,  # the section is calibrate-kv's own options
     )
     outputs = {"kv_report": {"path": "reports/kv.json", "id": _file_identity(stats)}}
     if out is not None:
@@ -521,16 +509,9 @@ def _run_pd_eval(ctx: Ctx, resume: bool) -> dict:
     p, o = ctx.p, ctx.p.opts["pd"]
     (p.out / "reports").mkdir(exist_ok=True)
     out = p.out / "reports" / "pd.json"
+    mine = {f.name for f in dataclasses.fields(O.PDOptions)}
     rep = pd.pd_fidelity(
-        ctx.path("source"),
-        ctx.path("model"),
-        ctx.path("source"),
-        text=o["text"],
-        prompt_tokens=o["prompt_tokens"],
-        decode_tokens=o["decode_tokens"],
-        kv_cache_dtype=o["kv_cache_dtype"],
-        device=o["device"],
-        out=out,
+        ctx.path("source"), ctx.path("model"), ctx.path("source"), out=out, **{k: v for k, v in o.items() if k in mine}
     )
     return {
         "outputs": {"pd_report": {"path": "reports/pd.json", "id": _file_identity(out)}},

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
 from .errors import QuantizeError
 from .formats.layout import OBSERVERS, SUPPORTED_GROUP_SIZES
+from .options import ConvertOptions, spec
 
 # the preset schemes this tool writes (symmetric INT4, group-wise); their group size is compressed-tensors'
 PRESETS = ("W4A16",)
@@ -175,8 +176,9 @@ def load_recipe(path: str | Path) -> Recipe:
         observer = "minmax"
     if observer is not None and observer not in OBSERVERS:
         raise QuantizeError(f"{path}: observer {observer!r} is not supported; use one of {', '.join(OBSERVERS)}")
+    common = (str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"))
     if kind == "QuantizationModifier":
-        return Recipe(str(path), targets, ignore, group_size, observer, mod.get("kv_cache_scheme"))
+        return Recipe(*common)
     if kind == "AutoRoundModifier":
         lr = mod.get("lr")
         if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")):
@@ -184,29 +186,25 @@ def load_recipe(path: str | Path) -> Recipe:
                 f"{path}: AutoRoundModifier lr {lr!r} must be a positive number or null (1/iters); fix the recipe"
             )
         return Recipe(
-            str(path),
-            targets,
-            ignore,
-            group_size,
-            observer,
-            mod.get("kv_cache_scheme"),
+            *common,
             method="autoround",
-            iters=_whole(path, "iters", mod.get("iters", 200), 0),
-            batch_size=_whole(path, "batch_size", mod.get("batch_size", 8), 1),
+            iters=_whole(path, "iters", mod.get("iters", default("iters")), 0),
+            batch_size=_whole(path, "batch_size", mod.get("batch_size", default("batch_size")), 1),
             lr=None if lr is None else float(lr),
         )
     return Recipe(
-        str(path),
-        targets,
-        ignore,
-        group_size,
-        observer,
-        mod.get("kv_cache_scheme"),
+        *common,
         method="gptq",
-        damp=_number(path, "dampening_frac", mod.get("dampening_frac", 0.01), float),
-        block=_number(path, "block_size", mod.get("block_size", 128), int),
-        actorder=_actorder(path, actorder if actorder_given else "static"),
+        damp=_number(path, "dampening_frac", mod.get("dampening_frac", default("damp")), float),
+        block=_number(path, "block_size", mod.get("block_size", default("block")), int),
+        actorder=_actorder(path, actorder if actorder_given else default("actorder")),
     )
+
+
+def default(name: str):
+    """A method option's declared default (``quantize.options``): what an llm-compressor modifier
+    that leaves the key out means (their defaults and ours are the same by design)."""
+    return spec(next(f for f in fields(ConvertOptions) if f.name == name)).method_default
 
 
 @functools.lru_cache(maxsize=None)

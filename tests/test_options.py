@@ -24,6 +24,10 @@ LIBRARY = {  # command -> (its options, its library function)
     "eval": (O.EvalOptions, "quantize.evaluate.run:evaluate"),
     "eval-kld": (O.KLDOptions, "quantize.evaluate.kld:kld_table"),
     "make-tiny": (O.MakeTinyOptions, "quantize.testing.tiny:make_tiny"),
+    "calibrate-kv": (O.CalibrateKVOptions, "quantize.calibrate.kv:calibrate_kv"),
+    "eval-pd": (O.PDOptions, "quantize.evaluate.pd:pd_fidelity"),
+    "push": (O.PushOptions, "quantize.publish.push:push"),
+    "card": (O.CardOptions, "quantize.publish.card:card"),
     "run": (O.RunOptions, "quantize.pipeline:run"),
 }
 
@@ -131,6 +135,7 @@ def test_plan_and_check_bounds(tmp_path):
     ({"convert": {"samples": True}}, "pipeline.convert.samples is True, not int or null"),
     ({"kv": {"samples": 0}}, "pipeline.kv.samples 0: must be at least 1"),
     ({"kv": {"clip": 0.89}}, "pipeline.kv.clip 0.89: a percentile between 0.9 and 1"),
+    ({"kv": {"clip": 1.0}}, "pipeline.kv.clip 1.0: a percentile between 0.9 and 1"),  # 1 is absmax: leave clip off
     ({"kv": {"target": "sglng"}}, "pipeline.kv.target sglng: unknown; use one of sglang, vllm, compressed-tensors; did you mean 'sglang'?"),
     ({"shard": {"tp": 0}}, "pipeline.shard.tp 0: must be at least 1"),
     ({"pd": {"bootstrap_port": -1}}, "pipeline.pd.bootstrap_port -1: must be a port"),

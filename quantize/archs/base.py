@@ -51,7 +51,9 @@ ROLES: dict[str, tuple[bool, str, bool]] = {
 EXPERT_ROLES = frozenset({"expert_gate", "expert_up", "expert_down"})
 PROFILES = ("experts", "all-linear")
 # roles no profile quantizes: embeddings/heads, the router, DSA indexer, MTP glue, vision
-NEVER_INT4 = frozenset({"embed", "lm_head", "router", "indexer", "indexer_weights", "mtp_proj", "mtp_head", "vision", "projector"})
+NEVER_INT4 = frozenset(
+    {"embed", "lm_head", "router", "indexer", "indexer_weights", "mtp_proj", "mtp_head", "vision", "projector"}
+)
 
 # Engine-safe ignore patterns per high-precision role (docs/engines.md#ignore-list-matching): SGLang
 # matches `re:` with re.match and plain names exactly or as a dotted suffix (some releases: as
@@ -72,14 +74,29 @@ IGNORE_PATTERN: dict[str, str] = {
     "projector": "re:.*mm_projector.*",
 }
 ROLE_GROUP = {
-    "lm_head": "lm_head", "embed": "embed",
-    "attn_q_a": "attention", "attn_q_b": "attention", "attn_kv_a": "attention", "attn_kv_b": "attention",
-    "attn_q": "attention", "attn_k": "attention", "attn_v": "attention", "attn_o": "attention",
-    "indexer": "indexer", "indexer_weights": "indexer",
-    "shared_gate": "shared", "shared_up": "shared", "shared_down": "shared",
-    "dense_gate": "dense", "dense_up": "dense", "dense_down": "dense",
-    "router": "router", "mtp_proj": "mtp_proj", "mtp_head": "mtp_head",
-    "vision": "vision", "projector": "projector",
+    "lm_head": "lm_head",
+    "embed": "embed",
+    "attn_q_a": "attention",
+    "attn_q_b": "attention",
+    "attn_kv_a": "attention",
+    "attn_kv_b": "attention",
+    "attn_q": "attention",
+    "attn_k": "attention",
+    "attn_v": "attention",
+    "attn_o": "attention",
+    "indexer": "indexer",
+    "indexer_weights": "indexer",
+    "shared_gate": "shared",
+    "shared_up": "shared",
+    "shared_down": "shared",
+    "dense_gate": "dense",
+    "dense_up": "dense",
+    "dense_down": "dense",
+    "router": "router",
+    "mtp_proj": "mtp_proj",
+    "mtp_head": "mtp_head",
+    "vision": "vision",
+    "projector": "projector",
 }
 
 
@@ -143,7 +160,7 @@ class Architecture:
         if compiled is None:
             compiled = _COMPILED[self.name] = self._compiled()
         layer_rules, global_rules = compiled
-        rest = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
+        rest = name[len(self.prefix) :] if self.prefix and name.startswith(self.prefix) else name
         m = _LAYER_RE.match(rest)
         if m:
             layer, local = int(m.group(1)), m.group(2)
@@ -163,7 +180,7 @@ class Architecture:
         Kimi's language model with an empty prefix), MTP layer renamed, fused modules added."""
         name = module
         if self.prefix and name.startswith(self.prefix):
-            name = name[len(self.prefix):]
+            name = name[len(self.prefix) :]
         m = _LAYER_RE.match(name)
         if m and self.engine_mtp_name and int(m.group(1)) >= self.num_layers(cfg):
             name = f"{self.engine_mtp_name}.{m.group(2)}"

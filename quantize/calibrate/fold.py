@@ -58,9 +58,14 @@ class FoldFactors:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(latent_amax_after=self.latent_amax_after, rope_amax_after=self.rope_amax_after,
-                 q_absorbed_amax_after=None if self.q_absorbed_amax_before is None else self.q_absorbed_amax_before / self.latent,
-                 q_pe_amax_after=None if self.q_pe_amax_before is None else self.q_pe_amax_before / self.rope)
+        d.update(
+            latent_amax_after=self.latent_amax_after,
+            rope_amax_after=self.rope_amax_after,
+            q_absorbed_amax_after=None
+            if self.q_absorbed_amax_before is None
+            else self.q_absorbed_amax_before / self.latent,
+            q_pe_amax_after=None if self.q_pe_amax_before is None else self.q_pe_amax_before / self.rope,
+        )
         return d
 
 
@@ -81,13 +86,19 @@ def choose_factor(cache_amax: float, query_amax: float | None, headroom: float, 
     if k_lo <= k <= k_hi:
         return 2.0**k, None
     if k > k_hi and k_hi >= k_lo:
-        return 2.0**k_hi, (f"{part}: factor capped at 2^{k_hi} (cache alone wanted 2^{k}) so the query amax "
-                           f"{query_amax:.3g} stays in e4m3's normal range after the fold")
+        return 2.0**k_hi, (
+            f"{part}: factor capped at 2^{k_hi} (cache alone wanted 2^{k}) so the query amax "
+            f"{query_amax:.3g} stays in e4m3's normal range after the fold"
+        )
     if k < k_lo and k_lo <= k_hi:
-        return 2.0**k_lo, (f"{part}: factor raised to 2^{k_lo} (cache alone wanted 2^{k}) so the query amax "
-                           f"{query_amax:.3g} does not overflow e4m3 after the fold; cache amax becomes {cache_amax * 2.0**k_lo:.3g}")
+        return 2.0**k_lo, (
+            f"{part}: factor raised to 2^{k_lo} (cache alone wanted 2^{k}) so the query amax "
+            f"{query_amax:.3g} does not overflow e4m3 after the fold; cache amax becomes {cache_amax * 2.0**k_lo:.3g}"
+        )
     mid = round((k + (k_lo + k_hi) / 2) / 2)
-    return 2.0**mid, (f"{part}: cache (wants 2^{k}) and query (needs 2^{k_lo}..2^{k_hi}) cannot both fit e4m3; balanced at 2^{mid}")
+    return 2.0**mid, (
+        f"{part}: cache (wants 2^{k}) and query (needs 2^{k_lo}..2^{k_hi}) cannot both fit e4m3; balanced at 2^{mid}"
+    )
 
 
 def rows_foldable(scheme: str, rows: list[int], total_rows: int, block_rows: int) -> str | None:
@@ -135,7 +146,10 @@ def rope_fold_blocker(reader, n: MlaNames) -> str | None:
         if scheme == "fp8-block":
             why = rows_foldable(scheme, rows, total, reader.block[0])
             if why:
-                return f"{weight.rsplit('.', 2)[-2]} is block FP8 and {why}; convert first (INT4 or BF16 attention) to fold the rope part"
+                return (
+                    f"{weight.rsplit('.', 2)[-2]} is block FP8 and {why}; "
+                    "convert first (INT4 or BF16 attention) to fold the rope part"
+                )
         elif scheme == "fp8-channel" and math.prod(reader.index.tensors[carrier].shape) == 1:
             return f"{weight.rsplit('.', 2)[-2]} has one FP8 scale for the whole tensor"
         elif scheme not in ("float", "int4", "fp8-channel"):
@@ -166,6 +180,10 @@ def fold_changes(reader, n: MlaNames, fl: float, fr: float) -> dict[str, torch.T
             else:
                 changed[carrier] = scale_rows(t, _rows_in_carrier(reader, scheme, carrier, rows), f)
     for name, t in changed.items():
-        if not t.dtype.is_floating_point or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or not torch.isfinite(t.float()).all():
+        if (
+            not t.dtype.is_floating_point
+            or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            or not torch.isfinite(t.float()).all()
+        ):
             raise ValueError(f"{name}: cannot scale a {t.dtype} tensor exactly")
     return changed

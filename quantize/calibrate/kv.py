@@ -41,14 +41,17 @@ from . import fold as folding
 from .fold import FoldFactors
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
-from .data import build_samples, validate_sample_options
+from ..options import KV_TARGETS, CalibrateKVOptions, takes
+from .data import build_samples
 from .runner import LayerStreamer
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
 E4M3_ZERO_BELOW = 2.0**-10  # half the smallest subnormal (2^-9): rounds to zero
-TARGETS = ("sglang", "vllm", "compressed-tensors")
-KV_CACHE_SCHEME = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False).model_dump(mode="json")
+TARGETS = KV_TARGETS  # declared with the option (quantize/options.py)
+KV_CACHE_SCHEME = QuantizationArgs(
+    num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False
+).model_dump(mode="json")
 STATS_VERSION = 1
 CARRIED = SIDE_FILES  # the model's own manifest is not carried: a fresh one is written
 
@@ -87,7 +90,11 @@ class Hist:
         i = int(math.floor(e))
         if i >= self.nbins:
             return 0.0
-        tot = float(self.counts[i + 1:].sum()) + float(self.counts[i]) * (1 - (e - i)) if i >= 0 else float(self.counts.sum())
+        tot = (
+            float(self.counts[i + 1 :].sum()) + float(self.counts[i]) * (1 - (e - i))
+            if i >= 0
+            else float(self.counts.sum())
+        )
         return tot / max(self.n, 1)
 
     def frac_below(self, t: float) -> float:
@@ -96,7 +103,9 @@ class Hist:
         i = int(math.floor(e))
         if i < 0:
             return 0.0
-        tot = float(self.counts[:min(i, self.nbins)].sum()) + (float(self.counts[i]) * (e - i) if i < self.nbins else 0.0)
+        tot = float(self.counts[: min(i, self.nbins)].sum()) + (
+            float(self.counts[i]) * (e - i) if i < self.nbins else 0.0
+        )
         return tot / max(self.n, 1)
 
     def quantile(self, q: float) -> float:
@@ -141,8 +150,14 @@ class ObservingCache:
     """Duck-typed ``past_key_values`` for one forward: sees what the attention caches and returns it,
     optionally through FP8 (``mode``: None | "unit" | "calibrated" | "tiles")."""
 
-    def __init__(self, layout: AttentionLayout, obs: LayerObs | None, rope_dim: int, mode: str | None = None,
-                 scales: tuple[float, float] = (1.0, 1.0)):
+    def __init__(
+        self,
+        layout: AttentionLayout,
+        obs: LayerObs | None,
+        rope_dim: int,
+        mode: str | None = None,
+        scales: tuple[float, float] = (1.0, 1.0),
+    ):
         self.layout, self.obs, self.rope_dim, self.mode, self.scales = layout, obs, rope_dim, mode, scales
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -201,8 +216,17 @@ class LayerReport:
 
 
 def _fingerprint(streamer: LayerStreamer) -> str:
-    keys = ("model_type", "num_hidden_layers", "hidden_size", "kv_lora_rank", "qk_rope_head_dim", "num_key_value_heads",
-            "head_dim", "num_attention_heads", "vocab_size")
+    keys = (
+        "model_type",
+        "num_hidden_layers",
+        "hidden_size",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "num_key_value_heads",
+        "head_dim",
+        "num_attention_heads",
+        "vocab_size",
+    )
     sig = {k: streamer.text.get(k) for k in keys}
     sig["architecture"] = streamer.arch.name
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:16]
@@ -213,9 +237,15 @@ def _report_layer(i: int, obs: LayerObs, layout: AttentionLayout, clip: float | 
     thresh = h.quantile(clip) if clip else h.amax
     scale = max(thresh, 1e-30) / E4M3_MAX
     r = LayerReport(
-        layer=i, amax=h.amax, scale=scale, percentile=h.quantile(0.999),
-        overflow_unit=h.frac_above(E4M3_MAX), subnormal_unit=h.frac_below(E4M3_MIN_NORMAL), zero_unit=h.frac_below(E4M3_ZERO_BELOW),
-        overflow_calibrated=h.frac_above(E4M3_MAX * scale), subnormal_calibrated=h.frac_below(E4M3_MIN_NORMAL * scale),
+        layer=i,
+        amax=h.amax,
+        scale=scale,
+        percentile=h.quantile(0.999),
+        overflow_unit=h.frac_above(E4M3_MAX),
+        subnormal_unit=h.frac_below(E4M3_MIN_NORMAL),
+        zero_unit=h.frac_below(E4M3_ZERO_BELOW),
+        overflow_calibrated=h.frac_above(E4M3_MAX * scale),
+        subnormal_calibrated=h.frac_below(E4M3_MIN_NORMAL * scale),
         zero_calibrated=h.frac_below(E4M3_ZERO_BELOW * scale),
     )
     for name, part in layout.amax_fields.items():
@@ -247,8 +277,9 @@ def _query_amax(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], rep:
     rep.q_absorbed_amax, rep.q_pe_amax = qa, qp
 
 
-def _attn_error(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layout: AttentionLayout, rope_dim: int,
-                rep: LayerReport) -> None:
+def _attn_error(
+    streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layout: AttentionLayout, rope_dim: int, rep: LayerReport
+) -> None:
     """Relative error of the attention output with the cached row through e4m3, against BF16."""
     attn = layer.self_attn
     norm = layer.input_layernorm
@@ -262,8 +293,14 @@ def _attn_error(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layo
                 pos, pe, mask = streamer._context(h)
                 kw = {"prev_topk_indices": None} if streamer.arch.hf.get("topk") else {}
                 with torch.no_grad():
-                    out = attn(hidden_states=norm(h), position_embeddings=pe, attention_mask=mask, position_ids=pos,
-                               past_key_values=ObservingCache(layout, None, rope_dim, mode, scales), **kw)
+                    out = attn(
+                        hidden_states=norm(h),
+                        position_embeddings=pe,
+                        attention_mask=mask,
+                        position_ids=pos,
+                        past_key_values=ObservingCache(layout, None, rope_dim, mode, scales),
+                        **kw,
+                    )
                 outs.append(out[0] if isinstance(out, tuple) else out)
         finally:
             if handle is not None:
@@ -290,9 +327,15 @@ def _risk(r: LayerReport, layout: AttentionLayout) -> None:
         why.append(f"{r.overflow_unit:.2e} of values exceed +-448 at unit scale")
     if r.subnormal_unit > 0.10:
         why.append(f"{r.subnormal_unit:.1%} fall below e4m3's normal range at unit scale")
-    if (r.attn_rel_err_unit is not None and r.attn_rel_err_calibrated is not None
-            and r.attn_rel_err_unit > 1.5 * r.attn_rel_err_calibrated and r.attn_rel_err_unit - r.attn_rel_err_calibrated > 0.01):
-        why.append(f"attention error {r.attn_rel_err_unit:.3f} at unit scale vs {r.attn_rel_err_calibrated:.3f} calibrated")
+    if (
+        r.attn_rel_err_unit is not None
+        and r.attn_rel_err_calibrated is not None
+        and r.attn_rel_err_unit > 1.5 * r.attn_rel_err_calibrated
+        and r.attn_rel_err_unit - r.attn_rel_err_calibrated > 0.01
+    ):
+        why.append(
+            f"attention error {r.attn_rel_err_unit:.3f} at unit scale vs {r.attn_rel_err_calibrated:.3f} calibrated"
+        )
     r.at_risk = bool(why) and layout.static_scale
     r.why = "; ".join(why)
 
@@ -320,21 +363,22 @@ class KvResult:
         return asdict(self)
 
 
+@takes(CalibrateKVOptions)
 def calibrate_kv(
-    model: str | os.PathLike,
-    out: str | os.PathLike | None = None,
-    data: str | None = None,
-    samples: int = 512,
-    seq_len: int = 2048,
-    target: str = "sglang",
-    clip: float | None = None,
-    stats_out: str | os.PathLike | None = None,
-    stats: str | os.PathLike | None = None,
-    chat_template: bool = False,
-    error_samples: int = 8,
-    fold: bool = False,
-    fold_headroom: float = 2.0,
-    overwrite: bool = False,
+    model,
+    out,
+    data,
+    samples,
+    seq_len,
+    target,
+    clip,
+    stats_out,
+    stats,
+    chat_template,
+    error_samples,
+    fold,
+    fold_headroom,
+    overwrite,
     emit: Emit = null_emit,
 ) -> KvResult:
     """The per-layer KV report for any model the tool reads; with ``out``, a new checkpoint that
@@ -348,37 +392,55 @@ def calibrate_kv(
     - GQA: K and V scales under the names the engines load, and ``kv_cache_scheme``.
     - GLM-5 DSA: the report only (the engines compute per-128 scales when they write the cache).
     """
-    model = Path(model)
-    validate_sample_options(samples, seq_len)
-    if target not in TARGETS:
-        raise QuantizeError(f"--target {target}: unknown; use one of {', '.join(TARGETS)}")
-    if clip is not None and not 0.9 <= clip < 1.0:
-        raise QuantizeError(f"--clip {clip}: a percentile between 0.9 and 1 (e.g. 0.9999), or leave it off for absmax")
-    if not fold_headroom >= 1.0:
-        raise QuantizeError(f"--fold-headroom {fold_headroom}: must be at least 1 (the cache's amax is kept at or below 448 / headroom)")
+    model = Path(model)  # the options were checked where they are declared (quantize/options.py)
     streamer = LayerStreamer(model)
     layout = streamer.arch.layout
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     fp = _fingerprint(streamer)
     mode = _mode(model, layout, target, fold, out is not None)
     if stats_out is not None and Path(stats_out).resolve().is_relative_to(model.resolve()):
-        raise QuantizeError(f"--stats-out {stats_out}: inside the model folder {model}, which is never modified; write it elsewhere")
+        raise QuantizeError(
+            f"--stats-out {stats_out}: inside the model folder {model}, which is never modified; write it elsewhere"
+        )
     output = None
     loaded = _load_stats(Path(stats), fp, streamer) if stats is not None else None
     if mode == "fold" and loaded is not None and any(r.q_absorbed_amax is None for r in loaded[0]):
-        raise QuantizeError(f"{stats}: written before query statistics were recorded; --fold needs them, recompute the stats with --stats-out")
+        raise QuantizeError(
+            f"{stats}: written before query statistics were recorded; --fold needs them, recompute the stats with "
+            "--stats-out"
+        )
     if mode is not None:
         if mode == "scales":
             _check_writable_config(model, streamer)  # before the long measurement
         carried = side_files(model, CARRIED) + [model / f for f in streamer.index.files]
-        output = Output.open(out, "calibrate-kv", [model] + ([Path(stats)] if stats else []) + ([Path(data)] if data and Path(data).exists() else []),
-                             overwrite=overwrite)
+        output = Output.open(
+            out,
+            "calibrate-kv",
+            [model] + ([Path(stats)] if stats else []) + ([Path(data)] if data and Path(data).exists() else []),
+            overwrite=overwrite,
+        )
     try:
         if loaded is not None:
             reports, meta = loaded
         else:
-            reports, meta = _measure(streamer, model, data, samples, seq_len, chat_template, clip, error_samples, layout, rope_dim, emit)
-        result = _finish(model, output, carried if output else [], streamer, reports, meta, fp, target, layout, clip, stats_out, mode, fold_headroom)
+            reports, meta = _measure(
+                streamer, model, data, samples, seq_len, chat_template, clip, error_samples, layout, rope_dim, emit
+            )
+        result = _finish(
+            model,
+            output,
+            carried if output else [],
+            streamer,
+            reports,
+            meta,
+            fp,
+            target,
+            layout,
+            clip,
+            stats_out,
+            mode,
+            fold_headroom,
+        )
     finally:
         streamer.close()
         if output is not None:
@@ -394,8 +456,10 @@ def _mode(model: Path, layout: AttentionLayout, target: str, fold: bool, writing
         if layout.fold_refusal:
             raise QuantizeError(f"{model}: --fold does not apply: {layout.fold_refusal}")
         if target == "compressed-tensors":
-            raise QuantizeError("--fold with --target compressed-tensors: transformers applies the calibrated k_scale itself; "
-                                "fold for the engines (--target sglang or vllm), or drop --fold")
+            raise QuantizeError(
+                "--fold with --target compressed-tensors: transformers applies the calibrated k_scale itself; "
+                "fold for the engines (--target sglang or vllm), or drop --fold"
+            )
         if not writing:
             raise QuantizeError("--fold writes a new checkpoint: pass --out")
         return "fold"
@@ -406,9 +470,13 @@ def _mode(model: Path, layout: AttentionLayout, target: str, fold: bool, writing
     return "scales"
 
 
-def _finish(model, output, carried, streamer, reports, meta, fp, target, layout, clip, stats_out, mode, headroom) -> "KvResult":
+def _finish(
+    model, output, carried, streamer, reports, meta, fp, target, layout, clip, stats_out, mode, headroom
+) -> "KvResult":
     if len(reports) != streamer.num_layers:
-        raise QuantizeError(f"{model}: calibration produced {len(reports)} layer reports for {streamer.num_layers} layers; rerun")
+        raise QuantizeError(
+            f"{model}: calibration produced {len(reports)} layer reports for {streamer.num_layers} layers; rerun"
+        )
     for r in reports:
         _risk(r, layout)
     result = _verdict(str(model), target, layout, reports, meta)
@@ -416,12 +484,26 @@ def _finish(model, output, carried, streamer, reports, meta, fp, target, layout,
         factors = _fold_factors(streamer, layout, reports, headroom)
         result.fold = [f.to_dict() for f in factors]
         if mode != "fold":
-            moves = [f"layer {f.layer}: latent x{f.latent:g}, rope x{f.rope:g}" for f in factors if (f.latent, f.rope) != (1.0, 1.0)]
-            result.verdict += (f" --fold (headroom {headroom:g}) would scale the cached row by powers of two: "
-                               + ("; ".join(moves[:4]) + ("; ..." if len(moves) > 4 else "") if moves else "nothing to move") + ".")
+            moves = [
+                f"layer {f.layer}: latent x{f.latent:g}, rope x{f.rope:g}"
+                for f in factors
+                if (f.latent, f.rope) != (1.0, 1.0)
+            ]
+            result.verdict += (
+                f" --fold (headroom {headroom:g}) would scale the cached row by powers of two: "
+                + ("; ".join(moves[:4]) + ("; ..." if len(moves) > 4 else "") if moves else "nothing to move")
+                + "."
+            )
     if stats_out is not None:
-        doc = {"version": STATS_VERSION, "model": str(model), "fingerprint": fp, "layout": layout.name, "clip": clip,
-               **meta, "layers": [r.__dict__ for r in reports]}
+        doc = {
+            "version": STATS_VERSION,
+            "model": str(model),
+            "fingerprint": fp,
+            "layout": layout.name,
+            "clip": clip,
+            **meta,
+            "layers": [r.__dict__ for r in reports],
+        }
         write_text_atomic(Path(stats_out), json.dumps(doc, indent=1))
         result.stats_path = str(stats_out)
     if output is None:
@@ -458,9 +540,16 @@ def _measure(streamer, model, data, samples, seq_len, chat_template, clip, error
         reports.append(rep)
         emit({"event": "tensor", "name": f"layer {i}", "done_bytes": i + 1})
 
-    for _ in streamer.stream(batch.ids, cache_for=lambda i: ObservingCache(layout, obs[i], rope_dim), before=before, after=after):
+    for _ in streamer.stream(
+        batch.ids, cache_for=lambda i: ObservingCache(layout, obs[i], rope_dim), before=before, after=after
+    ):
         pass
-    return reports, {"samples": len(batch.ids), "tokens": tokens, "dropped_short": batch.dropped_short, "data": batch.source}
+    return reports, {
+        "samples": len(batch.ids),
+        "tokens": tokens,
+        "dropped_short": batch.dropped_short,
+        "data": batch.source,
+    }
 
 
 def _load_stats(path: Path, fp: str, streamer) -> tuple[list[LayerReport], dict]:
@@ -470,32 +559,58 @@ def _load_stats(path: Path, fp: str, streamer) -> tuple[list[LayerReport], dict]
     except FileNotFoundError as e:
         raise QuantizeError(f"{path}: no such stats file") from e
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise QuantizeError(f"{path}: not a calibrate-kv stats file (needs 'layers' with per-layer amax and scale); recompute it with --stats-out") from e
+        raise QuantizeError(
+            f"{path}: not a calibrate-kv stats file (needs 'layers' with per-layer amax and scale); recompute it with "
+            "--stats-out"
+        ) from e
     if doc.get("fingerprint") != fp or len(layers) != streamer.num_layers:
-        raise QuantizeError(f"{path}: stats were computed for another model ({doc.get('model')}, {len(layers)} layers); recompute them for this one")
+        raise QuantizeError(
+            f"{path}: stats were computed for another model ({doc.get('model')}, {len(layers)} layers); recompute "
+            "them for this one"
+        )
     return layers, {k: doc.get(k) for k in ("samples", "tokens", "dropped_short", "data")}
 
 
 def _verdict(model: str, target: str, layout: AttentionLayout, reports: list[LayerReport], meta: dict) -> KvResult:
     verdict, safe = layout.verdict(target, reports)
-    return KvResult(model, None, target, layout.name, reports, meta.get("samples") or 0, meta.get("tokens") or 0,
-                    meta.get("dropped_short") or 0, safe, verdict, [], engine_scale=layout.engine_scale(target))
+    return KvResult(
+        model,
+        None,
+        target,
+        layout.name,
+        reports,
+        meta.get("samples") or 0,
+        meta.get("tokens") or 0,
+        meta.get("dropped_short") or 0,
+        safe,
+        verdict,
+        [],
+        engine_scale=layout.engine_scale(target),
+    )
 
 
-def _scale_tensors(streamer, reports: list[LayerReport], target: str,
-                   layout: AttentionLayout) -> dict[str, torch.Tensor]:
+def _scale_tensors(
+    streamer, reports: list[LayerReport], target: str, layout: AttentionLayout
+) -> dict[str, torch.Tensor]:
     """The scales ``target`` applies for this layout (``layout.scale_tensors``: ``self_attn.k_scale`` /
     ``self_attn.v_scale`` per layer, MLA's one scale covering the whole row) as fp32 scalars."""
-    return {name: torch.tensor(v, dtype=torch.float32)
-            for name, v in layout.scale_tensors(streamer.arch.prefix, reports, target).items()}
+    return {
+        name: torch.tensor(v, dtype=torch.float32)
+        for name, v in layout.scale_tensors(streamer.arch.prefix, reports, target).items()
+    }
 
 
 def _fold_factors(streamer, layout: AttentionLayout, reports: list[LayerReport], headroom: float) -> list[FoldFactors]:
     out = []
     for r in reports:
         n = layout.fold_tensors(streamer.arch.prefix, r.layer, streamer.text)
-        f = FoldFactors(r.layer, latent_amax_before=r.amax_latent or 0.0, rope_amax_before=r.amax_rope or 0.0,
-                        q_absorbed_amax_before=r.q_absorbed_amax, q_pe_amax_before=r.q_pe_amax)
+        f = FoldFactors(
+            r.layer,
+            latent_amax_before=r.amax_latent or 0.0,
+            rope_amax_before=r.amax_rope or 0.0,
+            q_absorbed_amax_before=r.q_absorbed_amax,
+            q_pe_amax_before=r.q_pe_amax,
+        )
         f.latent, note = folding.choose_factor(f.latent_amax_before, r.q_absorbed_amax, headroom, "latent")
         f.notes += [note] if note else []
         blocker = folding.rope_fold_blocker(streamer.reader, n)
@@ -508,13 +623,17 @@ def _fold_factors(streamer, layout: AttentionLayout, reports: list[LayerReport],
     return out
 
 
-def _write_folded(model: Path, output: Output, carried: list[Path], streamer, reports, headroom: float, result) -> list[str]:
+def _write_folded(
+    model: Path, output: Output, carried: list[Path], streamer, reports, headroom: float, result
+) -> list[str]:
     """The folded model: shards holding a changed tensor are rewritten (unchanged tensors copied
     byte for byte, streamed), the others hard-linked; config and index as the source's (no scale,
     no kv_cache_scheme); a fresh manifest with the factors and the changed tensors."""
     out, index, reader = output.path, streamer.index, streamer.reader
     changed: dict[str, torch.Tensor] = {}
-    factors = [FoldFactors(**{k: v for k, v in d.items() if k in FoldFactors.__dataclass_fields__}) for d in result.fold]
+    factors = [
+        FoldFactors(**{k: v for k, v in d.items() if k in FoldFactors.__dataclass_fields__}) for d in result.fold
+    ]
     for f in factors:
         try:
             names = streamer.arch.layout.fold_tensors(streamer.arch.prefix, f.layer, streamer.text)
@@ -526,7 +645,9 @@ def _write_folded(model: Path, output: Output, carried: list[Path], streamer, re
         by_file.setdefault(ref.file, []).append(ref)
     weights = {model / f for f in index.files}
     output.copy_side_files([p for p in carried if p not in weights] + [model / "config.json"])
-    output.copy_side_files([model / f for f in index.files if not any(r.name in changed for r in by_file[f])], link=True)
+    output.copy_side_files(
+        [model / f for f in index.files if not any(r.name in changed for r in by_file[f])], link=True
+    )
     fds: dict = {}
     try:
         for fname in index.files:
@@ -551,11 +672,21 @@ def _write_folded(model: Path, output: Output, carried: list[Path], streamer, re
     if (model / INDEX_NAME).exists():
         output.copy_side_files([model / INDEX_NAME])
     output.complete()
-    write_manifest(output, {"kind": "calibrate-kv", "mode": "fold", "tool": tool_versions(),
-                            "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
-                            "target": result.target, "layout": result.layout, "fold_headroom": headroom,
-                            "fold": result.fold, "changed_tensors": sorted(changed),
-                            "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out", "fold")}})
+    write_manifest(
+        output,
+        {
+            "kind": "calibrate-kv",
+            "mode": "fold",
+            "tool": tool_versions(),
+            "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
+            "target": result.target,
+            "layout": result.layout,
+            "fold_headroom": headroom,
+            "fold": result.fold,
+            "changed_tensors": sorted(changed),
+            "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out", "fold")},
+        },
+    )
     return sorted(changed)
 
 
@@ -563,14 +694,22 @@ def _check_writable_config(model: Path, streamer) -> None:
     cfg = streamer.index.config
     qc = cfg.get("quantization_config")
     if qc and qc.get("quant_method") != "compressed-tensors":
-        raise QuantizeError(f"{model / 'config.json'}: quant_method {qc.get('quant_method')!r}; kv_cache_scheme is a compressed-tensors field, so calibrate a BF16 or `quantize convert` output")
+        raise QuantizeError(
+            f"{model / 'config.json'}: quant_method {qc.get('quant_method')!r}; kv_cache_scheme is a "
+            "compressed-tensors field, so calibrate a BF16 or `quantize convert` output"
+        )
     if not qc and int(streamer.text.get("n_routed_experts", 0) or 0):
-        raise QuantizeError(f"{model / 'config.json'}: a BF16 mixture-of-experts model has no compressed-tensors weight scheme to attach "
-                            f"kv_cache_scheme to (transformers' loader needs one for MoE); run `quantize convert` first and calibrate its output")
+        raise QuantizeError(
+            f"{model / 'config.json'}: a BF16 mixture-of-experts model has no compressed-tensors weight scheme to "
+            "attach "
+            f"kv_cache_scheme to (transformers' loader needs one for MoE); run `quantize convert` first and calibrate "
+            "its output"
+        )
 
 
-def _write_checkpoint(model: Path, output: Output, carried: list[Path], streamer, reports, target: str,
-                      layout: AttentionLayout, result) -> list[str]:
+def _write_checkpoint(
+    model: Path, output: Output, carried: list[Path], streamer, reports, target: str, layout: AttentionLayout, result
+) -> list[str]:
     """The model's weights (hard-linked where possible: shared, never modified), its side files,
     the scales in ``kv_scales.safetensors``, index and config with ``kv_cache_scheme``, and a
     fresh manifest covering every file (the source's manifest is not carried: its hashes would
@@ -587,19 +726,42 @@ def _write_checkpoint(model: Path, output: Output, carried: list[Path], streamer
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, out / "kv_scales.safetensors")
     except OSError as e:
-        raise QuantizeError(f"{out / 'kv_scales.safetensors'}: cannot write ({e.strerror}); free space or choose another OUT") from e
-    idx = {"metadata": dict(streamer.index.index_metadata),
-           "weight_map": {n: r.file for n, r in streamer.index.tensors.items()}}
+        raise QuantizeError(
+            f"{out / 'kv_scales.safetensors'}: cannot write ({e.strerror}); free space or choose another OUT"
+        ) from e
+    idx = {
+        "metadata": dict(streamer.index.index_metadata),
+        "weight_map": {n: r.file for n, r in streamer.index.tensors.items()},
+    }
     idx["weight_map"].update({k: "kv_scales.safetensors" for k in tensors})
     output.write_json(INDEX_NAME, idx, sort_keys=False, indent=2)
-    qc = dict(qc) if qc else {"config_groups": {}, "format": "dense", "ignore": [], "quant_method": "compressed-tensors",
-                              "quantization_status": "compressed", "version": "0.19.0"}
+    qc = (
+        dict(qc)
+        if qc
+        else {
+            "config_groups": {},
+            "format": "dense",
+            "ignore": [],
+            "quant_method": "compressed-tensors",
+            "quantization_status": "compressed",
+            "version": "0.19.0",
+        }
+    )
     qc["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
     cfg["quantization_config"] = qc
     output.write_json("config.json", cfg, indent=2)
     output.complete()
-    write_manifest(output, {"kind": "calibrate-kv", "tool": tool_versions(), "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
-                            "target": target, "layout": layout.name, "kv_cache_scheme": qc["kv_cache_scheme"],
-                            "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out")},
-                            "scales": sorted(tensors)})
+    write_manifest(
+        output,
+        {
+            "kind": "calibrate-kv",
+            "tool": tool_versions(),
+            "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
+            "target": target,
+            "layout": layout.name,
+            "kv_cache_scheme": qc["kv_cache_scheme"],
+            "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out")},
+            "scales": sorted(tensors),
+        },
+    )
     return sorted(tensors)

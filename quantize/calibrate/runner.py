@@ -29,7 +29,9 @@ class LayerStreamer:
         self.index = CheckpointIndex.open(self.folder)
         self.arch = archs.resolve(self.index.config, str(self.folder / "config.json"))
         if not self.arch.hf:
-            raise QuantizeError(f"{self.folder / 'config.json'}: {self.arch.name} has no layer classes registered for calibration")
+            raise QuantizeError(
+                f"{self.folder / 'config.json'}: {self.arch.name} has no layer classes registered for calibration"
+            )
         self.text = dict(self.arch.text_config(self.index.config))
         mod, prefix = self.arch.hf_classes(self.text)
         self.modeling = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
@@ -41,7 +43,9 @@ class LayerStreamer:
         self.dtype = dtype
         self.num_layers = int(self.config.num_hidden_layers)
         if not any(n.startswith(self._layer_prefix(0) + "self_attn.") for n in self.index.tensors):
-            raise QuantizeError(f"{self.folder}: no attention tensors under {self._layer_prefix(0)}self_attn.*; nothing to calibrate")
+            raise QuantizeError(
+                f"{self.folder}: no attention tensors under {self._layer_prefix(0)}self_attn.*; nothing to calibrate"
+            )
         self.reader = WeightReader(self.index)
 
     def _layer_prefix(self, i: int) -> str:
@@ -60,8 +64,14 @@ class LayerStreamer:
         if m:
             base = prefix + m.group(1)
             if m.group(2) == "gate_up_proj":
-                return torch.stack([torch.cat([self.tensor(f"{base}.{e}.gate_proj.weight"), self.tensor(f"{base}.{e}.up_proj.weight")])
-                                    for e in range(n_experts)])
+                return torch.stack(
+                    [
+                        torch.cat(
+                            [self.tensor(f"{base}.{e}.gate_proj.weight"), self.tensor(f"{base}.{e}.up_proj.weight")]
+                        )
+                        for e in range(n_experts)
+                    ]
+                )
             return torch.stack([self.tensor(f"{base}.{e}.down_proj.weight") for e in range(n_experts)])
         name = prefix + key
         t = self.tensor(name)
@@ -73,8 +83,10 @@ class LayerStreamer:
             layer = cls(self.config, layer_idx=i)
         state = layer.state_dict()
         n_experts = int(getattr(self.config, "n_routed_experts", 0) or 0)
-        loaded = {k: self._param(self._layer_prefix(i), k, n_experts).to(v.dtype if v.dtype == torch.float32 else self.dtype)
-                  for k, v in state.items()}
+        loaded = {
+            k: self._param(self._layer_prefix(i), k, n_experts).to(v.dtype if v.dtype == torch.float32 else self.dtype)
+            for k, v in state.items()
+        }
         layer.load_state_dict(loaded, strict=True, assign=True)
         return layer.eval()
 
@@ -87,22 +99,40 @@ class LayerStreamer:
         pos = torch.arange(hidden.shape[1]).unsqueeze(0)
         rotary = getattr(self.modeling, self.prefix + "RotaryEmbedding")(self.config)
         pe = rotary(hidden, position_ids=pos)
-        mask = self.modeling.create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                                past_key_values=None, position_ids=pos, **self.arch.hf.get("mask_kwargs", {}))
+        mask = self.modeling.create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=pos,
+            **self.arch.hf.get("mask_kwargs", {}),
+        )
         return pos, pe, mask
 
     def run_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, cache=None, topk=None):
         pos, pe, mask = self._context(hidden)
         kw = {"prev_topk_indices": topk} if self.arch.hf.get("topk") else {}
         with torch.no_grad():
-            out = layer(hidden, attention_mask=mask, position_embeddings=pe, position_ids=pos, past_key_values=cache,
-                        use_cache=False, **kw)
+            out = layer(
+                hidden,
+                attention_mask=mask,
+                position_embeddings=pe,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=False,
+                **kw,
+            )
         if isinstance(out, tuple):
             return out[0], out[1] if len(out) > 1 else None
         return out, None
 
-    def stream(self, samples: list[torch.Tensor], cache_for: Callable | None = None, before: Callable | None = None,
-               after: Callable | None = None) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    def stream(
+        self,
+        samples: list[torch.Tensor],
+        cache_for: Callable | None = None,
+        before: Callable | None = None,
+        after: Callable | None = None,
+    ) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """Yield (layer index, hidden states after that layer) for every layer. Per layer:
         ``before(i, layer)`` (hooks), then every sample through the layer with
         ``past_key_values=cache_for(i)``, then ``after(i, layer, inputs)`` with the layer's input
@@ -113,7 +143,10 @@ class LayerStreamer:
             layer = self.layer(i)
             if before is not None:
                 before(i, layer)
-            outs = [self.run_layer(layer, h, cache=cache_for(i) if cache_for else None, topk=t) for h, t in zip(hidden, topk)]
+            outs = [
+                self.run_layer(layer, h, cache=cache_for(i) if cache_for else None, topk=t)
+                for h, t in zip(hidden, topk)
+            ]
             if after is not None:
                 after(i, layer, hidden)
             hidden, topk = [o for o, _ in outs], [t for _, t in outs]

@@ -69,6 +69,7 @@ import torch
 from ..archs.attention import AttentionLayout, cache_layout
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
+from ..options import PDOptions, takes
 
 E4M3_MAX = 448.0
 SGLANG = "SGLang 0.5.23"
@@ -83,6 +84,7 @@ CITES = {
 
 
 # -- rounding as the decode pool stores the cache -----------------------------------------------
+
 
 def _e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """The engine's store: the BF16 value cast to e4m3 (saturating at +-448) at ``scale``."""
@@ -185,6 +187,7 @@ def stored_cache(prefill, decode, cache, tap: _LatentTap | None, kv: str):
 
 # -- the fidelity check ---------------------------------------------------------------------------
 
+
 @dataclass
 class PdRow:
     name: str
@@ -195,7 +198,10 @@ class PdRow:
     nll: float  # mean negative log-likelihood of the text's next tokens
 
     def line(self) -> str:
-        return f"{self.name}: KLD mean {self.kld_mean:.5f} (p99 {self.kld_p99:.4f}, max {self.kld_max:.4f}), same top-1 {self.top1_agreement:.2%}"
+        return (
+            f"{self.name}: KLD mean {self.kld_mean:.5f} (p99 {self.kld_p99:.4f}, max {self.kld_max:.4f}), "
+            f"same top-1 {self.top1_agreement:.2%}"
+        )
 
 
 @dataclass
@@ -221,9 +227,12 @@ class PdReport:
 
     def line(self) -> str:
         pd, alone = self.row(PAIR), self.row(DECODE_ALONE)
-        return (f"vs the source over {self.decode_tokens} decoded tokens: prefill->decode pair KLD {pd.kld_mean:.5f}, top-1 "
-                f"{pd.top1_agreement:.2%}; decode model alone KLD {alone.kld_mean:.5f}, top-1 {alone.top1_agreement:.2%} "
-                f"({self.kv_cache_dtype} cache, {self.layout})")
+        return (
+            f"vs the source over {self.decode_tokens} decoded tokens: prefill->decode pair KLD {pd.kld_mean:.5f}, "
+            "top-1 "
+            f"{pd.top1_agreement:.2%}; decode model alone KLD {alone.kld_mean:.5f}, top-1 {alone.top1_agreement:.2%} "
+            f"({self.kv_cache_dtype} cache, {self.layout})"
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -244,10 +253,19 @@ def _forward(model, ids: torch.Tensor, cache=None):
         return model(input_ids=ids.unsqueeze(0).to(model.device), past_key_values=cache, use_cache=True)
 
 
-def pd_fidelity(prefill_model: str | os.PathLike, decode_model: str | os.PathLike, source: str | os.PathLike,
-                text: str | os.PathLike | None = None, prompt_tokens: int = 256, decode_tokens: int = 64,
-                kv_cache_dtype: str = "fp8_e4m3", device: str = "cpu", out: str | os.PathLike | None = None,
-                emit: Emit = null_emit) -> PdReport:
+@takes(PDOptions)
+def pd_fidelity(
+    prefill_model,
+    decode_model,
+    source,
+    text,
+    prompt_tokens,
+    decode_tokens,
+    kv_cache_dtype,
+    device,
+    out,
+    emit: Emit = null_emit,
+) -> PdReport:
     """The prompt's cache computed by ``prefill_model``, stored as the decode pool stores it
     (``kv_cache_dtype``), then ``decode_tokens`` tokens of the text scored by ``decode_model``
     from that cache, against ``source`` alone; beside the decode model alone."""
@@ -256,7 +274,9 @@ def pd_fidelity(prefill_model: str | os.PathLike, decode_model: str | os.PathLik
     if kv_cache_dtype not in ("fp8_e4m3", "bf16"):
         raise QuantizeError(f"--kv-cache-dtype {kv_cache_dtype}: use fp8_e4m3 (the decode pool's FP8 cache) or bf16")
     if prompt_tokens < 1 or decode_tokens < 1:
-        raise QuantizeError(f"--prompt-tokens {prompt_tokens} / --decode-tokens {decode_tokens}: both must be at least 1")
+        raise QuantizeError(
+            f"--prompt-tokens {prompt_tokens} / --decode-tokens {decode_tokens}: both must be at least 1"
+        )
     dev = check_device(device)
     paths = {"prefill": Path(prefill_model), "decode": Path(decode_model), "source": Path(source)}
     for k, p in paths.items():
@@ -272,10 +292,13 @@ def pd_fidelity(prefill_model: str | os.PathLike, decode_model: str | os.PathLik
         _same_tokenizer(tok, _tokenizer(paths[k]), raw, paths["source"], paths[k])
     ids = torch.tensor(tok(raw)["input_ids"][: prompt_tokens + decode_tokens + 1])
     if ids.numel() < prompt_tokens + decode_tokens + 1:
-        raise QuantizeError(f"--text {text_path}: {ids.numel()} tokens, fewer than prompt {prompt_tokens} + decode {decode_tokens} + 1; "
-                            "pass a longer text or fewer tokens")
-    prompt, cont = ids[:prompt_tokens], ids[prompt_tokens: prompt_tokens + decode_tokens]
-    target = ids[prompt_tokens + 1: prompt_tokens + decode_tokens + 1]
+        raise QuantizeError(
+            f"--text {text_path}: {ids.numel()} tokens, fewer than prompt {prompt_tokens} + decode {decode_tokens} + "
+            "1; "
+            "pass a longer text or fewer tokens"
+        )
+    prompt, cont = ids[:prompt_tokens], ids[prompt_tokens : prompt_tokens + decode_tokens]
+    target = ids[prompt_tokens + 1 : prompt_tokens + decode_tokens + 1]
 
     models: dict[str, object] = {}
     by_path: dict[Path, object] = {}
@@ -311,13 +334,31 @@ def pd_fidelity(prefill_model: str | os.PathLike, decode_model: str | os.PathLik
         layout = layout or lay
         lp = torch.log_softmax(_forward(models[dside], cont, stored).logits[0].float(), -1)
         kl = (ref.exp() * (ref - lp)).sum(-1).clamp_min(0).double()
-        rows.append(PdRow(name, float(kl.mean()), float(torch.quantile(kl, 0.99)) if kl.numel() > 1 else float(kl[0]),
-                          float(kl.max()), float((lp.argmax(-1) == ref.argmax(-1)).float().mean()),
-                          float(-lp.gather(-1, target.unsqueeze(-1).to(lp.device)).mean())))
+        rows.append(
+            PdRow(
+                name,
+                float(kl.mean()),
+                float(torch.quantile(kl, 0.99)) if kl.numel() > 1 else float(kl[0]),
+                float(kl.max()),
+                float((lp.argmax(-1) == ref.argmax(-1)).float().mean()),
+                float(-lp.gather(-1, target.unsqueeze(-1).to(lp.device)).mean()),
+            )
+        )
         emit({"event": "tensor", "name": name, "done_bytes": i + 2})
-    rep = PdReport(str(prefill_model), str(decode_model), str(source), str(text_path), prompt_tokens, decode_tokens, kv_cache_dtype,
-                   layout.pd_name, layout.pd_stored.format(kv=kv_cache_dtype), rows,
-                   float(-ref.gather(-1, target.unsqueeze(-1).to(ref.device)).mean()), path_diff)
+    rep = PdReport(
+        str(prefill_model),
+        str(decode_model),
+        str(source),
+        str(text_path),
+        prompt_tokens,
+        decode_tokens,
+        kv_cache_dtype,
+        layout.pd_name,
+        layout.pd_stored.format(kv=kv_cache_dtype),
+        rows,
+        float(-ref.gather(-1, target.unsqueeze(-1).to(ref.device)).mean()),
+        path_diff,
+    )
     if out is not None:
         from ..checkpoint.output import write_text_atomic
 
@@ -328,26 +369,83 @@ def pd_fidelity(prefill_model: str | os.PathLike, decode_model: str | os.PathLik
 
 # -- the prefill artifact -------------------------------------------------------------------------
 
-def launch_lines(prefill: str, decode: str, *, revision: str | None = None, prefill_tp: int = 8, decode_tp: int = 8,
-                 transfer_backend: str = "mooncake", bootstrap_port: int = 8998, prefill_host: str = "PREFILL_HOST",
-                 decode_host: str = "DECODE_HOST", prefill_port: int = 30000, decode_port: int = 30001, router_port: int = 8000,
-                 kv_cache_dtype: str = "fp8_e4m3", trust_remote_code: bool = False) -> dict[str, list[str]]:
+
+def launch_lines(
+    prefill: str,
+    decode: str,
+    *,
+    revision: str | None = None,
+    prefill_tp: int = 8,
+    decode_tp: int = 8,
+    transfer_backend: str = "mooncake",
+    bootstrap_port: int = 8998,
+    prefill_host: str = "PREFILL_HOST",
+    decode_host: str = "DECODE_HOST",
+    prefill_port: int = 30000,
+    decode_port: int = 30001,
+    router_port: int = 8000,
+    kv_cache_dtype: str = "fp8_e4m3",
+    trust_remote_code: bool = False,
+) -> dict[str, list[str]]:
     """SGLang 0.5.23 PD launch arguments (flags as ``sglang/srt/arg_groups/fields/disagg.py`` names
     them; both pools with the same ``--kv-cache-dtype``, which the decode side requires)."""
-    common = ["--disaggregation-transfer-backend", transfer_backend, "--disaggregation-bootstrap-port", str(bootstrap_port),
-              "--kv-cache-dtype", kv_cache_dtype, "--host", "0.0.0.0"] + (["--trust-remote-code"] if trust_remote_code else [])
-    p = (["python", "-m", "sglang.launch_server", "--model-path", prefill] + (["--revision", revision] if revision else [])
-         + ["--tp", str(prefill_tp), "--disaggregation-mode", "prefill", "--port", str(prefill_port)] + common)
-    d = (["python", "-m", "sglang.launch_server", "--model-path", decode, "--tp", str(decode_tp), "--disaggregation-mode", "decode",
-          "--port", str(decode_port)] + common)
-    r = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", f"http://{prefill_host}:{prefill_port}",
-         "--decode", f"http://{decode_host}:{decode_port}", "--host", "0.0.0.0", "--port", str(router_port)]
+    common = [
+        "--disaggregation-transfer-backend",
+        transfer_backend,
+        "--disaggregation-bootstrap-port",
+        str(bootstrap_port),
+        "--kv-cache-dtype",
+        kv_cache_dtype,
+        "--host",
+        "0.0.0.0",
+    ] + (["--trust-remote-code"] if trust_remote_code else [])
+    p = (
+        ["python", "-m", "sglang.launch_server", "--model-path", prefill]
+        + (["--revision", revision] if revision else [])
+        + ["--tp", str(prefill_tp), "--disaggregation-mode", "prefill", "--port", str(prefill_port)]
+        + common
+    )
+    d = [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        decode,
+        "--tp",
+        str(decode_tp),
+        "--disaggregation-mode",
+        "decode",
+        "--port",
+        str(decode_port),
+    ] + common
+    r = [
+        "python",
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--prefill",
+        f"http://{prefill_host}:{prefill_port}",
+        "--decode",
+        f"http://{decode_host}:{decode_port}",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(router_port),
+    ]
     return {"prefill": p, "decode": d, "router": r}
 
 
-def write_prefill(source: str | os.PathLike, decode_model: str | os.PathLike, out: str | os.PathLike, repo: str | None = None,
-                  pd_report: str | os.PathLike | None = None, overwrite: bool = False, revision: str | None = None,
-                  source_repo: str | None = None, **launch) -> dict:
+def write_prefill(
+    source: str | os.PathLike,
+    decode_model: str | os.PathLike,
+    out: str | os.PathLike,
+    repo: str | None = None,
+    pd_report: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    revision: str | None = None,
+    source_repo: str | None = None,
+    **launch,
+) -> dict:
     """Write the prefill artifact into ``out``: README.md (the card), launch.sh and prefill.json,
     pointing at ``source`` (a Hub repo and revision where known, else the folder) for the prefill
     pool and at ``decode_model`` (or ``repo``) for the decode pool. No weights are written."""
@@ -362,46 +460,111 @@ def write_prefill(source: str | os.PathLike, decode_model: str | os.PathLike, ou
     source_repo = source_repo or (snap.repo_id if snap else None)
     prefill_ref = source_repo or str(src.resolve())
     decode_ref = repo or str(dec.resolve())
-    lines = launch_lines(prefill_ref, decode_ref, revision=revision if source_repo else None,
-                         trust_remote_code=bool(cfg.get("auto_map")), **launch)
+    lines = launch_lines(
+        prefill_ref,
+        decode_ref,
+        revision=revision if source_repo else None,
+        trust_remote_code=bool(cfg.get("auto_map")),
+        **launch,
+    )
     kv = launch.get("kv_cache_dtype", "fp8_e4m3")
     report = json.loads(Path(pd_report).read_text()) if pd_report else None
     arch = (cfg.get("architectures") or ["?"])[0]
-    L = ["---", *( [f"base_model: {source_repo}"] if source_repo else []), "tags:", "- pd-disaggregation", "- prefill", "- sglang", "---", "",
-         f"# Prefill pool for {decode_ref}", "",
-         f"This folder holds **no weights**. In a prefill/decode disaggregated {SGLANG} deployment the prefill pool serves the "
-         f"source release itself, **{prefill_ref}**" + (f" at revision `{revision}`" if revision else " (no Hub revision recorded: pin one)")
-         + f" ({arch}, its own FP8 weights), and the decode pool serves the INT4 checkpoint **{decode_ref}** made from it by "
-         "`quantize convert` (routed experts INT4, everything else as in the source). Nothing here is a copy of the source.", "",
-         "## KV cache", "",
-         f"Both pools run `--kv-cache-dtype {kv}`. {SGLANG}'s decode server refuses a prefill server whose cache dtype differs "
-         f"(`{CITES['dtype_check']}`: \"KV cache dtype mismatch ... Both servers must use the same --kv-cache-dtype value\"), so a "
-         "BF16-cache prefill pool cannot feed an FP8-cache decode pool: the prompt's KV is computed by the prefill pool at full "
-         f"precision, stored {kv} in its pool, and transferred as stored.", "",
-         "## Launch", "",
-         f"Flags as the pinned release names them (`{CITES['flags']}`, `{CITES['model_flags']}`; transfer backends in "
-         f"`{CITES['choices']}`); the router is the separate `sglang-router` package, started as SGLang's own PD tests start it "
-         f"(`{CITES['router']}`).", "", "```sh"]
+    L = [
+        "---",
+        *([f"base_model: {source_repo}"] if source_repo else []),
+        "tags:",
+        "- pd-disaggregation",
+        "- prefill",
+        "- sglang",
+        "---",
+        "",
+        f"# Prefill pool for {decode_ref}",
+        "",
+        f"This folder holds **no weights**. In a prefill/decode disaggregated {SGLANG} deployment the prefill pool "
+        "serves the "
+        f"source release itself, **{prefill_ref}**"
+        + (f" at revision `{revision}`" if revision else " (no Hub revision recorded: pin one)")
+        + f" ({arch}, its own FP8 weights), and the decode pool serves the INT4 checkpoint **{decode_ref}** made from "
+          "it by "
+        "`quantize convert` (routed experts INT4, everything else as in the source). Nothing here is a copy of the "
+        "source.",
+        "",
+        "## KV cache",
+        "",
+        f"Both pools run `--kv-cache-dtype {kv}`. {SGLANG}'s decode server refuses a prefill server whose cache dtype "
+        "differs "
+        f'(`{CITES["dtype_check"]}`: "KV cache dtype mismatch ... Both servers must use the same '
+        '--kv-cache-dtype value"), so a '
+        "BF16-cache prefill pool cannot feed an FP8-cache decode pool: the prompt's KV is computed by the prefill "
+        "pool at full "
+        f"precision, stored {kv} in its pool, and transferred as stored.",
+        "",
+        "## Launch",
+        "",
+        f"Flags as the pinned release names them (`{CITES['flags']}`, `{CITES['model_flags']}`; transfer backends in "
+        f"`{CITES['choices']}`); the router is the separate `sglang-router` package, started as SGLang's own PD tests "
+        "start it "
+        f"(`{CITES['router']}`).",
+        "",
+        "```sh",
+    ]
     L += [shlex.join(lines["prefill"]), shlex.join(lines["decode"]), shlex.join(lines["router"]), "```", ""]
     if report:
-        L += ["## Fidelity of the pair", "",
-              f"{report['prompt_tokens']} prompt tokens through the prefill model, the cache stored as the decode pool stores it "
-              f"({report['stored']}), then {report['decode_tokens']} tokens scored by the decode model; against the source model alone "
-              "(fp32, no quantization, its own prompt cache), transformers on CPU:", "",
-              "| | KLD mean | KLD p99 | KLD max | same top-1 |", "|---|---|---|---|---|"]
-        L += [f"| {r['name']} | {r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {r['kld_max']:.4f} | {r['top1_agreement']:.2%} |" for r in report["rows"]]
-        L += ["", f"Text: `{Path(report['text']).name}`. Not modelled: chunked prefill reading earlier chunks back from the FP8 cache, "
-                  "the engines' kernels.", ""]
+        L += [
+            "## Fidelity of the pair",
+            "",
+            f"{report['prompt_tokens']} prompt tokens through the prefill model, the cache stored as the decode pool "
+            "stores it "
+            f"({report['stored']}), then {report['decode_tokens']} tokens scored by the decode model; against the "
+            "source model alone "
+            "(fp32, no quantization, its own prompt cache), transformers on CPU:",
+            "",
+            "| | KLD mean | KLD p99 | KLD max | same top-1 |",
+            "|---|---|---|---|---|",
+        ]
+        L += [
+            f"| {r['name']} | {r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {r['kld_max']:.4f} | "
+            f"{r['top1_agreement']:.2%} |"
+            for r in report["rows"]
+        ]
+        L += [
+            "",
+            f"Text: `{Path(report['text']).name}`. Not modelled: chunked prefill reading earlier chunks back from the "
+            "FP8 cache, "
+            "the engines' kernels.",
+            "",
+        ]
     else:
-        L += ["## Fidelity of the pair", "", "Not measured here: run `quantize eval --pd-prefill SOURCE --candidate DECODE --baseline SOURCE`.", ""]
+        L += [
+            "## Fidelity of the pair",
+            "",
+            "Not measured here: run `quantize eval-pd --prefill-model SOURCE --decode-model DECODE --source SOURCE`.",
+            "",
+        ]
     text = "\n".join(L)
-    record = {"source": prefill_ref, "revision": revision, "source_path": str(src.resolve()), "decode": decode_ref,
-              "launch": lines, "kv_cache_dtype": kv, "sglang": SGLANG, "cites": CITES, "fidelity": report}
+    record = {
+        "source": prefill_ref,
+        "revision": revision,
+        "source_path": str(src.resolve()),
+        "decode": decode_ref,
+        "launch": lines,
+        "kv_cache_dtype": kv,
+        "sglang": SGLANG,
+        "cites": CITES,
+        "fidelity": report,
+    }
     key = {k: v for k, v in record.items() if k != "fidelity"}
     with Output.open(out, "pd-prefill", [src, dec], overwrite=overwrite, key=key) as o:
         o.write_text("README.md", text)
-        o.write_text("launch.sh", "#!/bin/sh\n# " + SGLANG + " prefill/decode pair (see README.md); one line per host\n"
-                     + "\n".join(shlex.join(v) for v in lines.values()) + "\n")
+        o.write_text(
+            "launch.sh",
+            "#!/bin/sh\n# "
+            + SGLANG
+            + " prefill/decode pair (see README.md); one line per host\n"
+            + "\n".join(shlex.join(v) for v in lines.values())
+            + "\n",
+        )
         o.write_json("prefill.json", record)
         o.complete()
         write_manifest(o, {"kind": "pd-prefill", "options": key})

@@ -32,10 +32,10 @@ from ..checkpoint.manifest import MANIFEST
 from ..checkpoint.output import RECORD_DIR, TMP_SUFFIX, confined, sha256_file, write_text_atomic
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
+from ..options import PushOptions, takes
 from .card import README, folder_lock, load_manifest, readme_kind, render, repo_id_error, verify, write_card
 
 STATE = "push.json"  # in .quantize/
-DEFAULT_BATCH_GIB = 32.0
 PATHS_INFO_CHUNK = 100
 
 
@@ -198,16 +198,9 @@ def _on_hub(api, repo_id: str, revision: str, files: list[PushFile], folder: Pat
     return same
 
 
+@takes(PushOptions)
 def push(
-    model: str | os.PathLike,
-    repo_id: str,
-    private: bool = False,
-    revision: str | None = None,
-    create_pr: bool = False,
-    dry_run: bool = False,
-    message: str | None = None,
-    batch_gib: float = DEFAULT_BATCH_GIB,
-    emit: Emit = null_emit,
+    model, repo_id, private, revision, create_pr, dry_run, message, batch_gib, emit: Emit = null_emit
 ) -> PushResult:
     """``quantize push``: check ``model`` and upload it to ``repo_id`` (created if missing;
     ``private`` for a new repo), on branch ``revision`` (created from main if missing) or, with
@@ -218,10 +211,6 @@ def push(
     folder = Path(model)
     if why := repo_id_error(repo_id):
         raise QuantizeError(why)
-    if not batch_gib > 0:
-        raise QuantizeError(
-            f"--batch-gib {batch_gib}: must be a positive number of GiB per commit (default {DEFAULT_BATCH_GIB:g})"
-        )
     if revision is not None and (not revision.strip() or revision != revision.strip()):
         raise QuantizeError(f"--revision {revision!r}: not a branch name")
     if message is not None and not message.strip():
