@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,24 @@ from quantize.errors import QuantizeError
 # skip only where neither exists; a QUANTIZE_VLLM_PYTHON that is set but broken fails the tests (CI sets it)
 ENGINE = bool(os.environ.get("QUANTIZE_VLLM_PYTHON")) or V.has_engine()
 needs_engine = pytest.mark.skipif(not ENGINE, reason="no vLLM interpreter: set QUANTIZE_VLLM_PYTHON or create .venv-vllm (README: 'A real engine')")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {f for line in lines if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+# vLLM's x86 CPU build has its INT4 GEMM (`cpu_gemm_wna16`, vllm/_custom_ops.py) and its FP8 KV cache only on
+# CPUs with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py: "FP8 KV cache on CPU requires x86 with
+# AVX-512 or AMX"); on an AVX2-only x86 machine it cannot serve these checkpoints at all, so the tests that
+# serve one skip there, saying why (every other engine test still runs)
+X86 = platform.machine() in ("x86_64", "AMD64")
+SERVES_INT4 = not X86 or bool({"avx512f", "amx_tile"} & _cpu_flags())
+needs_isa = pytest.mark.skipif(not SERVES_INT4, reason="vLLM's x86 CPU build serves INT4 weights and an FP8 KV cache "
+                                                       "only with AVX-512 or AMX, which this CPU lacks")
 
 
 def _pr(tokens, engine, ref, argmax=None, top=None):
@@ -192,6 +211,7 @@ def smol_engine(smol_w4a16):
 
 
 @needs_engine
+@needs_isa
 def test_vllm_serves_smollm2_w4a16_as_transformers_does(smol_engine, smollm2):
     assert smol_engine.returncode == 0, smol_engine.stderr[-3000:]
     rep = json.loads(smol_engine.stdout)
@@ -220,6 +240,7 @@ def _against(src, prompts):
 
 
 @needs_engine
+@needs_isa
 def test_vllm_mla_with_int4_attention(tiny, tmp_path):
     """Tiny DeepSeek-V3 (vendor FP8 source, DeepSeek-V3's YaRN RoPE, kv_lora_rank 512), every
     Linear INT4 g32: q_a/kv_a (fused in vLLM), q_b, kv_b, o, MLP, through vLLM's CPU_MLA."""
@@ -242,6 +263,7 @@ def test_vllm_mla_with_int4_attention(tiny, tmp_path):
 
 
 @needs_engine
+@needs_isa
 def test_vllm_cpu_rope_op_on_mla_is_named_not_trusted(tiny, tmp_path):
     """With RoPE type "default" vLLM builds RotaryEmbedding, whose CPU op (torch.ops._C.rotary_embedding)
     mis-rotates the strided q_pe/k_pe views MLA passes: the check refuses, naming it. Computing RoPE
@@ -284,6 +306,7 @@ def test_vllm_says_it_cannot_serve_glm5_sparse_attention_on_cpu(converted):
 
 
 @needs_engine
+@needs_isa
 def test_fp8_kv_cache_runs_with_our_gqa_scales_loaded(smol_w4a16, smol_engine, tmp_path):
     """calibrate-kv --target vllm on the dense model: vLLM runs with kv_cache_dtype fp8 and holds
     exactly the k_scale/v_scale we wrote (read back from its attention layers); the FP8 cache moves
@@ -316,6 +339,7 @@ def test_fp8_kv_cache_runs_with_our_gqa_scales_loaded(smol_w4a16, smol_engine, t
 
 
 @needs_engine
+@needs_isa
 def test_vllm_serves_the_fullrange_grid_negative_scales(smollm2, smol_w4a16, tmp_path):
     """--observer fullrange: the group's signed extreme sits on code -8, so about half the scales
     are negative. vLLM's CompressedTensorsWNA16 path (CPUWNA16LinearKernel here) multiplies by the
