@@ -308,9 +308,8 @@ def cli_parameters(model: type) -> list[inspect.Parameter]:
         decl = s.flag or flag(f.name)
         if tp is bool and "/" not in decl and f.default is True:
             decl = f"{decl}/--no-{decl[2:]}"
-        default = typer.Option(
-            None if f.default is MISSING else f.default, decl, help=s.help or None, metavar=s.metavar
-        )
+        text = s.help + (f" (default {s.method_default})" if s.method_default is not None else "")
+        default = typer.Option(None if f.default is MISSING else f.default, decl, help=text or None, metavar=s.metavar)
         opts.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=tp))
     return args + opts
 
@@ -395,7 +394,7 @@ class ConvertOptions(Options):
     )
     samples: int | None = opt(
         None,
-        "gptq/autoround: calibration samples (default 128)",
+        "gptq/autoround: calibration samples",
         methods=DATA_AWARE,
         method_default=128,
         check=lambda v: v >= 1,
@@ -403,7 +402,7 @@ class ConvertOptions(Options):
     )
     seq_len: int | None = opt(
         None,
-        "gptq/autoround: tokens per sample at most (default 2048)",
+        "gptq/autoround: tokens per sample at most",
         methods=DATA_AWARE,
         method_default=2048,
         check=lambda v: v >= 2,
@@ -411,7 +410,7 @@ class ConvertOptions(Options):
     )
     damp: float | None = opt(
         None,
-        "gptq: Hessian dampening, a fraction of its mean diagonal (default 0.01)",
+        "gptq: Hessian dampening, a fraction of its mean diagonal",
         methods=("gptq",),
         method_default=0.01,
         check=lambda v: 0 < v <= 1,
@@ -420,7 +419,7 @@ class ConvertOptions(Options):
     )
     block: int | None = opt(
         None,
-        "gptq: columns per lazy-update block (default 128)",
+        "gptq: columns per lazy-update block",
         methods=("gptq",),
         method_default=128,
         check=lambda v: v >= 1,
@@ -440,7 +439,7 @@ class ConvertOptions(Options):
     )
     iters: int | None = opt(
         None,
-        "autoround: signed-gradient steps per layer (default 200; 0 = RTN on the grid)",
+        "autoround: signed-gradient steps per layer (0 = RTN on the grid)",
         methods=("autoround",),
         method_default=200,
         check=lambda v: v >= 0,
@@ -457,7 +456,7 @@ class ConvertOptions(Options):
     )
     batch_size: int | None = opt(
         None,
-        "autoround: samples per step (default 8)",
+        "autoround: samples per step",
         methods=("autoround",),
         method_default=8,
         check=lambda v: v >= 1,
@@ -471,7 +470,7 @@ class ConvertOptions(Options):
     )
     min_expert_tokens: int | None = opt(
         None,
-        "gptq/autoround: an expert routed fewer tokens falls back to RTN, named (default 16)",
+        "gptq/autoround: an expert routed fewer tokens falls back to RTN, named",
         methods=DATA_AWARE,
         method_default=16,
         check=lambda v: v >= 0,
