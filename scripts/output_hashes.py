@@ -80,6 +80,16 @@ class Steps:
         return r
 
 
+
+def _part(nbytes: int) -> dict:
+    """shard's part-size keyword: max_part_gib now (max_part_bytes before the options model)."""
+    import inspect
+
+    from quantize.shard import shard
+
+    params = inspect.signature(shard).parameters
+    return {"max_part_gib": nbytes / 2**30} if "max_part_gib" in params else {"max_part_bytes": nbytes}
+
 def _json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
@@ -135,7 +145,7 @@ def build(root: Path, smollm2: bool, data: Path) -> Steps:
     step("calibrate-kv kimi-rtn --target compressed-tensors", kv, "kimi-ct", cv["kimi-rtn"], K / "kimi-ct",
          target="compressed-tensors")
 
-    step("shard glm-tp8 --tp 8", shard, cv["glm-tp8-rtn"], S / "glm-tp8", tp=8, max_part_bytes=1 << 20)
+    step("shard glm-tp8 --tp 8", shard, cv["glm-tp8-rtn"], S / "glm-tp8", tp=8, **_part(1 << 20))
     step("shard --merge glm-tp8", merge, S / "glm-tp8", S / "glm-tp8-merged")
     step("shard kimi-tp8 --tp 4", shard, cv["kimi-tp8-rtn"], S / "kimi-tp4", tp=4)
     step("shard --merge kimi-tp4", merge, S / "kimi-tp4", S / "kimi-tp4-merged")
