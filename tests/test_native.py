@@ -39,6 +39,23 @@ def test_fp8_block_minmax_bit_identical(shape, group):
 
 
 @needs_native
+def test_ue8m0_exponent_scales_decoded_as_powers_of_two():
+    """Block FP8 with UE8M0 scales stored as uint8 exponent bytes (2**(b-127)): the native kernels
+    decode them as the torch path does (they read the byte as a number before: a byte of 125 gave
+    weights 125 / 0.25 = 500 times too large)."""
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(256, 256, generator=g) * 0.3).to(torch.float8_e4m3fn)
+    s = torch.tensor([[125, 127], [126, 130]], dtype=torch.uint8)  # 0.25, 1, 0.5, 8
+    want = fp8.dequant_block(q, s)
+    assert float(fp8.scale_as_float(s)[0, 0]) == 0.25
+    out, bad = native.dequant_rows(q, s, "block", (128, 128))
+    assert not bad and torch.equal(out, want)
+    ref = int4.quantize_pack(want, 32)
+    packed, scale, _, bad = native.quant_rows(q, s, "block", 32, "minmax")
+    assert not bad and torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_float_sources_bit_identical(dtype):
     w = (torch.randn(64, 512, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)

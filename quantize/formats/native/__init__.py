@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..fp8 import scale_as_float
+
 SRC = Path(__file__).with_name("quant.c")
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 CC_TIMEOUT = 120.0  # seconds; QUANTIZE_CC_TIMEOUT overrides
@@ -274,7 +276,7 @@ def _ptr(t: torch.Tensor) -> int:
 def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | None, block=(128, 128)):
     """-> (src_kind, sinv fp32 contiguous, br, bc, sinv_cols)"""
     if w.dtype == torch.float8_e4m3fn:
-        s = scale.float().contiguous()
+        s = scale_as_float(scale).contiguous()  # a uint8 UE8M0 exponent byte is 2**(b-127), not b
         if scale_format == "block":
             return 0, s, block[0], block[1], s.shape[1]
         if s.numel() == 1:
