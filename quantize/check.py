@@ -136,16 +136,7 @@ def verify_files(model: Path) -> tuple[list[str], dict]:
     return failures, manifest
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None when bit-identical, else how they differ."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"{a.dtype}{list(a.shape)} where the source implies {b.dtype}{list(b.shape)}"
-    av, bv = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    if torch.equal(av, bv):
-        return None
-    n = int((a.reshape(-1).view(torch.uint8).view(-1, a.element_size())
-             != b.reshape(-1).view(torch.uint8).view(-1, b.element_size())).any(1).sum())
-    return f"{n} of {a.numel()} values differ"
+_diff = int4_fmt.bitwise_diff
 
 
 KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "k_proj.k_scale", "v_proj.v_scale")
@@ -162,17 +153,11 @@ def _method_tensor(where: str, how: str, rec: dict, scale: torch.Tensor, exp: "i
     against this source (``sums``: ``int4.error_sums`` of the stored tensor, as the conversion
     recorded it; a different split of the sum moves the relative error by ~1e-15, the max not at
     all). -> why not, or None."""
-    if how == "gptq":
-        d = _diff(scale, exp.scale)
-        if d:
-            return f"{where}: GPTQ scales differ from the {observer} grid it fixes before its update ({d})"
-    else:
-        ratio = (scale.float().abs() / exp.scale.float().abs().clamp_min(torch.finfo(torch.float32).tiny)).reshape(-1)
-        lo, hi = 0.5 * (1 - 2 ** -7), 1 + 2 ** -7  # the scale dtype's rounding of either end
-        bad = int(((ratio < lo) | (ratio > hi)).sum())
-        if bad:
-            return (f"{where}: {bad} AutoRound group scales lie outside [0.5, 1] x the {observer} grid's "
-                    f"(min {float(ratio.min()):.3f}, max {float(ratio.max()):.3f}): not made from this source")
+    from .methods.registry import METHODS  # the method's own proof of its grid (imports torch, as this module does)
+
+    why = METHODS[how].grid_proof(scale, exp.scale, observer)
+    if why:
+        return f"{where}: {why}"
     sq_err, sq_ref, max_err = sums
     rel = (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0
     want_rel, want_max = rec.get("rel_err"), rec.get("max_abs_err")

@@ -228,3 +228,15 @@ def weights_args(group_size: int, observer: str | None = None) -> dict:
         dynamic=False,
         observer=observer,
     ).model_dump(mode="json")
+
+
+def bitwise_diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None when bit-identical, else how they differ."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype}{list(a.shape)} where the source implies {b.dtype}{list(b.shape)}"
+    av, bv = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    if torch.equal(av, bv):
+        return None
+    n = int((a.reshape(-1).view(torch.uint8).view(-1, a.element_size())
+             != b.reshape(-1).view(torch.uint8).view(-1, b.element_size())).any(1).sum())
+    return f"{n} of {a.numel()} values differ"

@@ -43,6 +43,9 @@ from .units import Result, Unit
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
+# what `quantize check --source` proves of an AutoRound tensor: the published clip range, written apart
+# from CLIP_RANGE on purpose, so a CLIP_RANGE loosened by mistake makes the check fail instead of agreeing
+PROVEN_RANGE = (0.5, 1.0)
 # a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
 DIVERGED = 100.0
 SEED = 20240
@@ -321,6 +324,19 @@ class AutoRound(Method):
         results, train = tune(f.streamer, f.ctx, x.module, x.units, x.originals, x.hidden, x.topk, ref, counter.routed,
                               x.options, x.index, x.fallbacks, f.device, f.pool, f.workers)
         return Step(results, ref, counter.routed, e_rtn, tot, report={"train": train})
+
+    def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:
+        """Each |scale| lies within PROVEN_RANGE of RTN's on its grid (each end widened by the scale
+        dtype's rounding)."""
+        tiny = torch.finfo(torch.float32).tiny
+        ratio = (scale.float().abs() / rtn_scale.float().abs().clamp_min(tiny)).reshape(-1)
+        lo, hi = PROVEN_RANGE[0] * (1 - 2**-7), PROVEN_RANGE[1] * (1 + 2**-7)
+        bad = int(((ratio < lo) | (ratio > hi)).sum())
+        if not bad:
+            return None
+        return (f"{bad} AutoRound group scales lie outside [{PROVEN_RANGE[0]:g}, {PROVEN_RANGE[1]:g}] x the {observer} "
+                f"grid's "
+                f"(min {float(ratio.min()):.3f}, max {float(ratio.max()):.3f}): not made from this source")
 
     def card_section(self, report: dict) -> str:
         return f"{report.get('iters')} iterations, lr {report.get('lr')}, batch {report.get('batch_size')}"

@@ -79,6 +79,12 @@ class Method(Protocol):
         ``method``)."""
         ...
 
+    def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:
+        """What ``quantize check --source`` proves of a tensor this method made, against the
+        round-to-nearest scales the source implies on ``observer``'s grid: None when they fit,
+        else why not (one clause)."""
+        ...
+
     @property
     def grid(self) -> str:
         """Its default observer, as ``quantize.options.DEFAULT_GRID`` declares it."""

@@ -235,6 +235,11 @@ class GPTQ(Method):
         _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
         return Step(results, ref, hooks.routed, e_rtn, tot)
 
+    def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:
+        """GPTQ fixes the RTN scales before its update: they are the source's, bit for bit."""
+        d = int4.bitwise_diff(scale, rtn_scale)
+        return f"GPTQ scales differ from the {observer} grid it fixes before its update ({d})" if d else None
+
     def card_section(self, report: dict) -> str:
         return (f"act-order {report.get('actorder') or 'off'} (static groups, no g_idx), "
                 f"dampening {report.get('damp')}, block {report.get('block')}")
