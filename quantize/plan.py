@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import archs
@@ -22,19 +21,7 @@ from .checkpoint.reader import fp8_scale_format
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError
 from .formats import layout
-from .options import (
-    ACTORDERS,
-    DEFAULT_GROUP_SIZE,
-    DEFAULT_METHOD,
-    DEFAULT_OBSERVER,
-    DEFAULT_PROFILE,  # noqa: F401
-    METHODS,
-    ConvertOptions,
-    PlanOptions,
-    default_observer,
-    method_options,
-    takes,
-)
+from .options import ConvertOptions, PlanOptions, takes  # ConvertOptions: also imported from here by callers
 from .recipe import Recipe, load_recipe
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zero_point", "weight_global_scale")

@@ -12,7 +12,6 @@ size-weighted mean of the subject scores.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
