@@ -7,8 +7,8 @@ The recipe is an llm-compressor recipe (``quant_stage`` / ``QuantizationModifier
       source: /models/GLM-5.2-FP8        # or tiny:glm_moe_dsa (a tiny checkpoint made on the fly)
       out: runs/glm-5.2                  # the run's own folder (relative paths: from the current directory)
       stages: [convert, calibrate-kv, shard, check, eval, card, push]   # optional subset
-      data: ../shared/data/gsm8k/train.jsonl     # calibration text (calibrate-kv)
-      data_dir: ../shared/data                   # local eval data (quantize eval --data-dir)
+      data: /data/gsm8k/train.jsonl              # calibration text (calibrate-kv)
+      data_dir: /data                            # local eval data (docs/evaluation.md#local-data)
       tasks: arc_easy,gsm8k
       limit: 200
       max_drop: 1.0
@@ -470,8 +470,8 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
                 "no gate was applied",
             }
         raise QuantizeError(
-            f"{p.recipe}: pipeline.data_dir {dd}: no such folder; point it at local eval data (the layout of "
-            "../shared/data) or drop data_dir to read the Hub"
+            f"{p.recipe}: pipeline.data_dir {dd}: no such folder; point it at local eval data (the files "
+            "docs/evaluation.md#local-data lists) or drop data_dir to read the Hub"
         )
     (p.out / "reports").mkdir(exist_ok=True)
     out, md = p.out / "reports" / "eval.json", p.out / "reports" / "eval.md"

