@@ -295,18 +295,20 @@ def _opts_eval(p: Pipeline) -> dict:
     }
 
 
+# the pd section's keys: eval-pd's options (the pd-eval stage) and the prefill artifact's launch
+# options, which share the cache dtype (SGLang requires the same on both pools)
+PD_EVAL_KEYS = tuple(f.name for f in dataclasses.fields(O.PDOptions) if O.spec(f).recipe)
+PREFILL_KEYS = tuple(f.name for f in dataclasses.fields(O.PrefillOptions)) + ("kv_cache_dtype",)
+
+
 def _opts_pd(p: Pipeline) -> dict:
     pd = p.opts["pd"]
-    return {k: pd[k] for k in ("text", "prompt_tokens", "decode_tokens", "device", "kv_cache_dtype")} | {
-        "text_id": _data_identity(pd["text"])
-    }
+    return {k: pd[k] for k in PD_EVAL_KEYS} | {"text_id": _data_identity(pd["text"])}
 
 
 def _opts_prefill(p: Pipeline) -> dict:
     pd = p.opts["pd"]
-    return {k: v for k, v in pd.items() if k not in ("text", "prompt_tokens", "decode_tokens", "device")} | {
-        "repo": p.opts["repo"]
-    }
+    return {k: pd[k] for k in PREFILL_KEYS} | {"repo": p.opts["repo"]}
 
 
 def _kv_writes(ctx: Ctx) -> str | None:
@@ -509,9 +511,8 @@ def _run_pd_eval(ctx: Ctx, resume: bool) -> dict:
     p, o = ctx.p, ctx.p.opts["pd"]
     (p.out / "reports").mkdir(exist_ok=True)
     out = p.out / "reports" / "pd.json"
-    mine = {f.name for f in dataclasses.fields(O.PDOptions)}
     rep = pd.pd_fidelity(
-        ctx.path("source"), ctx.path("model"), ctx.path("source"), out=out, **{k: v for k, v in o.items() if k in mine}
+        ctx.path("source"), ctx.path("model"), ctx.path("source"), out=out, **{k: o[k] for k in PD_EVAL_KEYS}
     )
     return {
         "outputs": {"pd_report": {"path": "reports/pd.json", "id": _file_identity(out)}},
@@ -551,7 +552,7 @@ def _run_prefill(ctx: Ctx, resume: bool) -> dict:
         repo=p.opts["repo"],
         pd_report=pd_report,
         overwrite=out.exists(),
-        **{k: v for k, v in p.opts["pd"].items() if k not in ("text", "prompt_tokens", "decode_tokens", "device")},
+        **{k: p.opts["pd"][k] for k in PREFILL_KEYS},
     )
     return {
         "outputs": {"prefill": {"path": "prefill", "id": _file_identity(out / "README.md")}},

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ..errors import QuantizeError
 from ..options import ENGINE_TOLERANCE as DEFAULT_TOLERANCE
+from ..options import EngineCheckOptions
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -351,9 +352,7 @@ def engine_check(model: str | os.PathLike, engine_python: str | os.PathLike | No
     if not (model / "config.json").is_file():
         raise QuantizeError(f"{model}: no config.json; pass a checkpoint folder "
                             f"(a sharded verification folder is not loadable by engines)")
-    if not (tolerance > 0 and math.isfinite(tolerance)):
-        raise QuantizeError(f"--engine-tolerance {tolerance}: must be a positive number of nats "
-                            f"(default {DEFAULT_TOLERANCE})")
+    EngineCheckOptions(engine_python=engine_python, engine_tolerance=tolerance).validate()  # as declared
     if max_tokens < 1:
         raise QuantizeError(f"max_tokens {max_tokens}: must be at least 1")
     prompts = list(prompts or DEFAULT_PROMPTS)
