@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA: Path  # --data-dir: local eval data, the files docs/evaluation.md#local-data lists
 
 
 # The CLI in a child that writes its own VmHWM at exit: a child's ru_maxrss (wait4, getrusage)
@@ -108,6 +108,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2", type=Path, help="SmolLM2 transformers checkpoint (scripts/smollm2_to_hf.py OUT)")
     ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--data-dir", type=Path, required=True,
+                    help="local eval data (docs/evaluation.md#local-data): GSM8K train/test and ARC-Challenge")
     ap.add_argument("--groups", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -125,6 +127,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the KLD evaluation (default 1: "
                     "on a shared machine OpenMP threads that wait on a busy core cost far more than they give)")
     a = ap.parse_args()
+    global DATA
+    DATA = a.data_dir
     import torch
 
     torch.set_num_threads(a.threads)
