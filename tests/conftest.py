@@ -82,3 +82,27 @@ def smollm2(tmp_path_factory):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"scripts/smollm2_to_hf.py failed: {p.stderr[-2000:]}"
     return out
+
+
+@pytest.fixture(scope="session")
+def hostile_sources(tiny, converted, tmp_path_factory):
+    """What the hostile-input cases copy (tests/hostile.py), each made once per session on first use:
+    src (a GLM 5.x block-FP8 tiny), out (its INT4 conversion), shard (that output at TP 2), kimi,
+    kimi_out."""
+    from quantize.shard import shard
+
+    root = tmp_path_factory.mktemp("hostile")
+    makers = {
+        "src": lambda: tiny("glm_moe_dsa"),
+        "out": lambda: converted("glm_moe_dsa"),
+        "kimi": lambda: tiny("kimi_k25"),
+        "kimi_out": lambda: converted("kimi_k25"),
+        "shard": lambda: (shard(converted("glm_moe_dsa"), root / "shard", tp=2), root / "shard")[1],
+    }
+
+    class Lazy(dict):
+        def __missing__(self, name):
+            self[name] = makers[name]()
+            return self[name]
+
+    return Lazy()

@@ -450,3 +450,117 @@ def side_files(src: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
             continue
         out.append(p)
     return out
+
+
+# -- single files: reports, saved baselines, statistics ------------------------------------------
+# A file written outside an output folder (``eval --out``, ``--markdown``, ``eval-kld
+# --save-baseline``, ``calibrate-kv --stats-out``) follows the same rules as a folder: never inside
+# an input (nor equal to one, nor in its Hub cache), never through a symlink, never over a file this
+# tool did not write, atomic. What proves a file ours is in the file: a JSON report carries
+# ``written_by`` (the kind and the SHA-256 of the rest of the document), a Markdown report ends with a
+# comment holding the SHA-256 of the text above it, a safetensors file carries ``quantize_kind`` in
+# its metadata. A file whose proof is absent or no longer matches (edited by hand) is not replaced.
+SIGNATURE = "written_by"
+_MD_TRAILER = "<!-- written by quantize {kind}; sha256 of the text above: {sha} -->\n"
+
+
+def _canonical(doc: dict) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def signed_json(doc: dict, kind: str) -> str:
+    """``doc`` as the JSON text of a report of ``kind``, carrying its own proof of origin."""
+    body = {k: v for k, v in doc.items() if k != SIGNATURE}
+    body = json.loads(_canonical(body))  # what a reader will see: Paths as strings, tuples as lists
+    sig = {"tool": "quantize", "kind": kind, "sha256": hashlib.sha256(_canonical(body).encode()).hexdigest()}
+    return json.dumps({**body, SIGNATURE: sig}, indent=1, default=str)
+
+
+def signed_markdown(text: str, kind: str) -> str:
+    text = text if text.endswith("\n") else text + "\n"
+    return text + _MD_TRAILER.format(kind=kind, sha=hashlib.sha256(text.encode()).hexdigest())
+
+
+def _written_by_us(path: Path, kind: str) -> bool:
+    """``path`` holds a file of ``kind`` that this tool wrote and nobody edited since."""
+    from ..parse import json_text
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            if head[8:9] == b"{" and not head.startswith(b"{"):  # safetensors: u64 length, then its JSON
+                from .index import read_header
+
+                try:
+                    header, _ = read_header(path)
+                except QuantizeError:
+                    return False
+                return (header.get("__metadata__") or {}).get("quantize_kind") == kind
+            if os.fstat(f.fileno()).st_size > 64 << 20:
+                return False
+            raw = head + f.read()
+    except OSError:
+        return False
+    if raw.startswith(b"{"):  # a signed JSON report
+        try:
+            doc = json_text(raw.decode("utf-8"), path, "report")
+        except (QuantizeError, UnicodeDecodeError):
+            return False
+        sig = doc.get(SIGNATURE) if isinstance(doc, dict) else None
+        if not isinstance(sig, dict) or sig.get("kind") != kind:
+            return False
+        body = {k: v for k, v in doc.items() if k != SIGNATURE}
+        return sig.get("sha256") == hashlib.sha256(_canonical(body).encode()).hexdigest()
+    text = raw.decode("utf-8", errors="replace")
+    body, sep, last = text.rstrip("\n").rpartition("\n")
+    body += sep
+    return last + "\n" == _MD_TRAILER.format(kind=kind, sha=hashlib.sha256(body.encode()).hexdigest())
+
+
+def report_target(path: str | os.PathLike, kind: str, inputs=(), what: str = "--out") -> Path:
+    """Check, before any work, that ``path`` may receive a file of ``kind``: not a folder or a
+    symlink, not inside (or equal to) any of ``inputs`` or their Hub caches, and either absent or a
+    file this tool wrote as ``kind``. -> the path. One line naming the option otherwise."""
+    p = Path(path)
+    try:
+        if p.is_symlink():
+            raise QuantizeError(f"{what} {p}: is a symlink; pass a real path (files are never written through a link)")
+        if p.is_dir():
+            raise QuantizeError(f"{what} {p}: is a folder; name a file inside it, e.g. {p / ('report.' + _ext(kind))}")
+        if p.parent.exists() and not p.parent.is_dir():
+            raise QuantizeError(f"{what} {p}: {p.parent} is a file, not a folder; choose another path")
+        real = p.resolve()
+    except OSError as e:
+        raise _oserror(p, e, f"checking {what}") from e
+    for i in inputs:
+        if i is None:
+            continue
+        ip = Path(i).resolve()
+        roots = [ip] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
+        if any(real == r or real.is_relative_to(r) for r in roots):
+            raise QuantizeError(
+                f"{what} {p}: lies inside the input {i}; write it elsewhere (inputs are never modified)"
+            )
+    if p.exists() and not _written_by_us(p, kind):
+        raise QuantizeError(
+            f"{what} {p}: exists and is not a {kind} file this tool wrote (or was edited since); "
+            "choose another path or move it away yourself"
+        )
+    return p
+
+
+def _ext(kind: str) -> str:
+    return {"markdown": "md", "kld-baseline": "safetensors"}.get(kind, "json")
+
+
+def write_report(path: str | os.PathLike, content, kind: str, inputs=(), what: str = "--out") -> Path:
+    """Write a report (a dict: signed JSON; a str: signed Markdown) at ``path`` under the rules
+    of ``report_target``, atomically; the folder is made when missing."""
+    p = report_target(path, kind, inputs, what)
+    text = signed_json(content, kind) if isinstance(content, dict) else signed_markdown(content, kind)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _oserror(p, e, f"creating the folder of {what}") from e
+    write_text_atomic(p, text)
+    return p
