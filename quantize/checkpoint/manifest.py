@@ -92,6 +92,24 @@ def file_records(o, weights: dict[str, dict] | None = None) -> dict[str, dict]:
 
 def write_manifest(o, manifest: dict, name: str = MANIFEST) -> None:
     """The manifest, written last: its presence means the output is complete, and ``files``
-    lets ``quantize check`` (and push) prove every byte."""
+    lets ``quantize check`` (and push) prove every byte. The job record (``.quantize/job.json``)
+    gets the same ``files`` first, so a manifest is compared with the record, not trusted alone
+    (``job_files``)."""
     manifest = {"command": command_line(), **manifest, "files": file_records(o, o.record.get("shards"))}
+    # the job record keeps its own copy of what the manifest proves, written before the manifest:
+    # a manifest re-hashed to match an edited file no longer agrees with the record (push, check)
+    o.record["files"] = manifest["files"]
+    o.record["manifest"] = name
+    o.save()
     o.write_json(name, manifest)
+
+
+def job_files(folder: Path) -> dict | None:
+    """The ``files`` the writing command recorded in ``folder/.quantize/job.json`` when it wrote
+    its manifest (None for a folder without such a record: written before records kept files)."""
+    from .output import read_record
+
+    rec = read_record(Path(folder))
+    if not rec or rec.get("corrupt") or not isinstance(rec.get("files"), dict):
+        return None
+    return rec["files"]
