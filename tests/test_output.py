@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from quantize.calibrate.kv import calibrate_kv
 from quantize.checkpoint.output import Output
@@ -294,3 +295,23 @@ def test_tp8_fixture_still_shards(tiny, tmp_path):
     convert(tiny("glm_moe_dsa", overrides=TP8), src)
     m = shard(src, tmp_path / "sh", tp=8)
     assert len(m["rank_bytes"]) == 8
+
+
+@pytest.mark.parametrize("nbytes", [64, 4 << 20], ids=["buffered-until-close", "fails-in-write"])
+def test_disk_full_at_any_write_of_a_shard_is_one_line(tmp_path, monkeypatch, nbytes):
+    """A small file is still in the write buffer when ``finish`` flushes it: the flush fails with
+    ENOSPC, and the abort that follows must not flush (and fail) a second time (issue 16 R10)."""
+    import quantize.checkpoint.writer as writer
+    from quantize.checkpoint.writer import Entry, StreamWriter
+
+    real_open = open
+    monkeypatch.setattr(
+        writer, "open", lambda p, mode="r", *a, **kw: real_open("/dev/full" if str(p).endswith(".partial") else p,
+                                                                 mode, *a, **kw), raising=False
+    )
+    w = StreamWriter(tmp_path / "x.safetensors", [Entry("t", "U8", (nbytes,))])
+    with pytest.raises(QuantizeError, match="no space left") as e:
+        w.write_tensor("t", torch.zeros(nbytes, dtype=torch.uint8))
+        w.finish()
+    _one_line(e)
+    assert not list(tmp_path.iterdir())

@@ -151,11 +151,19 @@ class StreamWriter:
         return sha
 
     def abort(self) -> None:
+        """Drop the temporary file. The handle is closed without flushing what is still buffered:
+        after a failed write (disk full) a flush would fail again, and the bytes are discarded anyway."""
+        fh = self._fh
+        if not fh.closed:
+            try:
+                fh.raw.close()  # the descriptor first: the buffered object then closes without a flush
+                fh.close()
+            except (OSError, ValueError):
+                pass
         try:
-            self._fh.close()
-        finally:
-            if self.tmp.exists():
-                self.tmp.unlink()
+            self.tmp.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def fsync_dir(path: Path) -> None:
