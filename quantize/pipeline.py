@@ -44,12 +44,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import yaml
-
 from . import options as O
 from .checkpoint.output import Output, RECORD_DIR, confined, read_record, sha256_file, write_text_atomic
 from .errors import CheckFailed, QuantizeError
 from .events import Emit, null_emit
+from .parse import load_yaml
 
 # -- the recipe's pipeline section --------------------------------------------------------------
 
@@ -117,12 +116,7 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
     from .recipe import load_recipe
 
     path = Path(recipe) if recipe is not None else default_recipe()
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise QuantizeError(f"{path}: cannot read the recipe ({e.strerror})") from e
-    except yaml.YAMLError as e:
-        raise QuantizeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the recipe") from e
+    doc = load_yaml(path, "recipe")
     if not isinstance(doc, dict) or "pipeline" not in doc:
         raise QuantizeError(
             f"{path}: no `pipeline:` section; add one with at least source and out (see "

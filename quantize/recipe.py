@@ -11,11 +11,10 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
-
 from .errors import QuantizeError
 from .formats.layout import OBSERVERS, SUPPORTED_GROUP_SIZES
 from .options import ConvertOptions, spec
+from .parse import load_yaml
 
 # the preset schemes this tool writes (symmetric INT4, group-wise); their group size is compressed-tensors'
 PRESETS = ("W4A16",)
@@ -86,12 +85,7 @@ def _patterns(path: Path, val) -> tuple[str, ...]:
 
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise QuantizeError(f"{path}: cannot read recipe ({e.strerror})") from e
-    except yaml.YAMLError as e:
-        raise QuantizeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the recipe") from e
+    doc = load_yaml(path, "recipe")
     found = _find_modifier(doc)
     if found is None:
         raise QuantizeError(

@@ -124,6 +124,8 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise QuantizeError(
             f"{path}: header is not valid UTF-8 JSON; the file is corrupt or not safetensors, re-download it"
         ) from e
+    except RecursionError:
+        raise QuantizeError(f"{path}: header nests too deep to be a safetensors header; re-download the file") from None
     if not isinstance(header, dict):
         raise QuantizeError(f"{path}: header is not a JSON object; re-download it")
     _check_header(path, header, size - 8 - n, 8 + n)
@@ -292,15 +294,10 @@ def hub_revision(folder: Path) -> str | None:
     return None
 
 
-def _load_json(path: Path, what: str):
-    try:
-        return json.loads(path.read_text())
-    except OSError as e:
-        raise QuantizeError(f"{path}: cannot read ({e.strerror})") from e
-    except UnicodeDecodeError as e:
-        raise QuantizeError(f"{path}: not UTF-8 text; fix or replace the {what}") from e
-    except json.JSONDecodeError as e:
-        raise QuantizeError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the {what}") from e
+def _load_json(path: Path, what: str, kind: str = "config"):
+    from ..parse import load_json
+
+    return load_json(path, what, kind=kind, want=None)
 
 
 @dataclass
@@ -324,7 +321,7 @@ class CheckpointIndex:
         weight_map: dict[str, str] | None = None
         meta: dict = {}
         if idx_path.exists():
-            idx = _load_json(idx_path, "index (or delete it)")
+            idx = _load_json(idx_path, "safetensors index", kind="index")
             if not isinstance(idx, dict) or not isinstance(idx.get("weight_map"), dict):
                 raise QuantizeError(
                     f"{idx_path}: not a valid safetensors index (needs a 'weight_map' object of "
@@ -406,7 +403,7 @@ def load_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.exists():
         raise QuantizeError(f"{path}: missing; a checkpoint needs its config.json (architectures, sizes)")
-    cfg = _load_json(path, "file")
+    cfg = _load_json(path, "config.json")
     if not isinstance(cfg, dict):
         raise QuantizeError(f"{path}: not a JSON object; fix the file")
     check_config(cfg, path)

@@ -136,12 +136,14 @@ def _overlaps(a: Path, b: Path) -> bool:
 
 def read_record(out: Path) -> dict | None:
     """The job record of ``out``, None when there is none; a record that is not ours is None too."""
+    from ..parse import load_json
+
     path = out / RECORD_DIR / RECORD
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.exists() and not path.is_symlink():
         return None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    try:
+        data = load_json(path, "job record", kind="record", want=None)
+    except QuantizeError:
         return {"kind": None, "corrupt": True}
     if not isinstance(data, dict):
         return {"kind": None, "corrupt": True}
