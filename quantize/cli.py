@@ -78,7 +78,8 @@ def _run(fn, *args, **kwargs):
         raise typer.Exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo(
-            "interrupted: nothing is presented as complete; rerun the same command with --resume to continue", err=True
+            "interrupted: nothing is presented as complete; rerun the same command (convert continues with "
+            "--resume, `quantize run` keeps its finished stages, the others start over with --overwrite)", err=True
         )
         raise typer.Exit(130)
 

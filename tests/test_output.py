@@ -315,3 +315,26 @@ def test_disk_full_at_any_write_of_a_shard_is_one_line(tmp_path, monkeypatch, nb
         w.finish()
     _one_line(e)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kind, fix, wrong", [("convert", "--resume", None), ("shard", "--overwrite", "--resume"),
+                                               ("calibrate-kv", "--overwrite", "--resume")])
+def test_messages_name_the_fix_of_the_running_command(tmp_path, monkeypatch, kind, fix, wrong):
+    """Only convert takes --resume: shard, merge, calibrate-kv and the others are told --overwrite,
+    for an existing folder and for disk full alike (issue 16 R13)."""
+    import quantize.checkpoint.output as output
+
+    out = tmp_path / "o"
+    with Output.open(out, kind) as o:
+        o.write_text("x.txt", "x")
+        real_open = open
+        monkeypatch.setattr(output, "open", lambda p, *a, **kw: real_open("/dev/full" if str(p).endswith(".partial")
+                                                                          else p, *a, **kw), raising=False)
+        with pytest.raises(QuantizeError, match="no space left") as e:
+            o.write_text("y.txt", "y")
+        monkeypatch.undo()
+    assert fix in str(e.value) and (wrong is None or wrong not in str(e.value))
+    with pytest.raises(QuantizeError, match="already exists") as e:
+        Output.open(out, kind)
+    assert fix in str(e.value) and (wrong is None or wrong not in str(e.value))
+    assert output.rerun_hint() == "rerun the command"  # no output open: the stack is back to its base

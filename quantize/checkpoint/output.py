@@ -38,6 +38,18 @@ LOCK = "lock"
 TMP_SUFFIX = ".partial"
 HASH_CHUNK = 8 << 20
 
+# How each kind of job continues after a failure it did not cause (disk full, a kill): only convert
+# takes --resume; `quantize run` keeps its finished stages by itself; every other command starts
+# over into its own folder with --overwrite. Messages name the fix of the job that is running.
+RESUME_HINT = {"convert": "rerun with --resume", "run": "rerun the same `quantize run` (finished stages are kept)"}
+OVERWRITE_HINT = "rerun with --overwrite"
+_RERUN = ["rerun the command"]  # a stack: the innermost open output's hint last (threads see it too)
+
+
+def rerun_hint() -> str:
+    """How the job now running continues after a failure (see ``RESUME_HINT``)."""
+    return _RERUN[-1]
+
 # What a checkpoint needs besides its weights and the config.json each command writes itself:
 # generation config, tokenizer and chat template files, processor configs, custom code named by
 # auto_map, the card and licence. Never `original/*.pth`, stray weights or folders.
@@ -74,7 +86,7 @@ def _oserror(path: Path, e: OSError, doing: str) -> QuantizeError:
     """One line for the ways a filesystem says no."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return QuantizeError(
-            f"{path}: no space left on the output disk while {doing}; free space and rerun with --resume"
+            f"{path}: no space left on the output disk while {doing}; free space and {rerun_hint()}"
         )
     if e.errno == errno.EROFS:
         return QuantizeError(f"{path}: the output filesystem is read-only; choose an OUT on a writable disk")
@@ -278,13 +290,19 @@ class Output:
                     "stats": {},
                 }
             self = cls(out, kind, fd, record, resumed)
-            self.save()  # ours from here on, whatever happens next
-            if not resumed:
-                self._clear()
-            return self
         except BaseException:
             os.close(fd)
             raise
+        _RERUN.append(RESUME_HINT.get(kind, OVERWRITE_HINT))
+        self._hint = True
+        try:
+            self.save()  # ours from here on, whatever happens next
+            if not resumed:
+                self._clear()
+        except BaseException:
+            self.close()
+            raise
+        return self
 
     @staticmethod
     def _check_state(out: Path, kind: str, resume: bool, overwrite: bool) -> None:
@@ -302,9 +320,11 @@ class Output:
                 f"{out}: holds a `quantize {rec.get('kind')}` output, not a {kind} one; choose another OUT for {kind}"
             )
         if not (resume or overwrite):
-            raise QuantizeError(
-                f"{out}: already exists; pass --resume to continue an interrupted run or --overwrite to replace it"
-            )
+            if kind in RESUME_HINT and kind != "run":
+                raise QuantizeError(
+                    f"{out}: already exists; pass --resume to continue an interrupted run or --overwrite to replace it"
+                )
+            raise QuantizeError(f"{out}: already exists; pass --overwrite to replace it (or choose another OUT)")
 
     # -- record --------------------------------------------------------------------------------
     @property
@@ -416,6 +436,10 @@ class Output:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+        if getattr(self, "_hint", False):
+            if len(_RERUN) > 1:
+                _RERUN.pop()
+            self._hint = False
 
     def __enter__(self) -> "Output":
         return self

@@ -50,9 +50,11 @@ def file_size(entries: list[Entry], metadata: dict[str, str] | None = None) -> i
 
 
 def _disk_full(path: Path, e: OSError) -> QuantizeError:
+    from .output import rerun_hint
+
     return QuantizeError(
         f"{path}: no space left on the output disk; free space (the plan says how many bytes the "
-        "output needs) and rerun with --resume"
+        f"output needs) and {rerun_hint()}"
     )
 
 
