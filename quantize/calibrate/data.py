@@ -4,13 +4,13 @@ model's own tokenizer (chat template optional); samples shorter than 2 tokens dr
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import QuantizeError
+from ..parse import json_text
 
 DEFAULT_CORPUS = Path(__file__).with_name("default_corpus.txt")
 TEXT_FIELDS = ("text", "content", "question", "query", "prompt")
@@ -58,13 +58,14 @@ def _texts_from_jsonl(path: Path) -> list[str]:
     for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise QuantizeError(f"{path}:{n}: not valid JSON ({e.msg}); fix the line or pass another --data") from e
+        rec = json_text(line, f"{path}:{n}", "calibration record (one JSON object or string per line)")
         if isinstance(rec, str):
             out.append(rec)
             continue
+        if not isinstance(rec, dict):
+            raise QuantizeError(
+                f"{path}:{n}: a JSON {type(rec).__name__}, not an object or a string; fix the line or pass another --data"
+            )
         if "question" in rec and "answer" in rec:  # GSM8K-style
             out.append(f"{rec['question']}\n{rec['answer']}")
             continue

@@ -35,7 +35,8 @@ from compressed_tensors.quantization import QuantizationArgs
 from ..archs.attention import AttentionLayout
 from ..checkpoint.index import INDEX_NAME, cached_fd, hub_revision, read_header
 from ..checkpoint.manifest import tool_versions, write_manifest
-from ..checkpoint.output import SIDE_FILES, TMP_SUFFIX, Output, side_files, write_text_atomic
+from ..checkpoint.output import SIDE_FILES, TMP_SUFFIX, Output, report_target, side_files, write_report
+from ..parse import load_json
 from ..checkpoint.writer import Entry, StreamWriter
 from . import fold as folding
 from .fold import FoldFactors
@@ -53,6 +54,7 @@ KV_CACHE_SCHEME = QuantizationArgs(
     num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False
 ).model_dump(mode="json")
 STATS_VERSION = 1
+STATS_KIND = "kv-stats"  # what proves a --stats-out file ours (checkpoint.output.write_report)
 CARRIED = SIDE_FILES  # the model's own manifest is not carried: a fresh one is written
 
 
@@ -398,10 +400,8 @@ def calibrate_kv(
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     fp = _fingerprint(streamer)
     mode = _mode(model, layout, target, fold, out is not None)
-    if stats_out is not None and Path(stats_out).resolve().is_relative_to(model.resolve()):
-        raise QuantizeError(
-            f"--stats-out {stats_out}: inside the model folder {model}, which is never modified; write it elsewhere"
-        )
+    if stats_out is not None:  # before the long measurement: never inside an input, never over a foreign file
+        report_target(stats_out, STATS_KIND, [model, stats, data], what="--stats-out")
     output = None
     loaded = _load_stats(Path(stats), fp, streamer) if stats is not None else None
     if mode == "fold" and loaded is not None and any(r.q_absorbed_amax is None for r in loaded[0]):
@@ -504,7 +504,7 @@ def _finish(
             **meta,
             "layers": [r.__dict__ for r in reports],
         }
-        write_text_atomic(Path(stats_out), json.dumps(doc, indent=1))
+        write_report(stats_out, doc, STATS_KIND, [model], what="--stats-out")  # the other inputs: checked first
         result.stats_path = str(stats_out)
     if output is None:
         return result
@@ -553,12 +553,15 @@ def _measure(streamer, model, data, samples, seq_len, chat_template, clip, error
 
 
 def _load_stats(path: Path, fp: str, streamer) -> tuple[list[LayerReport], dict]:
+    doc = load_json(path, "calibrate-kv stats file", kind="report")
     try:
-        doc = json.loads(path.read_text())
         layers = [LayerReport(**x) for x in doc["layers"]]
-    except FileNotFoundError as e:
-        raise QuantizeError(f"{path}: no such stats file") from e
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        bad = next((f"layer {r.layer} {k}" for r in layers for k, v in r.__dict__.items()
+                    if k not in ("at_risk", "why") and v is not None
+                    and (type(v) not in (int, float) or not math.isfinite(v))), None)
+        if bad or any(type(r.at_risk) is not bool or type(r.why) is not str for r in layers):
+            raise TypeError(bad)
+    except (KeyError, TypeError) as e:
         raise QuantizeError(
             f"{path}: not a calibrate-kv stats file (needs 'layers' with per-layer amax and scale); recompute it with "
             "--stats-out"
@@ -715,7 +718,7 @@ def _write_checkpoint(
     fresh manifest covering every file (the source's manifest is not carried: its hashes would
     not cover the new config and scales)."""
     out = output.path
-    cfg = json.loads((model / "config.json").read_text())
+    cfg = load_json(model / "config.json", "config.json")
     qc = cfg.get("quantization_config")
     weights = {model / f for f in streamer.index.files}
     output.copy_side_files([p for p in carried if p not in weights])
