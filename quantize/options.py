@@ -32,6 +32,7 @@ from .formats.layout import OBSERVERS, SUPPORTED_GROUP_SIZES
 from .kvcache import DEFAULT_MEM_FRACTION, DEFAULT_RESERVE_GIB, H200_GIB
 
 MISSING = dataclasses.MISSING
+SEED_WHY = "a seed is an integer from 0 to 2**63 - 1"
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,8 @@ def validate(obj) -> None:
         s = spec(f)
         if not _type_ok(tp, v):
             raise QuantizeError(f"{s.flag or flag(f.name)} {_shown(v)}: not {getattr(tp, '__name__', tp)}")
+        if tp is float and not math.isfinite(v):  # nan passes every comparison's "not": refused before any
+            raise refusal(f, v) if s.why else QuantizeError(f"{s.flag or flag(f.name)} {_shown(v)}: not a finite number")
         if not _passes(f, v):
             raise refusal(f, v)
 
@@ -272,6 +275,8 @@ def parse_section(path, where: str, doc, section) -> dict:
         ) from None
     for name, f in section.declared.items():
         v = out[name]
+        if name in doc and isinstance(v, float) and not math.isfinite(v):
+            raise QuantizeError(f"{path}: {where}{name} {_shown(v)}: not a finite number; fix the recipe")
         if name in doc and not _passes(f, v):
             choices = spec(f).choices
             if choices and not spec(f).why and v not in choices:
@@ -479,7 +484,9 @@ class ConvertOptions(Options):
     # how the run goes, not what it makes: not recorded (same bytes for any value)
     resume: bool = opt(False, "continue an interrupted run in OUT (same options)", record=False, recipe=False)
     overwrite: bool = opt(False, "replace an existing quantize output in OUT", record=False, recipe=False)
-    workers: int | None = opt(None, "compute threads (default: all cores)", record=False)
+    workers: int | None = opt(
+        None, "compute threads (default: all cores)", record=False, check=lambda v: v >= 1, why="must be at least 1"
+    )
     device: str = opt(
         "cpu", "cpu (default) or cuda: where the transforms (and a method's layer math) run", record=False
     )
@@ -664,7 +671,7 @@ class CheckOptions(Options):
         None, "source checkpoint (FP8/BF16) for error/SNR, or the unsharded checkpoint of a sharded folder"
     )
     tokens: int = opt(8, "random activation rows per kernel check", check=lambda v: v >= 1, why="must be at least 1")
-    seed: int = opt(0, "seed of the random activations", cli=False)
+    seed: int = opt(0, "seed of the random activations", cli=False, check=lambda v: 0 <= v < 2**63, why=SEED_WHY)
     max_source_rel_err: float = opt(
         0.25,
         "largest relative weight error against the source",
@@ -775,8 +782,11 @@ class EvalOptions(Options):
         why="must be at least 1 token",
     )
     device: str = opt("cpu", "where local models run: cpu or cuda")
-    batch_size: int = opt(1, "lm-eval batch size", cli=False)
-    resamples: int = opt(10000, "bootstrap resamples of the paired difference", cli=False)
+    batch_size: int = opt(1, "lm-eval batch size", cli=False, check=lambda v: v >= 1, why="must be at least 1")
+    resamples: int = opt(
+        10000, "bootstrap resamples of the paired difference", cli=False, check=lambda v: v >= 100,
+        why="must be at least 100 (a 95% interval from fewer is noise)"
+    )
     base_url: str | None = opt(
         None, "evaluate the candidate as served by an OpenAI-compatible server (SGLang/vLLM)", recipe=False
     )
@@ -931,7 +941,7 @@ class MakeTinyOptions(Options):
     arch: str | None = opt(None, "glm_moe_dsa | kimi_k25 | deepseek_v3 | llama", argument=True)
     out: Path | None = opt(None, "output folder", argument=True)
     fp8_source: bool = opt(True, "the vendor's block-FP8 layout, or BF16", flag="--fp8-source/--bf16-source")
-    seed: int = opt(0, "seed of the random weights")
+    seed: int = opt(0, "seed of the random weights", check=lambda v: 0 <= v < 2**63, why=SEED_WHY)
     num_shards: int = opt(
         3, "safetensors files to spread the tensors over", check=lambda v: v >= 1, why="must be at least 1"
     )

@@ -244,3 +244,48 @@ def test_method_names_agree_with_the_method_table():
     assert O.DATA_AWARE == tuple(METHODS) and O.METHODS == ("rtn", *METHODS)
     assert set(O.DEFAULT_GRID) == set(O.METHODS)
     assert {m for f in dataclasses.fields(O.ConvertOptions) for m in O.spec(f).methods} == set(METHODS)
+
+
+def _models():
+    import dataclasses
+
+    return [m for m in vars(O).values() if isinstance(m, type) and dataclasses.is_dataclass(m)
+            and issubclass(m, O.Options) and m is not O.Options]
+
+
+def test_every_numeric_option_declares_its_range():
+    """Issue 16 item 4: an int or float option without a declared check would take -5, 0 or 1e300
+    silently; every one has a range (or a fixed set of values)."""
+    import dataclasses
+
+    unchecked = [
+        f"{m.__name__}.{f.name}"
+        for m in _models()
+        for f in dataclasses.fields(m)
+        if O._base(O.hints(m)[f.name])[0] in (int, float) and O.spec(f).check is None and not O.spec(f).choices
+    ]
+    assert not unchecked, unchecked
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_every_float_option_refuses_non_finite_values(bad):
+    import dataclasses
+
+    n = 0
+    for m in _models():
+        for f in dataclasses.fields(m):
+            if O._base(O.hints(m)[f.name])[0] is not float:
+                continue
+            obj = m()
+            object.__setattr__(obj, f.name, bad)
+            with pytest.raises(QuantizeError, match=O.spec(f).flag or O.flag(f.name)):
+                O.validate(obj)
+            n += 1
+    assert n >= 10  # the float options exist (a renamed type would make this loop vacuous)
+
+
+def test_a_finite_float_near_the_bound_still_passes_the_finiteness_rule():
+    O.validate(O.ConvertOptions(memory_budget_gib=0.0))  # finite, at the bound: accepted
+    O.validate(O.ConvertOptions(memory_budget_gib=1e300))
+    with pytest.raises(QuantizeError, match="--memory-budget-gib -0.001"):
+        O.validate(O.ConvertOptions(memory_budget_gib=-1e-3))

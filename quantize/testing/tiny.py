@@ -24,6 +24,7 @@ are written next to the vendor's, with the same values, so both load the tiny to
 from __future__ import annotations
 
 import json
+import re
 import math
 import tempfile
 from pathlib import Path
@@ -152,6 +153,7 @@ def make_tiny(arch, out, fp8_source, seed, num_shards, overrides, mtp, overwrite
     the path."""
     if arch not in TINY:
         raise QuantizeError(f"make-tiny {arch}: unknown tiny architecture; choose one of {', '.join(TINY)}")
+    check_overrides(arch, overrides)
     out = Path(out)
     key = {"arch": arch, "fp8_source": fp8_source, "seed": seed, "num_shards": num_shards, "overrides": overrides,
            "mtp": mtp}
@@ -165,7 +167,14 @@ def make_tiny(arch, out, fp8_source, seed, num_shards, overrides, mtp, overwrite
 def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, overrides: dict | None,
           mtp: bool) -> None:
     torch.manual_seed(seed)
-    cfg, model = _build_model(arch, overrides)
+    try:
+        cfg, model = _build_model(arch, overrides)
+    except (ValueError, TypeError, RuntimeError, AssertionError, ZeroDivisionError) as e:  # the config class says no
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise QuantizeError(
+            f"make-tiny {arch} --override {' '.join(f'{k}={json.dumps(v)}' for k, v in (overrides or {}).items())}: "
+            f"transformers refuses this config ({first}); change the override"
+        ) from e
     model = model.to(torch.bfloat16).eval()
     state = _ondisk_state(model, arch)
     A = REGISTRY[arch]
@@ -266,16 +275,36 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) 
                                                                   "weight_map": weight_map}, indent=2))
 
 
+TOKENS = (["<unk>", "<eos>", "<pad>"]
+          + "the a of to and in is it that for on with as be by this are or at from what how many".split()
+          + [chr(c) for c in range(32, 127)])  # the tiny tokenizer's vocabulary: a vocab_size holds at least these
+SIZE_KEY = re.compile(r"(^num_|^n_|_size$|_rank$|_dim$|^first_k_dense_replace$|^topk_group$)")
+
+
+def check_overrides(arch: str, overrides: dict | None) -> None:
+    """Before any model is built: every size a positive integer (``first_k_dense_replace`` may be
+    0) and ``vocab_size`` at least the tiny tokenizer's ``len(TOKENS)``; one line naming the key."""
+    for k, v in (overrides or {}).items():
+        if not SIZE_KEY.search(k):
+            continue
+        low = 0 if k == "first_k_dense_replace" else 1
+        if type(v) is not int or v < low:
+            raise QuantizeError(
+                f"make-tiny --override {k}={json.dumps(v)}: a size must be an integer of at least {low}"
+            )
+        if k == "vocab_size" and v < len(TOKENS):
+            raise QuantizeError(
+                f"make-tiny --override vocab_size={v}: the tiny tokenizer has {len(TOKENS)} tokens; use at least that"
+            )
+
+
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
     """A real (tiny, byte-level BPE-free) tokenizer transformers can load: WordLevel over words
     and characters, ids < vocab_size."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    chars = [chr(c) for c in range(32, 127)]
-    words = "the a of to and in is it that for on with as be by this are or at from what how many".split()
-    specials = ["<unk>", "<eos>", "<pad>"]
-    vocab = {tok: i for i, tok in enumerate(specials + words + chars)}
-    assert len(vocab) <= vocab_size
+    vocab = {tok: i for i, tok in enumerate(TOKENS)}
+    assert len(vocab) <= vocab_size  # check_overrides refused a smaller vocab_size
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
                                                  pre_tokenizers.Split("", "isolated")])
