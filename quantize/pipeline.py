@@ -133,6 +133,11 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
     stages = opts["stages"]
     if stages is None:
         stages = list(DEFAULT_STAGES)
+    if not stages:
+        raise QuantizeError(
+            f"{path}: pipeline.stages is empty, so the run would do nothing; list the stages to run or drop the key "
+            f"(default: {', '.join(DEFAULT_STAGES)})"
+        )
     for s in stages:
         if s not in STAGES:
             raise O.unknown_key(path, "pipeline.stages: ", s, [x for x in STAGES if x != "make-source"], "stage")
@@ -391,6 +396,7 @@ def _run_kv(ctx: Ctx, resume: bool) -> dict:
     what = {"fold": "folded model in model-kv/", "scales": "KV scales in model-kv/"}.get(writes, "report only")
     return {
         "outputs": outputs,
+        "writes": ["reports/kv-verdict.json"],
         "summary": f"{res.layout}: {what}; {res.verdict}",
         "result": {"layout": res.layout, "unit_scale_safe": res.unit_scale_safe, "written": len(res.written)},
     }
@@ -432,6 +438,7 @@ def _run_check(ctx: Ctx, resume: bool) -> dict:
         raise CheckFailed(f"check: {failures[0]} ({len(failures)} failures; {p.out / 'reports' / 'check.json'})")
     return {
         "outputs": outputs,
+        "writes": ["reports/check-shard.json"] if "shard" in ctx.art else [],
         "summary": f"pass: {proven.get('files_sha256', 0)} files by SHA-256"
         + "".join(", " + part for part in chk.proven_parts(proven))
         + (", the TP split exact" if "shard" in ctx.art else ""),
@@ -528,6 +535,7 @@ def _run_card(ctx: Ctx, resume: bool) -> dict:
                 "id": _file_identity(model / "README.md"),
             }
         },
+        "writes": [str(Path(ctx.art["model"]["path"]) / "quantize_manifest.json")],  # its entry for README.md
         "summary": f"wrote {res.path}"
         + (f" with {', '.join(r['kind'] for r in res.reports)} reports" if res.reports else ""),
     }
@@ -721,9 +729,55 @@ class RunResult:
         }
 
 
-def _outputs_intact(p: Pipeline, outputs: dict) -> bool:
-    """What a finished stage wrote is still there, unchanged."""
-    for name, a in outputs.items():
+def _stage_paths(p: Pipeline, rec: dict) -> list[str]:
+    """The files and folders (relative to the run's folder) a stage wrote: its outputs' paths and
+    what else it ``writes`` (a made tiny source is the run's own ``source/``)."""
+    paths = []
+    for a in (rec.get("outputs") or {}).values():
+        path = a.get("path")
+        if path == "@source":
+            path = "source" if p.tiny else None
+        if path:
+            paths.append(path)
+    return sorted(set(paths) | set(rec.get("writes") or []))
+
+
+def _files_of(p: Pipeline, rels: list[str], workers: int = 4) -> dict[str, dict]:
+    """SHA-256 and size of every file under ``rels`` in the run's folder (a job's own ``.quantize``
+    record folders aside: they change as its outputs are read, and prove nothing a file's hash does
+    not)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = []
+    for rel in rels:
+        root = confined(p.out, rel, f"{p.out}/{RECORD_DIR}/job.json")
+        if root.is_file():
+            files.append(root)
+        elif root.is_dir():
+            files += [
+                f for f in sorted(root.rglob("*"))
+                if f.is_file() and RECORD_DIR not in f.relative_to(root).parts
+            ]
+    with ThreadPoolExecutor(max(1, min(workers, len(files) or 1))) as pool:
+        shas = list(pool.map(sha256_file, files))
+    return {
+        f.relative_to(p.out).as_posix(): {"sha256": h, "bytes": f.stat().st_size} for f, h in zip(files, shas)
+    }
+
+
+def _outputs_intact(p: Pipeline, rec: dict) -> bool:
+    """What a finished stage wrote is still there, unchanged: every file under its outputs has the
+    SHA-256 the stage recorded, none is missing and none was added (a record that kept no file list,
+    written before records did, is not trusted)."""
+    recorded = rec.get("files")
+    if not isinstance(recorded, dict):
+        return False
+    try:
+        if _files_of(p, _stage_paths(p, rec)) != recorded:
+            return False
+    except (QuantizeError, OSError):
+        return False
+    for name, a in (rec.get("outputs") or {}).items():
         if a.get("path") == "@source":
             path, fn = p.source_path, _source_identity
         else:
@@ -773,7 +827,7 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
             name not in p.stages
             and rec
             and rec.get("state") in ("done", "skipped")
-            and _outputs_intact(p, rec.get("outputs", {}))
+            and _outputs_intact(p, rec)
         ):
             for a, v in rec.get("outputs", {}).items():
                 ctx.art.setdefault(a, v)
@@ -797,7 +851,7 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
         upstream = sorted(a for a in deps if a in rerun)
         does = _does(p, name)
         fresh = rec is not None and rec.get("hash") == h and not upstream
-        if fresh and rec.get("state") in ("done", "skipped") and _outputs_intact(p, rec.get("outputs", {})):
+        if fresh and rec.get("state") in ("done", "skipped") and _outputs_intact(p, rec):
             for a, v in rec.get("outputs", {}).items():
                 ctx.art[a] = v
             plans.append(
@@ -926,12 +980,21 @@ def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
             recs[name].update(
                 state=res.get("state", "done"),
                 outputs=res.get("outputs", {}),
+                writes=sorted(res.get("writes", ())),
                 summary=res.get("summary", ""),
                 result=res.get("result"),
                 seconds=res["seconds"],
                 finished=time.time(),
                 error=res.get("error"),
             )
+            # what the stage wrote, file by file: the next run keeps it only while every hash holds
+            files = recs[name]["files"] = _files_of(p, _stage_paths(p, recs[name]))
+            for other, r in recs.items():  # a file this stage wrote in another's folder (card: README.md)
+                if other != name and isinstance(r.get("files"), dict):
+                    theirs = _stage_paths(p, r)
+                    r["files"].update(
+                        {k: v for k, v in files.items() if any(k == t or k.startswith(t + "/") for t in theirs)}
+                    )
             o.save()
             emit(
                 {

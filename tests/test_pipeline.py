@@ -183,6 +183,7 @@ def test_cli_plan_json_and_ndjson_events(tmp_path):
     (lambda d: d["pipeline"]["kv"].update(fodl=True), "pipeline.kv.fodl: unknown key; did you mean 'fold'"),
     (lambda d: d["pipeline"].update(stages=["convert", "evl"]), "pipeline.stages: evl: unknown stage; did you mean 'eval'"),
     (lambda d: d["pipeline"].update(stages=["eval", "convert"]), "out of order"),
+    (lambda d: d["pipeline"].update(stages=[]), "pipeline.stages is empty"),
     (lambda d: d["pipeline"].update(limit="ten"), "pipeline.limit is 'ten', not int or null"),
     (lambda d: d["pipeline"].update(source="tiny:glm_moe_dza"), "did you mean 'glm_moe_dsa'"),
     (lambda d: d.pop("pipeline"), "no `pipeline:` section"),
@@ -305,3 +306,47 @@ def test_data_aware_method_from_the_recipe_runs_checks_and_cards(tmp_path, monke
     pipeline.run(str(r2))
     assert calls.n == 1
     assert json.loads((tmp_path / "run" / "model" / "quantize_manifest.json").read_text())["method"]["samples"] == 8
+
+
+def test_a_stage_is_kept_only_while_every_file_it_wrote_is_unchanged(tmp_path):
+    """Issue 16 R2: run decides "done" from the files' SHA-256s, not from each output's own
+    manifest: a flipped byte in a shard, an edited config.json, a removed rank file or a removed
+    folder each rerun the stage that wrote it and its consumers, and nothing else."""
+    import shutil
+
+    r = _recipe(tmp_path, stages=["convert", "shard", "check"])
+    out = tmp_path / "run"
+
+    def finished():
+        rec = json.loads((out / ".quantize" / "job.json").read_text())
+        return {k: v.get("finished") for k, v in rec["stages"].items()}
+
+    pipeline.run(r)
+    t0 = finished()
+    pipeline.run(r)  # nothing changed: every stage kept (the near miss of each case below)
+    assert finished() == t0
+
+    def rerun_after(edit):
+        before = finished()
+        edit()
+        pipeline.run(r)
+        after = finished()
+        return sorted(k for k in after if after[k] != before[k])
+
+    shard_file = sorted((out / "model").glob("*.safetensors"))[0]
+
+    def flip():
+        b = bytearray(shard_file.read_bytes())
+        b[-1] ^= 1
+        shard_file.write_bytes(bytes(b))  # the manifest still records the old SHA-256
+
+    assert rerun_after(flip) == ["check", "convert", "shard"]
+    cfg = out / "model" / "config.json"
+    assert rerun_after(lambda: cfg.write_text(cfg.read_text().replace('"group_size": 32', '"group_size": 64'))) == [
+        "check", "convert", "shard"]
+    rank = sorted((out / "shard").rglob("*.safetensors"))[0]
+    assert rerun_after(rank.unlink) == ["check", "shard"]
+    assert rerun_after(lambda: (out / "reports" / "check.json").write_text("{}")) == ["check"]
+    assert rerun_after(lambda: shutil.rmtree(out / "model")) == ["check", "convert", "shard"]
+    assert (out / "model" / "quantize_manifest.json").exists()
+    assert rerun_after(lambda: None) == []
