@@ -27,9 +27,10 @@ Every stage calls the library function of its command (``convert``, ``calibrate_
 folder is opened through ``Output.open(out, "run", ...)``; its job record holds, per stage, the
 options it ran with, the identities of its inputs (a converted model's identity is the SHA-256 of
 its weight files as its manifest records them; a source's, its safetensors headers, sizes and Hub
-revision), a hash of both, and the identities of what it wrote. A stage reruns when that hash
-changes or its outputs no longer match, and then every stage that consumes what it wrote reruns
-too; nothing else does. A crash leaves the stage ``running``: the rerun continues it (convert with
+revision), a hash of both, the identities of what it wrote and the SHA-256 of every file it wrote.
+A stage reruns when that hash changes or any file it wrote is missing, added or has another SHA-256
+(a folder removed, a byte flipped, a config edited), and then every stage that consumes what it
+wrote reruns too; nothing else does. A crash leaves the stage ``running``: the rerun continues it (convert with
 ``--resume``). A failed check or eval gate is recorded and stops the run (exit 1) before push.
 """
 
@@ -48,7 +49,7 @@ from . import options as O
 from .checkpoint.output import Output, RECORD_DIR, confined, read_record, sha256_file, write_text_atomic
 from .errors import CheckFailed, QuantizeError
 from .events import Emit, null_emit
-from .parse import load_yaml
+from .parse import load_json, load_yaml
 
 # -- the recipe's pipeline section --------------------------------------------------------------
 
@@ -189,8 +190,8 @@ def _model_identity(folder: Path) -> str | None:
     """A quantize output's weights: the SHA-256 of each weight file as its manifest records them
     (the card rewriting README.md does not change it)."""
     try:
-        m = json.loads((folder / "quantize_manifest.json").read_text())
-    except (OSError, ValueError):
+        m = load_json(folder / "quantize_manifest.json", "manifest", kind="record")
+    except QuantizeError:
         return None
     files = m.get("files") if isinstance(m, dict) else None
     if not isinstance(files, dict):
@@ -322,7 +323,7 @@ def _kv_writes(ctx: Ctx) -> str | None:
     folder = ctx.path("converted") if "converted" in ctx.art else ctx.p.source_path
     if not (folder / "config.json").is_file():  # planning a run whose source is not made yet
         return "scales" if kv["target"] == "compressed-tensors" else None
-    arch = archs.resolve(json.loads((folder / "config.json").read_text()), str(folder / "config.json"))
+    arch = archs.resolve(load_json(folder / "config.json", "config.json"), str(folder / "config.json"))
     return arch.layout.writes(kv["target"], fold=False)
 
 
