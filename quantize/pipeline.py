@@ -123,8 +123,12 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
             f"{path}: no `pipeline:` section; add one with at least source and out (see "
             "quantize/recipes_default/tiny-glm.yaml)"
         )
-    load_recipe(path)  # the llm-compressor part, validated now (it ignores the pipeline section)
+    modifier = load_recipe(path)  # the llm-compressor part, validated now (it ignores the pipeline section)
     opts = _parse(path, doc["pipeline"])
+    try:  # the convert section against the recipe's method, as convert will (e.g. iters 0 beside RTN)
+        O.ConvertOptions(**opts["convert"]).resolve(modifier)
+    except QuantizeError as e:
+        raise QuantizeError(f"{path}: pipeline.convert: {e}; fix the recipe") from None
     if not opts["source"]:
         raise QuantizeError(
             f"{path}: pipeline.source is missing; name the source checkpoint folder (or tiny:glm_moe_dsa)"

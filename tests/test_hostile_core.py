@@ -1,0 +1,252 @@
+"""Hostile input, the core commands (convert, plan, calibrate-kv, make-tiny, run): issue 8's
+attacks on headers, indexes, snapshots and output folders, and issue 16's on options, calibration
+data, statistics files and recipes. Each row: the command line, how its input was made hostile, the
+fragment of its one-line error and its exit code; tests/hostile.py checks the one line, the absence
+of a traceback and, by SHA-256, that no input changed."""
+
+import json
+import os
+import struct
+
+import pytest
+
+from tests.hostile import Case, edit_json, run_case
+
+SHARD = "model-00002-of-00003.safetensors"
+
+
+def _header(path):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _put(path, header, data, raw_header: bytes | None = None):
+    h = raw_header if raw_header is not None else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+def hdr(fn, shard=SHARD):
+    """Setup: ``fn(header, data) -> (header, data)`` applied to a source shard."""
+
+    def setup(ctx):
+        p = ctx.src / shard
+        h, d = _header(p)
+        _put(p, *fn(h, d))
+
+    return setup
+
+
+def raw_hdr(text: bytes, shard=SHARD):
+    def setup(ctx):
+        p = ctx.src / shard
+        _, d = _header(p)
+        _put(p, None, d, raw_header=text)
+
+    return setup
+
+
+def first(h):
+    return next(k for k in h if k != "__metadata__")
+
+
+def _set(h, key, value):
+    h[first(h)][key] = value
+    return h
+
+
+def cfg(fn):
+    return lambda ctx: edit_json(ctx.src / "config.json", fn)
+
+
+def idx(fn):
+    return lambda ctx: edit_json(ctx.src / "model.safetensors.index.json", fn)
+
+
+def write(rel, data, where="src"):
+    def setup(ctx):
+        p = getattr(ctx, where) / rel if where else ctx.tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data if isinstance(data, bytes) else data.encode())
+
+    return setup
+
+
+def both(*setups):
+    def setup(ctx):
+        for s in setups:
+            s(ctx)
+
+    return setup
+
+
+def convert(*extra):
+    return lambda c: ["convert", c.src, c.new("o"), *extra]
+
+
+def foreign_out(ctx):
+    (ctx.tmp / "mine").mkdir()
+    (ctx.tmp / "mine" / "precious.txt").write_text("x")
+
+
+def out_symlink(ctx):
+    (ctx.tmp / "real").mkdir()
+    os.symlink(ctx.tmp / "real", ctx.tmp / "link")
+
+
+def fifo(ctx):
+    os.mkfifo(ctx.tmp / "fifo.jsonl")
+
+
+CASES = [
+    # -- safetensors headers (issue 8) ---------------------------------------------------------------
+    Case("header: length past the end", convert(), "does not fit", write(SHARD, struct.pack("<Q", 1 << 20) + b"{}")),
+    Case("header: length over the format's limit", convert(), "exceeds the safetensors limit",
+         write(SHARD, struct.pack("<Q", 1 << 40) + b"{}")),
+    Case("header: not JSON", convert(), "not valid UTF-8 JSON", raw_hdr(b'{"a": ')),
+    Case("header: not an object entry", convert(), "exactly dtype, shape and",
+         hdr(lambda h, d: (_set(h, "extra", 1), d))),
+    Case("header: unknown dtype", convert(), "not a safetensors dtype", hdr(lambda h, d: (_set(h, "dtype", "Q4"), d))),
+    Case("header: negative shape", convert(), "non-negative integers",
+         hdr(lambda h, d: (_set(h, "shape", [-1]), d))),
+    Case("header: float offsets", convert(), "data_offsets", hdr(lambda h, d: (_set(h, "data_offsets", [0.0, 1.5]), d))),
+    Case("header: trailing bytes", convert(), "trailing bytes", hdr(lambda h, d: (h, d + b"\0" * 16))),
+    Case("header: truncated data", convert(), "truncated", hdr(lambda h, d: (h, d[:-64]))),
+    Case("header: metadata not strings", convert(), "__metadata__ must be an object of strings",
+         hdr(lambda h, d: ({**h, "__metadata__": {"format": 1}}, d))),
+    Case("header: nested too deep", convert(), "nests too deep", raw_hdr(b'{"a":' + b"[" * 100000 + b"]" * 100000 + b"}")),
+    Case("header: empty file", convert(), "too short", write(SHARD, b"")),
+    # -- indexes -------------------------------------------------------------------------------------
+    Case("index: entry outside the folder", convert(), "points outside",
+         idx(lambda d: d["weight_map"].update({"lm_head.weight": "../x.safetensors"}))),
+    Case("index: absolute entry", convert(), "points outside",
+         idx(lambda d: d["weight_map"].update({"lm_head.weight": "/etc/passwd"}))),
+    Case("index: missing shard", convert(), "missing", lambda c: (c.src / SHARD).unlink()),
+    Case("index: weight_map not an object", convert(), "weight_map", idx(lambda d: {"weight_map": []})),
+    Case("index: a tensor the header lacks", convert(), "its header does not",
+         idx(lambda d: d["weight_map"].update({"model.ghost.weight": SHARD}))),
+    Case("index: not UTF-8", convert(), "not UTF-8", write("model.safetensors.index.json", b"\xff{}")),
+    Case("index: too big", convert(), "bytes, more than",
+         lambda c: os.truncate(c.src / "model.safetensors.index.json", (256 << 20) + 1)),
+    Case("source: dangling symlink shard", convert(), "dangling symlink",
+         lambda c: ((c.src / SHARD).unlink(), os.symlink(c.tmp / "gone", c.src / SHARD))),
+    Case("source: pickle only", lambda c: ["convert", c.tmp / "pkl", c.new("o")], "pickle",
+         both(write("pkl/config.json", '{"architectures": ["LlamaForCausalLM"]}', None),
+              write("pkl/pytorch_model.bin", b"\x80\x04", None)), needs=()),
+    # -- config.json ---------------------------------------------------------------------------------
+    Case("config: missing", convert(), "config.json: missing", lambda c: (c.src / "config.json").unlink()),
+    Case("config: an array", convert(), "not a JSON object", write("config.json", "[1]")),
+    Case("config: architectures a string", convert(), "'architectures' must be a list",
+         cfg(lambda d: d.update(architectures="GlmMoeDsaForCausalLM"))),
+    Case("config: weight_block_size nonsense", convert(), "weight_block_size",
+         cfg(lambda d: d["quantization_config"].update(weight_block_size=[0, 128]))),
+    Case("config: deep", lambda c: ["plan", c.src], "nests deeper", write("config.json", '{"a":' + "[" * 500 + "]" * 500 + "}")),
+    # -- output folders (issue 8) ----------------------------------------------------------------------
+    Case("out: inside the source", lambda c: ["convert", c.src, c.src / "o"], "overlaps the input"),
+    Case("out: the source itself", lambda c: ["convert", c.src, c.src, "--overwrite"], "overlaps the input"),
+    Case("out: not ours", lambda c: ["convert", c.src, c.tmp / "mine"], "did not write it", foreign_out,
+         inputs=lambda c: [c.src, c.tmp / "mine"]),
+    Case("out: not ours, --overwrite", lambda c: ["convert", c.src, c.tmp / "mine", "--overwrite"],
+         "did not write it", foreign_out, inputs=lambda c: [c.src, c.tmp / "mine"]),
+    Case("out: a symlink", lambda c: ["convert", c.src, c.tmp / "link"], "is a symlink", out_symlink,
+         inputs=lambda c: [c.src, c.tmp / "real"]),
+    Case("out: a file", lambda c: ["convert", c.src, c.tmp / "f"], "is a file", write("f", "x", None),
+         inputs=lambda c: [c.src, c.tmp / "f"]),
+    Case("out: --resume and --overwrite", convert("--resume", "--overwrite"), "together"),
+    # -- options (issue 16 R7, R11) -----------------------------------------------------------------
+    Case("convert: --iters 0 beside rtn", convert("--iters", "0"), "--iters"),
+    Case("convert: --min-expert-tokens 0 beside rtn", convert("--min-expert-tokens", "0"), "--min-expert-tokens"),
+    Case("convert: --group-size 7", convert("--group-size", "7"), "--group-size 7"),
+    Case("convert: --memory-budget-gib nan", convert("--memory-budget-gib", "nan"), "--memory-budget-gib nan"),
+    Case("convert: --workers 0", convert("--workers", "0"), "--workers 0: must be at least 1"),
+    Case("convert: --damp inf beside gptq", convert("--method", "gptq", "--damp", "inf"), "--damp inf"),
+    Case("shard: --max-part-gib nan", lambda c: ["shard", c.out, c.new("s"), "--max-part-gib", "nan"],
+         "--max-part-gib nan", needs=("out",)),
+    Case("check: --tokens -5", lambda c: ["check", c.out, "--tokens", "-5"], "--tokens -5", needs=("out",)),
+    Case("check: --tp 0", lambda c: ["check", c.out, "--tp", "0"], "--tp 0", needs=("out",)),
+    Case("make-tiny: --num-shards 0", lambda c: ["make-tiny", "glm_moe_dsa", c.new("t"), "--num-shards", "0"],
+         "--num-shards 0", needs=()),
+    Case("make-tiny: --seed -1", lambda c: ["make-tiny", "glm_moe_dsa", c.new("t"), "--seed", "-1"], "--seed -1",
+         needs=()),
+    # -- calibration data and statistics (calibrate-kv, GPTQ) -----------------------------------------
+    Case("calibrate-kv: --stats-out inside the model",
+         lambda c: ["calibrate-kv", c.out, "--stats-out", c.out / "config.json"], "lies inside the input",
+         needs=("out",)),
+    Case("calibrate-kv: --stats-out over a foreign file",
+         lambda c: ["calibrate-kv", c.out, "--stats-out", c.tmp / "notes.json"], "not a kv-stats file",
+         write("notes.json", '{"mine": 1}', None), needs=("out",), inputs=lambda c: [c.out, c.tmp / "notes.json"]),
+    Case("calibrate-kv: --stats-out a folder", lambda c: ["calibrate-kv", c.out, "--stats-out", c.tmp],
+         "is a folder", needs=("out",)),
+    Case("calibrate-kv: --stats binary", lambda c: ["calibrate-kv", c.out, "--stats", c.tmp / "s.json"],
+         "not UTF-8", write("s.json", b"\x89PNG\r\n\x1a\n\xff", None), needs=("out",)),
+    Case("calibrate-kv: --stats with NaN",
+         lambda c: ["calibrate-kv", c.out, "--stats", c.tmp / "s.json"], "not a calibrate-kv stats file",
+         write("s.json", json.dumps({"layers": [{"layer": 0, "amax": float("nan"), "scale": 1.0, "percentile": 1.0,
+                                                 "overflow_unit": 0, "subnormal_unit": 0, "zero_unit": 0,
+                                                 "overflow_calibrated": 0, "subnormal_calibrated": 0,
+                                                 "zero_calibrated": 0}]}), None), needs=("out",)),
+    Case("calibrate-kv: --stats a folder", lambda c: ["calibrate-kv", c.out, "--stats", c.tmp],
+         "is a folder", needs=("out",)),
+    Case("calibrate-kv: --data binary",
+         lambda c: ["calibrate-kv", c.out, "--data", c.tmp / "d.txt", "--samples", "2", "--seq-len", "8"],
+         "binary data", write("d.txt", b"ab\0cd", None), needs=("out",)),
+    Case("calibrate-kv: --data line an array",
+         lambda c: ["calibrate-kv", c.out, "--data", c.tmp / "d.jsonl", "--samples", "2", "--seq-len", "8"],
+         "not an object or a string", write("d.jsonl", '"a b c"\n[1, 2]\n', None), needs=("out",)),
+    Case("calibrate-kv: --data deep line",
+         lambda c: ["calibrate-kv", c.out, "--data", c.tmp / "d.jsonl", "--samples", "2", "--seq-len", "8"],
+         "nests deeper", write("d.jsonl", "[" * 100 + "]" * 100 + "\n", None), needs=("out",)),
+    Case("calibrate-kv: --samples 0", lambda c: ["calibrate-kv", c.out, "--samples", "0"], "--samples 0",
+         needs=("out",)),
+    Case("calibrate-kv: --clip nan", lambda c: ["calibrate-kv", c.out, "--clip", "nan"], "--clip nan",
+         needs=("out",)),
+    Case("make-tiny: --override vocab_size=1",
+         lambda c: ["make-tiny", "glm_moe_dsa", c.new("t"), "--override", "vocab_size=1"], "vocab_size=1", needs=()),
+    Case("make-tiny: --override hidden_size=-3",
+         lambda c: ["make-tiny", "glm_moe_dsa", c.new("t"), "--override", "hidden_size=-3"], "hidden_size=-3",
+         needs=()),
+    Case("make-tiny: --override num_hidden_layers=null",
+         lambda c: ["make-tiny", "glm_moe_dsa", c.new("t"), "--override", "num_hidden_layers=null"],
+         "num_hidden_layers=null", needs=()),
+]
+
+
+def _recipe(edit):
+    """Setup: the default recipe, edited, as ctx.tmp/r.yaml (out inside ctx.tmp)."""
+    import yaml
+
+    from quantize import pipeline
+
+    def setup(ctx):
+        doc = yaml.safe_load(pipeline.default_recipe().read_text())
+        doc["pipeline"]["out"] = str(ctx.tmp / "run")
+        edit(doc)
+        (ctx.tmp / "r.yaml").write_text(yaml.safe_dump(doc))
+
+    return setup
+
+
+def run_recipe(c):
+    return ["run", c.tmp / "r.yaml", "--plan"]
+
+
+CASES += [
+    Case("run: stages []", run_recipe, "pipeline.stages is empty", _recipe(lambda d: d["pipeline"].update(stages=[])),
+         needs=()),
+    Case("run: convert iters 0 beside rtn", run_recipe, "pipeline.convert: --iters is an option of",
+         _recipe(lambda d: d["pipeline"].setdefault("convert", {}).update(iters=0)), needs=()),
+    Case("run: pd bootstrap_port -1", run_recipe, "bootstrap_port",
+         _recipe(lambda d: d["pipeline"].setdefault("pd", {}).update(bootstrap_port=-1)), needs=()),
+    Case("run: max_drop .nan", run_recipe, "not a finite number",
+         _recipe(lambda d: d["pipeline"].update(max_drop=float("nan"))), needs=()),
+    Case("run: limit 0", run_recipe, "limit", _recipe(lambda d: d["pipeline"].update(limit=0)), needs=()),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_hostile(case, tmp_path, hostile_sources):
+    run_case(case, tmp_path, hostile_sources)
+
+
+def test_the_table_covers_each_command_it_names():
+    assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)
