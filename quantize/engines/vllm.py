@@ -273,7 +273,9 @@ def transformers_reference(model: str | os.PathLike, sequences: list[tuple[list[
     import torch
 
     model = Path(model)
-    cfg = json.loads((model / "config.json").read_text())
+    from ..parse import load_json
+
+    cfg = load_json(model / "config.json", "config.json")
     from transformers.utils import logging as hf_logging
 
     with tempfile.TemporaryDirectory(prefix="quantize-ref-") as d:
