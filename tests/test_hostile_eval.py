@@ -278,7 +278,7 @@ def test_saved_baseline_reused_and_reports_rerun(hostile_sources, tmp_path):
     """The same baseline with a matching identity is reused (alone or beside its --baseline); a
     report and a saved baseline this tool wrote are replaced by a rerun; --chunk 2, --tokens 2 work."""
     src, out = hostile_sources["src"], hostile_sources["out"]
-    b, r = tmp_path / "b.st", tmp_path / "r.json"
+    b, r = tmp_path / "new" / "b.st", tmp_path / "r.json"  # a folder not made yet is made
     first = ["eval-kld", "--baseline", src, "--candidate", out, *T, *C, "--save-baseline", b, "--out", r, "--json"]
     _cli(first)
     with safe_open(b, "pt") as f:

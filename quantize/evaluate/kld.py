@@ -313,7 +313,14 @@ def kld(
         for path, st, tdt in ((save_baseline, "F16", torch.float16), (keep_baseline, "F32", torch.float32)):
             if path is not None:
                 entries = [Entry(f"chunk.{i}", st, (c.numel() - 1, vocab)) for i, c in enumerate(chunks)]
-                writers.append((StreamWriter(Path(path), entries, meta), tdt))
+                try:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    writers.append((StreamWriter(Path(path), entries, meta), tdt))
+                except OSError as e:
+                    for w, _ in writers:
+                        w.abort()
+                    raise QuantizeError(f"--save-baseline {path}: cannot write ({e.strerror}); choose a path you "
+                                        f"can write") from e
     kl_all, agree, nll_b, nll_c = [], 0, 0.0, 0.0
     n = 0
     emit({"event": "start", "stage": "kld", "total_bytes": len(chunks), "done_bytes": 0})
@@ -462,8 +469,8 @@ def _open_logits(path: Path, run: dict, chunks: list, candidate: Path, baseline:
             raise QuantizeError(f"{what}: saved for {name} (this run: "
                                 f"{run[key] if key in ('tokens', 'chunk') else 'differs'}); {fix}")
     model = saved["model"]
-    cand = model_identity(candidate)
-    if (model.get("model_type"), model.get("architectures")) != (cand["model_type"], cand["architectures"]):
+    cand = _config(candidate, "candidate model")
+    if (model.get("model_type"), model.get("architectures")) != (cand.get("model_type"), cand.get("architectures")):
         raise QuantizeError(f"{what}: saved from a {_kind(model)} model; --candidate {candidate} is a "
                             f"{_kind(cand)} one; compare a model with its own quantization")
     if baseline is not None:
