@@ -212,10 +212,6 @@ def same_tokenizer(pa: Path, pb: Path, text: str = "", tok_a=None, tok_b=None, w
                             f"models over the same token ids (compare a model with its own quantization)")
 
 
-def _same_tokenizer(a, b, text: str, pa: Path, pb: Path) -> None:
-    same_tokenizer(pa, pb, text, a, b)
-
-
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     """Log-probabilities [len(ids), vocab] in fp32, on the model's device."""
     with torch.no_grad():
