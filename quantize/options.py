@@ -762,7 +762,10 @@ class EvalOptions(Options):
 
     baseline: Path | None = opt(None, "the reference model (FP8/BF16)", recipe=False)
     candidate: Path | None = opt(None, "the converted model", recipe=False)
-    tasks: str = opt(EVAL_TASKS, "comma-separated lm-eval tasks")
+    tasks: str = opt(
+        EVAL_TASKS, "comma-separated lm-eval tasks", check=lambda v: any(t.strip() for t in v.split(",")),
+        why=f"names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}",
+    )
     limit: int | None = opt(
         None, "documents per task (the same for both models)", check=lambda v: v >= 1, why="must be at least 1 document"
     )
@@ -771,7 +774,7 @@ class EvalOptions(Options):
         1.0,
         "gate: fail a task whose drop exceeds this many points beyond noise",
         check=_nonneg,
-        why="must be 0 or more points",
+        why="must be a finite number of points, 0 or more",
     )
     out: Path | None = opt(None, "write the report JSON here", recipe=False)
     markdown: Path | None = opt(None, "write the Markdown table (for the model card) here", recipe=False)
@@ -785,7 +788,7 @@ class EvalOptions(Options):
     batch_size: int = opt(1, "lm-eval batch size", cli=False, check=lambda v: v >= 1, why="must be at least 1")
     resamples: int = opt(
         10000, "bootstrap resamples of the paired difference", cli=False, check=lambda v: v >= 100,
-        why="must be at least 100 (a 95% interval from fewer is noise)"
+        why="must be at least 100 (a 95% interval from fewer is noise)",
     )
     base_url: str | None = opt(
         None, "evaluate the candidate as served by an OpenAI-compatible server (SGLang/vLLM)", recipe=False
@@ -808,7 +811,7 @@ class KLDOptions(Options):
     chunk: int = opt(512, "context length per chunk", check=lambda v: v >= 2, why="must be at least 2 tokens")
     save_baseline: Path | None = opt(None, "save the baseline's log-probs (fp16 safetensors) for reuse")
     baseline_logits: Path | None = opt(None, "reuse a --save-baseline file instead of running the baseline")
-    dtype: str = opt("float32", "dtype the models run in", cli=False)
+    dtype: str = opt("float32", "dtype the models run in", cli=False, choices=("float32", "bfloat16"))
     out: Path | None = opt(None, "write the report JSON here")
     device: str = opt("cpu", "where the models run: cpu or cuda")
 

@@ -46,6 +46,8 @@ def test_eval_same_items_paired_and_reports(models, tmp_path):
     for t in ("arc_easy", "gsm8k"):
         assert {"baseline", "candidate", "delta", "ci_low", "ci_high", "passed"} <= set(doc["tasks"][t])
     assert "| arc_easy |" in (tmp_path / "r.md").read_text()
+    assert doc["written_by"]["kind"] == "eval"  # signed: a rerun may replace it, a hand-edited one is refused
+    assert "written by quantize eval-markdown" in (tmp_path / "r.md").read_text().splitlines()[-1]
     self_rep = evaluate(base, base, tasks="arc_easy", limit=3, data_dir=_data(tmp_path), resamples=200)
     assert self_rep.tasks[0].delta == 0 and self_rep.tasks[0].ci_low == self_rep.tasks[0].ci_high == 0 and self_rep.passed
 

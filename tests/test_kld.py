@@ -39,8 +39,11 @@ def test_int4_candidate_and_saved_baseline(pair, tmp_path):
     r2 = kld(None, cand, tokens=300, chunk=64, baseline_logits=tmp_path / "b.st")
     assert r2.kld_mean == pytest.approx(r.kld_mean, rel=1e-2)  # fp16-stored baseline log-probs (0.25% on a KLD of 0.002)
     assert r2.top1_agreement == pytest.approx(r.top1_agreement, abs=0.01)
-    with pytest.raises(QuantizeError, match="another text"):
+    with pytest.raises(QuantizeError, match=r"saved for --tokens 300 \(this run: 200\)"):
         kld(None, cand, tokens=200, chunk=64, baseline_logits=tmp_path / "b.st")
+    assert doc["written_by"]["kind"] == "kld"  # a signed report: a rerun may replace it
+    r3 = kld(base, cand, tokens=300, chunk=64, baseline_logits=tmp_path / "b.st", out=tmp_path / "r.json")
+    assert r3.kld_mean == pytest.approx(r2.kld_mean)  # the same baseline named beside its file: its identity matches
 
 
 def test_different_tokenizers_refused(pair, tiny, tmp_path):

@@ -69,10 +69,9 @@ def check_device(device: str) -> torch.device:
 def _load(path: Path, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
     import transformers
 
-    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else None
-    if cfg is None:
-        raise QuantizeError(f"{path}: no config.json; pass a model folder")
+    cfg = _config(path)
     arch = (cfg.get("architectures") or [""])[0]
+    arch = arch if isinstance(arch, str) else ""
     cls = getattr(transformers, {"KimiK25ForConditionalGeneration": "Kimi_K25ForConditionalGeneration"}.get(arch, arch),
                   None) \
         or transformers.AutoModelForCausalLM
@@ -90,10 +89,127 @@ def _tokenizer(path: Path):
     return load_tokenizer(path)
 
 
-def _same_tokenizer(a, b, text: str, pa: Path, pb: Path) -> None:
-    if a.get_vocab() != b.get_vocab() or a(text[:2000])["input_ids"] != b(text[:2000])["input_ids"]:
-        raise QuantizeError(f"{pb}: its tokenizer differs from {pa}'s; KL divergence needs both models over the same "
-                            f"token ids")
+# -- what the compared artifacts are ------------------------------------------------------------
+
+MAX_TEXT_BYTES = 256 << 20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
+                   "merges.txt", "special_tokens_map.json", "added_tokens.json")
+
+
+def _config(path: Path, what: str = "model") -> dict:
+    from ..parse import load_json
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise QuantizeError(f"{path}: no config.json; pass the {what}'s folder")
+    return load_json(path / "config.json", "config.json")
+
+
+def read_text(path: str | os.PathLike | None, what: str = "--text") -> tuple[Path, str]:
+    """(path, its text) of a plain UTF-8 text file (the shipped text when ``path`` is None); a
+    folder, a binary file or a missing one is one line naming ``what``."""
+    from ..parse import decode
+
+    p = Path(path) if path else DEFAULT_TEXT
+    if p.is_dir():
+        raise QuantizeError(f"{what} {p}: is a folder; pass a plain UTF-8 text file")
+    if p.exists() and not p.is_file():
+        raise QuantizeError(f"{what} {p}: not a regular file; pass a plain UTF-8 text file")
+    try:
+        with open(p, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_TEXT_BYTES:
+                raise QuantizeError(f"{what} {p}: more than {MAX_TEXT_BYTES >> 20} MiB; pass a shorter text "
+                                    f"(only --tokens tokens of it are scored)")
+            raw = f.read()
+    except FileNotFoundError:
+        raise QuantizeError(f"{what} {p}: no such file; pass an existing text file") from None
+    except OSError as e:
+        raise QuantizeError(f"{what} {p}: cannot read ({e.strerror})") from e
+    if b"\x00" in raw:
+        raise QuantizeError(f"{what} {p}: holds NUL bytes, a binary file; pass a plain UTF-8 text file")
+    return p, decode(raw, f"{what} {p}", "plain UTF-8 text file")
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha(path: Path) -> str:
+    from ..checkpoint.output import sha256_file
+
+    try:
+        return sha256_file(path)
+    except OSError as e:
+        raise QuantizeError(f"{path}: cannot read ({e.strerror})") from e
+
+
+def tokenizer_files(path: Path) -> dict[str, str]:
+    """name -> SHA-256 of each tokenizer file in the model folder ``path``."""
+    names = [n for n in TOKENIZER_FILES if (path / n).is_file()] + sorted(p.name for p in path.glob("*.tiktoken"))
+    return {n: _file_sha(path / n) for n in names}
+
+
+def vocab_sha(tok) -> str:
+    return _sha(json.dumps(sorted(tok.get_vocab().items())).encode())
+
+
+def model_identity(path: Path) -> dict:
+    """What a model folder is: config.json's model_type, architectures and vocab_size, the SHA-256
+    of config.json and of its weights' safetensors headers (names, dtypes, shapes, offsets) and of
+    the index, and of each tokenizer file."""
+    from ..checkpoint.index import MAX_HEADER
+
+    path = Path(path)
+    cfg = _config(path)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    h = []
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.safetensors.index.json")):
+        try:
+            with open(f, "rb") as fh:
+                if f.suffix == ".json":
+                    raw = fh.read(256 << 20)
+                else:
+                    head = fh.read(8)
+                    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    raw = head + fh.read(min(n, MAX_HEADER))
+        except OSError as e:
+            raise QuantizeError(f"{f}: cannot read ({e.strerror})") from e
+        h.append(f"{f.name}:{_sha(raw)}")
+    return {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures"),
+            "vocab_size": cfg.get("vocab_size") or text.get("vocab_size"),
+            "config_sha256": _file_sha(path / "config.json"), "weights_sha256": _sha("\n".join(h).encode()),
+            "tokenizer_files": tokenizer_files(path)}
+
+
+def _kind(ident: dict) -> str:
+    arch = ident.get("architectures")
+    return f"{ident.get('model_type')} ({', '.join(map(str, arch)) if isinstance(arch, list) else arch})"
+
+
+def same_model(pa: Path, pb: Path, what_a: str = "--baseline", what_b: str = "--candidate") -> None:
+    """``pb`` must be a model of ``pa``'s kind (model_type and architectures): a quantization of it."""
+    a, b = _config(pa), _config(pb)
+    ka, kb = ({"model_type": c.get("model_type"), "architectures": c.get("architectures")} for c in (a, b))
+    if ka != kb:
+        raise QuantizeError(f"{what_b} {pb}: a {_kind(kb)} model, {what_a} {pa} a {_kind(ka)} one; "
+                            f"compare a model with its own quantization")
+
+
+def same_tokenizer(pa: Path, pb: Path, text: str = "", tok_a=None, tok_b=None, what_a: str = "--baseline",
+                   what_b: str = "--candidate") -> None:
+    """The same tokenizer in both folders: the same tokenizer files, or (when they differ in bytes)
+    the same vocabulary and the same token ids for ``text``. One line before any model loads."""
+    fa, fb = tokenizer_files(Path(pa)), tokenizer_files(Path(pb))
+    if fa and fa == fb:
+        return
+    a = tok_a if tok_a is not None else _tokenizer(Path(pa))
+    b = tok_b if tok_b is not None else _tokenizer(Path(pb))
+    sample = text[:2000] or "The quick brown fox jumps over the lazy dog. 0123456789"
+    if a.get_vocab() != b.get_vocab() or a(sample)["input_ids"] != b(sample)["input_ids"]:
+        raise QuantizeError(f"{what_b} {pb}: its tokenizer differs from {what_a} {pa}'s; the comparison needs both "
+                            f"models over the same token ids (compare a model with its own quantization)")
 
 
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
@@ -101,6 +217,31 @@ def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=ids.unsqueeze(0).to(model.device))
     return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+BASELINE_KIND = "kld-baseline"  # the saved baseline's ``quantize_kind``
+REPORT_KIND = "kld"
+
+
+def _targets(baseline, candidates, text, save_baseline, baseline_logits, out) -> list:
+    """Before anything is read or loaded: what is written may be written there (not a folder, a
+    link, an input or a file this tool did not write), and the options name one baseline. -> the
+    inputs (every folder and file read)."""
+    from ..checkpoint.output import report_target
+
+    inputs = [baseline, *candidates, text, baseline_logits]
+    if save_baseline is not None:
+        if baseline_logits is not None:
+            raise QuantizeError("--save-baseline with --baseline-logits: the baseline is read, not run, so there is "
+                                "nothing to save; drop one of them")
+        if baseline is None:
+            raise QuantizeError("--save-baseline needs --baseline (the model whose log-probabilities are saved)")
+        report_target(save_baseline, BASELINE_KIND, inputs, "--save-baseline")
+    if out is not None:
+        report_target(out, REPORT_KIND, inputs, "--out")
+        if save_baseline is not None and Path(out).resolve() == Path(save_baseline).resolve():
+            raise QuantizeError(f"--out {out}: the same file as --save-baseline; name two files")
+    return inputs
 
 
 def kld(
@@ -119,34 +260,40 @@ def kld(
 ) -> KldReport:
     """``device``: where both models run (cpu, cuda, cuda:N); the statistics are the same.
     ``keep_baseline``: also write the baseline's log-probs there in fp32 (exact; ``kld_table``)."""
+    from ..checkpoint.output import write_report
+    from ..errors import CheckFailed
+
     dev = check_device(device)  # before anything is read or loaded
+    if dtype not in DTYPES:
+        raise QuantizeError(f"dtype {dtype}: use one of {', '.join(DTYPES)}")
+    for name, v in (("--tokens", tokens), ("--chunk", chunk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise QuantizeError(f"{name} {v}: must be at least 2 tokens")
+    if baseline is None and baseline_logits is None:
+        raise QuantizeError("--baseline or --baseline-logits is required")
     cand_path = Path(candidate)
-    text_path = Path(text) if text else DEFAULT_TEXT
-    try:
-        raw = text_path.read_text()
-    except OSError as e:
-        raise QuantizeError(f"--text {text_path}: cannot read ({e.strerror})") from e
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    inputs = _targets(baseline, [candidate], text, save_baseline, baseline_logits, out)
+    _config(cand_path, "candidate model")
+    if baseline is not None:
+        _config(Path(baseline), "baseline model")
+        same_model(Path(baseline), cand_path)
+    text_path, raw = read_text(text)
+    tdtype = DTYPES[dtype]
     tok_c = _tokenizer(cand_path)
     if baseline is not None:
-        tok_b = _tokenizer(Path(baseline))
-        _same_tokenizer(tok_b, tok_c, raw, Path(baseline), cand_path)
-    elif baseline_logits is None:
-        raise QuantizeError("--baseline or --baseline-logits is required")
+        same_tokenizer(Path(baseline), cand_path, raw, tok_b=tok_c)
     ids = torch.tensor(tok_c(raw)["input_ids"][: tokens + 1])
     if ids.numel() < 2:
         raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
     n_chunks = max(1, math.ceil((ids.numel() - 1) / chunk))
     chunks = [ids[i * chunk: min((i + 1) * chunk + 1, ids.numel())] for i in range(n_chunks)]
     chunks = [c for c in chunks if c.numel() >= 2]
+    run = {"text_sha256": _sha(raw.encode()), "tokens": tokens, "chunk": chunk, "chunks": len(chunks),
+           "token_ids_sha": _sha_ids(ids, chunk), "vocab_sha256": vocab_sha(tok_c)}
 
     saved = None
     if baseline_logits is not None:
-        saved = _open_logits(Path(baseline_logits))
-        meta = saved["meta"]
-        if meta["token_ids_sha"] != _sha_ids(ids, chunk):
-            raise QuantizeError(f"{baseline_logits}: saved for another text, token count or chunk size; "
-                                f"recompute it with --save-baseline")
+        saved = _open_logits(Path(baseline_logits), run, chunks, cand_path, Path(baseline) if baseline else None)
     base_model = _load(Path(baseline), tdtype, dev) if saved is None else None
     cand_model = _load(cand_path, tdtype, dev)
     if base_model is not None and base_model.config.vocab_size != cand_model.config.vocab_size:
@@ -154,13 +301,22 @@ def kld(
                             f"{base_model.config.vocab_size}")
 
     writers: list[tuple[StreamWriter, torch.dtype]] = []
-    for path, st, tdt in ((save_baseline, "F16", torch.float16), (keep_baseline, "F32", torch.float32)):
-        if path is not None and base_model is not None:
-            vocab = int(base_model.config.vocab_size)
-            entries = [Entry(f"chunk.{i}", st, (c.numel() - 1, vocab)) for i, c in enumerate(chunks)]
-            writers.append((StreamWriter(Path(path), entries, {"format": "quantize-kld",
-                                                               "token_ids_sha": _sha_ids(ids, chunk),
-                                                               "baseline": str(baseline), "chunk": str(chunk)}), tdt))
+    if base_model is not None and (save_baseline is not None or keep_baseline is not None):
+        vocab = int(base_model.config.vocab_size)
+        ident = {**run, "model": model_identity(Path(baseline)), "vocab": vocab}
+        meta = {"format": "quantize-kld", "quantize_kind": BASELINE_KIND, "identity": json.dumps(ident),
+                "baseline": str(baseline)}
+        for path, st, tdt in ((save_baseline, "F16", torch.float16), (keep_baseline, "F32", torch.float32)):
+            if path is not None:
+                entries = [Entry(f"chunk.{i}", st, (c.numel() - 1, vocab)) for i, c in enumerate(chunks)]
+                try:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    writers.append((StreamWriter(Path(path), entries, meta), tdt))
+                except OSError as e:
+                    for w, _ in writers:
+                        w.abort()
+                    raise QuantizeError(f"--save-baseline {path}: cannot write ({e.strerror}); choose a path you "
+                                        f"can write") from e
     kl_all, agree, nll_b, nll_c = [], 0, 0.0, 0.0
     n = 0
     emit({"event": "start", "stage": "kld", "total_bytes": len(chunks), "done_bytes": 0})
@@ -169,14 +325,23 @@ def kld(
             target = c[1:].to(dev)
             if saved is not None:
                 lb = read_tensor(saved["folder"], saved["refs"][f"chunk.{i}"]).float().to(dev)
+                if not torch.isfinite(lb).all():
+                    raise QuantizeError(f"--baseline-logits {baseline_logits}: chunk {i} holds NaN or inf; the file "
+                                        f"is corrupt, recompute it with --save-baseline")
             else:
                 lb = _logprobs(base_model, c[:-1])
+                if not torch.isfinite(lb).all():
+                    raise QuantizeError(f"--baseline {baseline}: its log-probabilities hold NaN or inf (chunk {i}); "
+                                        f"the baseline model is broken, nothing was saved")
                 for writer, tdt in writers:
-                    writer.write_tensor(f"chunk.{i}", lb.to(tdt).cpu())
+                    writer.write_tensor(f"chunk.{i}", lb.clamp_min(torch.finfo(tdt).min).to(tdt).cpu())
             lc = _logprobs(cand_model, c[:-1])
             if lb.shape != lc.shape:
                 raise QuantizeError(f"{cand_path}: logits shape {tuple(lc.shape)} differs from the baseline's "
                                     f"{tuple(lb.shape)}")
+            if not torch.isfinite(lc).all():
+                raise CheckFailed(f"--candidate {cand_path}: its log-probabilities hold NaN or inf (chunk {i}); "
+                                  f"the KL divergence is not finite: the candidate fails")
             pb = lb.exp()
             kl = (pb * (lb - lc)).sum(-1).clamp_min(0)
             kl_all.append(kl.cpu())
@@ -185,21 +350,31 @@ def kld(
             nll_c -= float(lc.gather(-1, target.unsqueeze(-1)).sum())
             n += target.numel()
             emit({"event": "tensor", "name": f"chunk {i}", "done_bytes": i + 1})
+        k = torch.cat(kl_all).double()
+        q = lambda p: float(torch.quantile(k, p)) if k.numel() > 1 else float(k[0])  # noqa: E731
+        rep = KldReport(str(baseline or baseline_logits), str(candidate), n, chunk, float(k.mean()), q(0.5), q(0.99),
+                        q(0.999), float(k.max()), agree / n, _exp(nll_b / n), _exp(nll_c / n),
+                        _exp((nll_c - nll_b) / n), str(text_path))
+        bad = [f for f, v in rep.to_dict().items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            raise CheckFailed(f"--candidate {cand_path}: {', '.join(bad)} not finite; the candidate fails")
         for writer, _ in writers:
             writer.finish()
     except BaseException:
         for writer, _ in writers:
             writer.abort()
         raise
-    k = torch.cat(kl_all).double()
-    q = lambda p: float(torch.quantile(k, p)) if k.numel() > 1 else float(k[0])  # noqa: E731
-    rep = KldReport(str(baseline or baseline_logits), str(candidate), n, chunk, float(k.mean()), q(0.5), q(0.99),
-                    q(0.999), float(k.max()), agree / n, math.exp(nll_b / n), math.exp(nll_c / n),
-                    math.exp((nll_c - nll_b) / n), str(text_path))
     if out is not None:
-        Path(out).write_text(json.dumps(rep.to_dict(), indent=1))
+        write_report(out, rep.to_dict(), REPORT_KIND, inputs)
     emit({"event": "done"})
     return rep
+
+
+def _exp(x: float) -> float:
+    return math.exp(x) if x < 700 else math.inf
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -220,11 +395,22 @@ def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline
     "candidates": [report, ...]}."""
     import tempfile
 
+    from ..checkpoint.output import write_report
+
     if not candidates:
         raise QuantizeError("--candidate is required (repeat it to compare several candidates of one baseline)")
     dupes = sorted({str(c) for c in candidates if [str(x) for x in candidates].count(str(c)) > 1})
     if dupes:
         raise QuantizeError(f"--candidate {dupes[0]} is given twice; name each candidate once")
+    if baseline is None and baseline_logits is None:
+        raise QuantizeError("--baseline or --baseline-logits is required")
+    inputs = _targets(baseline, candidates, text, save_baseline, baseline_logits, out)  # before any work
+    check_device(device)
+    for c in candidates:  # every candidate proven to belong before the first model loads
+        _config(Path(c), "candidate model")
+        if baseline is not None:
+            same_model(Path(baseline), Path(c))
+            same_tokenizer(Path(baseline), Path(c))
     reports = []
     with tempfile.TemporaryDirectory(prefix="quantize-kld-") as tmp:
         kept = Path(tmp) / "baseline-fp32.safetensors" if baseline_logits is None and len(candidates) > 1 else None
@@ -237,7 +423,7 @@ def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline
                                dtype=dtype, device=device, emit=emit, keep_baseline=kept if first else None))
     table = KldTable(str(baseline or baseline_logits), reports)
     if out is not None:
-        Path(out).write_text(json.dumps(table.to_dict() if len(reports) > 1 else reports[0].to_dict(), indent=1))
+        write_report(out, table.to_dict() if len(reports) > 1 else reports[0].to_dict(), REPORT_KIND, inputs)
     return table
 
 
@@ -247,13 +433,57 @@ def _sha_ids(ids: torch.Tensor, chunk: int) -> str:
     return hashlib.sha256(ids.numpy().tobytes() + str(chunk).encode()).hexdigest()[:32]
 
 
-def _open_logits(path: Path) -> dict:
+def _open_logits(path: Path, run: dict, chunks: list, candidate: Path, baseline: Path | None) -> dict:
+    """The saved baseline at ``path``, proven to be this run's: the same text, --tokens, --chunk
+    and token ids, the candidate's tokenizer and kind of model, the --baseline given (if any), and
+    every chunk this run needs, of the right shape."""
     from ..checkpoint.index import _refs_from_header, read_header
+    from ..parse import json_text
 
+    what = f"--baseline-logits {path}"
+    if path.is_dir():
+        raise QuantizeError(f"{what}: is a folder; pass the file --save-baseline wrote")
     if not path.exists():
-        raise QuantizeError(f"--baseline-logits {path}: no such file")
+        raise QuantizeError(f"{what}: no such file")
+    if not path.is_file():
+        raise QuantizeError(f"{what}: not a regular file; pass the file --save-baseline wrote")
     header, _ = read_header(path)
     meta = header.get("__metadata__") or {}
     if meta.get("format") != "quantize-kld":
         raise QuantizeError(f"{path}: not a baseline-logits file written by --save-baseline")
-    return {"folder": path.parent, "refs": _refs_from_header(path.parent, path.name), "meta": meta}
+    if "identity" not in meta:
+        raise QuantizeError(f"{what}: saved by an older quantize, without the baseline's identity; recompute it "
+                            f"with --save-baseline")
+    saved = json_text(meta["identity"], path, "baseline-logits identity")
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise QuantizeError(f"{what}: its recorded identity is malformed; recompute it with --save-baseline")
+    fix = "recompute it with --save-baseline for this run"
+    for key, name in (("text_sha256", "another --text"), ("tokens", f"--tokens {saved.get('tokens')}"),
+                      ("chunk", f"--chunk {saved.get('chunk')}"), ("vocab_sha256", "another tokenizer"),
+                      ("token_ids_sha", "another text, token count or chunk size")):
+        if saved.get(key) != run[key]:
+            raise QuantizeError(f"{what}: saved for {name} (this run: "
+                                f"{run[key] if key in ('tokens', 'chunk') else 'differs'}); {fix}")
+    model = saved["model"]
+    cand = _config(candidate, "candidate model")
+    if (model.get("model_type"), model.get("architectures")) != (cand.get("model_type"), cand.get("architectures")):
+        raise QuantizeError(f"{what}: saved from a {_kind(model)} model; --candidate {candidate} is a "
+                            f"{_kind(cand)} one; compare a model with its own quantization")
+    if baseline is not None:
+        now = model_identity(baseline)
+        diff = [k for k in ("model_type", "architectures", "vocab_size", "config_sha256", "weights_sha256",
+                            "tokenizer_files") if model.get(k) != now[k]]
+        if diff:
+            raise QuantizeError(f"{what}: saved from another model than --baseline {baseline} ({diff[0]} differs); "
+                                f"{fix}, or drop --baseline")
+    refs = _refs_from_header(path.parent, path.name)
+    vocab = saved.get("vocab")
+    for i, c in enumerate(chunks):
+        ref = refs.get(f"chunk.{i}")
+        if ref is None:
+            have = sum(1 for k in refs if k.startswith("chunk."))
+            raise QuantizeError(f"{what}: holds {have} chunks, this run needs {len(chunks)}; {fix}")
+        if ref.dtype not in ("F16", "F32") or tuple(ref.shape) != (c.numel() - 1, vocab):
+            raise QuantizeError(f"{what}: chunk.{i} is {ref.dtype}{list(ref.shape)}, this run needs "
+                                f"[{c.numel() - 1}, {vocab}]; {fix}")
+    return {"folder": path.parent, "refs": refs, "meta": meta}

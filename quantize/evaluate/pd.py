@@ -58,7 +58,7 @@ kernels and their accumulation order.
 from __future__ import annotations
 
 import copy
-import json
+import math
 import os
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -269,7 +269,9 @@ def pd_fidelity(
     """The prompt's cache computed by ``prefill_model``, stored as the decode pool stores it
     (``kv_cache_dtype``), then ``decode_tokens`` tokens of the text scored by ``decode_model``
     from that cache, against ``source`` alone; beside the decode model alone."""
-    from .kld import DEFAULT_TEXT, _load, _same_tokenizer, _tokenizer, check_device
+    from ..checkpoint.output import report_target, write_report
+    from ..errors import CheckFailed
+    from .kld import _config, _load, _tokenizer, check_device, read_text, same_model, same_tokenizer
 
     if kv_cache_dtype not in ("fp8_e4m3", "bf16"):
         raise QuantizeError(f"--kv-cache-dtype {kv_cache_dtype}: use fp8_e4m3 (the decode pool's FP8 cache) or bf16")
@@ -279,17 +281,18 @@ def pd_fidelity(
         )
     dev = check_device(device)
     paths = {"prefill": Path(prefill_model), "decode": Path(decode_model), "source": Path(source)}
+    flags = {"prefill": "--prefill-model", "decode": "--decode-model", "source": "--source"}
+    inputs = [*paths.values(), text]
+    if out is not None:  # before anything is read or loaded
+        report_target(out, "pd", inputs, "--out")
     for k, p in paths.items():
-        if not (p / "config.json").is_file():
-            raise QuantizeError(f"{p}: no config.json; pass the {k} model's folder")
-    text_path = Path(text) if text else DEFAULT_TEXT
-    try:
-        raw = text_path.read_text()
-    except OSError as e:
-        raise QuantizeError(f"--text {text_path}: cannot read ({e.strerror})") from e
+        _config(p, f"{k} model")
+    for k in ("prefill", "decode"):  # proven to belong before any model loads
+        same_model(paths["source"], paths[k], "--source", flags[k])
+    text_path, raw = read_text(text)
     tok = _tokenizer(paths["source"])
     for k in ("prefill", "decode"):
-        _same_tokenizer(tok, _tokenizer(paths[k]), raw, paths["source"], paths[k])
+        same_tokenizer(paths["source"], paths[k], raw, tok_a=tok, what_a="--source", what_b=flags[k])
     ids = torch.tensor(tok(raw)["input_ids"][: prompt_tokens + decode_tokens + 1])
     if ids.numel() < prompt_tokens + decode_tokens + 1:
         raise QuantizeError(
@@ -359,10 +362,12 @@ def pd_fidelity(
         float(-ref.gather(-1, target.unsqueeze(-1).to(ref.device)).mean()),
         path_diff,
     )
+    bad = [r.name for r in rep.rows if not all(map(math.isfinite, (r.kld_mean, r.kld_p99, r.kld_max, r.nll)))]
+    if bad or not math.isfinite(rep.source_nll):
+        raise CheckFailed(f"--decode-model {decode_model}: the KL divergence of '{(bad or ['the source'])[0]}' is "
+                          f"not finite (NaN or inf log-probabilities); the pair fails")
     if out is not None:
-        from ..checkpoint.output import write_text_atomic
-
-        write_text_atomic(Path(out), json.dumps(rep.to_dict(), indent=1))
+        write_report(out, rep.to_dict(), "pd", inputs)
     emit({"event": "done"})
     return rep
 
@@ -452,9 +457,10 @@ def write_prefill(
     from ..checkpoint.index import hf_snapshot, hub_revision
     from ..checkpoint.manifest import write_manifest
     from ..checkpoint.output import Output
+    from ..parse import load_json
 
     src, dec = Path(source), Path(decode_model)
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = load_json(src / "config.json", "config.json")
     revision = revision or hub_revision(src)
     snap = hf_snapshot(src.resolve())
     source_repo = source_repo or (snap.repo_id if snap else None)
@@ -468,7 +474,7 @@ def write_prefill(
         **launch,
     )
     kv = launch.get("kv_cache_dtype", "fp8_e4m3")
-    report = json.loads(Path(pd_report).read_text()) if pd_report else None
+    report = load_json(pd_report, "eval-pd report", kind="report") if pd_report else None
     arch = (cfg.get("architectures") or ["?"])[0]
     L = [
         "---",

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import QuantizeError
-from ..options import EvalOptions, takes
+from ..options import EVAL_TASKS, EvalOptions, takes
 from .tasks import task_configs
 
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
+REPORT_KIND, MARKDOWN_KIND = "eval", "eval-markdown"
 
 
 @dataclass
@@ -161,11 +162,29 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
              resamples, base_url, baseline_url) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline."""
-    if not (base_url and baseline_url):  # a model runs here: refuse a GPU that is not there before anything loads
-        from .kld import check_device
+    from ..checkpoint.output import report_target, write_report
+    from .kld import check_device, same_model, same_tokenizer
 
+    inputs = [baseline, candidate, data_dir]
+    if out is not None:  # before anything is read or loaded
+        report_target(out, REPORT_KIND, inputs, "--out")
+    if markdown is not None:
+        if Path(markdown).is_dir():
+            raise QuantizeError(f"--markdown {markdown}: is a folder; name a file inside it, e.g. "
+                                f"{Path(markdown) / 'eval.md'}")
+        report_target(markdown, MARKDOWN_KIND, inputs, "--markdown")
+        if out is not None and Path(out).resolve() == Path(markdown).resolve():
+            raise QuantizeError(f"--markdown {markdown}: the same file as --out; name two files")
+    if not (base_url and baseline_url):  # a model runs here: refuse a GPU that is not there before anything loads
         check_device(device)
+    _model_folder(baseline, served=bool(baseline_url))
+    _model_folder(candidate, served=bool(base_url))
+    if all((Path(p) / "config.json").is_file() for p in (baseline, candidate)):  # a served one may be tokenizer only
+        same_model(Path(baseline), Path(candidate))  # the compared models belong together, before any work
+    same_tokenizer(Path(baseline), Path(candidate))
     names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise QuantizeError(f"--tasks {tasks!r}: names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}")
     configs, groups = task_configs(names, data_dir, max_gen_toks)
     for url in (base_url, baseline_url):
         if url:
@@ -197,7 +216,16 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
                                   lo, hi, hi >= -max_drop, lo >= -max_drop))
     rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results)
     if out is not None:
-        Path(out).write_text(json.dumps(rep.to_dict(), indent=1))
+        write_report(out, rep.to_dict(), REPORT_KIND, inputs)
     if markdown is not None:
-        Path(markdown).write_text(rep.markdown())
+        write_report(markdown, rep.markdown(), MARKDOWN_KIND, inputs, "--markdown")
     return rep
+
+
+def _model_folder(path, served: bool = False) -> None:
+    """A model folder (served: at least its tokenizer, the server runs the model)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise QuantizeError(f"{p}: {'no such folder' if not p.exists() else 'not a folder'}; pass a model folder")
+    if not (p / "config.json").is_file() and not (served and (p / "tokenizer.json").is_file()):
+        raise QuantizeError(f"{p}: no config.json; pass a model folder")
