@@ -440,7 +440,7 @@ MAX_FAILURES = 5  # a check report's failures the card quotes
 # What the card reads of each kind of report, and of what type: anything else in a report is not
 # read (nor kept in .quantize/card.json). "num": a finite number; "int": a whole number >= 0; "str":
 # text; a trailing "?": may be missing or null.
-EVAL_KEYS = {"baseline": "str?", "candidate": "str?", "limit": "int?", "max_drop": "num?", "passed": "bool?"}
+EVAL_KEYS = {"baseline": "str?", "candidate": "str?", "limit": "int?", "max_drop": "num?"}
 TASK_KEYS = {
     "metric": "str",
     "n": "int",
@@ -585,7 +585,7 @@ def load_report(path: str | os.PathLike, folder: Path) -> dict:
     try:
         d = load_json(p, "report", kind="report", want=None)
     except QuantizeError as e:
-        raise QuantizeError(f"--eval {e}; pass the file `quantize eval --out` wrote (not a JSON report)") from None
+        raise QuantizeError(f"--eval {e}") from None
     r = report_of(d, f"--eval {p}", "pass the file `quantize eval --out`, `eval-kld --out` or `check --json` wrote")
     rep = r["report"]
     _same_model(p, rep.get("model") if r["kind"] == "check" else rep.get("candidate"), folder)
