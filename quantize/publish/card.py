@@ -5,11 +5,19 @@ is typed by hand and nothing is claimed that was not measured; where a fact is n
 card says so instead.
 
 Which README.md may be replaced: the source's card as the conversion copied it (its SHA-256 is the
-manifest's) or one this module wrote (it carries ``MARKER``). A card the user wrote is never
-touched. When the source's card is replaced it is kept in ``.quantize/source_README.md`` (licence
-and metadata are carried from it), the eval reports used are kept in ``.quantize/card.json`` (so
-``push`` can regenerate the card with the repo id), and the manifest's record of README.md is
-updated, so ``quantize check`` still proves every file.
+one the job record and the manifest keep) or the one this module wrote last, unchanged (its SHA-256
+is kept in ``.quantize/card.json`` before README.md is written). Carrying ``MARKER`` proves
+nothing: a card the user wrote, or a generated one edited since, is never touched. When the
+source's card is replaced it is kept in ``.quantize/source_README.md`` (licence and metadata are
+carried from it), the eval reports used are kept in ``.quantize/card.json`` (so ``push`` can
+regenerate the card with the repo id), and the job record's and the manifest's entries for
+README.md are updated alike, so ``quantize check`` still proves every file and push's comparison of
+the two still holds.
+
+Reports are input like any other: each ``--eval`` file (and each report kept in card.json) is
+checked key by key for what the card reads (``report_of``), bounded (``MAX_REPORTS``,
+``MAX_TASKS``, ``MAX_ROLES``, ``MAX_TEXT``) and its text goes into the card through the template's
+``md`` and ``code`` filters (one line, escaped), never as Markdown of its own.
 """
 
 from __future__ import annotations

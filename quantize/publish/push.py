@@ -3,7 +3,12 @@
 Pre-flight, before a byte goes up: the folder is a finished quantize output (its manifest), every
 index entry is present and every header valid (``CheckpointIndex.open``), config.json parses, and
 every file matches the SHA-256 the manifest records (``quantize check``'s ``verify_files``); a
-tampered or incomplete folder is refused, naming the file. Only what the manifest proves goes up,
+tampered or incomplete folder is refused, naming the file. The manifest is checked, not trusted:
+it must record files, agree with the file list the writing command kept in ``.quantize/job.json``
+(``job_files``; README.md aside, which a card replaces) and record every file the index, config.json
+(``auto_map``), the side files and the card's licence link name. A folder whose record keeps no file
+list (written before records kept one, or copied without ``.quantize/``) is pushed on the manifest
+alone, with a warning; an unreadable record is refused. Only what the manifest proves goes up,
 plus the manifest and the card: never ``.quantize/`` (the job record, lock and push state) nor
 ``*.partial``. The card is (re)generated unless README.md is one the user wrote.
 
@@ -16,7 +21,9 @@ them (with Xet storage, hf_xet deduplicates the chunks). ``.quantize/push.json``
 request of a ``--create-pr`` push so a rerun continues it, and what each commit carried.
 
 The token comes from ``huggingface_hub.get_token()`` (HF_TOKEN or the saved login) and goes only
-into the request headers; it is never printed, logged, or written to any file.
+into the request headers; it is never printed, logged, or written to any file. Nor is the userinfo of
+``HF_ENDPOINT`` (``https://user:TOKEN@host``): every message, URL and record shows it as ``***``
+(``redact``).
 """
 
 from __future__ import annotations
@@ -48,7 +55,6 @@ from ..parse import load_json
 from .card import (
     README,
     _front_matter,
-    _key,
     folder_lock,
     load_manifest,
     readme_kind,
