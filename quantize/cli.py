@@ -533,6 +533,18 @@ def demo(json_out: bool, out: Path):
         )
 
 
+def _run_publish(fn, interrupted: str, **kwargs):
+    """``_run`` for card and push, whose interruption needs no --resume (neither has one)."""
+    try:
+        return fn(**kwargs)
+    except QuantizeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(e.exit_code)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted: {interrupted}", err=True)
+        raise typer.Exit(130)
+
+
 @command(O.CardOptions, "card")
 def card_cmd(**options):
     """Write DIR/README.md, the model card, from the folder's own records: metadata for the Hub
@@ -540,7 +552,9 @@ def card_cmd(**options):
     was made, the quantization, KV-cache, check and eval results, and launch lines."""
     from .publish.card import card
 
-    res = _run(card, **options)
+    res = _run_publish(
+        card, "README.md is the earlier card or the new one, never half of one; rerun the same command", **options
+    )
     typer.echo(f"wrote {res.path}" + (f" ({', '.join(r['kind'] for r in res.reports)} reports)" if res.reports else ""))
     for n in res.notes:
         typer.echo(f"note: {n}", err=True)
@@ -567,7 +581,12 @@ def push_cmd(**options):
         elif e.get("event") == "error":
             typer.echo("", err=True)  # the upload's progress bar may have left its line open
 
-    res = _run(push, **options, emit=emit)
+    res = _run_publish(
+        push,
+        "what was committed stays on the Hub; rerun the same command to continue (finished files are not sent again)",
+        **options,
+        emit=emit,
+    )
     repo_id, create_pr = options["repo_id"], options["create_pr"]
     w = max([len(f.path) for f in res.files] + [4])
     if res.dry_run:
@@ -589,6 +608,8 @@ def push_cmd(**options):
     typer.echo(res.card)
     if res.not_uploaded:
         typer.echo(f"not uploaded (the manifest does not prove them): {', '.join(res.not_uploaded)}", err=True)
+    for w in res.warnings:
+        typer.echo(f"warning: {w}", err=True)
 
 
 @command(O.RunOptions, "run", json_help="NDJSON events on stdout (with --plan: one JSON object)")

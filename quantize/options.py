@@ -20,6 +20,7 @@ import difflib
 import functools
 import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -841,6 +842,23 @@ class PDOptions(Options):
     out: Path | None = opt(None, "write the report JSON here", recipe=False)
 
 
+_REF_BAD = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|//|@\{")
+
+
+def _git_ref(v: str) -> bool:
+    """``v`` is a branch name git accepts (``git check-ref-format --branch``'s rules) and the Hub
+    serves: no spaces or control characters, no ``..``, no leading or trailing ``/``, no part
+    starting with ``.`` or ending in ``.lock``."""
+    return (
+        bool(v)
+        and v != "@"
+        and not _REF_BAD.search(v)
+        and not v.startswith(("/", "-"))
+        and not v.endswith(("/", "."))
+        and not any(not part or part.startswith(".") or part.endswith(".lock") for part in v.split("/"))
+    )
+
+
 @dataclass
 class PushOptions(Options):
     """``quantize push``."""
@@ -856,7 +874,13 @@ class PushOptions(Options):
         recipe=False,
     )
     private: bool = opt(False, "create the repo private (an existing repo keeps its visibility)")
-    revision: str | None = opt(None, "branch to commit to (created from main if missing; default main)")
+    revision: str | None = opt(
+        None,
+        "branch to commit to (created from main if missing; default main)",
+        check=_git_ref,
+        why="not a branch name: a git ref such as w4a16-g32 (no spaces, control characters, '..', "
+        "leading or trailing '/', '//', '@{{', a part starting with '.' or ending in '.lock', nor any of ~^:?*[\\)",
+    )
     create_pr: bool = opt(False, "open a pull request instead of committing to the branch")
     dry_run: bool = opt(False, "check the folder and list the files and bytes that would go up; needs no token")
     message: str | None = opt(None, "commit message (default: Upload <folder> (quantize <version>))", recipe=False)

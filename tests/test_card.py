@@ -120,7 +120,7 @@ def test_reports_that_are_not_reports_or_of_another_model_are_refused(folder, co
     with pytest.raises(QuantizeError, match="--eval .*bad.json"):
         card(folder, eval=[bad])
     bad.write_text("not json")
-    with pytest.raises(QuantizeError, match="not a JSON report"):
+    with pytest.raises(QuantizeError, match="bad.json: not valid JSON"):
         card(folder, eval=[bad])
     with pytest.raises(QuantizeError, match="no such file"):
         card(folder, eval=[tmp_path / "missing.json"])
@@ -167,7 +167,7 @@ def test_bits_per_weight_and_tp8_figures_from_the_headers(tiny, tmp_path):
 
 def test_never_over_a_users_card_nor_a_tampered_folder(folder):
     (folder / "README.md").write_text("# mine\n")
-    with pytest.raises(QuantizeError, match="a card someone wrote"):
+    with pytest.raises(QuantizeError, match="a card you wrote or edited, which quantize never overwrites"):
         card(folder)
     assert (folder / "README.md").read_text() == "# mine\n"
     (folder / "README.md").unlink()

@@ -3,7 +3,12 @@
 Pre-flight, before a byte goes up: the folder is a finished quantize output (its manifest), every
 index entry is present and every header valid (``CheckpointIndex.open``), config.json parses, and
 every file matches the SHA-256 the manifest records (``quantize check``'s ``verify_files``); a
-tampered or incomplete folder is refused, naming the file. Only what the manifest proves goes up,
+tampered or incomplete folder is refused, naming the file. The manifest is checked, not trusted:
+it must record files, agree with the file list the writing command kept in ``.quantize/job.json``
+(``job_files``; README.md aside, which a card replaces) and record every file the index, config.json
+(``auto_map``), the side files and the card's licence link name. A folder whose record keeps no file
+list (written before records kept one, or copied without ``.quantize/``) is pushed on the manifest
+alone, with a warning; an unreadable record is refused. Only what the manifest proves goes up,
 plus the manifest and the card: never ``.quantize/`` (the job record, lock and push state) nor
 ``*.partial``. The card is (re)generated unless README.md is one the user wrote.
 
@@ -16,24 +21,51 @@ them (with Xet storage, hf_xet deduplicates the chunks). ``.quantize/push.json``
 request of a ``--create-pr`` push so a rerun continues it, and what each commit carried.
 
 The token comes from ``huggingface_hub.get_token()`` (HF_TOKEN or the saved login) and goes only
-into the request headers; it is never printed, logged, or written to any file.
+into the request headers; it is never printed, logged, or written to any file. Nor is the userinfo of
+``HF_ENDPOINT`` (``https://user:TOKEN@host``): every message, URL and record shows it as ``***``
+(``redact``).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..checkpoint.index import CheckpointIndex
+from ..checkpoint.index import INDEX_NAME, CheckpointIndex
 from ..checkpoint.manifest import MANIFEST
-from ..checkpoint.output import RECORD_DIR, TMP_SUFFIX, confined, sha256_file, write_text_atomic
+from ..checkpoint.output import (
+    RECORD,
+    RECORD_DIR,
+    SIDE_FILES,
+    TMP_SUFFIX,
+    confined,
+    read_record,
+    sha256_file,
+    write_text_atomic,
+)
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
 from ..options import PushOptions, takes
-from .card import README, folder_lock, load_manifest, readme_kind, render, repo_id_error, verify, write_card
+from ..parse import load_json
+from .card import (
+    README,
+    _front_matter,
+    folder_lock,
+    load_manifest,
+    readme_kind,
+    record_disagreement,
+    refused_readme,
+    render,
+    repo_id_error,
+    source_card,
+    verify,
+    write_card,
+)
 
 STATE = "push.json"  # in .quantize/
 PATHS_INFO_CHUNK = 100
@@ -59,6 +91,7 @@ class PushResult:
     commits: list[str] = field(default_factory=list)
     pr_url: str | None = None
     url: str | None = None
+    warnings: list[str] = field(default_factory=list)  # said on stderr: what was not checked, and why
 
     @property
     def total_bytes(self) -> int:
@@ -103,6 +136,68 @@ def _upload_set(folder: Path, manifest: dict) -> tuple[list[PushFile], list[str]
     return weights + rest, others
 
 
+def _against_record(folder: Path, manifest: dict) -> list[str]:
+    """The manifest is checked, not trusted: it must record files, agree with the job record the
+    writing command left (``job_files``) on every file but README.md, and the record must be
+    readable. -> warnings (a folder without such a record: the manifest alone, said so)."""
+    path = folder / MANIFEST
+    if not [n for n in manifest["files"] if n != README]:
+        raise QuantizeError(
+            f"{path}: records no files ('files' is empty), so it proves nothing; nothing was pushed, "
+            "convert the folder again"
+        )
+    rec_path = folder / RECORD_DIR / RECORD
+    rec = read_record(folder) if rec_path.is_file() else None
+    if rec is not None and (rec.get("corrupt") or ("files" in rec and not isinstance(rec["files"], dict))):
+        raise QuantizeError(
+            f"{rec_path}: not a readable job record (its 'files' is what the manifest is compared with); "
+            "nothing was pushed; convert the folder again"
+        )
+    if rec is None or "files" not in rec:
+        return [
+            f"{rec_path if rec is not None else folder / RECORD_DIR}: "
+            + ("records no files" if rec is not None else "missing")
+            + " (a folder written before quantize kept them, or copied without .quantize/), so the manifest "
+            "was checked against the files but not against what the writing command recorded; convert again "
+            "to have both"
+        ]
+    if why := record_disagreement(folder, manifest):
+        raise QuantizeError(f"{why}; nothing was pushed, convert the folder again")
+    return []
+
+
+def _referenced(folder: Path, index: CheckpointIndex, card_text: str | None) -> list[tuple[str, str]]:
+    """(file, who names it): what the upload needs besides the weights' own manifest entries: the
+    index and every shard its weight_map names, config.json and the code its auto_map names, the
+    side files the conversion copies (tokenizer, chat template, licence), the card's licence file."""
+    out = [("config.json", "the checkpoint"), *((f, INDEX_NAME + " (weight_map)") for f in index.files)]
+    if (folder / INDEX_NAME).is_file():
+        out.append((INDEX_NAME, "the checkpoint"))
+    auto = index.config.get("auto_map")
+    for v in (auto.values() if isinstance(auto, dict) else []):
+        for ref in v if isinstance(v, list) else [v]:
+            # "module.Class" is a file here; "repo--module.Class" is another repo's
+            if isinstance(ref, str) and "--" not in ref and "." in ref:
+                out.append((ref.rsplit(".", 1)[0].replace(".", "/") + ".py", "config.json (auto_map)"))
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != README and any(fnmatch.fnmatch(p.name, pat) for pat in SIDE_FILES):
+            out.append((p.name, "the side files a checkpoint ships (tokenizer, chat template, licence)"))
+    link = _front_matter(card_text).get("license_link") if card_text else None
+    if isinstance(link, str) and "://" not in link and link.strip() and (folder / link.strip()).is_file():
+        out.append((link.strip(), "the card (license_link)"))
+    return out
+
+
+def _covered(folder: Path, manifest: dict, index: CheckpointIndex, card_text: str | None) -> None:
+    files = manifest["files"]
+    for name, who in _referenced(folder, index, card_text):
+        if name not in files:
+            raise QuantizeError(
+                f"{folder / name}: named by {who} but not recorded in {MANIFEST}, so it would not be pushed "
+                "(or not be proven); nothing was pushed, convert the folder again"
+            )
+
+
 def _finish_set(folder: Path, files: list[PushFile]) -> list[PushFile]:
     """``files`` then the manifest, then the card (the repo shows a card once everything is up)."""
     out = list(files)
@@ -133,13 +228,37 @@ def _batches(files: list[PushFile], batch_bytes: int) -> list[list[PushFile]]:
     return out
 
 
-def _scrub(msg: str, token: str | None) -> str:
-    if token:
-        msg = msg.replace(token, "***")
-    return " ".join(msg.split())
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@]*@")
 
 
-def _why(e: BaseException, token: str | None) -> str:
+def redact(text: str, *secrets: str | None) -> str:
+    """``text`` with the userinfo of every URL in it (``https://user:TOKEN@host``) and each of
+    ``secrets`` (the token, the endpoint's user name and password) replaced by ``***``."""
+    from urllib.parse import unquote
+
+    text = _USERINFO.sub(r"\1***@", str(text))
+    for sec in secrets:
+        for form in {sec, unquote(sec)} if sec else ():
+            if len(form) >= 4:
+                text = text.replace(form, "***")
+    return text
+
+
+def _endpoint_secrets(endpoint: str | None) -> list[str]:
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(endpoint or "")
+        return [x for x in (u.username, u.password) if x]
+    except ValueError:
+        return []
+
+
+def _scrub(msg: str, token: str | None, endpoint: str | None = None) -> str:
+    return " ".join(redact(msg, token, *_endpoint_secrets(endpoint)).split())
+
+
+def _why(e: BaseException, token: str | None, endpoint: str | None = None) -> str:
     """The first line of an exception and of its causes (huggingface_hub wraps an upload's HTTP
     error in a RuntimeError)."""
     parts, seen = [], set()
@@ -149,7 +268,7 @@ def _why(e: BaseException, token: str | None) -> str:
         if first and first not in parts:
             parts.append(first)
         e = e.__cause__ or e.__context__
-    return _scrub(": ".join(parts[:3]), token)
+    return _scrub(": ".join(parts[:3]), token, endpoint)
 
 
 def _status(e: BaseException) -> int | None:
@@ -163,9 +282,9 @@ def _status(e: BaseException) -> int | None:
 
 def _load_state(folder: Path, key: dict) -> dict:
     try:
-        st = json.loads((folder / RECORD_DIR / STATE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        st = None
+        st = load_json(folder / RECORD_DIR / STATE, "push record", kind="record")
+    except QuantizeError:
+        st = None  # missing or unreadable: start afresh (the Hub's own files are still not sent again)
     if not isinstance(st, dict) or st.get("key") != key:
         st = {"key": key, "pr_revision": None, "pr_url": None, "commits": []}
     return st
@@ -211,8 +330,6 @@ def push(
     folder = Path(model)
     if why := repo_id_error(repo_id):
         raise QuantizeError(why)
-    if revision is not None and (not revision.strip() or revision != revision.strip()):
-        raise QuantizeError(f"--revision {revision!r}: not a branch name")
     if message is not None and not message.strip():
         raise QuantizeError("--message: empty; give a commit message or leave the option out")
     token = None
@@ -238,17 +355,23 @@ def push(
         lock.__enter__()
     try:
         index = CheckpointIndex.open(folder)  # config.json, index, every entry present, every header valid
-        del index
+        warnings = _against_record(folder, manifest)
         failures, proven = verify(folder)
         if failures:
             raise QuantizeError(
-                f"{failures[0]}; the folder is not what quantize wrote, so nothing was pushed"
+                f"{failures[0]}"
                 + (f" ({len(failures) - 1} more)" if len(failures) > 1 else "")
+                + "; the folder is not what quantize wrote, so nothing was pushed: restore the file or convert again"
             )
-        files, others = _upload_set(folder, manifest)
         kind = readme_kind(folder, manifest)
+        readme_text = (folder / README).read_text(errors="replace") if kind == "user" else source_card(folder, manifest)
+        _covered(folder, manifest, index, readme_text)
+        del index
+        files, others = _upload_set(folder, manifest)
+        if kind == "user" and not (folder / README).is_file():
+            raise refused_readme(folder)  # a folder or a dangling link named README.md: nothing to upload
         if kind == "user":
-            card = "README.md: the card you wrote, uploaded as it is"
+            card = "README.md: the card you wrote (or edited), uploaded as it is"
         elif dry_run:
             text = render(folder, manifest, _stored(folder), repo_id, proven).text.encode()
             card = (
@@ -262,7 +385,7 @@ def push(
             files = [f for f in files if f.path != README] + [
                 PushFile(README, len(text), hashlib.sha256(text).hexdigest())
             ]
-        res = PushResult(str(folder), repo_id, base, dry_run, files, others, card)
+        res = PushResult(str(folder), repo_id, base, dry_run, files, others, card, warnings=warnings)
         if dry_run:
             return res
         endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
@@ -311,10 +434,14 @@ def _upload(
 
     api = HfApi(endpoint=endpoint, token=token)
     repo_id, base = res.repo_id, res.revision
-    key = {"endpoint": endpoint or constants.ENDPOINT, "repo_id": repo_id, "revision": base, "create_pr": create_pr}
+    secrets = (token, *_endpoint_secrets(endpoint or constants.ENDPOINT))
+    shown = redact(endpoint or constants.ENDPOINT, *secrets)  # the endpoint as messages and push.json say it
+    key = {"endpoint": shown, "repo_id": repo_id, "revision": base, "create_pr": create_pr}
     stage = "creating the repo"
     try:
-        res.url = str(api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model"))
+        res.url = redact(
+            str(api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")), *secrets
+        )
         if revision and revision != "main" and not revision.startswith("refs/"):
             stage = f"creating branch {revision}"
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
@@ -334,7 +461,7 @@ def _upload(
             }  # that pull request is gone: open another
             target = base
             same = _on_hub(api, repo_id, target, res.files, folder)
-        res.pr_url = st.get("pr_url")
+        res.pr_url = redact(st["pr_url"], *secrets) if isinstance(st.get("pr_url"), str) else None
         for f in res.files:
             if f.path in same:
                 f.status = "on the Hub already"
@@ -358,8 +485,8 @@ def _upload(
                 op = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(folder / f.path))
                 op.upload_info.sha256 = bytes.fromhex(f.sha256)  # proven by the pre-flight: no second read to hash
                 ops.append(op)
-            shown = ", ".join(f.path for f in batch[:3]) + (", ..." if len(batch) > 3 else "")
-            stage = f"uploading commit {i}/{len(batches)} ({shown})"
+            names = ", ".join(f.path for f in batch[:3]) + (", ..." if len(batch) > 3 else "")
+            stage = f"uploading commit {i}/{len(batches)} ({names})"
             n = earlier + len(batches)
             info = api.create_commit(
                 repo_id,
@@ -370,8 +497,9 @@ def _upload(
                 repo_type="model",
             )
             if first_pr:
-                st["pr_revision"], st["pr_url"] = info.pr_revision, info.pr_url
-                target, res.pr_url = info.pr_revision, info.pr_url
+                pr_url = redact(info.pr_url, *secrets) if info.pr_url else None
+                st["pr_revision"], st["pr_url"] = info.pr_revision, pr_url
+                target, res.pr_url = info.pr_revision, pr_url
             st["commits"].append({"oid": info.oid, "files": {f.path: f.sha256 for f in batch}})
             _save_state(folder, st)
             res.commits.append(info.oid)
@@ -393,7 +521,7 @@ def _upload(
         code = _status(e)
         if code == 401:
             raise QuantizeError(
-                f"the Hub at {key['endpoint']} refused the token (401) while {stage}; log in again "
+                f"the Hub at {shown} refused the token (401) while {stage}; log in again "
                 "with "
                 "`hf auth login` or set HF_TOKEN to a token with write access"
             ) from None
@@ -403,7 +531,8 @@ def _upload(
                 "namespace you can write to"
             ) from None
         raise QuantizeError(
-            f"push to {repo_id} failed while {stage}: {_why(e, token)}; rerun the same command to "
+            f"push to {repo_id} failed while {stage}: {_why(e, token, endpoint or constants.ENDPOINT)}; "
+            "rerun the same command to "
             "resume "
             "(files already on the Hub are not sent again)"
         ) from None
@@ -412,7 +541,7 @@ def _upload(
 
         if isinstance(e, httpx.HTTPError):
             raise QuantizeError(
-                f"push to {repo_id} failed while {stage}: {_why(e, token)}; check HF_ENDPOINT and the "
+                f"push to {repo_id} failed while {stage}: {_why(e, token, endpoint)}; check HF_ENDPOINT and the "
                 "network, then rerun "
                 "the same command to resume (files already on the Hub are not sent again)"
             ) from None
