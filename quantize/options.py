@@ -89,7 +89,7 @@ def _base(tp) -> tuple[Any, bool]:
 
 
 def _shown(v) -> str:
-    return repr(v) if isinstance(v, str) and not v.strip() else str(v)
+    return repr(v) if isinstance(v, str) and (not v.strip() or not v.isprintable()) else str(v)
 
 
 def _why(f: dataclasses.Field) -> str:

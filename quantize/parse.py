@@ -111,10 +111,16 @@ def _json_name(tp: type) -> str:
 
 def load_yaml(path: str | os.PathLike, what: str = "recipe"):
     """The YAML document at ``path`` through a safe loader with alias, depth, node and size bounds."""
+    path = Path(path)
+    return yaml_text(_read(path, "recipe", what), path, what)
+
+
+def yaml_text(text: str, path, what: str = "recipe"):
+    """``text`` (from ``path``, e.g. a card's front matter) parsed as YAML within the bounds."""
     import yaml
 
-    path = Path(path)
-    text = _read(path, "recipe", what)
+    if len(text.encode()) > MAX_BYTES["recipe"]:
+        raise QuantizeError(f"{path}: more than {MAX_BYTES['recipe']:,} bytes of YAML; it is not a {what}, fix it")
 
     class Loader(yaml.SafeLoader):
         aliases = 0

@@ -341,14 +341,16 @@ def base_model(conv: tuple[Path, dict] | None) -> tuple[str | None, str]:
 
 
 def _front_matter(text: str) -> dict:
-    import yaml
+    """The YAML front matter of a (source's) card, through the bounded YAML parser; a card whose
+    front matter is not readable YAML carries nothing (only string values of CARRIED_KEYS are read)."""
+    from ..parse import yaml_text
 
     m = re.match(r"^\ufeff?---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(\r?\n|$)", text[:FRONT_MATTER_MAX], re.S)
     if not m:
         return {}
     try:
-        d = yaml.safe_load(m.group(1))  # only string values of CARRIED_KEYS are read from it
-    except (yaml.YAMLError, RecursionError):
+        d = yaml_text(m.group(1), "README.md front matter", "card's front matter")
+    except QuantizeError:
         return {}
     return d if isinstance(d, dict) else {}
 
