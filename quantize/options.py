@@ -135,7 +135,9 @@ def validate(obj) -> None:
         if not _type_ok(tp, v):
             raise QuantizeError(f"{s.flag or flag(f.name)} {_shown(v)}: not {getattr(tp, '__name__', tp)}")
         if tp is float and not math.isfinite(v):  # nan passes every comparison's "not": refused before any
-            raise refusal(f, v) if s.why else QuantizeError(f"{s.flag or flag(f.name)} {_shown(v)}: not a finite number")
+            if s.why:
+                raise refusal(f, v)
+            raise QuantizeError(f"{s.flag or flag(f.name)} {_shown(v)}: not a finite number")
         if not _passes(f, v):
             raise refusal(f, v)
 

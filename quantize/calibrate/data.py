@@ -64,7 +64,8 @@ def _texts_from_jsonl(path: Path) -> list[str]:
             continue
         if not isinstance(rec, dict):
             raise QuantizeError(
-                f"{path}:{n}: a JSON {type(rec).__name__}, not an object or a string; fix the line or pass another --data"
+                f"{path}:{n}: a JSON {type(rec).__name__}, not an object or a string; fix the line or pass "
+                "another --data"
             )
         if "question" in rec and "answer" in rec:  # GSM8K-style
             out.append(f"{rec['question']}\n{rec['answer']}")
