@@ -32,6 +32,7 @@ import torch
 
 from . import archs
 from .archs.base import EXPERT_ROLES, ROLES
+from .checkpoint.config import ModelConfig
 from .checkpoint.index import INDEX_NAME, CheckpointIndex, _refs_from_header, itemsize, read_tensor
 from .checkpoint.manifest import MANIFEST as QUANTIZE_MANIFEST
 from .checkpoint.output import SIDE_FILES, Output, confined, side_files
@@ -97,8 +98,7 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
     index = CheckpointIndex.open(model)
     arch = archs.resolve(index.config, str(model / "config.json"))
     int4 = _int4_modules(index)
-    text = arch.text_config(index.config)
-    heads = int(text.get("num_attention_heads", tp))
+    heads = ModelConfig.from_dict(index.config, model / "config.json").num_attention_heads
     if heads % tp:
         raise QuantizeError(f"{model / 'config.json'}: {heads} attention heads do not split over TP {tp}; "
                             f"use a TP that divides {heads}")
@@ -151,7 +151,7 @@ def _check_rules(arch, index: CheckpointIndex, splits: list[TensorSplit], int4: 
     """Marlin / MoE-Marlin shape rules per rank, before any write; a violation names the tensor,
     the rule and a TP that works."""
     by_name = {s.name: s for s in splits}
-    hidden = int(arch.text_config(index.config).get("hidden_size", 0))
+    hidden = ModelConfig.from_dict(index.config, index.folder / "config.json").hidden_size
     for module, (n, k, g) in int4.items():
         s = by_name[module + ".weight_packed"]
         role, _ = arch.role_of(module + ".weight")
