@@ -287,11 +287,11 @@ def build_plan(
             consumed.add(sname)
             why = layout.fp8_weight_error(ref.shape)
             if why:
-                raise QuantizeError(f"{folder / ref.file}: tensor {name} {why}; the checkpoint is corrupt, re-export it")
+                raise QuantizeError(f"{folder / ref.file}: tensor {name} {why}; the checkpoint is corrupt, re-export")
             job.scale_format = fp8_scale_format(ref, job.scale, block, folder)  # one decision, shared with the reader
             why = layout.fp8_scale_error(job.scale.dtype, job.scale_format)
             if why:
-                raise QuantizeError(f"{folder / job.scale.file}: {sname} {why}; the checkpoint is corrupt, re-export it")
+                raise QuantizeError(f"{folder / job.scale.file}: {sname} {why}; the checkpoint is corrupt, re-export")
         elif ref.dtype.startswith("F8"):
             raise QuantizeError(
                 f"{folder / ref.file}: tensor {name} has dtype {ref.dtype}; only e4m3 FP8 weights are read"

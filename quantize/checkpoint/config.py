@@ -71,7 +71,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg, where: str | os.PathLike) -> "ModelConfig":
         if not isinstance(cfg, dict):
-            raise QuantizeError(f"{where}: a config.json must be a JSON object, not {type(cfg).__name__}; fix the file")
+            raise QuantizeError(f"{where}: a config.json must be a JSON object, not {type(cfg).__name__}; fix it")
         self = cls(cfg, str(where))
         self._check()
         return self
@@ -100,7 +100,8 @@ class ModelConfig:
             v = body.get(name)
             if v is None:
                 if required:
-                    raise self._fail(prefix + name, f"is {'null' if name in body else 'missing'}; it must be an integer")
+                    state = "null" if name in body else "missing"
+                    raise self._fail(prefix + name, f"is {state}; it must be an integer")
                 continue
             if type(v) is not int:
                 raise self._fail(prefix + name, f"must be an integer, not {_short(v)}")
