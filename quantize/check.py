@@ -137,6 +137,27 @@ def verify_files(model: Path) -> tuple[list[str], dict]:
     return failures, manifest
 
 
+def check_fp8_dtypes(src: CheckpointIndex) -> None:
+    """Every FP8 weight of a source 2-D e4m3 and its scale of a dtype the format allows
+    (formats.layout), as convert's plan requires: one line naming the tensor otherwise."""
+    from .checkpoint.reader import fp8_scale_format, weight_block
+    from .formats import layout
+
+    block = weight_block(src.config, ModelConfig.from_dict(src.config, src.folder / "config.json").text)
+    for name, ref in src.tensors.items():
+        if ref.dtype != layout.FP8_WEIGHT_DTYPE or not name.endswith(".weight"):
+            continue
+        why = layout.fp8_weight_error(ref.shape)
+        scale = next((src.tensors[name[: -len("weight")] + s] for s in FP8_SCALE_NAMES
+                      if name[: -len("weight")] + s in src.tensors), None)
+        if why is None and scale is not None:
+            why = layout.fp8_scale_error(scale.dtype, fp8_scale_format(ref, scale, block, src.folder))
+            name = scale.name if why else name
+        if why:
+            raise QuantizeError(f"{src.folder / src.tensors[name].file}: {name} {why}; the source is corrupt, "
+                                f"re-download it")
+
+
 def verify_manifest_record(model: Path, manifest: dict, index: CheckpointIndex) -> None:
     """The manifest must prove something and be what the writing command recorded: its ``files``
     equal the job record's (``job_files``), and cover config.json, the index, every file the index
@@ -410,6 +431,8 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
         except QuantizeError as e:
             failures.append(str(e))
     src = CheckpointIndex.open(source) if source else None
+    if src is not None:
+        check_fp8_dtypes(src)
     g = torch.Generator().manual_seed(seed)
     rows: list[Row] = []
     modules = [n[: -len(".weight_packed")] for n in index.tensors if n.endswith(".weight_packed")]
