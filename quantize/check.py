@@ -18,26 +18,29 @@ of row-parallel partial products equal the unsharded product (fp32).
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import archs
-from .checkpoint.index import CheckpointIndex, read_tensor
+from .archs.base import ROLES
+from .checkpoint.config import ModelConfig
+from .checkpoint.index import INDEX_NAME, CheckpointIndex, read_tensor
 from .checkpoint.manifest import MANIFEST as QUANTIZE_MANIFEST
-from .checkpoint.output import RECORD_DIR, confined, sha256_file
+from .checkpoint.manifest import job_files
+from .checkpoint.output import RECORD, RECORD_DIR, confined, sha256_file
 from .checkpoint.reader import FP8_SCALE_NAMES, WeightReader
-from .errors import QuantizeError
+from .errors import CheckFailed, QuantizeError
 from .events import Emit, null_emit
 from .formats import int4 as int4_fmt
 from .formats.int4 import unpack_int4
 from .kernels.cpu import CpuW4A16
 from .kernels.reference import w4a16_reference
 from .options import DATA_AWARE, CheckOptions, takes  # DATA_AWARE: the source alone cannot re-derive them
-from .shard import MANIFEST, RankReader, _sha, load_manifest, plan_shard
+from .shard import MANIFEST, UNSHARDED, RankReader, _sha, load_manifest, plan_shard, rank_pieces, verify_shard_files
 
 KERNEL_RTOL = 2e-2  # bf16 output of the CPU/Triton kernel vs fp32 reference (relative L2)
 SHARD_RTOL = 1e-5  # fp32 recombination vs fp32 unsharded product (max abs / max |y|)
@@ -110,16 +113,15 @@ def _kernel_err(x: torch.Tensor, packed, scale, shape) -> tuple[float, torch.Ten
 def verify_files(model: Path) -> tuple[list[str], dict]:
     """Every file against its SHA-256 in ``quantize_manifest.json``; weight files the manifest does
     not record fail too. -> (failures, manifest)."""
+    from .parse import load_json
+
     path = model / QUANTIZE_MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest.get("files") or manifest["outputs"]
-        if not isinstance(files, dict):
-            raise TypeError
-    except FileNotFoundError:
+    if not path.exists():
         return [f"{path}: missing, so no file can be proven; the output is incomplete "
                 f"or was not written by quantize"], {}
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+    manifest = load_json(path, "quantize manifest", kind="record")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
         return [f"{path}: not a quantize manifest (needs per-file SHA-256 under 'files'); the output is corrupt"], {}
     failures = []
     for name, rec in sorted(files.items()):
@@ -133,6 +135,146 @@ def verify_files(model: Path) -> tuple[list[str], dict]:
         if rel.split("/")[0] != RECORD_DIR and rel not in files:
             failures.append(f"{p}: a weight file the manifest does not record")
     return failures, manifest
+
+
+def check_fp8_dtypes(src: CheckpointIndex) -> None:
+    """Every FP8 weight of a source 2-D e4m3 and its scale of a dtype the format allows
+    (formats.layout), as convert's plan requires: one line naming the tensor otherwise."""
+    from .checkpoint.reader import fp8_scale_format, weight_block
+    from .formats import layout
+
+    block = weight_block(src.config, ModelConfig.from_dict(src.config, src.folder / "config.json").text)
+    for name, ref in src.tensors.items():
+        if ref.dtype != layout.FP8_WEIGHT_DTYPE or not name.endswith(".weight"):
+            continue
+        why = layout.fp8_weight_error(ref.shape)
+        scale = next((src.tensors[name[: -len("weight")] + s] for s in FP8_SCALE_NAMES
+                      if name[: -len("weight")] + s in src.tensors), None)
+        if why is None and scale is not None:
+            why = layout.fp8_scale_error(scale.dtype, fp8_scale_format(ref, scale, block, src.folder))
+            name = scale.name if why else name
+        if why:
+            raise QuantizeError(f"{src.folder / src.tensors[name].file}: {name} {why}; the source is corrupt, "
+                                f"re-download it")
+
+
+def verify_manifest_record(model: Path, manifest: dict, index: CheckpointIndex) -> None:
+    """The manifest must prove something and be what the writing command recorded: its ``files``
+    equal the job record's (``job_files``), and cover config.json, the index, every file the index
+    names (a stray *.safetensors in the folder is ``verify_files``' failure). CheckFailed (one line)
+    otherwise."""
+    path = model / QUANTIZE_MANIFEST
+    files = manifest.get("files") or {}
+    if not files:
+        raise CheckFailed(f"{path}: 'files' is empty, so the manifest proves nothing; the output is corrupt, "
+                          f"convert again")
+    rec_path = model / RECORD_DIR / RECORD
+    recorded = job_files(model)
+    if recorded is None:
+        if not rec_path.is_file():
+            raise CheckFailed(f"{rec_path}: missing, so the manifest cannot be compared with what the writing "
+                              f"command recorded; the output is incomplete or not quantize's, convert again")
+        # a record from before records kept their files: the manifest alone speaks for the output
+    else:
+        for name in sorted(set(recorded) | set(files)):
+            if name not in files:
+                raise CheckFailed(f"{path}: does not list {name}, which the job record ({rec_path}) says was "
+                                  f"written; the manifest was edited, convert again")
+            if name not in recorded:
+                raise CheckFailed(f"{path}: lists {name}, which the job record ({rec_path}) does not; the manifest "
+                                  f"was edited, convert again")
+            if recorded[name] != files[name]:
+                raise CheckFailed(f"{path}: the SHA-256 or size of {name} differs from the job record's "
+                                  f"({rec_path}); the manifest was edited after it was written, convert again")
+    need = {"config.json", *index.files}  # a *.safetensors no index names: verify_files reports it
+    if (model / INDEX_NAME).exists():
+        need.add(INDEX_NAME)
+    missing = sorted(need - set(files))
+    if missing:
+        raise CheckFailed(f"{path}: does not record {missing[0]}"
+                          f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the folder holds; "
+                          f"the manifest must cover config.json, the index and every weight file, convert again")
+
+
+def _value(v):
+    """An enum field of compressed-tensors' models as its plain value."""
+    return getattr(v, "value", v)
+
+
+def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
+    """config.json's ``quantization_config`` describes the tensors, read by compressed-tensors' own
+    models and matched by its own ``match_name``: compressed-tensors, pack-quantized, 4-bit symmetric
+    int by group of the group size the tensors are stored with (W4A16), every INT4 module in a
+    config group and not ignored, every BF16 Linear ignored (or untargeted), every FP8 one in an
+    8-bit float group. CheckFailed (one line naming the field and what the tensors say) otherwise."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from pydantic import ValidationError
+
+    from .plan import _ct_match, _scheme_for
+    from .shard import _int4_modules
+
+    where = model / "config.json"
+    arch = archs.resolve(index.config, str(where))
+    qc = ModelConfig.from_dict(index.config, where).quantization_config
+    int4 = _int4_modules(index)
+    first = next(iter(int4), None)
+    if not qc:
+        raise CheckFailed(f"{where}: no quantization_config, but the tensors hold {len(int4)} INT4 pack-quantized "
+                          f"modules (e.g. {first}); an engine would not load them, convert again")
+    try:
+        parsed = QuantizationConfig.model_validate(qc)
+    except (ValidationError, ValueError, TypeError) as e:
+        why = str(e).splitlines()
+        raise CheckFailed(f"{where}: quantization_config is not one compressed-tensors reads "
+                          f"({' '.join(why[:3])[:200]}); convert again") from None
+    if qc.get("quant_method") != "compressed-tensors":
+        raise CheckFailed(f"{where}: quantization_config.quant_method is {qc.get('quant_method')!r}, but the tensors "
+                          f"are compressed-tensors pack-quantized INT4; convert again")
+    fp8 = [n[: -len(".weight")] for n, r in index.tensors.items() if r.dtype == "F8_E4M3" and n.endswith(".weight")]
+    want_fmt = "mixed-precision" if fp8 else "pack-quantized"
+    if int4 and parsed.format != want_fmt:
+        raise CheckFailed(f"{where}: quantization_config.format is {parsed.format!r}, but the tensors are "
+                          f"{'INT4 and FP8' if fp8 else 'INT4 pack-quantized'} ({want_fmt!r}); convert again")
+    view = {"ignore": list(parsed.ignore or []),
+            "config_groups": {g: {"targets": list(sc.targets)} for g, sc in parsed.config_groups.items()}}
+    checked: set[str] = set()
+    for module, (n, k, g) in int4.items():
+        grp = _scheme_for(module, view, _ct_match)
+        if grp == "bf16":
+            raise CheckFailed(f"{where}: quantization_config leaves {module} unquantized (ignored, or in no config "
+                              f"group's targets), but the tensors hold it INT4; convert again")
+        if grp in checked:
+            continue
+        sc, field = parsed.config_groups[grp], f"quantization_config.config_groups.{grp}"
+        w = sc.weights
+        fmt = sc.format or parsed.format
+        says = (("format", fmt, "pack-quantized"), ("weights", None if w is None else "given", "given"),
+                ("weights.num_bits", getattr(w, "num_bits", None), 4),
+                ("weights.type", _value(getattr(w, "type", None)), "int"),
+                ("weights.symmetric", getattr(w, "symmetric", None), True),
+                ("weights.strategy", _value(getattr(w, "strategy", None)), "group"),
+                ("weights.group_size", getattr(w, "group_size", None), g),
+                ("weights.dynamic", getattr(w, "dynamic", None), False),
+                ("input_activations", None if sc.input_activations is None else "set", None))
+        for name, got, want in says:
+            if got != want:
+                raise CheckFailed(f"{where}: {field}.{name} is {got!r}, but the tensors of {module} are "
+                                  f"{want!r} (INT4 W4A16 pack-quantized, group {g}); convert again")
+        checked.add(grp)
+    for name, ref in index.tensors.items():
+        base, _, param = name.rpartition(".")
+        if param != "weight" or len(ref.shape) != 2 or not ROLES[arch.role_of(name)[0]][0]:
+            continue
+        grp = _scheme_for(base, view, _ct_match)
+        if ref.dtype == "F8_E4M3":
+            w = parsed.config_groups[grp].weights if grp != "bf16" else None
+            if w is None or w.num_bits != 8 or _value(w.type) != "float":
+                raise CheckFailed(f"{where}: quantization_config puts {base} in {grp}, but the tensors hold it as "
+                                  f"FP8 (8-bit float); convert again")
+        elif grp != "bf16":
+            raise CheckFailed(f"{where}: quantization_config puts {base} in {grp} (its targets match it and no "
+                              f"ignore entry does), but the tensors hold it {ref.dtype}; an engine would expect "
+                              f"packed weights, add it to 'ignore' or convert again")
 
 
 _diff = int4_fmt.bitwise_diff
@@ -279,13 +421,18 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
     index = CheckpointIndex.open(model)
     arch = archs.resolve(index.config, str(model / "config.json"))
     failures, manifest = verify_files(model)
-    verified = {"files_sha256": len((manifest.get("files") or manifest.get("outputs") or {})) - len(failures)}
+    if manifest:
+        verify_manifest_record(model, manifest, index)
+    verify_quant_config(model, index)
+    verified = {"files_sha256": len(manifest.get("files") or {}) - len(failures)}
     if tp:
         try:
             plan_shard(model, tp)
         except QuantizeError as e:
             failures.append(str(e))
     src = CheckpointIndex.open(source) if source else None
+    if src is not None:
+        check_fp8_dtypes(src)
     g = torch.Generator().manual_seed(seed)
     rows: list[Row] = []
     modules = [n[: -len(".weight_packed")] for n in index.tensors if n.endswith(".weight_packed")]
@@ -330,23 +477,57 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
 
 def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) -> CheckReport:
     man = load_manifest(sharded)
+    failures: list[str] = verify_shard_files(sharded, man)  # the manifest and unsharded/ as shard wrote them
     tp = man["tp"]
+    if not source and not isinstance(man.get("source"), str):
+        raise QuantizeError(f"{sharded / MANIFEST}: 'source' is not a folder name; pass --source with the unsharded "
+                            f"checkpoint")
     src_dir = Path(source) if source else Path(man["source"])
     if not (src_dir / "config.json").exists():
         raise QuantizeError(f"{sharded / MANIFEST}: the unsharded checkpoint {src_dir} is gone; pass --source with it")
     full = CheckpointIndex.open(src_dir)
     arch = archs.resolve(full.config, str(src_dir / "config.json"))
+    # the unsharded checkpoint by its own manifest and record, its config by its tensors
+    bad, fman = verify_files(src_dir)
+    failures += bad
+    if fman:
+        verify_manifest_record(src_dir, fman, full)
+    verify_quant_config(src_dir, full)
+    for f in man.get("unsharded_files", []):
+        mine, theirs = sharded / UNSHARDED / f, src_dir / f
+        if not theirs.is_file() or sha256_file(mine) != sha256_file(theirs):
+            raise CheckFailed(f"{mine}: differs from {theirs} (or it is missing); {src_dir} is not the checkpoint "
+                              f"that was sharded, pass --source with that one or re-shard")
+    # the split, as shard makes it from this checkpoint: every slice recomputed and compared
+    _, splits, int4 = plan_shard(src_dir, tp)
+    by_name = {ts.name: ts for ts in splits}
+    extra = sorted(set(man["tensors"]) ^ set(by_name))
+    if extra:
+        a, b = ("the manifest", src_dir) if extra[0] in man["tensors"] else (src_dir, "the manifest")
+        raise CheckFailed(f"{sharded / MANIFEST}: tensor {extra[0]} is in {a} but not in {b}; re-shard")
     reader = RankReader(sharded, man)
-    failures: list[str] = []
     rows: list[Row] = []
     g = torch.Generator().manual_seed(seed)
+    fds: dict = {}
     try:
-        # every slice against its manifest checksum
-        for name, rec in man["tensors"].items():
-            for r in range(tp):
-                if _sha(reader.get(r, name)) != rec["ranks"][r]["sha256"]:
+        for ts in splits:
+            rec, name = man["tensors"][ts.name], ts.name
+            if (rec["split"], rec["dim"]) != (ts.split, ts.dim):
+                failures.append(f"{sharded / MANIFEST}: tensor {name} is recorded as split {rec['split']} (dim "
+                                f"{rec['dim']}), but its role splits it {ts.split} (dim {ts.dim})")
+                continue
+            t = read_tensor(full.folder, full.tensors[name], fds)
+            if _sha(t) != rec["sha256"]:
+                failures.append(f"{src_dir}: tensor {name} differs from the one that was sharded")
+            for r, piece in enumerate(rank_pieces(t, ts, tp, int4, by_name)):
+                got = reader.get(r, name)
+                sha = _sha(got)
+                if sha != rec["ranks"][r]["sha256"]:
                     failures.append(f"{sharded / rec['ranks'][r]['file']}: tensor {name} of rank {r} "
                                     f"does not match the manifest checksum")
+                if got.dtype != piece.dtype or tuple(got.shape) != tuple(piece.shape) or sha != _sha(piece):
+                    failures.append(f"{sharded / rec['ranks'][r]['file']}: tensor {name} of rank {r} differs from "
+                                    f"its slice recomputed from {src_dir}")
         modules = [n[: -len(".weight_packed")] for n in man["tensors"] if n.endswith(".weight_packed")]
         emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0})
         for i, m in enumerate(modules):
@@ -390,6 +571,8 @@ def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) ->
             emit({"event": "tensor", "name": m, "done_bytes": i + 1})
     finally:
         reader.close()
+        for fd in fds.values():
+            os.close(fd)
     failures += [f for r in rows for f in r.failures]
     emit({"event": "done"})
     return CheckReport(str(sharded), tp, True, rows, failures)

@@ -10,7 +10,6 @@ shard, and the manifest is written last of all.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint.config import ModelConfig
 from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, hub_revision, read_tensor
 from .checkpoint.manifest import source_identity, tool_versions, write_manifest
 from .checkpoint.output import Output, side_files
@@ -498,7 +498,7 @@ def _finish(
         "weight_map": dict(sorted(weight_map.items())),
     }
     o.write_json(INDEX_NAME, index, sort_keys=False, indent=2)
-    config = json.loads((src / "config.json").read_text())
+    config = ModelConfig.load(src).raw  # the source's, read and checked as plan read it
     config.pop("quantization_config", None)
     if plan.arch.text_config_key and isinstance(config.get(plan.arch.text_config_key), dict):
         config[plan.arch.text_config_key].pop("quantization_config", None)

@@ -615,6 +615,9 @@ def method_options() -> dict[str, tuple[str, ...]]:
     return {f.name: spec(f).methods for f in fields(ConvertOptions) if spec(f).methods}
 
 
+MAX_GPU_MEM_GIB = 1 << 20  # a PiB: past any one GPU, and its bytes stay exact in a float
+
+
 @dataclass
 class PlanOptions(Options):
     """``quantize plan``: what convert would do, from headers; KV-cache capacity per GPU."""
@@ -632,8 +635,8 @@ class PlanOptions(Options):
     gpu_mem_gib: float = opt(
         H200_GIB,
         "GPU memory (default: an H200's)",
-        check=_positive,
-        why="GPU memory must be a positive number of GiB (e.g. 140.4 for an H200)",
+        check=lambda v: _positive(v) and v <= MAX_GPU_MEM_GIB,
+        why=f"GPU memory must be a positive number of GiB up to {MAX_GPU_MEM_GIB:,} (e.g. 140.4 for an H200)",
     )
     mem_fraction: float = opt(
         DEFAULT_MEM_FRACTION,
@@ -644,8 +647,8 @@ class PlanOptions(Options):
     reserve_gib: float = opt(
         DEFAULT_RESERVE_GIB,
         "GiB kept free inside that share",
-        check=_nonneg,
-        why="the memory kept free must be 0 or more GiB (e.g. 4)",
+        check=lambda v: _nonneg(v) and v <= MAX_GPU_MEM_GIB,
+        why=f"the memory kept free must be 0 to {MAX_GPU_MEM_GIB:,} GiB (e.g. 4)",
     )
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from . import archs
 from .archs.base import IGNORE_PATTERN, ROLE_GROUP, ROLES, Architecture, profile_quantizes
-from .checkpoint.index import CheckpointIndex, TensorRef, check_config, load_config
+from .checkpoint.config import ModelConfig
+from .checkpoint.index import CheckpointIndex, TensorRef, load_config
 from .checkpoint.reader import fp8_scale_format
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError
@@ -284,12 +285,23 @@ def build_plan(
             job.scale = tensors[sname]
             job.block = block
             consumed.add(sname)
+            why = layout.fp8_weight_error(ref.shape)
+            if why:
+                raise QuantizeError(f"{folder / ref.file}: tensor {name} {why}; the checkpoint is corrupt, re-export")
             job.scale_format = fp8_scale_format(ref, job.scale, block, folder)  # one decision, shared with the reader
+            why = layout.fp8_scale_error(job.scale.dtype, job.scale_format)
+            if why:
+                raise QuantizeError(f"{folder / job.scale.file}: {sname} {why}; the checkpoint is corrupt, re-export")
         elif ref.dtype.startswith("F8"):
             raise QuantizeError(
                 f"{folder / ref.file}: tensor {name} has dtype {ref.dtype}; only e4m3 FP8 weights are read"
             )
         is_weight2d = param == "weight" and len(ref.shape) == 2 and ROLES[role][0]
+        if is_weight2d and ref.dtype not in layout.FLOAT_WEIGHT_DTYPES:
+            raise QuantizeError(
+                f"{folder / ref.file}: Linear weight {name} has dtype {ref.dtype}; a weight must be "
+                f"{', '.join(layout.FLOAT_WEIGHT_DTYPES)}, re-export the checkpoint"
+            )
         if is_weight2d:
             module = base
             quant = _decide_by_recipe(recipe, module) if recipe else profile_quantizes(options.profile, role)
@@ -347,14 +359,10 @@ def build_plan(
 
 
 def _load_config_file(path: Path) -> dict:
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise QuantizeError(f"{path}: cannot read a config.json ({e})") from e
-    if not isinstance(cfg, dict):
-        raise QuantizeError(f"{path}: not a JSON object; fix the file")
-    check_config(cfg, path)  # the same field checks as a checkpoint's config.json
-    return cfg
+    from .parse import load_json
+
+    # the same typed view and field checks as a checkpoint's config.json
+    return ModelConfig.from_dict(load_json(path, "config.json", kind="config"), path).raw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,9 +601,9 @@ def plan(source, tp, group_size, profile, keep_fp8, recipe, gpu_mem_gib, mem_fra
         ct_check=False,
     )
     # the same rule as ``quantize shard``: attention heads split evenly over the ranks
-    heads = int(p.arch.text_config(p.config).get("num_attention_heads", tp))
+    where = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+    heads = ModelConfig.from_dict(p.config, where).num_attention_heads
     if heads % tp:
-        where = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
         fits = [t for t in range(1, heads + 1) if heads % t == 0 and t <= 64]
         raise QuantizeError(
             f"--tp {tp}: {heads} attention heads in {where} do not split over TP {tp}; use a TP that divides {heads} "

@@ -32,8 +32,10 @@ import torch
 
 from . import archs
 from .archs.base import EXPERT_ROLES, ROLES
-from .checkpoint.index import INDEX_NAME, CheckpointIndex, _refs_from_header, itemsize, read_tensor
+from .checkpoint.config import ModelConfig
+from .checkpoint.index import DTYPES, INDEX_NAME, CheckpointIndex, _refs_from_header, itemsize, read_tensor
 from .checkpoint.manifest import MANIFEST as QUANTIZE_MANIFEST
+from .checkpoint.manifest import file_records
 from .checkpoint.output import SIDE_FILES, Output, confined, side_files
 from .checkpoint.writer import Entry, StreamWriter
 from .errors import QuantizeError
@@ -97,8 +99,7 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
     index = CheckpointIndex.open(model)
     arch = archs.resolve(index.config, str(model / "config.json"))
     int4 = _int4_modules(index)
-    text = arch.text_config(index.config)
-    heads = int(text.get("num_attention_heads", tp))
+    heads = ModelConfig.from_dict(index.config, model / "config.json").num_attention_heads
     if heads % tp:
         raise QuantizeError(f"{model / 'config.json'}: {heads} attention heads do not split over TP {tp}; "
                             f"use a TP that divides {heads}")
@@ -151,7 +152,7 @@ def _check_rules(arch, index: CheckpointIndex, splits: list[TensorSplit], int4: 
     """Marlin / MoE-Marlin shape rules per rank, before any write; a violation names the tensor,
     the rule and a TP that works."""
     by_name = {s.name: s for s in splits}
-    hidden = int(arch.text_config(index.config).get("hidden_size", 0))
+    hidden = ModelConfig.from_dict(index.config, index.folder / "config.json").hidden_size
     for module, (n, k, g) in int4.items():
         s = by_name[module + ".weight_packed"]
         role, _ = arch.role_of(module + ".weight")
@@ -184,11 +185,50 @@ def _slices(t: torch.Tensor, ts: TensorSplit, tp: int, rank_shapes: list[tuple[i
     return [c.contiguous() for c in torch.chunk(t, tp, dim=ts.dim)]
 
 
+def rank_pieces(t: torch.Tensor, ts: TensorSplit, tp: int, int4: dict, by_name: dict) -> list[torch.Tensor]:
+    """The ``tp`` slices of ``t`` (tensor ``ts``) as ``shard`` writes them; check recomputes them so."""
+    module = ts.name.rsplit(".", 1)[0]
+    full = None
+    if ts.name.endswith(".weight_shape") and module in int4:
+        pk = by_name[module + ".weight_packed"]
+        n, k, _ = int4[module]
+        full = [(n // tp if pk.split in ("col", "vocab") else n, k // tp if pk.split == "row" else k)] * tp
+    return _slices(t, ts, tp, full)
+
+
 def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
+# the output layer's fixes name --resume, which convert has and shard / merge do not (both start over)
+_RESUME_FIXES = (
+    ("pass --resume to continue an interrupted run or --overwrite to replace it", "pass --overwrite to replace it"),
+    ("rerun with --resume", "rerun with --overwrite (shard and merge start over; there is no --resume)"),
+)
+
+
+def _no_resume(fn):
+    """``fn`` with every one-line error's --resume fix replaced by the one shard and merge have."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except QuantizeError as e:
+            msg = str(e)
+            fixed = msg
+            for old, new in _RESUME_FIXES:
+                fixed = fixed.replace(old, new)
+            if fixed == msg:
+                raise
+            raise type(e)(fixed) from e
+
+    return run
+
+
 @takes(ShardOptions)
+@_no_resume
 def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> dict:
     """Write ``out/rank-RR/part-PPP.safetensors`` for r < tp, the unsharded folder's own files
     under ``out/unsharded/``, and ``shard_manifest.json`` (last); no part file over ``max_part_gib``."""
@@ -228,13 +268,7 @@ def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> di
         try:
             for ts in splits:
                 t = read_tensor(index.folder, index.tensors[ts.name], fds)
-                module = ts.name.rsplit(".", 1)[0]
-                full = None
-                if ts.name.endswith(".weight_shape") and module in int4:
-                    pk = by_name[module + ".weight_packed"]
-                    n, k, _ = int4[module]
-                    full = [(n // tp if pk.split in ("col", "vocab") else n, k // tp if pk.split == "row" else k)] * tp
-                pieces = _slices(t, ts, tp, full)
+                pieces = rank_pieces(t, ts, tp, int4, by_name)
                 rec = {"split": ts.split, "dim": ts.dim, "shape": list(ts.shape), "dtype": ts.dtype, "file": ts.file,
                        "sha256": _sha(t), "ranks": []}
                 for r, piece in enumerate(pieces):
@@ -273,41 +307,151 @@ def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> di
         manifest = {"kind": "shard", "layout": LAYOUT_NOTE, "tp": tp, "pattern": PATTERN,
                     "source": str(model.resolve()), "architecture": archs.resolve(index.config).name,
                     "files": files_order, "unsharded_files": names, "rank_bytes": rank_bytes,
-                    "tensors": manifest_tensors}
+                    "outputs": file_records(o, o.record["shards"]), "tensors": manifest_tensors}
+        text = json.dumps(manifest, indent=1, default=str)
+        # the job record keeps what the manifest proves, and the manifest's own SHA-256, before the
+        # manifest is written: an edited (or re-hashed) manifest no longer agrees with it (check, merge)
+        o.record["files"] = manifest["outputs"]
+        o.record["manifest"] = MANIFEST
+        o.record["manifest_sha256"] = hashlib.sha256(text.encode()).hexdigest()
         o.complete()
-        o.write_json(MANIFEST, manifest, sort_keys=False)
+        o.write_text(MANIFEST, text)
     emit({"event": "done", "rank_bytes": rank_bytes})
     return manifest
 
 
+SPLITS = ("col", "row", "vocab", "rep")
+MAX_TP = 1024
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_sha(v) -> bool:
+    return isinstance(v, str) and len(v) == 64 and set(v) <= _HEX
+
+
+def _is_shape(v) -> bool:
+    return type(v) is list and all(type(x) is int and x >= 0 for x in v)
+
+
 def load_manifest(sharded: Path) -> dict:
-    """The shard manifest, with every path it names checked to stay inside ``sharded``."""
+    """The shard manifest, every field of the shape ``shard`` writes and every path it names inside
+    ``sharded``; anything else is one line naming the field."""
+    from .parse import load_json
+
     path = sharded / MANIFEST
-    try:
-        m = json.loads(path.read_text())
-        tp = int(m["tp"])
-        tensors, files = m["tensors"], m["files"]
-        if tp < 1 or not isinstance(tensors, dict) or not isinstance(files, dict):
-            raise TypeError
-        for rec in tensors.values():
-            if len(rec["ranks"]) != tp:
-                raise TypeError
-            for r in rec["ranks"]:
-                confined(sharded, r["file"], str(path))
-        for f in files:
-            if "/" in f or "\\" in f or not f.endswith(".safetensors"):
-                raise QuantizeError(f"{path}: names output file {f!r}, which is not a plain *.safetensors name; "
-                                    f"the manifest is corrupt or hostile, re-shard")
-        for f in m.get("unsharded_files", []):
-            confined(sharded / UNSHARDED, f, str(path))
-    except FileNotFoundError as e:
-        raise QuantizeError(f"{path}: missing; {sharded} is not a quantize shard output") from e
-    except json.JSONDecodeError as e:
-        raise QuantizeError(f"{path}: corrupt ({e.msg}); re-shard") from e
-    except (KeyError, TypeError, ValueError) as e:
-        raise QuantizeError(f"{path}: not a shard manifest (tp, files, tensors with one rank record per rank); "
-                            f"re-shard") from e
+    if not path.is_file():
+        raise QuantizeError(f"{path}: missing; {sharded} is not a quantize shard output")
+    m = load_json(path, "shard manifest", kind="record")
+
+    def bad(field: str, why: str) -> QuantizeError:
+        return QuantizeError(f"{path}: {field} {why}; the manifest is corrupt or hostile, re-shard")
+
+    tp = m.get("tp")
+    if type(tp) is not int or not 1 <= tp <= MAX_TP:
+        raise bad("'tp'", f"must be an integer in [1, {MAX_TP}], not {tp!r:.40}")
+    tensors, files = m.get("tensors"), m.get("files")
+    if not isinstance(tensors, dict) or not tensors:
+        raise bad("'tensors'", "must be an object of tensor records")
+    if not isinstance(files, dict):
+        raise bad("'files'", "must be an object of file name -> tensor names")
+    for name, rec in tensors.items():
+        where = f"tensors[{name!r:.80}]"
+        if not isinstance(rec, dict):
+            raise bad(where, "must be an object")
+        for key, ok, want in (("split", lambda v: v in SPLITS, f"one of {', '.join(SPLITS)}"),
+                              ("shape", _is_shape, "a list of non-negative integers"),
+                              ("dtype", lambda v: isinstance(v, str) and v in DTYPES, "a safetensors dtype"),
+                              ("sha256", _is_sha, "a SHA-256 (64 hex digits)"),
+                              ("ranks", lambda v: type(v) is list and len(v) == tp, f"a list of {tp} rank records")):
+            if not ok(rec.get(key)):
+                raise bad(f"{where}.{key}", f"must be {want}, not {rec.get(key)!r:.40}")
+        dim = rec.get("dim")
+        if dim is not None and (type(dim) is not int or not 0 <= dim < len(rec["shape"])):
+            raise bad(f"{where}.dim", f"must be null or an axis of shape {rec['shape']}, not {dim!r:.40}")
+        for r, rr in enumerate(rec["ranks"]):
+            if not (isinstance(rr, dict) and isinstance(rr.get("file"), str) and _is_sha(rr.get("sha256"))
+                    and _is_shape(rr.get("shape"))):
+                raise bad(f"{where}.ranks[{r}]", "must be an object with file, shape and sha256")
+            confined(sharded, rr["file"], str(path))
+    for f, names in files.items():
+        if "/" in f or "\\" in f or not f.endswith(".safetensors"):
+            raise bad(f"'files' entry {f!r:.80}", "is not a plain *.safetensors name")
+        if type(names) is not list or not all(isinstance(n, str) and n in tensors for n in names):
+            raise bad(f"files[{f!r:.80}]", "must list tensors the manifest records")
+    unsharded = m.get("unsharded_files", [])
+    if type(unsharded) is not list or not all(isinstance(f, str) for f in unsharded):
+        raise bad("'unsharded_files'", "must be a list of file names")
+    for f in unsharded:
+        confined(sharded / UNSHARDED, f, str(path))
+    outputs = m.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict) or not all(
+                isinstance(v, dict) and _is_sha(v.get("sha256")) and type(v.get("bytes")) is int and v["bytes"] >= 0
+                for v in outputs.values()):
+            raise bad("'outputs'", "must be an object of file -> {sha256, bytes}")
+        for f in outputs:
+            confined(sharded, f, str(path))
     return m
+
+
+def verify_shard_files(sharded: Path, m: dict) -> list[str]:
+    """The shard folder's files against the manifest and the job record: the manifest must be the
+    one ``shard`` recorded (its SHA-256 in the job record) and list what the record lists, and
+    ``unsharded/`` must hold exactly what was carried, each file as the manifest, the record and
+    ``unsharded/quantize_manifest.json`` say (CheckFailed, one line, otherwise). -> failures of
+    the rank files (changed, missing, unrecorded), for the report."""
+    from .checkpoint.manifest import job_files
+    from .checkpoint.output import RECORD_DIR, RECORD, read_record, sha256_file
+    from .errors import CheckFailed
+
+    path = sharded / MANIFEST
+    rec = read_record(sharded) or {}
+    rec_path = sharded / RECORD_DIR / RECORD
+    outputs = m.get("outputs")
+    if rec.get("manifest_sha256") is None and outputs is None and job_files(sharded) is None:
+        return []  # a shard written before manifests listed their files: its slice checksums only
+    if rec.get("kind") != "shard" or not isinstance(rec.get("manifest_sha256"), str):
+        raise CheckFailed(f"{rec_path}: missing or not a shard job record, so {path} cannot be compared with what "
+                          f"`quantize shard` wrote; re-shard")
+    if sha256_file(path) != rec["manifest_sha256"]:
+        raise CheckFailed(f"{path}: not the manifest `quantize shard` wrote (its SHA-256 differs from the job "
+                          f"record's); the manifest was edited, re-shard")
+    if outputs is None or outputs != job_files(sharded):
+        raise CheckFailed(f"{path}: its 'outputs' disagree with the job record's files; re-shard")
+    failures = []
+    for rel, want in sorted(outputs.items()):
+        p = sharded / rel
+        ok = p.is_file() and p.stat().st_size == want["bytes"] and sha256_file(p) == want["sha256"]
+        if rel.startswith(UNSHARDED + "/"):
+            if not ok:
+                raise CheckFailed(f"{p}: {'missing' if not p.is_file() else 'changed'} since `quantize shard` "
+                                  f"carried it (SHA-256 differs from the shard manifest); re-shard")
+        elif not ok:
+            failures.append(f"{p}: {'missing' if not p.is_file() else 'SHA-256 differs from the shard manifest'}")
+    for p in sorted(sharded.rglob("*")):
+        rel = p.relative_to(sharded).as_posix()
+        if p.is_file() and rel.split("/")[0] != RECORD_DIR and rel != MANIFEST and rel not in outputs:
+            if rel.startswith(UNSHARDED + "/"):
+                raise CheckFailed(f"{p}: in {UNSHARDED}/ but not carried by `quantize shard` (the shard manifest "
+                                  f"does not record it); remove it or re-shard")
+            failures.append(f"{p}: a file the shard manifest does not record")
+    carried = {f"{UNSHARDED}/{f}" for f in m.get("unsharded_files", [])}
+    if carried != {f for f in outputs if f.startswith(UNSHARDED + "/")}:
+        raise CheckFailed(f"{path}: 'unsharded_files' disagree with its 'outputs'; re-shard")
+    qm = sharded / UNSHARDED / QUANTIZE_MANIFEST
+    if qm.is_file():
+        from .parse import load_json
+
+        inner = load_json(qm, "quantize manifest", kind="record").get("files")
+        if not isinstance(inner, dict):
+            raise CheckFailed(f"{qm}: not a quantize manifest (no 'files'); re-shard")
+        for f in m.get("unsharded_files", []):
+            want = inner.get(f)
+            if f != QUANTIZE_MANIFEST and (not isinstance(want, dict)
+                                           or want.get("sha256") != sha256_file(sharded / UNSHARDED / f)):
+                raise CheckFailed(f"{sharded / UNSHARDED / f}: differs from what the unsharded checkpoint's manifest "
+                                  f"({qm}) records for it; re-shard from a checkpoint that passes `quantize check`")
+    return failures
 
 
 class RankReader:
@@ -340,11 +484,13 @@ class RankReader:
             os.close(fd)
 
 
+@_no_resume
 def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False, emit: Emit = null_emit) -> dict:
     """Reassemble the unsharded checkpoint (same files, order, tensors and side files) from
     per-rank files; every slice and every reassembled tensor is checked against the manifest."""
     sharded, out = Path(sharded), Path(out)
     m = load_manifest(sharded)
+    verify_shard_files(sharded, m)  # the manifest is the one shard wrote, unsharded/ as it carried it
     tp = m["tp"]
     carried = [confined(sharded / UNSHARDED, f, str(sharded / MANIFEST)) for f in m.get("unsharded_files", [])]
     reader = RankReader(sharded, m)

@@ -35,6 +35,9 @@ def _edit(folder, name, fn, fix_manifest=False):
         m = json.loads((folder / "quantize_manifest.json").read_text())
         m["files"][f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
         (folder / "quantize_manifest.json").write_text(json.dumps(m))
+        rec = json.loads((folder / ".quantize" / "job.json").read_text())  # and the job record, which check compares
+        rec["files"][f.name] = m["files"][f.name]
+        (folder / ".quantize" / "job.json").write_text(json.dumps(rec))
     return f
 
 

@@ -135,7 +135,7 @@ CASES = [
               write("pkl/pytorch_model.bin", b"\x80\x04", None)), needs=()),
     # -- config.json ---------------------------------------------------------------------------------
     Case("config: missing", convert(), "config.json: missing", lambda c: (c.src / "config.json").unlink()),
-    Case("config: an array", convert(), "not a JSON object", write("config.json", "[1]")),
+    Case("config: an array", convert(), "must be a JSON object", write("config.json", "[1]")),
     Case("config: architectures a string", convert(), "'architectures' must be a list",
          cfg(lambda d: d.update(architectures="GlmMoeDsaForCausalLM"))),
     Case("config: weight_block_size nonsense", convert(), "weight_block_size",

@@ -400,45 +400,18 @@ class CheckpointIndex:
 
 
 def load_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.exists():
-        raise QuantizeError(f"{path}: missing; a checkpoint needs its config.json (architectures, sizes)")
-    cfg = _load_json(path, "config.json")
-    if not isinstance(cfg, dict):
-        raise QuantizeError(f"{path}: not a JSON object; fix the file")
-    check_config(cfg, path)
-    return cfg
+    """``folder/config.json``, read through the bounded parser and checked by its typed view
+    (``checkpoint.config.ModelConfig``: the fields this tool reads present, typed and in range)."""
+    from .config import ModelConfig
+
+    return ModelConfig.load(folder).raw
 
 
 def check_config(cfg: dict, where: Path | str) -> None:
-    """The config.json fields this tool reads have the types it reads them as."""
-    arch = cfg.get("architectures")
-    if arch is not None and (type(arch) is not list or not all(isinstance(a, str) for a in arch)):
-        raise QuantizeError(f"{where}: 'architectures' must be a list of class names, not {_short(arch)}; fix the file")
-    _check_quant_config(cfg, where, "")
-    text = cfg.get("text_config")
-    if text is not None:
-        if not isinstance(text, dict):
-            raise QuantizeError(f"{where}: 'text_config' must be an object, not {type(text).__name__}; fix the file")
-        _check_quant_config(text, where, "text_config.")
+    """The config.json fields this tool reads have the types and ranges it reads them as."""
+    from .config import ModelConfig
 
-
-def _check_quant_config(cfg: dict, where: Path | str, prefix: str) -> None:
-    qc = cfg.get("quantization_config")
-    if qc is None:
-        return
-    if not isinstance(qc, dict):
-        raise QuantizeError(
-            f"{where}: '{prefix}quantization_config' must be an object, not {type(qc).__name__}; fix the file"
-        )
-    block = qc.get("weight_block_size")
-    if block is not None and (
-        type(block) is not list or len(block) != 2 or not all(_is_uint(x) and x > 0 for x in block)
-    ):
-        raise QuantizeError(
-            f"{where}: '{prefix}quantization_config.weight_block_size' must be two positive integers "
-            f"like [128, 128], not {_short(block)}; fix the file"
-        )
+    ModelConfig.from_dict(cfg, where)
 
 
 def cached_fd(cache: dict, path: Path) -> int:

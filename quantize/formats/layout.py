@@ -36,3 +36,28 @@ def scale_shape(shape: tuple[int, int], group_size: int) -> tuple[int, int]:
 def block_grid(shape: tuple[int, int], block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[int, int]:
     """Scale grid for a [rows, cols] weight: ceil on both axes (576 rows -> 5 scale rows)."""
     return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+# The dtypes the readers decode (docs/formats.md#block-fp8-scales): an FP8 weight is e4m3 and 2-D
+# [out, in]; its scale is a float, or a UE8M0 exponent (float8_e8m0fnu, or uint8 read as 2**(b-127)
+# by formats/fp8.py's scale_as_float) on a block grid. An integer scale (I32) would be read as its
+# value and make every weight ~1e9 too large.
+FP8_WEIGHT_DTYPE = "F8_E4M3"
+FP8_SCALE_DTYPES = {"block": ("F32", "BF16", "F8_E8M0", "U8"), "channel": ("F32", "BF16")}
+FLOAT_WEIGHT_DTYPES = ("BF16", "F16", "F32", FP8_WEIGHT_DTYPE)  # a Linear weight this tool reads
+
+
+def fp8_weight_error(shape: tuple[int, ...]) -> str | None:
+    """Why an FP8 weight of ``shape`` cannot be read, or None."""
+    if len(shape) != 2:
+        return f"is a {len(shape)}-D FP8 tensor {list(shape)}; an FP8 weight is 2-D [out, in]"
+    return None
+
+
+def fp8_scale_error(scale_dtype: str, kind: str) -> str | None:
+    """Why an FP8 scale of ``scale_dtype`` stored as a ``kind`` ("block" | "channel") scale
+    cannot be read, or None."""
+    ok = FP8_SCALE_DTYPES[kind]
+    if scale_dtype not in ok:
+        return f"has dtype {scale_dtype}; a {kind} FP8 scale must be {' or '.join(ok)}"
+    return None

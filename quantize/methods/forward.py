@@ -81,8 +81,8 @@ class Collector:
 def _finite(t: torch.Tensor, i: int, what: str) -> None:
     if not torch.isfinite(t).all():
         raise QuantizeError(f"decoder layer {i}: NaN or Inf in the hidden states {what}; the source weights or the "
-                            "calibration text overflow here (check the source with `quantize check`, "
-                            "or use --method rtn)")
+                            "calibration text overflow here (re-download the source if its weights are damaged, "
+                            "use other calibration text, or use --method rtn)")
 
 
 def _sq(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
