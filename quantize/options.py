@@ -135,9 +135,9 @@ def validate(obj) -> None:
         if not _type_ok(tp, v):
             raise QuantizeError(f"{s.flag or flag(f.name)} {_shown(v)}: not {getattr(tp, '__name__', tp)}")
         if tp is float and not math.isfinite(v):  # nan passes every comparison's "not": refused before any
-            if s.why:
-                raise refusal(f, v)
-            raise QuantizeError(f"{s.flag or flag(f.name)} {_shown(v)}: not a finite number")
+            raise QuantizeError(
+                f"{s.flag or flag(f.name)} {_shown(v)}: not a finite number" + (f"; {_why(f)}" if s.why else "")
+            )
         if not _passes(f, v):
             raise refusal(f, v)
 
@@ -780,7 +780,7 @@ class EvalOptions(Options):
         1.0,
         "gate: fail a task whose drop exceeds this many points beyond noise",
         check=_nonneg,
-        why="must be a finite number of points, 0 or more",
+        why="must be 0 or more points",
     )
     out: Path | None = opt(None, "write the report JSON here", recipe=False)
     markdown: Path | None = opt(None, "write the Markdown table (for the model card) here", recipe=False)

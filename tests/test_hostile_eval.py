@@ -221,9 +221,9 @@ CASES = [
     Case("kld: --chunk 1", _kld("--chunk", "1"), "--chunk 1: must be at least 2", needs=SO),
     # eval: refused before lm-eval runs
     Case("eval: --limit 0", _eval("--limit", "0"), "--limit 0: must be at least 1", needs=SO),
-    Case("eval: --max-drop nan", _eval("--max-drop", "nan"), "--max-drop nan: must be a finite number", needs=SO),
-    Case("eval: --max-drop inf", _eval("--max-drop", "inf"), "--max-drop inf: must be a finite number", needs=SO),
-    Case("eval: --max-drop -0.5", _eval("--max-drop", "-0.5"), "--max-drop -0.5: must be a finite", needs=SO),
+    Case("eval: --max-drop nan", _eval("--max-drop", "nan"), "--max-drop nan: not a finite number; must be 0 or more points", needs=SO),
+    Case("eval: --max-drop inf", _eval("--max-drop", "inf"), "--max-drop inf: not a finite number", needs=SO),
+    Case("eval: --max-drop -0.5", _eval("--max-drop", "-0.5"), "--max-drop -0.5: must be 0 or more points", needs=SO),
     Case("eval: --max-gen-toks 0", _eval("--max-gen-toks", "0"), "--max-gen-toks 0: must be at least 1", needs=SO),
     Case("eval: --tasks names none", lambda c: ["eval", "--baseline", c.src, "--candidate", c.out, "--tasks", " , "],
          "names no task", needs=SO),

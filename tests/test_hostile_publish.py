@@ -187,7 +187,7 @@ CASES = [
          inputs=_unlocked),
     Case("card: --eval a JSON array", _card("--eval", "R"), "neither a `quantize eval --out` report",
          _report(lambda c: [1]), needs=OUT, inputs=_unlocked),
-    Case("card: config.json num_hidden_layers null", _card(), "num_hidden_layers is null", _null_layers, needs=OUT,
+    Case("card: config.json num_hidden_layers null", _card(), "'num_hidden_layers' is null", _null_layers, needs=OUT,
          inputs=_unlocked),
     # R14: --revision
     *[Case(f"push: --revision {r!r}", _push("--revision", r), "not a branch name", needs=OUT)

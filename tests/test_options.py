@@ -77,8 +77,8 @@ def test_every_convert_option_is_a_recipe_key_unless_it_is_the_runs_own():
 @pytest.mark.parametrize("kw,fragment", [
     ({"group_size": 48}, "--group-size 48: not served by the engines' INT4 kernels; use one of 32, 64, 128"),
     ({"memory_budget_gib": -0.001}, "--memory-budget-gib -0.001: must be 0 or more GiB"),
-    ({"memory_budget_gib": float("inf")}, "--memory-budget-gib inf: must be 0 or more GiB"),
-    ({"memory_budget_gib": float("nan")}, "--memory-budget-gib nan: must be 0 or more GiB"),
+    ({"memory_budget_gib": float("inf")}, "--memory-budget-gib inf: not a finite number; must be 0 or more GiB"),
+    ({"memory_budget_gib": float("nan")}, "--memory-budget-gib nan: not a finite number; must be 0 or more GiB"),
     ({"samples": 0, "method": "gptq"}, "--samples 0: must be at least 1"),
     ({"seq_len": 1, "method": "gptq"}, "--seq-len 1: must be at least 2 tokens"),
     ({"damp": 0.0, "method": "gptq"}, "--damp 0.0: the Hessian dampening fraction must be in (0, 1]"),
