@@ -177,6 +177,7 @@ def test_eval_gate_uses_the_95pct_interval(tmp_path, monkeypatch):
     for m in ("base", "cand"):
         (tmp_path / m).mkdir()
         (tmp_path / m / "config.json").write_text("{}")
+        (tmp_path / m / "tokenizer_config.json").write_text("{}")  # one tokenizer for both (eval refuses two)
     (tmp_path / "data" / "arc").mkdir(parents=True)
     (tmp_path / "data" / "arc" / "arc_easy.jsonl").write_text(
         json.dumps({"query": "Question: 1 + 1?", "choices": ["1", "2"], "gold": 1}) + "\n")
