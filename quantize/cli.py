@@ -18,7 +18,37 @@ import typer
 from . import options as O
 from .errors import QuantizeError
 
+class _OneLineErrors(typer.core.TyperGroup):
+    """Usage errors (a value that does not parse as the option's type, an unknown option, a
+    missing argument) are one line like every other refusal, naming the command and option, with
+    the pointer to --help; not click's usage box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from typer._click import exceptions as click  # typer's own click (its exceptions are these)
+
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.NoArgsIsHelpError as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            names = ["quantize"] + ([e.ctx.info_name] if e.ctx is not None and e.ctx.parent is not None else [])
+            msg = " ".join(e.format_message().split())
+            typer.echo(f"error: {' '.join(names)}: {msg} (see `{' '.join(names)} --help`)", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            typer.echo("aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,

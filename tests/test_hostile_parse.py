@@ -48,3 +48,30 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_hostile(case, tmp_path, hostile_sources):
     run_case(case, tmp_path, hostile_sources)
+
+
+USAGE = [
+    Case("convert: --group-size abc", lambda c: ["convert", c.src, c.new("o"), "--group-size", "abc"],
+         "quantize convert: Invalid value for '--group-size'"),
+    Case("shard: --tp 1e999", lambda c: ["shard", c.out, c.new("s"), "--tp", "1e999"], "Invalid value for '--tp'",
+         needs=("out",)),
+    Case("convert: missing argument", lambda c: ["convert"], "Missing argument", needs=()),
+    Case("convert: unknown option", lambda c: ["convert", c.src, c.new("o"), "--bogus"], "No such option: --bogus"),
+    Case("unknown command", lambda c: ["nosuch"], "No such command 'nosuch'", needs=()),
+]
+
+
+@pytest.mark.parametrize("case", USAGE, ids=str)
+def test_usage_errors_are_one_line_too(case, tmp_path, hostile_sources):
+    """What click refuses before our code runs (a value of the wrong type, an unknown option or
+    command, a missing argument) is one line naming the command, not a usage box."""
+    assert "--help" in run_case(case, tmp_path, hostile_sources)
+
+
+def test_help_still_exits_0():
+    from typer.testing import CliRunner
+
+    from quantize.cli import app
+
+    res = CliRunner().invoke(app, ["convert", "--help"])
+    assert res.exit_code == 0 and "--group-size" in res.stdout
