@@ -416,6 +416,9 @@ def proven_parts(verified: dict) -> list[str]:
 @takes(CheckOptions)
 def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null_emit) -> CheckReport:
     model = Path(model)
+    if source is not None and Path(source).resolve() == model.resolve():
+        raise QuantizeError(f"--source {source}: is the checkpoint being checked, which proves nothing against itself; "
+                            "pass the checkpoint convert read (or, for a sharded folder, the one shard read)")
     if (model / MANIFEST).exists():
         return _check_sharded(model, source, tokens, seed, emit)
     index = CheckpointIndex.open(model)

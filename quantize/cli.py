@@ -278,6 +278,9 @@ ENGINE_HELP = (
 def check_cmd(json_out: bool, engine: str | None, engine_python, engine_tolerance, **options):
     """Run the packed INT4 kernels on what was written against references; exit 1 on any failure.
     With --engine vllm: the checkpoint served by vLLM against transformers (README: 'A real engine')."""
+    _run(O.validate, O.EngineCheckOptions(engine_python=engine_python, engine_tolerance=engine_tolerance))
+    if engine is None and (engine_python is not None or engine_tolerance != O.ENGINE_TOLERANCE):
+        _refuse("--engine-python/--engine-tolerance are options of --engine vllm; add --engine vllm or drop them")
     if engine is not None:  # the engine check replaces the static checks
         if engine != "vllm":
             _refuse(f"--engine {engine}: unknown engine; the one supported is vllm")

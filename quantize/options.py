@@ -34,6 +34,7 @@ from .kvcache import DEFAULT_MEM_FRACTION, DEFAULT_RESERVE_GIB, H200_GIB
 
 MISSING = dataclasses.MISSING
 SEED_WHY = "a seed is an integer from 0 to 2**63 - 1"
+MAX_CHECK_TOKENS = 4096  # check's random activation rows: a kernel check, not a benchmark (memory: rows x K)
 
 
 @dataclass(frozen=True)
@@ -676,7 +677,10 @@ class CheckOptions(Options):
     source: Path | None = opt(
         None, "source checkpoint (FP8/BF16) for error/SNR, or the unsharded checkpoint of a sharded folder"
     )
-    tokens: int = opt(8, "random activation rows per kernel check", check=lambda v: v >= 1, why="must be at least 1")
+    tokens: int = opt(
+        8, "random activation rows per kernel check", check=lambda v: 1 <= v <= MAX_CHECK_TOKENS,
+        why=f"must be from 1 to {MAX_CHECK_TOKENS} rows"
+    )
     seed: int = opt(0, "seed of the random activations", cli=False, check=lambda v: 0 <= v < 2**63, why=SEED_WHY)
     max_source_rel_err: float = opt(
         0.25,
