@@ -141,6 +141,18 @@ CASES = [
     Case("config: weight_block_size nonsense", convert(), "weight_block_size",
          cfg(lambda d: d["quantization_config"].update(weight_block_size=[0, 128]))),
     Case("config: deep", lambda c: ["plan", c.src], "nests deeper", write("config.json", '{"a":' + "[" * 500 + "]" * 500 + "}")),
+    Case("config: fewer layers than the tensors", lambda c: ["plan", c.src], "holds layer 3",
+         cfg(lambda d: d.update(num_hidden_layers=2))),
+    Case("config: more layers than the tensors", lambda c: ["plan", c.src], "no tensors of layer 4",
+         cfg(lambda d: d.update(num_hidden_layers=5))),
+    Case("config: hidden_size not the embedding's", convert(), "hidden_size is 512",
+         cfg(lambda d: d.update(hidden_size=512))),
+    Case("config: vocab_size not the embedding's", convert(), "vocab_size is 4096",
+         cfg(lambda d: d.update(vocab_size=4096))),
+    Case("config: fewer experts than the tensors", convert(), "holds expert 7",
+         cfg(lambda d: d.update(n_routed_experts=4))),
+    Case("config: more experts than the tensors", lambda c: ["plan", c.src], "no tensors of expert 8",
+         cfg(lambda d: d.update(n_routed_experts=16))),
     # -- output folders (issue 8) ----------------------------------------------------------------------
     Case("out: inside the source", lambda c: ["convert", c.src, c.src / "o"], "overlaps the input"),
     Case("out: the source itself", lambda c: ["convert", c.src, c.src, "--overwrite"], "overlaps the input"),
@@ -258,3 +270,30 @@ def test_hostile(case, tmp_path, hostile_sources):
 
 def test_the_table_covers_each_command_it_names():
     assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)
+
+
+def test_config_against_tensors_near_misses():
+    """The layer rule's edges: the MTP layer after the decoder layers is allowed (and may be stripped,
+    as some releases do), one more is not; experts 0..n-1 exactly."""
+    from quantize.checkpoint.config import ModelConfig, check_against_tensors
+    from quantize.errors import QuantizeError
+
+    cfg = ModelConfig.from_dict({"num_hidden_layers": 3, "num_nextn_predict_layers": 1, "hidden_size": 8,
+                                 "vocab_size": 16, "num_attention_heads": 2, "n_routed_experts": 2}, "config.json")
+
+    def shapes(n_layers, n_exp=2):
+        out = {"model.embed_tokens.weight": (16, 8)}
+        for i in range(n_layers):
+            out[f"model.layers.{i}.self_attn.o_proj.weight"] = (8, 8)
+            for e in range(n_exp):
+                out[f"model.layers.{i}.mlp.experts.{e}.down_proj.weight"] = (8, 4)
+        return out
+
+    check_against_tensors(cfg, shapes(4), "d")  # 3 decoder layers + the MTP layer
+    check_against_tensors(cfg, shapes(3), "d")  # the MTP layer stripped
+    for bad, frag in ((shapes(5), "holds layer 4"), (shapes(2), "no tensors of layer 2"),
+                      (shapes(4, 3), "holds expert 2"), (shapes(4, 1), "no tensors of expert 1"),
+                      ({**shapes(4), "model.embed_tokens.weight": (16, 9)}, "hidden_size is 8"),
+                      ({**shapes(4), "model.embed_tokens.weight": (17, 8)}, "vocab_size is 16")):
+        with pytest.raises(QuantizeError, match=frag):
+            check_against_tensors(cfg, bad, "d")

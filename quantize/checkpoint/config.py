@@ -12,6 +12,7 @@ that dict and every size property reads it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,3 +170,59 @@ class ModelConfig:
     def quantization_config(self) -> dict | None:
         """The checkpoint's ``quantization_config`` (top level, else the text model's), or None."""
         return self.raw.get("quantization_config") or self.text.get("quantization_config") or None
+
+
+_LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+_EMBED = re.compile(r"(?:^|\.)model\.embed_tokens\.weight$")
+
+
+def check_against_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], folder) -> None:
+    """config.json's sizes agree with the tensors it describes (headers only): the decoder layers
+    are 0..num_hidden_layers-1 (plus at most num_nextn_predict_layers MTP layers after them), the
+    embedding is [vocab_size, hidden_size], and a MoE layer's experts are 0..n_routed_experts-1. A
+    config that disagrees would be copied into the output as it is, and no engine could load it."""
+    layers, experts, embed = set(), {}, None
+    for name, shape in shapes.items():
+        if m := _EXPERT.search(name):
+            experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+        if m := _LAYER.search(name):
+            layers.add(int(m.group(1)))
+        elif embed is None and _EMBED.search(name):
+            embed = (name, shape)
+    where = cfg.where
+    n, extra = cfg.num_hidden_layers, cfg.int("num_nextn_predict_layers", 0) or 0
+    if layers:
+        missing = sorted(set(range(n)) - layers)
+        if missing:
+            raise QuantizeError(
+                f"{where}: num_hidden_layers is {n}, but {folder} holds no tensors of layer {missing[0]} "
+                f"(it has layers {min(layers)}..{max(layers)}); the config is not this checkpoint's, fix it"
+            )
+        if max(layers) >= n + extra:
+            raise QuantizeError(
+                f"{where}: num_hidden_layers is {n} (and num_nextn_predict_layers {extra}), but {folder} holds layer "
+                f"{max(layers)}; the config is not this checkpoint's, fix it"
+            )
+    if embed is not None and len(embed[1]) == 2:
+        rows, width = embed[1]
+        if width != cfg.hidden_size:
+            raise QuantizeError(
+                f"{where}: hidden_size is {cfg.hidden_size}, but {embed[0]} is {list(embed[1])}; fix the config"
+            )
+        if rows != cfg.vocab_size:
+            raise QuantizeError(
+                f"{where}: vocab_size is {cfg.vocab_size}, but {embed[0]} is {list(embed[1])}; fix the config"
+            )
+    n_exp = cfg.experts
+    for layer, ids in sorted(experts.items()):
+        if n_exp and max(ids) >= n_exp:
+            raise QuantizeError(
+                f"{where}: {n_exp} routed experts, but layer {layer} holds expert {max(ids)}; fix the config"
+            )
+        if n_exp and len(ids) != n_exp and layer < n:
+            gone = min(set(range(n_exp)) - ids)
+            raise QuantizeError(
+                f"{where}: {n_exp} routed experts, but layer {layer} holds no tensors of expert {gone}; "
+                "the checkpoint is incomplete or the config is not its, fix it"
+            )

@@ -386,6 +386,11 @@ class CheckpointIndex:
                     f"{folder / tensors[extra[0]].file}: holds {extra[0]} which the index does not "
                     "list; the index is stale, regenerate it"
                 )
+        from .config import ModelConfig, check_against_tensors
+
+        check_against_tensors(
+            ModelConfig.from_dict(config, folder / "config.json"), {n: r.shape for n, r in tensors.items()}, folder
+        )
         return cls(folder, tensors, files, config, meta, hub_revision(folder))
 
     def __contains__(self, name: str) -> bool:
