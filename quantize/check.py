@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -227,6 +228,15 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
         why = str(e).splitlines()
         raise CheckFailed(f"{where}: quantization_config is not one compressed-tensors reads "
                           f"({' '.join(why[:3])[:200]}); convert again") from None
+    for pat in [p for p in (qc.get("ignore") or []) if isinstance(p, str) and p.startswith("re:")] + [
+        t for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)
+        for t in (g.get("targets") or []) if isinstance(t, str) and t.startswith("re:")
+    ]:
+        try:
+            re.compile(pat[3:])
+        except re.error as e:
+            raise CheckFailed(f"{where}: quantization_config pattern {pat!r} does not compile ({e}); no engine can "
+                              "match names with it, convert again") from None
     if qc.get("quant_method") != "compressed-tensors":
         raise CheckFailed(f"{where}: quantization_config.quant_method is {qc.get('quant_method')!r}, but the tensors "
                           f"are compressed-tensors pack-quantized INT4; convert again")

@@ -41,7 +41,7 @@ class _OneLineErrors(typer.core.TyperGroup):
         except click.ClickException as e:
             typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
             sys.exit(e.exit_code)
-        except click.Abort:
+        except typer.Abort:
             typer.echo("aborted", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)

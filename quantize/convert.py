@@ -396,6 +396,7 @@ def _execute(
     with ThreadPoolExecutor(1) as committer:
         commits: list[Future] = []
         for si, shard in enumerate(todo):
+            (out / shard.file).parent.mkdir(parents=True, exist_ok=True)  # an index may name shards in a folder
             writer = StreamWriter(out / shard.file, shard.entries, shard.metadata)
             stats: list[dict] = []
             try:

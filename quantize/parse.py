@@ -89,6 +89,8 @@ def json_text(text: str, path, what: str):
         raise QuantizeError(f"{path}: nests deeper than {MAX_DEPTH} levels; it is not a {what}, fix it") from None
     except json.JSONDecodeError as e:
         raise QuantizeError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the {what}") from e
+    except ValueError as e:  # an integer of more than 4300 digits (Python's int conversion limit)
+        raise QuantizeError(f"{path}: {e}; it is not a {what}, fix it") from None
     why = _too_deep(obj)
     if why:
         raise QuantizeError(f"{path}: {why}; it is not a {what}, fix it")
@@ -142,6 +144,8 @@ def yaml_text(text: str, path, what: str = "recipe"):
         raise QuantizeError(f"{path}: nests deeper than {MAX_DEPTH} levels; fix the {what}") from None
     except yaml.YAMLError as e:
         raise QuantizeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the {what}") from e
+    except (ValueError, OverflowError) as e:  # an integer of more than 4300 digits, a float past the range
+        raise QuantizeError(f"{path}: {e}; fix the {what}") from None
     why = _too_deep(doc)
     if why:
         raise QuantizeError(f"{path}: {why}; fix the {what}")

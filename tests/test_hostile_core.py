@@ -94,8 +94,17 @@ def out_symlink(ctx):
     os.symlink(ctx.tmp / "real", ctx.tmp / "link")
 
 
-def fifo(ctx):
-    os.mkfifo(ctx.tmp / "fifo.jsonl")
+def _fifo_for(path):
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _big_int_header(ctx):
+    p = ctx.src / SHARD
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = raw[8 : 8 + n].decode().replace('"shape":[', '"shape":[' + "1" * 5000 + ",", 1)
+    _put(p, None, raw[8 + n :], raw_header=text.encode())
 
 
 CASES = [
@@ -153,6 +162,16 @@ CASES = [
          cfg(lambda d: d.update(n_routed_experts=4))),
     Case("config: more experts than the tensors", lambda c: ["plan", c.src], "no tensors of expert 8",
          cfg(lambda d: d.update(n_routed_experts=16))),
+    Case("header: a 5000-digit integer", convert(), "a number no tensor can have",
+         lambda c: _big_int_header(c)),
+    Case("source: a FIFO shard", convert(), "not a regular file", lambda c: _fifo_for(c.src / SHARD)),
+    Case("source: a FIFO tokenizer.json", convert(), "not a regular file",
+         lambda c: _fifo_for(c.src / "tokenizer.json")),
+    Case("check: an ignore pattern that does not compile", lambda c: ["check", c.out], "does not compile",
+         lambda c: edit_json(c.out / "config.json", lambda d: d["quantization_config"]["ignore"].append("re:([")),
+         needs=("out",), code=1),
+    Case("check: a job record that is a JSON array", lambda c: ["check", c.out], "not one this tool wrote",
+         write(".quantize/job.json", "[]", "out"), needs=("out",)),
     # -- output folders (issue 8) ----------------------------------------------------------------------
     Case("out: inside the source", lambda c: ["convert", c.src, c.src / "o"], "overlaps the input"),
     Case("out: the source itself", lambda c: ["convert", c.src, c.src, "--overwrite"], "overlaps the input"),
@@ -260,6 +279,10 @@ CASES += [
     Case("run: max_drop .nan", run_recipe, "not a finite number",
          _recipe(lambda d: d["pipeline"].update(max_drop=float("nan"))), needs=()),
     Case("run: limit 0", run_recipe, "limit", _recipe(lambda d: d["pipeline"].update(limit=0)), needs=()),
+    Case("run: a 5000-digit limit", run_recipe, "digits",
+         lambda c: (_recipe(lambda d: None)(c), (c.tmp / "r.yaml").write_text(
+             (c.tmp / "r.yaml").read_text().replace("pipeline:\n", "pipeline:\n  limit: 1" + "0" * 5000 + "\n", 1))),
+         needs=()),
 ]
 
 
@@ -297,3 +320,20 @@ def test_config_against_tensors_near_misses():
                       ({**shapes(4), "model.embed_tokens.weight": (17, 8)}, "vocab_size is 16")):
         with pytest.raises(QuantizeError, match=frag):
             check_against_tensors(cfg, bad, "d")
+
+
+def test_shards_in_a_sub_folder_convert(tmp_path, hostile_sources):
+    """A valid layout, not an attack: an index may name its shards in a folder; the output keeps
+    the layout (it ended mid-write in a FileNotFoundError)."""
+    import shutil
+
+    from quantize.convert import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(hostile_sources["src"], src)
+    (src / "sub").mkdir()
+    (src / SHARD).rename(src / "sub" / SHARD)
+    edit_json(src / "model.safetensors.index.json",
+              lambda d: d["weight_map"].update({k: "sub/" + v for k, v in d["weight_map"].items() if v == SHARD}))
+    convert(src, tmp_path / "o")
+    assert (tmp_path / "o" / "sub" / SHARD).is_file() and (tmp_path / "o" / "quantize_manifest.json").is_file()

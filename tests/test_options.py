@@ -123,7 +123,7 @@ def test_plan_and_check_bounds(tmp_path):
                      ({"reserve_gib": -1.0}, "--reserve-gib -1.0")]:
         with pytest.raises(QuantizeError, match=frag.replace("(", r"\(").replace(".", r"\.")):
             plan(tmp_path, **kw)
-    for kw, frag in [({"tokens": 0}, "--tokens 0: must be at least 1"), ({"tp": 0}, "--tp 0: must be at least 1")]:
+    for kw, frag in [({"tokens": 0}, "--tokens 0: must be from 1 to 4096 rows"), ({"tp": 0}, "--tp 0: must be at least 1")]:
         with pytest.raises(QuantizeError, match=frag):
             check(tmp_path, **kw)
 

@@ -126,6 +126,8 @@ def read_header(path: Path) -> tuple[dict, int]:
         ) from e
     except RecursionError:
         raise QuantizeError(f"{path}: header nests too deep to be a safetensors header; re-download the file") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise QuantizeError(f"{path}: header holds a number no tensor can have ({e}); re-download the file") from None
     if not isinstance(header, dict):
         raise QuantizeError(f"{path}: header is not a JSON object; re-download it")
     _check_header(path, header, size - 8 - n, 8 + n)
@@ -271,6 +273,8 @@ def _check_weight_file(folder: Path, idx_path: Path, fname: object) -> None:
             f"{path}: dangling symlink to {os.readlink(path)} (the file it names is gone, e.g. an "
             "interrupted download); re-download it"
         )
+    if path.exists() and not path.is_file():  # a FIFO would block the read forever, a folder is no shard
+        raise QuantizeError(f"{path}: not a regular file; a weight shard is a .safetensors file, re-download it")
     if not inside(folder, fname):
         raise QuantizeError(
             f"{path}: symlink points outside {folder} to {path.resolve()}; only links into the folder "

@@ -109,7 +109,15 @@ def job_files(folder: Path) -> dict | None:
     its manifest (None for a folder without such a record: written before records kept files)."""
     from .output import read_record
 
+    from ..errors import QuantizeError
+
+    path = Path(folder) / JOB_DIR / "job.json"
     rec = read_record(Path(folder))
-    if not rec or rec.get("corrupt") or not isinstance(rec.get("files"), dict):
+    if rec is None and not path.exists() and not path.is_symlink() and not (Path(folder) / JOB_DIR).is_file():
         return None
-    return rec["files"]
+    if not rec or rec.get("corrupt") or ("files" in rec and not isinstance(rec["files"], dict)):
+        raise QuantizeError(
+            f"{path}: the job record is not one this tool wrote (not a JSON object of its fields), so nothing it "
+            "says can be trusted; re-create the folder with the command that wrote it"
+        )
+    return rec.get("files")

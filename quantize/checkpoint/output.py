@@ -472,8 +472,13 @@ def side_files(src: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
                 raise QuantizeError(
                     f"{p}: symlink to {p.resolve()}, outside the checkpoint and its Hub cache; copy the file in instead"
                 )
+        if p.is_dir():
+            continue  # a folder named like a side file (e.g. a LICENSE/ folder) is not copied
         if not p.is_file():
-            continue
+            raise QuantizeError(
+                f"{p}: not a regular file (a FIFO or device), so it cannot be copied into the output; replace it "
+                "with the file itself"
+            )
         out.append(p)
     return out
 
