@@ -817,8 +817,12 @@ class KLDOptions(Options):
         None, "a converted model; repeat to compare several in one table", flag="--candidate", recipe=False
     )
     text: Path | None = opt(None, "plain text to score (default: shipped text)")
-    tokens: int = opt(8192, "tokens of text to score", check=lambda v: v >= 2, why="must be at least 2 tokens")
-    chunk: int = opt(512, "context length per chunk", check=lambda v: v >= 2, why="must be at least 2 tokens")
+    tokens: int = opt(
+        8192, "tokens of text to score", check=lambda v: 2 <= v <= 1 << 24, why="must be from 2 to 16777216 tokens"
+    )
+    chunk: int = opt(
+        512, "context length per chunk", check=lambda v: 2 <= v <= 1 << 20, why="must be from 2 to 1048576 tokens"
+    )
     save_baseline: Path | None = opt(None, "save the baseline's log-probs (fp16 safetensors) for reuse")
     baseline_logits: Path | None = opt(None, "reuse a --save-baseline file instead of running the baseline")
     dtype: str = opt("float32", "dtype the models run in", cli=False, choices=("float32", "bfloat16"))

@@ -153,6 +153,13 @@ def _pd(*more, decode="out"):
 IN = "lies inside the input"
 SO = ("src", "out")
 CASES = [
+    Case("kld: --chunk past max_position_embeddings",
+         lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.out, "--tokens", "1024", "--chunk", "600"],
+         "longer than the candidate's max_position_embeddings 512", needs=SO),
+    Case("kld: --tokens 10**12", lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.out, "--tokens",
+                                            str(10**12)], "must be from 2 to 16777216 tokens", needs=SO),
+    Case("kld: --chunk 10**9", lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.out, "--chunk",
+                                          str(10**9)], "must be from 2 to 1048576 tokens", needs=SO),
     # R1: what eval-kld writes
     Case("kld: --save-baseline the source's config.json", _kld("--save-baseline", lambda c: c.src / "config.json"),
          IN, needs=SO),
@@ -214,11 +221,11 @@ CASES = [
     Case("kld: --text binary (NUL bytes)", _kld("--text", lambda c: c.src / "model-00001-of-00003.safetensors"),
          "binary file", needs=SO),
     Case("kld: --text missing", _kld("--text", lambda c: c.tmp / "none.txt"), "no such file", needs=SO),
-    Case("kld: --tokens 0", _kld("--tokens", "0"), "--tokens 0: must be at least 2", needs=SO),
-    Case("kld: --tokens -5", _kld("--tokens", "-5"), "--tokens -5: must be at least 2", needs=SO),
-    Case("kld: --tokens 1", _kld("--tokens", "1"), "--tokens 1: must be at least 2", needs=SO),
-    Case("kld: --chunk 0", _kld("--chunk", "0"), "--chunk 0: must be at least 2", needs=SO),
-    Case("kld: --chunk 1", _kld("--chunk", "1"), "--chunk 1: must be at least 2", needs=SO),
+    Case("kld: --tokens 0", _kld("--tokens", "0"), "--tokens 0: must be from 2 to 16777216 tokens", needs=SO),
+    Case("kld: --tokens -5", _kld("--tokens", "-5"), "--tokens -5: must be from 2 to 16777216 tokens", needs=SO),
+    Case("kld: --tokens 1", _kld("--tokens", "1"), "--tokens 1: must be from 2 to 16777216 tokens", needs=SO),
+    Case("kld: --chunk 0", _kld("--chunk", "0"), "--chunk 0: must be from 2 to 1048576 tokens", needs=SO),
+    Case("kld: --chunk 1", _kld("--chunk", "1"), "--chunk 1: must be from 2 to 1048576 tokens", needs=SO),
     # eval: refused before lm-eval runs
     Case("eval: --limit 0", _eval("--limit", "0"), "--limit 0: must be at least 1", needs=SO),
     Case("eval: --max-drop nan", _eval("--max-drop", "nan"), "--max-drop nan: not a finite number; must be 0 or more points", needs=SO),

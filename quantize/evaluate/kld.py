@@ -273,7 +273,10 @@ def kld(
         raise QuantizeError("--baseline or --baseline-logits is required")
     cand_path = Path(candidate)
     inputs = _targets(baseline, [candidate], text, save_baseline, baseline_logits, out)
-    _config(cand_path, "candidate model")
+    mpe = _config(cand_path, "candidate model").get("max_position_embeddings")
+    if type(mpe) is int and mpe > 0 and chunk > mpe:
+        raise QuantizeError(f"--chunk {chunk}: longer than the candidate's max_position_embeddings {mpe} "
+                            f"({cand_path / 'config.json'}); use --chunk {mpe} or less")
     if baseline is not None:
         _config(Path(baseline), "baseline model")
         same_model(Path(baseline), cand_path)
