@@ -34,6 +34,8 @@ from .kvcache import DEFAULT_MEM_FRACTION, DEFAULT_RESERVE_GIB, H200_GIB
 
 MISSING = dataclasses.MISSING
 SEED_WHY = "a seed is an integer from 0 to 2**63 - 1"
+MAX_TP = 4096  # tensor-parallel ranks: far past any deployment (8 per node, 64 across nodes)
+TP_WHY = f"must be from 1 to {MAX_TP}"
 MAX_CHECK_TOKENS = 4096  # check's random activation rows: a kernel check, not a benchmark (memory: rows x K)
 
 
@@ -624,7 +626,7 @@ class PlanOptions(Options):
     """``quantize plan``: what convert would do, from headers; KV-cache capacity per GPU."""
 
     source: Path | None = opt(None, "checkpoint folder, or a folder / config.json with no weights", argument=True)
-    tp: int = opt(1, "tensor parallelism for per-rank bytes", check=lambda v: v >= 1, why="must be at least 1")
+    tp: int = opt(1, "tensor parallelism for per-rank bytes", check=lambda v: 1 <= v <= MAX_TP, why=TP_WHY)
     group_size: int | None = same(
         ConvertOptions, "group_size", help="INT4 group size: 32, 64 or 128 (default 32, or the recipe's)"
     )
@@ -659,7 +661,7 @@ class ShardOptions(Options):
 
     model: Path | None = opt(None, "converted checkpoint (or, with --merge, a sharded folder)", argument=True)
     out: Path | None = opt(None, "output folder", argument=True)
-    tp: int = opt(8, "tensor-parallel size", check=lambda v: v >= 1, why="must be at least 1")
+    tp: int = opt(8, "tensor-parallel size", check=lambda v: 1 <= v <= MAX_TP, why=TP_WHY)
     max_part_gib: float = opt(
         5.0, "largest per-rank part file", check=_positive, why="must be a positive number of GiB", recipe=False
     )
@@ -672,7 +674,7 @@ class CheckOptions(Options):
 
     model: Path | None = opt(None, "converted checkpoint, or a sharded folder", argument=True)
     tp: int | None = opt(
-        None, "also check the serving kernels' shape rules at this TP", check=lambda v: v >= 1, why="must be at least 1"
+        None, "also check the serving kernels' shape rules at this TP", check=lambda v: 1 <= v <= MAX_TP, why=TP_WHY
     )
     source: Path | None = opt(
         None, "source checkpoint (FP8/BF16) for error/SNR, or the unsharded checkpoint of a sharded folder"

@@ -138,6 +138,18 @@ def yaml_text(text: str, path, what: str = "recipe"):
                 raise QuantizeError(f"{path}: more than {MAX_ALIASES} YAML anchors (&name); fix the {what}")
             return super().compose_node(parent, index)
 
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise QuantizeError(
+                        f"{path}: key {key!r} appears twice in one mapping (line {key_node.start_mark.line + 1}); "
+                        f"YAML would keep only the last, fix the {what}"
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
     try:
         doc = yaml.load(text, Loader=Loader)  # noqa: S506 - Loader is a SafeLoader
     except RecursionError:

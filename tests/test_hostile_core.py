@@ -6,6 +6,7 @@ of a traceback and, by SHA-256, that no input changed."""
 
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -278,10 +279,15 @@ CASES += [
          _recipe(lambda d: d["pipeline"].setdefault("pd", {}).update(bootstrap_port=-1)), needs=()),
     Case("run: max_drop .nan", run_recipe, "not a finite number",
          _recipe(lambda d: d["pipeline"].update(max_drop=float("nan"))), needs=()),
+    Case("run: shard tp 10**30", run_recipe, "must be from 1 to 4096",
+         _recipe(lambda d: d["pipeline"].setdefault("shard", {}).update(tp=10**30)), needs=()),
+    Case("run: a key twice", run_recipe, "appears twice",
+         lambda c: (_recipe(lambda d: None)(c), (c.tmp / "r.yaml").write_text(
+             (c.tmp / "r.yaml").read_text().replace("pipeline:\n", "pipeline:\n  out: elsewhere\n", 1))), needs=()),
     Case("run: limit 0", run_recipe, "limit", _recipe(lambda d: d["pipeline"].update(limit=0)), needs=()),
     Case("run: a 5000-digit limit", run_recipe, "digits",
          lambda c: (_recipe(lambda d: None)(c), (c.tmp / "r.yaml").write_text(
-             (c.tmp / "r.yaml").read_text().replace("pipeline:\n", "pipeline:\n  limit: 1" + "0" * 5000 + "\n", 1))),
+             re.sub(r"(?m)^(\s+limit:).*$", r"\1 1" + "0" * 5000, (c.tmp / "r.yaml").read_text(), count=1))),
          needs=()),
 ]
 

@@ -118,12 +118,12 @@ def test_plan_and_check_bounds(tmp_path):
     from quantize.check import check
     from quantize.plan import plan
 
-    for kw, frag in [({"tp": 0}, "--tp 0: must be at least 1"), ({"gpu_mem_gib": 0.0}, "--gpu-mem-gib 0.0"),
+    for kw, frag in [({"tp": 0}, "--tp 0: must be from 1 to 4096"), ({"gpu_mem_gib": 0.0}, "--gpu-mem-gib 0.0"),
                      ({"gpu_mem_gib": 1e400}, "--gpu-mem-gib inf"), ({"mem_fraction": 1.01}, "--mem-fraction 1.01"),
                      ({"reserve_gib": -1.0}, "--reserve-gib -1.0")]:
         with pytest.raises(QuantizeError, match=frag.replace("(", r"\(").replace(".", r"\.")):
             plan(tmp_path, **kw)
-    for kw, frag in [({"tokens": 0}, "--tokens 0: must be from 1 to 4096 rows"), ({"tp": 0}, "--tp 0: must be at least 1")]:
+    for kw, frag in [({"tokens": 0}, "--tokens 0: must be from 1 to 4096 rows"), ({"tp": 0}, "--tp 0: must be from 1 to 4096")]:
         with pytest.raises(QuantizeError, match=frag):
             check(tmp_path, **kw)
 
@@ -137,7 +137,7 @@ def test_plan_and_check_bounds(tmp_path):
     ({"kv": {"clip": 0.89}}, "pipeline.kv.clip 0.89: a percentile between 0.9 and 1"),
     ({"kv": {"clip": 1.0}}, "pipeline.kv.clip 1.0: a percentile between 0.9 and 1"),  # 1 is absmax: leave clip off
     ({"kv": {"target": "sglng"}}, "pipeline.kv.target sglng: unknown; use one of sglang, vllm, compressed-tensors; did you mean 'sglang'?"),
-    ({"shard": {"tp": 0}}, "pipeline.shard.tp 0: must be at least 1"),
+    ({"shard": {"tp": 0}}, "pipeline.shard.tp 0: must be from 1 to 4096"),
     ({"pd": {"bootstrap_port": -1}}, "pipeline.pd.bootstrap_port -1: must be a port"),
     ({"pd": {"kv_cache_dtype": "fp8"}}, "pipeline.pd.kv_cache_dtype fp8: use fp8_e4m3"),
     ({"eval": {"if_no_data": "maybe"}}, "pipeline.eval.if_no_data maybe: use fail or skip"),

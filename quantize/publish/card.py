@@ -468,9 +468,9 @@ KLD_KEYS = {
     "candidate": "str?",
     "tokens": "int?",
     "chunk": "int?",
-    "kld_mean": "num",
-    "top1_agreement": "num",
-    **{k: "num?" for k in ("kld_median", "kld_p99", "kld_p999", "kld_max", "ppl_baseline", "ppl_candidate")},
+    "kld_mean": "nonneg",
+    "top1_agreement": "frac",
+    **{k: "nonneg?" for k in ("kld_median", "kld_p99", "kld_p999", "kld_max", "ppl_baseline", "ppl_candidate")},
 }
 CHECK_KEYS = {"model": "str?", "tp": "int?", "ok": "bool?"}
 ROLE_KEYS = {
@@ -481,7 +481,8 @@ ROLE_KEYS = {
     "min_snr_db": "num?",
 }
 VERIFIED_KEYS = {k: "int?" for k in ("files_sha256", "tensors_exact_vs_source", "tensors_method_vs_source")}
-TYPE_WORDS = {"num": "a finite number", "int": "a whole number (0 or more)", "str": "a string", "bool": "true or false"}
+TYPE_WORDS = {"num": "a finite number", "int": "a whole number (0 or more)", "str": "a string", "bool": "true or false",
+              "nonneg": "a finite number, 0 or more", "frac": "a fraction from 0 to 1"}
 
 
 def _json_type(v) -> str:
@@ -501,6 +502,10 @@ def _typed(v, tp: str) -> bool:
         return isinstance(v, str) and len(v) <= MAX_TEXT
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return False
+    if tp == "nonneg":
+        return v >= 0
+    if tp == "frac":
+        return 0 <= v <= 1
     return tp == "num" or (isinstance(v, int) and v >= 0)
 
 
