@@ -46,7 +46,15 @@ from importlib import resources
 from pathlib import Path
 
 from . import options as O
-from .checkpoint.output import Output, RECORD_DIR, confined, read_record, sha256_file, write_text_atomic
+from .checkpoint.output import (
+    Output,
+    RECORD_DIR,
+    confined,
+    read_record,
+    refuse_overlap,
+    sha256_file,
+    write_text_atomic,
+)
 from .errors import CheckFailed, QuantizeError
 from .events import Emit, null_emit
 from .parse import load_json, load_yaml
@@ -947,7 +955,11 @@ def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
     t0 = time.time()
     p = load_pipeline(recipe, out)
     record = read_record(p.out) if p.out.is_dir() else None
+    inputs = [p.recipe] + ([p.source_path] if p.tiny is None else [])
     if plan:
+        if p.out.exists() and not p.out.is_dir():
+            raise QuantizeError(f"{p.out}: exists and is a file, not a folder; choose another pipeline.out")
+        refuse_overlap(p.out, inputs)  # what the run itself would refuse, said by the plan too
         if record is not None and record.get("kind") not in ("run", None):
             raise QuantizeError(
                 f"{p.out}: holds a `quantize {record.get('kind')}` output, not a run; choose another pipeline.out"
@@ -955,7 +967,6 @@ def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
         rec = {} if overwrite or not record or record.get("kind") != "run" else json.loads(json.dumps(record))
         plans = _walk(p, rec, None, null_emit)
         return RunResult(str(p.out), str(p.recipe), True, plans, time.time() - t0)
-    inputs = [p.recipe] + ([p.source_path] if p.tiny is None else [])
     key = {"recipe": str(p.recipe.resolve()), "source": p.source}
     with Output.open(p.out, "run", inputs, resume=not overwrite, overwrite=overwrite, key=key) as o:
         o.record["key"] = key

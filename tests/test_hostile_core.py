@@ -284,6 +284,10 @@ CASES += [
     Case("run: a key twice", run_recipe, "appears twice",
          lambda c: (_recipe(lambda d: None)(c), (c.tmp / "r.yaml").write_text(
              (c.tmp / "r.yaml").read_text().replace("pipeline:\n", "pipeline:\n  out: elsewhere\n", 1))), needs=()),
+    Case("run --plan: out is the recipe file", lambda c: ["run", c.tmp / "r.yaml", "--plan", "--out", c.tmp / "r.yaml"],
+         "is a file", _recipe(lambda d: None), needs=()),
+    Case("run --plan: out inside the source", lambda c: ["run", c.tmp / "r.yaml", "--plan", "--out", c.src / "run"],
+         "overlaps the input", lambda c: _recipe(lambda d: d["pipeline"].update(source=str(c.src)))(c)),
     Case("run: limit 0", run_recipe, "limit", _recipe(lambda d: d["pipeline"].update(limit=0)), needs=()),
     Case("run: a 5000-digit limit", run_recipe, "digits",
          lambda c: (_recipe(lambda d: None)(c), (c.tmp / "r.yaml").write_text(

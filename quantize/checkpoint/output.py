@@ -222,6 +222,16 @@ def _has_content(out: Path) -> bool:
     return False
 
 
+def refuse_overlap(out: Path, inputs) -> None:
+    """``out`` must neither equal, contain nor lie inside any input (nor its Hub cache)."""
+    o = Path(out).resolve()
+    for i in inputs:
+        ip = Path(i).resolve()
+        roots = [ip] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
+        if any(_overlaps(o, r) for r in roots):
+            raise QuantizeError(f"{out}: overlaps the input {i}; choose an OUT outside it (inputs are never modified)")
+
+
 class Output:
     """An output folder opened for one job: locked, recorded, guarded. Use as a context manager
     (the lock is released on exit; a finished job calls ``complete`` first)."""
@@ -254,17 +264,11 @@ class Output:
                 )
             if out.exists() and not out.is_dir():
                 raise QuantizeError(f"{out}: exists and is a file, not a folder; choose another OUT")
-            o = out.resolve()
+            out.resolve()  # a path the filesystem cannot resolve (too long, a loop) is one line here
             _refuse_if_busy(out)
         except OSError as e:
             raise _oserror(out, e, "looking at the output folder") from e
-        for i in inputs:
-            ip = Path(i).resolve()
-            roots = [ip] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
-            if any(_overlaps(o, r) for r in roots):
-                raise QuantizeError(
-                    f"{out}: overlaps the input {i}; choose an OUT outside it (inputs are never modified)"
-                )
+        refuse_overlap(out, inputs)
         cls._check_state(out, kind, resume, overwrite)
         try:
             out.mkdir(parents=True, exist_ok=True)
