@@ -296,6 +296,23 @@ def check_overrides(arch: str, overrides: dict | None) -> None:
             raise QuantizeError(
                 f"make-tiny --override vocab_size={v}: the tiny tokenizer has {len(TOKENS)} tokens; use at least that"
             )
+    # the sizes that must agree with each other, on the config the overrides change
+    base = MLA_TEXT if arch == "kimi_k25" else TINY[arch]["kwargs"]
+    cfg = {**base, **VENDOR_ROUTER.get(arch, {}), **(overrides or {})}
+    rules = (
+        ("num_experts_per_tok", "n_routed_experts", "routes to more experts than a layer has"),
+        ("first_k_dense_replace", "num_hidden_layers", "makes more dense layers than the model has"),
+        ("topk_group", "n_group", "selects more expert groups than there are"),
+    )
+    for small, big, why in rules:
+        a, b = cfg.get(small), cfg.get(big)
+        if (small in (overrides or {}) or big in (overrides or {})) and type(a) is int and type(b) is int and a > b:
+            raise QuantizeError(f"make-tiny --override: {small} {a} {why} ({big} {b}); change the override")
+    h, n = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if ({"hidden_size", "num_attention_heads"} & set(overrides or {}) and type(h) is int and type(n) is int
+            and "head_dim" not in cfg and "qk_nope_head_dim" not in cfg and h % n):
+        raise QuantizeError(f"make-tiny --override: hidden_size {h} is not a multiple of num_attention_heads {n}; "
+                            "change the override")
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
