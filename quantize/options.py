@@ -95,22 +95,32 @@ def _shown(v) -> str:
     return repr(v) if isinstance(v, str) and (not v.strip() or not v.isprintable()) else str(v)
 
 
-def _why(f: dataclasses.Field) -> str:
+def _non_finite(v) -> bool:
+    return isinstance(v, float) and not math.isfinite(v)
+
+
+def _why(f: dataclasses.Field, v=None) -> str:
+    """What ``f`` accepts, said when ``v`` is refused (a nan or inf first says so: it would pass
+    every comparison written as "refuse when not ...")."""
     s = spec(f)
-    return (
-        s.why.format(choices=", ".join(map(str, s.choices)))
-        if s.why
-        else f"use one of {', '.join(map(str, s.choices))}"
-    )
+    if s.why:
+        base = s.why.format(choices=", ".join(map(str, s.choices)))
+    else:
+        base = f"use one of {', '.join(map(str, s.choices))}" if s.choices else ""
+    if _non_finite(v):
+        return "not a finite number" + (f"; {base}" if base and s.why else "")
+    return base
 
 
 def _passes(f: dataclasses.Field, v) -> bool:
     s = spec(f)
-    return v is None or not ((s.choices and v not in s.choices) or (s.check is not None and not s.check(v)))
+    if v is None:
+        return True
+    return not (_non_finite(v) or (s.choices and v not in s.choices) or (s.check is not None and not s.check(v)))
 
 
 def refusal(f: dataclasses.Field, v) -> QuantizeError:
-    return QuantizeError(f"{spec(f).flag or flag(f.name)} {_shown(v)}: {_why(f)}")
+    return QuantizeError(f"{spec(f).flag or flag(f.name)} {_shown(v)}: {_why(f, v)}")
 
 
 def _type_ok(tp, v) -> bool:
@@ -137,10 +147,6 @@ def validate(obj) -> None:
         s = spec(f)
         if not _type_ok(tp, v):
             raise QuantizeError(f"{s.flag or flag(f.name)} {_shown(v)}: not {getattr(tp, '__name__', tp)}")
-        if tp is float and not math.isfinite(v):  # nan passes every comparison's "not": refused before any
-            raise QuantizeError(
-                f"{s.flag or flag(f.name)} {_shown(v)}: not a finite number" + (f"; {_why(f)}" if s.why else "")
-            )
         if not _passes(f, v):
             raise refusal(f, v)
 
@@ -281,15 +287,13 @@ def parse_section(path, where: str, doc, section) -> dict:
         ) from None
     for name, f in section.declared.items():
         v = out[name]
-        if name in doc and isinstance(v, float) and not math.isfinite(v):
-            raise QuantizeError(f"{path}: {where}{name} {_shown(v)}: not a finite number; fix the recipe")
         if name in doc and not _passes(f, v):
             choices = spec(f).choices
             if choices and not spec(f).why and v not in choices:
                 raise unknown_key(path, f"{where}{name}: ", v, choices, "value")
             close = difflib.get_close_matches(str(v), list(map(str, choices)), n=1) if v not in choices else []
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise QuantizeError(f"{path}: {where}{name} {_shown(v)}: {_why(f)}{hint}; fix the recipe")
+            raise QuantizeError(f"{path}: {where}{name} {_shown(v)}: {_why(f, v)}{hint}; fix the recipe")
     return out
 
 
