@@ -519,6 +519,19 @@ class _Bad(Exception):
     pass
 
 
+def _pick_each(items: dict, keys: dict, section: str, name_word: str, shown: str) -> dict:
+    """``_pick`` on each object of ``items`` (a report's tasks, a check's roles): its name bounded,
+    its value an object; ``shown`` + the name is how a refusal names the entry."""
+    out = {}
+    for name, r in items.items():
+        if len(name) > MAX_TEXT:
+            raise _Bad(f"a {name_word} of {len(name):,} characters, more than {MAX_TEXT:,}")
+        if not isinstance(r, dict):
+            raise _Bad(f"{shown}{_key(name)} is {_json_type(r)}, not an object")
+        out[name] = _pick(r, keys, f"{section}.{_key(name)}.")
+    return out
+
+
 def _pick(d: dict, keys: dict, where: str) -> dict:
     """The ``keys`` of ``d``, each of its declared type; ``_Bad`` naming the first that is not."""
     out = {}
@@ -547,13 +560,7 @@ def report_of(d, what: str, fix: str) -> dict:
             if len(d["tasks"]) > MAX_TASKS:
                 raise _Bad(f"{len(d['tasks']):,} tasks, more than the {MAX_TASKS} a card lists")
             rep = _pick(d, EVAL_KEYS, "")
-            rep["tasks"] = {}
-            for t, r in d["tasks"].items():
-                if len(t) > MAX_TEXT:
-                    raise _Bad(f"a task name of {len(t):,} characters, more than {MAX_TEXT:,}")
-                if not isinstance(r, dict):
-                    raise _Bad(f"task {_key(t)} is {_json_type(r)}, not an object")
-                rep["tasks"][t] = _pick(r, TASK_KEYS, f"tasks.{_key(t)}.")
+            rep["tasks"] = _pick_each(d["tasks"], TASK_KEYS, "tasks", "task name", "task ")
             return {"kind": "eval", "report": rep}
         if isinstance(d, dict) and "kld_mean" in d and "top1_agreement" in d:
             return {"kind": "kld", "report": _pick(d, KLD_KEYS, "")}
@@ -573,13 +580,7 @@ def report_of(d, what: str, fix: str) -> dict:
                 raise _Bad(f"summary is {_json_type(d['summary'])}, not an object")
             if len(d["summary"]) > MAX_ROLES:
                 raise _Bad(f"summary has {len(d['summary']):,} roles, more than the {MAX_ROLES} a card lists")
-            rep["summary"] = {}
-            for role, r in d["summary"].items():
-                if len(role) > MAX_TEXT:
-                    raise _Bad(f"a summary role of {len(role):,} characters, more than {MAX_TEXT:,}")
-                if not isinstance(r, dict):
-                    raise _Bad(f"summary.{_key(role)} is {_json_type(r)}, not an object")
-                rep["summary"][role] = _pick(r, ROLE_KEYS, f"summary.{_key(role)}.")
+            rep["summary"] = _pick_each(d["summary"], ROLE_KEYS, "summary", "summary role", "summary.")
             return {"kind": "check", "report": rep}
     except _Bad as e:
         raise QuantizeError(f"{what}: {e}; {fix}") from None
