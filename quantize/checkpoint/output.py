@@ -222,13 +222,16 @@ def _has_content(out: Path) -> bool:
     return False
 
 
+def _input_roots(i) -> list[Path]:
+    """An input, resolved, and the Hub cache repo holding it when it is a snapshot."""
+    return [Path(i).resolve()] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
+
+
 def refuse_overlap(out: Path, inputs) -> None:
     """``out`` must neither equal, contain nor lie inside any input (nor its Hub cache)."""
     o = Path(out).resolve()
     for i in inputs:
-        ip = Path(i).resolve()
-        roots = [ip] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
-        if any(_overlaps(o, r) for r in roots):
+        if any(_overlaps(o, r) for r in _input_roots(i)):
             raise QuantizeError(f"{out}: overlaps the input {i}; choose an OUT outside it (inputs are never modified)")
 
 
@@ -570,9 +573,7 @@ def report_target(path: str | os.PathLike, kind: str, inputs=(), what: str = "--
     for i in inputs:
         if i is None:
             continue
-        ip = Path(i).resolve()
-        roots = [ip] + ([r.resolve()] if (r := _cache_root(Path(i))) is not None else [])
-        if any(real == r or real.is_relative_to(r) for r in roots):
+        if any(real.is_relative_to(r) for r in _input_roots(i)):  # equal to it, or inside it
             raise QuantizeError(
                 f"{what} {p}: lies inside the input {i}; write it elsewhere (inputs are never modified)"
             )
