@@ -53,6 +53,7 @@ from .checkpoint.output import (
     read_record,
     refuse_overlap,
     sha256_file,
+    sha256_files,
     write_text_atomic,
 )
 from .errors import CheckFailed, QuantizeError
@@ -759,8 +760,6 @@ def _files_of(p: Pipeline, rels: list[str], workers: int = 4) -> dict[str, dict]
     """SHA-256 and size of every file under ``rels`` in the run's folder (a job's own ``.quantize``
     record folders aside: they change as its outputs are read, and prove nothing a file's hash does
     not)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     files = []
     for rel in rels:
         root = confined(p.out, rel, f"{p.out}/{RECORD_DIR}/job.json")
@@ -771,8 +770,7 @@ def _files_of(p: Pipeline, rels: list[str], workers: int = 4) -> dict[str, dict]
                 f for f in sorted(root.rglob("*"))
                 if f.is_file() and RECORD_DIR not in f.relative_to(root).parts
             ]
-    with ThreadPoolExecutor(max(1, min(workers, len(files) or 1))) as pool:
-        shas = list(pool.map(sha256_file, files))
+    shas = sha256_files(files, workers)
     return {
         f.relative_to(p.out).as_posix(): {"sha256": h, "bytes": f.stat().st_size} for f, h in zip(files, shas)
     }

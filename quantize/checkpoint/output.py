@@ -125,6 +125,12 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def sha256_files(paths: list[Path], workers: int = 4) -> list[str]:
+    """The SHA-256 of each of ``paths``, read on up to ``workers`` threads (hashlib releases the GIL)."""
+    with ThreadPoolExecutor(max(1, min(workers, len(paths) or 1))) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
 def confined(folder: Path, name: str, what: str) -> Path:
     """``folder / name`` for a name read from one of our own records: a plain relative path that
     stays inside ``folder`` (no absolute path, no ``..``, no symlink out)."""
@@ -367,8 +373,7 @@ class Output:
             and (self.path / f).is_file()
             and (self.path / f).stat().st_size == rec["bytes"]
         ]
-        with ThreadPoolExecutor(max(1, min(workers, len(cand) or 1))) as pool:
-            shas = list(pool.map(lambda f: sha256_file(self.path / f), cand))
+        shas = sha256_files([self.path / f for f in cand], workers)
         good = {f for f, s in zip(cand, shas) if s == self.record["shards"][f]["sha256"]}
         for f in list(self.record["shards"]):
             if f in files and f not in good:
