@@ -66,7 +66,7 @@ def test_expert_profile_keeps_kimi_layout(tiny):
     assert "re:.*vision_tower.*" in p.quantization_config["ignore"]
 
 
-def _recipe(tmp_path, ignore, group=32, extra=""):
+def _recipe(tmp_path, ignore, group=32, extra="", symmetric="true"):
     body = "\n".join(f"        - '{i}'" for i in ignore)
     f = tmp_path / "r.yaml"
     f.write_text(f"""quant_stage:
@@ -77,7 +77,7 @@ def _recipe(tmp_path, ignore, group=32, extra=""):
       config_groups:
         group_0:
           targets: ["Linear"]
-          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: {group}{extra}}}
+          weights: {{num_bits: 4, type: int, symmetric: {symmetric}, strategy: group, group_size: {group}{extra}}}
 """)
     return str(f)
 
@@ -110,7 +110,7 @@ def test_recipe_ignoring_mtp_by_layer_index_is_refused(tiny, tmp_path):
 
 def test_recipe_errors(tmp_path):
     with pytest.raises(QuantizeError, match="symmetric INT4"):
-        load_recipe(_recipe(tmp_path, ["lm_head"], extra=", symmetric: false"))
+        load_recipe(_recipe(tmp_path, ["lm_head"], symmetric="false"))
     (tmp_path / "x.yaml").write_text("stage: {}\n")
     with pytest.raises(QuantizeError, match="no QuantizationModifier"):
         load_recipe(tmp_path / "x.yaml")
