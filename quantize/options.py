@@ -986,7 +986,13 @@ class MakeTinyOptions(Options):
 
     arch: str | None = opt(None, "glm_moe_dsa | kimi_k25 | deepseek_v3 | llama", argument=True)
     out: Path | None = opt(None, "output folder", argument=True)
-    fp8_source: bool = opt(True, "the vendor's block-FP8 layout, or BF16", flag="--fp8-source/--bf16-source")
+    layout: str = opt(
+        "vendor",
+        "how the weights are stored: vendor (as the release ships: block FP8 for GLM-5 / DeepSeek-V3, native INT4 "
+        "pack-quantized routed experts for Kimi K2.x), fp8 (DeepSeek-style 128x128 block FP8, e.g. Kimi K2 Instruct), "
+        "int4 (Moonshot's INT4 layout) or bf16",
+        choices=("vendor", "fp8", "int4", "bf16"),
+    )
     seed: int = opt(0, "seed of the random weights", check=lambda v: 0 <= v < 2**63, why=SEED_WHY)
     num_shards: int = opt(
         3, "safetensors files to spread the tensors over", check=lambda v: v >= 1, why="must be at least 1"

@@ -42,7 +42,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for layers in (4, 16):
             src = Path(d) / f"l{layers}"
-            make_tiny("llama", src, fp8_source=False, num_shards=4, overrides={
+            make_tiny("llama", src, layout="bf16", num_shards=4, overrides={
                 "hidden_size": a.hidden, "intermediate_size": a.intermediate, "num_hidden_layers": layers,
                 "num_attention_heads": 16, "num_key_value_heads": 4})
             disk = sum(p.stat().st_size for p in src.glob("*.safetensors"))

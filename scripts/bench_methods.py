@@ -176,7 +176,7 @@ def main() -> None:
         for arch in ("glm_moe_dsa", "deepseek_v3"):
             src = a.work / f"tiny-{arch}-bf16"
             if not (src / "quantize_manifest.json").exists():
-                make_tiny(arch, src, fp8_source=False, overwrite=True)
+                make_tiny(arch, src, layout="bf16", overwrite=True)
             runs = {}
             for name, extra in (("rtn-minmax", []),
                                 ("gptq", ["--method", "gptq", "--samples", "16", "--seq-len", "128"]),
@@ -212,7 +212,7 @@ def main() -> None:
         for n in (4, 16):
             src = a.work / f"depth-{n}-bf16"
             if not (src / "quantize_manifest.json").exists():
-                make_tiny("deepseek_v3", src, fp8_source=False, overwrite=True, mtp=False,
+                make_tiny("deepseek_v3", src, layout="bf16", overwrite=True, mtp=False,
                           overrides={**big, "num_hidden_layers": n})
             src_mib = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 2**20
             for name, extra in (("gptq", ["--method", "gptq"]),

@@ -96,8 +96,8 @@ def _json(path: Path, obj) -> None:
 
 
 FIXTURES = {  # name: (architecture, make_tiny options)
-    "glm": ("glm_moe_dsa", {}), "kimi": ("kimi_k25", {}), "dsv3": ("deepseek_v3", {"fp8_source": False}),
-    "llama": ("llama", {"fp8_source": False}), "glm-tp8": ("glm_moe_dsa", {"overrides": TP8}),
+    "glm": ("glm_moe_dsa", {}), "kimi": ("kimi_k25", {}), "dsv3": ("deepseek_v3", {"layout": "bf16"}),
+    "llama": ("llama", {"layout": "bf16"}), "glm-tp8": ("glm_moe_dsa", {"overrides": TP8}),
     "kimi-tp8": ("kimi_k25", {"overrides": TP8}),
 }
 AR = dict(method="autoround", iters=10, **CAL)

@@ -21,11 +21,11 @@ def tiny(tmp_path_factory):
     cache: dict = {}
     root = tmp_path_factory.mktemp("tiny")
 
-    def get(arch: str, fp8_source: bool = True, **kw) -> Path:
-        key = (arch, fp8_source, json.dumps(kw, sort_keys=True))
+    def get(arch: str, layout: str = "vendor", **kw) -> Path:
+        key = (arch, layout, json.dumps(kw, sort_keys=True))
         if key not in cache:
-            name = f"{arch}-{'fp8' if fp8_source else 'bf16'}-{len(cache)}"
-            cache[key] = make_tiny(arch, root / name, fp8_source=fp8_source, **kw)
+            name = f"{arch}-{layout}-{len(cache)}"
+            cache[key] = make_tiny(arch, root / name, layout=layout, **kw)
         return cache[key]
 
     return get

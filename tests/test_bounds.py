@@ -26,7 +26,7 @@ KV4 = {"num_key_value_heads": 4}  # k/v_proj N = 256: at TP 4 only o_proj's K pe
 
 @pytest.fixture(scope="module")
 def llama(tiny):
-    return tiny("llama", fp8_source=False, overrides=KV4)
+    return tiny("llama", layout="bf16", overrides=KV4)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_autoround_codes_within_one_step_of_the_exact_quotient(llama, autoround)
 def test_fold_factor_is_the_largest_power_of_two_that_fits(tiny, tmp_path):
     from quantize.calibrate.kv import calibrate_kv
 
-    res = calibrate_kv(tiny("deepseek_v3", fp8_source=False), tmp_path / "f", fold=True, samples=4, seq_len=48)
+    res = calibrate_kv(tiny("deepseek_v3", layout="bf16"), tmp_path / "f", fold=True, samples=4, seq_len=48)
     limit = 448 / 2.0  # the default --fold-headroom 2
     wanted = []
     for f in res.fold:

@@ -34,12 +34,14 @@ def _num_layers(path) -> int:
     return int(cfg.get("text_config", cfg)["num_hidden_layers"])
 
 
-CASES = [("llama", False, False), ("glm_moe_dsa", False, False), ("kimi_k25", False, False), ("kimi_k25", True, True), ("glm_moe_dsa", True, True)]
+CASES = [("llama", "bf16", False), ("glm_moe_dsa", "bf16", False), ("kimi_k25", "bf16", False),
+         ("kimi_k25", "fp8", True), ("glm_moe_dsa", "fp8", True), ("kimi_k25", "vendor", False)]
 
 
-@pytest.mark.parametrize("arch,fp8,int4", CASES, ids=["llama-bf16", "glm-bf16", "kimi-bf16", "kimi-int4", "glm-int4"])
-def test_layer_streaming_equals_full_forward(arch, fp8, int4, tiny, tmp_path):
-    path = tiny(arch, fp8_source=fp8)
+@pytest.mark.parametrize("arch,layout,int4", CASES,
+                         ids=["llama-bf16", "glm-bf16", "kimi-bf16", "kimi-int4", "glm-int4", "kimi-native-int4"])
+def test_layer_streaming_equals_full_forward(arch, layout, int4, tiny, tmp_path):
+    path = tiny(arch, layout=layout)
     if int4:  # our INT4 output, dequantized on the fly; transformers decompresses the same bits
         convert(path, tmp_path / "int4")
         path = tmp_path / "int4"
@@ -67,7 +69,7 @@ def test_amax_equals_transformers_dynamic_cache(arch, tiny, request, tmp_path):
     """transformers' own DynamicCache holds exactly what the engines cache (MLA: kv_c_normed and
     post-RoPE k_pe; GQA: K and V): its absmax per layer is the independent oracle. (Kimi: our INT4
     output, whose config can carry kv_cache_scheme; transformers decompresses the same bits.)"""
-    path = request.getfixturevalue("kimi_int4") if arch == "kimi_k25" else tiny(arch, fp8_source=False)
+    path = request.getfixturevalue("kimi_int4") if arch == "kimi_k25" else tiny(arch, layout="bf16")
     data = tmp_path / "d.jsonl"
     texts = ["the a of to and in is it that for on with as be by", "what how many are or at from this"] * 2
     data.write_text("\n".join(json.dumps({"text": t}) for t in texts))
@@ -115,9 +117,9 @@ def test_bf16_moe_needs_convert_first_for_ct_scales(tiny, tmp_path):
     """transformers' loader needs a compressed-tensors weight scheme to carry kv_cache_scheme on a
     MoE model; the report alone needs nothing."""
     with pytest.raises(QuantizeError, match="run `quantize convert` first"):
-        calibrate_kv(tiny("kimi_k25", fp8_source=False), tmp_path / "o", samples=2, seq_len=16, target="compressed-tensors")
+        calibrate_kv(tiny("kimi_k25", layout="bf16"), tmp_path / "o", samples=2, seq_len=16, target="compressed-tensors")
     assert not (tmp_path / "o").exists()
-    res = calibrate_kv(tiny("kimi_k25", fp8_source=False), None, samples=2, seq_len=16)
+    res = calibrate_kv(tiny("kimi_k25", layout="bf16"), None, samples=2, seq_len=16)
     assert len(res.layers) == 3
 
 
@@ -149,7 +151,7 @@ def test_mla_engine_target_report_stats_reuse_and_fold(kimi_int4, tmp_path):
 
 
 def test_compressed_tensors_target_loads_in_transformers(tiny, tmp_path):
-    path = tiny("llama", fp8_source=False)
+    path = tiny("llama", layout="bf16")
     res = calibrate_kv(path, tmp_path / "o", samples=8, seq_len=64, target="compressed-tensors")
     m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.float32)  # bf16 would round the scales
     assert [r.layer for r in res.layers] == list(range(_num_layers(path)))
@@ -160,7 +162,7 @@ def test_compressed_tensors_target_loads_in_transformers(tiny, tmp_path):
 
 
 def test_glm_dsa_writes_no_scales_but_reports(tiny, tmp_path):
-    path = tiny("glm_moe_dsa", fp8_source=False)
+    path = tiny("glm_moe_dsa", layout="bf16")
     with pytest.raises(QuantizeError, match="nothing to write"):
         calibrate_kv(path, tmp_path / "o", samples=4, seq_len=32)
     assert not (tmp_path / "o").exists()
@@ -172,7 +174,7 @@ def test_glm_dsa_writes_no_scales_but_reports(tiny, tmp_path):
 
 
 def test_bad_input(tiny, tmp_path):
-    path = tiny("llama", fp8_source=False)
+    path = tiny("llama", layout="bf16")
     short = tmp_path / "short.jsonl"
     short.write_text('{"text": ""}\n{"text": "a"}\n')
     with pytest.raises(QuantizeError, match="no usable samples"):
@@ -186,7 +188,7 @@ def test_bad_input(tiny, tmp_path):
     st = tmp_path / "st.json"
     calibrate_kv(path, tmp_path / "o3", samples=2, seq_len=16, stats_out=st)
     with pytest.raises(QuantizeError, match="another model"):
-        calibrate_kv(tiny("kimi_k25", fp8_source=False), None, stats=st)
+        calibrate_kv(tiny("kimi_k25", layout="bf16"), None, stats=st)
     noattn = tmp_path / "noattn"
     shutil.copytree(path, noattn)
     from safetensors.torch import save_file
@@ -225,7 +227,7 @@ def test_layer_streaming_fp8_source_equals_ct_dequantized_forward(tiny, tmp_path
 def test_glm_amax_equals_independent_hooks(tiny, tmp_path):
     """GLM-5 DSA caches expanded K/V, so the latent comes from a hook on kv_a_layernorm and k_pe from
     the rope part of transformers' own DynamicCache keys."""
-    path = tiny("glm_moe_dsa", fp8_source=False)
+    path = tiny("glm_moe_dsa", layout="bf16")
     text = "the a of to and in is it that for on with as be by this"
     data = tmp_path / "d.txt"
     data.write_text(text)
@@ -253,7 +255,7 @@ def test_parquet_and_folder_data(tiny, tmp_path):
     d.mkdir()
     pq.write_table(pa.table({"question": ["how many are in this", "what is it"], "n": [1, 2]}), d / "a.parquet")
     (d / "b.txt").write_text("the a of to and\n\nin is it that for")
-    path = tiny("llama", fp8_source=False)
+    path = tiny("llama", layout="bf16")
     res = calibrate_kv(path, tmp_path / "o", data=str(d), samples=10, seq_len=32)
     assert res.samples == 4 and res.dropped_short == 0 and len(res.layers) == _num_layers(path)
 
@@ -265,7 +267,7 @@ def test_sample_options_refused_before_the_model_is_opened(tiny, tmp_path, monke
         raise AssertionError("the model was opened before the options were checked")
 
     monkeypatch.setattr(kv, "LayerStreamer", boom)
-    path = tiny("llama", fp8_source=False)
+    path = tiny("llama", layout="bf16")
     for kw, msg in [(dict(samples=0), r"^--samples 0: must be at least 1"), (dict(samples=-5), r"^--samples -5: "),
                     (dict(seq_len=0), r"^--seq-len 0: must be at least 2 tokens"), (dict(seq_len=1), r"^--seq-len 1: ")]:
         with pytest.raises(QuantizeError, match=msg):
@@ -280,7 +282,7 @@ def test_binary_and_undecodable_data_files_named(tiny, tmp_path):
     import subprocess
     import sys
 
-    path = tiny("llama", fp8_source=False)
+    path = tiny("llama", layout="bf16")
     d = tmp_path / "data"
     d.mkdir()
     (d / "a.txt").write_text("the a of to and in is it that for")

@@ -162,7 +162,7 @@ def test_method_output_proven_by_grid_and_recorded_error(mout, tiny):
     n_plain = sum(1 for n in idx.tensors if not n.endswith((".weight_packed", ".weight_scale", ".weight_shape")))
     assert rep.verified["tensors_exact_vs_source"] == n_int4 + n_plain - by[how]  # RTN fallbacks still exactly
     # the same folder is not this model's conversion of another source (the BF16 weights before FP8)
-    other = check(d, source=tiny("deepseek_v3", fp8_source=False))
+    other = check(d, source=tiny("deepseek_v3", layout="bf16"))
     assert not other.ok and any(expert in x for x in other.failures)
 
 

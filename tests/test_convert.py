@@ -149,7 +149,7 @@ def test_group_sizes_and_all_linear_profile(converted):
 
 
 def test_bf16_source_and_gqa(tiny, tmp_path):
-    src = tiny("llama", fp8_source=False)
+    src = tiny("llama", layout="bf16")
     out = tmp_path / "o"
     convert(src, out, profile="all-linear", group_size=64)
     t = load_dir(out)
@@ -185,7 +185,7 @@ def test_compressed_tensors_fp8_source(scheme, tiny, tmp_path):
     from llmcompressor import model_free_ptq
 
     fp8src = tmp_path / scheme
-    model_free_ptq(model_stub=str(tiny("llama", fp8_source=False)), save_directory=str(fp8src), scheme=scheme,
+    model_free_ptq(model_stub=str(tiny("llama", layout="bf16")), save_directory=str(fp8src), scheme=scheme,
                    ignore=["lm_head", "re:.*embed_tokens.*"], device="cpu")
     ours = tmp_path / "ours"
     res = convert(fp8src, ours, profile="all-linear", group_size=64)

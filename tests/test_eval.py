@@ -31,7 +31,7 @@ def _data(tmp_path):
 
 @pytest.fixture(scope="module")
 def models(tiny, tmp_path_factory):
-    base = tiny("llama", fp8_source=False)
+    base = tiny("llama", layout="bf16")
     cand = tmp_path_factory.mktemp("ev") / "g32"
     convert(base, cand, profile="all-linear")
     return base, cand

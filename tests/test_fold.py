@@ -79,7 +79,7 @@ def _check_fold(src, out, res, headroom=2.0, expect_rope=True):
 
 
 def test_fold_bf16_deepseek(tiny, tmp_path):
-    src = tiny("deepseek_v3", fp8_source=False)
+    src = tiny("deepseek_v3", layout="bf16")
     res = calibrate_kv(src, tmp_path / "f", fold=True, **KW)
     _check_fold(src, tmp_path / "f", res)
     assert all(f["latent"] > 1 for f in res.fold)  # the tiny model's latent is far below 448: scaled up
@@ -112,7 +112,7 @@ def test_fold_int4_all_linear_moves_group_scales(tiny, tmp_path):
 
 
 def test_mla_engine_targets_write_no_scales(tiny, tmp_path):
-    src = tiny("deepseek_v3", fp8_source=False)
+    src = tiny("deepseek_v3", layout="bf16")
     for target in ("sglang", "vllm"):
         with pytest.raises(QuantizeError, match="no scale to write") as e:
             calibrate_kv(src, tmp_path / target, target=target, **KW)
@@ -124,7 +124,7 @@ def test_mla_engine_targets_write_no_scales(tiny, tmp_path):
 
 
 def test_bf16_moe_report_without_out(tiny):
-    res = calibrate_kv(tiny("kimi_k25", fp8_source=False), None, **KW)
+    res = calibrate_kv(tiny("kimi_k25", layout="bf16"), None, **KW)
     assert len(res.layers) == 3 and res.layout == "mla"
     assert all(r.q_absorbed_amax and r.q_pe_amax for r in res.layers)
 
@@ -148,7 +148,7 @@ def test_compressed_tensors_target_keeps_ct_names(tiny, tmp_path):
 def test_fold_bad_input(tiny, tmp_path, arch, kw, match):
     out = kw.pop("out", tmp_path / "o")
     with pytest.raises(QuantizeError, match=match) as e:
-        calibrate_kv(tiny(arch, fp8_source=False), out, **KW, **kw)
+        calibrate_kv(tiny(arch, layout="bf16"), out, **KW, **kw)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "o").exists()
 
@@ -157,7 +157,7 @@ def test_cli_fold(tiny, tmp_path):
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "quantize.cli", "calibrate-kv", str(tiny("deepseek_v3", fp8_source=False)),
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "calibrate-kv", str(tiny("deepseek_v3", layout="bf16")),
                         "--out", str(tmp_path / "f"), "--fold", "--samples", "2", "--seq-len", "32", "--json"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr

@@ -54,7 +54,7 @@ def three(request, tiny, tmp_path_factory):
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
 
-    src = tiny("llama", fp8_source=False)
+    src = tiny("llama", layout="bf16")
     order = request.param
     root = tmp_path_factory.mktemp(f"oracle-{order}")
     ours, theirs, rtn = root / "ours", root / "theirs", root / "rtn"

@@ -15,7 +15,7 @@ from quantize.evaluate.kld import kld
 
 @pytest.fixture(scope="module")
 def pair(tiny, tmp_path_factory):
-    base = tiny("llama", fp8_source=False)
+    base = tiny("llama", layout="bf16")
     cand = tmp_path_factory.mktemp("kld") / "g32"
     convert(base, cand, profile="all-linear", group_size=32)
     return base, cand

@@ -33,7 +33,7 @@ def _weights_only(d):
 
 @pytest.fixture(scope="module")
 def llama(tiny):
-    return tiny("llama", fp8_source=False)
+    return tiny("llama", layout="bf16")
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_gptq_codes_are_llm_compressors_update(llama, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def dsv3(tiny):
-    return tiny("deepseek_v3", fp8_source=False)
+    return tiny("deepseek_v3", layout="bf16")
 
 
 def _spy_gptq(monkeypatch):
@@ -306,7 +306,7 @@ def test_one_layer_in_memory_and_flat_in_depth(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(LayerStreamer, "layer", layer)
     peaks = {}
     for n in (4, 16):
-        src = tiny("llama", fp8_source=False, overrides={"num_hidden_layers": n})
+        src = tiny("llama", layout="bf16", overrides={"num_hidden_layers": n})
         convert(src, tmp_path / f"l{n}", profile="all-linear", method="gptq", **CAL)
         rep = _manifest(tmp_path / f"l{n}")["method"]
         assert len(rep["layers"]) == n
@@ -590,7 +590,7 @@ def test_layers_transformers_cannot_build(tiny, tmp_path):
     import shutil
 
     bad = tmp_path / "bad"
-    shutil.copytree(tiny("llama", fp8_source=False), bad)
+    shutil.copytree(tiny("llama", layout="bf16"), bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["hidden_act"] = "no_such_activation"
     (bad / "config.json").write_text(json.dumps(cfg))

@@ -228,7 +228,7 @@ def test_a_new_observer_is_one_row_in_each_table(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(layout.OBSERVERS, "halfrange", "a dummy: scale = group absmax / 4")
     monkeypatch.setitem(int4.GRIDS, "halfrange",
                         int4.Grid(int4._absmax, lambda a, dt: int4._minmax_scale(a * (7.5 / 4), dt)))
-    src = tiny("llama", fp8_source=False)
+    src = tiny("llama", layout="bf16")
     convert(src, tmp_path / "half", observer="halfrange", profile="all-linear")
     convert(src, tmp_path / "minmax", profile="all-linear")
     half, mm = load_dir(tmp_path / "half"), load_dir(tmp_path / "minmax")

@@ -55,7 +55,7 @@ def test_merge_overwrite_refuses_a_folder_it_did_not_write(converted, tmp_path):
 def test_calibrate_kv_out_at_the_models_parent_is_refused(tiny, tmp_path):
     parent = tmp_path / "models"
     model = parent / "llama"
-    shutil.copytree(tiny("llama", fp8_source=False), model)
+    shutil.copytree(tiny("llama", layout="bf16"), model)
     before = dir_bytes(model)
     with pytest.raises(QuantizeError, match="overlaps the input") as e:
         calibrate_kv(model, parent, samples=2, seq_len=8, overwrite=True)
@@ -74,7 +74,7 @@ def test_resume_into_another_models_folder_is_refused(tiny, tmp_path):
             convert(tiny("glm_moe_dsa"), other, **kw)
     assert dir_bytes(other) == before and not (other / ".quantize").exists()
     # another kind of quantize output (make-tiny) is not a convert output
-    mt = make_tiny("llama", tmp_path / "mt", fp8_source=False)
+    mt = make_tiny("llama", tmp_path / "mt", layout="bf16")
     with pytest.raises(QuantizeError, match="make-tiny. output, not a convert"):
         convert(tiny("glm_moe_dsa"), mt, resume=True)
 
@@ -256,7 +256,7 @@ def test_make_tiny_and_demo_guarded(tmp_path):
 
 
 def test_calibrate_kv_output_has_its_own_manifest(tiny, tmp_path):
-    model = tiny("llama", fp8_source=False)
+    model = tiny("llama", layout="bf16")
     out = tmp_path / "kv"
     calibrate_kv(model, out, samples=2, seq_len=16, target="compressed-tensors")
     man = json.loads((out / "quantize_manifest.json").read_text())

@@ -22,7 +22,7 @@ SOURCE_FP8 = "source, its cache stored as the decode pool does"
 @pytest.fixture(scope="module")
 def dsv3(tiny, tmp_path_factory):
     """A tiny DeepSeek-V3 BF16 source and its INT4 (routed experts) conversion."""
-    src = tiny("deepseek_v3", fp8_source=False)
+    src = tiny("deepseek_v3", layout="bf16")
     out = tmp_path_factory.mktemp("pd") / "dsv3-int4"
     convert(src, out)
     return src, out
@@ -39,7 +39,7 @@ def test_mla_pair_reads_the_prefill_cache_stored_e4m3(dsv3, tiny):
 
     # the decode model really reads what the prefill side cached: a prefill model with other
     # weights (another seed) wrecks the pair, while the decode model alone is unaffected
-    other = tiny("deepseek_v3", fp8_source=False, seed=1)
+    other = tiny("deepseek_v3", layout="bf16", seed=1)
     bad = pd_fidelity(other, dec, src, prompt_tokens=48, decode_tokens=24)
     assert bad.row(PAIR).kld_mean > 10 * rows[PAIR].kld_mean
     assert bad.row(DECODE_ALONE).kld_mean == pytest.approx(rows[DECODE_ALONE].kld_mean)

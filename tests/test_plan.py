@@ -121,7 +121,7 @@ def test_plan_refuses_group_not_dividing_k(tmp_path):
     """SmolLM2's case: hidden 576 is not a multiple of 128 (here 192)."""
     from quantize.testing.tiny import make_tiny
 
-    d = make_tiny("llama", tmp_path / "s", fp8_source=False, overrides={"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1})
+    d = make_tiny("llama", tmp_path / "s", layout="bf16", overrides={"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1})
     with pytest.raises(QuantizeError, match=r"K=192, not a multiple of group size 128; use --group-size 64"):
         plan(d, group_size=128, profile="all-linear")
     assert plan(d, group_size=64, profile="all-linear").summary()["jobs"]["int4"] == 14
@@ -157,7 +157,7 @@ def test_kv_capacity_glm5_dsa_layout(glm5_config_dir):
 
 
 def test_kv_capacity_gqa_splits_heads(tiny):
-    s = plan(tiny("llama", fp8_source=False), tp=2).summary()
+    s = plan(tiny("llama", layout="bf16"), tp=2).summary()
     assert s["kv_bytes_per_token"]["bf16"] == 2 * 2 * (2 // 2) * 64 * 2  # layers x K,V x kv heads/rank x head_dim x 2 B
 
 

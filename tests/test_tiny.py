@@ -61,7 +61,7 @@ def test_kimi_fixture_loads_in_transformers_with_nothing_missing(tiny):
     import torch
     import transformers
 
-    m, info = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(tiny("kimi_k25", fp8_source=False), dtype=torch.bfloat16,
+    m, info = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(tiny("kimi_k25", layout="bf16"), dtype=torch.bfloat16,
                                                                             output_loading_info=True)
     assert not info["missing_keys"]
     assert m.config.vision_config.hidden_size == 64

@@ -3,10 +3,13 @@
 The model comes from transformers' own config and model classes (random weights, fixed seed),
 so ``from_pretrained`` on the BF16 dequantization of what we write is a reference model. Tensors
 are saved under the real on-disk names (per-expert 2-D experts, Kimi's ``language_model.`` prefix,
-an MTP layer at index ``num_hidden_layers``), then FP8-quantized as DeepSeek/zai-org/Moonshot do:
-e4m3, 128x128 blocks, ``weight_scale_inv`` multiplier on a ceil grid, router / norms / embeddings /
-lm_head / indexer ``weights_proj`` / ``eh_proj`` / vision left BF16, ``quantization_config`` with
-``modules_to_not_convert`` as the vendor writes it. Several shards plus an index.
+an MTP layer at index ``num_hidden_layers``), then stored as the release stores them (``--layout
+vendor``): GLM-5 and DeepSeek-V3 (and ``--layout fp8``) FP8-quantized as DeepSeek/zai-org do: e4m3,
+128x128 blocks, ``weight_scale_inv`` multiplier on a ceil grid, router / norms / embeddings / lm_head /
+indexer ``weights_proj`` / ``eh_proj`` / vision left BF16, ``quantization_config`` with
+``modules_to_not_convert`` as the vendor writes it; Kimi K2.x (and ``--layout int4``) as Moonshot ships
+K2 Thinking / K2.5 / K2.6: only the routed experts INT4 pack-quantized (group 32, absmax / 7 grid),
+everything else BF16, Moonshot's quantization_config and ignore list. Several shards plus an index.
 
 config.json carries the router keys the releases carry (``scoring_func: sigmoid``, ``topk_method:
 noaux_tc``, ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``/``topk_group``): engines
@@ -38,7 +41,7 @@ from ..checkpoint.manifest import write_manifest
 from ..checkpoint.output import Output
 from ..errors import QuantizeError
 from ..options import MakeTinyOptions, takes
-from ..archs.base import ROLES
+from ..archs.base import EXPERT_ROLES, ROLES
 from ..formats import fp8
 
 MLA_TEXT = dict(
@@ -88,6 +91,23 @@ KIMI_PREPROCESSOR = {"media_proc_cfg": {
     "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
     "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
     "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}}
+
+# Moonshot's quantization_config for Kimi K2 Thinking / K2.5 / K2.6 (docs/formats.md#kimi-native-int4): the routed
+# experts INT4, symmetric, group 32, QAT; the ignore list as the release writes it, plus the vision patterns
+MOONSHOT_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                   "re:.*vision_tower.*", "re:.*mm_projector.*"]
+MOONSHOT_INT4 = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+                    "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                    "type": "int"}}},
+    "format": "pack-quantized", "ignore": MOONSHOT_IGNORE, "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+MOONSHOT_GROUP = 32
+# what each architecture's release ships: make-tiny --layout vendor
+VENDOR_LAYOUT = {"glm_moe_dsa": "fp8", "deepseek_v3": "fp8", "kimi_k25": "int4", "llama": "fp8"}
 
 VENDOR_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 ARCH_NAMES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -148,23 +168,24 @@ def _kimi_vendor_config(cfg_dict: dict) -> None:
 
 
 @takes(MakeTinyOptions)
-def make_tiny(arch, out, fp8_source, seed, num_shards, overrides, mtp, overwrite) -> Path:
+def make_tiny(arch, out, layout, seed, num_shards, overrides, mtp, overwrite) -> Path:
     """Write a tiny ``arch`` checkpoint to ``out`` (through the guarded output layer) and return
-    the path."""
+    the path. ``layout`` vendor: as the release ships (``VENDOR_LAYOUT``)."""
     if arch not in TINY:
         raise QuantizeError(f"make-tiny {arch}: unknown tiny architecture; choose one of {', '.join(TINY)}")
     check_overrides(arch, overrides)
     out = Path(out)
-    key = {"arch": arch, "fp8_source": fp8_source, "seed": seed, "num_shards": num_shards, "overrides": overrides,
+    layout = VENDOR_LAYOUT[arch] if layout == "vendor" else layout
+    key = {"arch": arch, "layout": layout, "seed": seed, "num_shards": num_shards, "overrides": overrides,
            "mtp": mtp}
     with Output.open(out, "make-tiny", [], overwrite=overwrite, key=key) as o:
-        _make(arch, out, fp8_source, seed, num_shards, overrides, mtp)
+        _make(arch, out, layout, seed, num_shards, overrides, mtp)
         o.complete()
         write_manifest(o, {"kind": "make-tiny", "options": key})
     return out
 
 
-def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, overrides: dict | None,
+def _make(arch: str, out: Path, layout: str, seed: int, num_shards: int, overrides: dict | None,
           mtp: bool) -> None:
     torch.manual_seed(seed)
     try:
@@ -221,15 +242,19 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
         t = state[name]
         role, _ = A.role_of(name)
         lin, _, keep = ROLES[role]
-        if fp8_source and name.endswith(".weight") and t.ndim == 2 and lin and not keep:
+        if layout == "fp8" and name.endswith(".weight") and t.ndim == 2 and lin and not keep:
             q, s = fp8.quant_block(t.float())
             tensors[name] = q
             tensors[name[: -len("weight")] + "weight_scale_inv"] = s
+        elif layout == "int4" and name.endswith(".weight") and t.ndim == 2 and role in EXPERT_ROLES:
+            tensors.update(moonshot_int4(name[: -len(".weight")], t))
         else:
             tensors[name] = t.contiguous()
             if name.endswith(".weight") and t.ndim == 2 and lin:
                 not_converted.append(name[: -len(".weight")])
-    if fp8_source:
+    if layout == "int4":
+        cfg_dict["quantization_config"] = json.loads(json.dumps(MOONSHOT_INT4))
+    if layout == "fp8":
         qc = dict(VENDOR_FP8)
         mods = sorted(set(not_converted), key=_natural)
         if arch == "glm_moe_dsa":
@@ -247,6 +272,22 @@ def _make(arch: str, out: Path, fp8_source: bool, seed: int, num_shards: int, ov
     _write_tokenizer(out, int(text["vocab_size"]))
     if arch == "kimi_k25":
         (out / "preprocessor_config.json").write_text(json.dumps(KIMI_PREPROCESSOR, indent=2))
+
+
+def moonshot_int4(module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A weight as Moonshot's QAT release stores it: symmetric INT4, group 32, on a 15-code grid
+    (scale = bf16(group absmax / 7), codes in [-7, 7]; our RTN divides by 7.5 and uses -8 too, so
+    re-rounding would show), compressed-tensors pack-quantized (``weight_packed`` / ``weight_scale``
+    / ``weight_shape``)."""
+    from ..formats import int4
+
+    out_f, k = w.shape
+    g = w.float().reshape(out_f, k // MOONSHOT_GROUP, MOONSHOT_GROUP)
+    scale = (g.abs().amax(-1) / 7).to(torch.bfloat16)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    q = torch.round(g / safe.unsqueeze(-1)).clamp(-7, 7).to(torch.int8).reshape(out_f, k)
+    return {f"{module}.weight_packed": int4.pack_int4(q), f"{module}.weight_scale": scale.contiguous(),
+            f"{module}.weight_shape": torch.tensor([out_f, k], dtype=torch.int64)}
 
 
 def _natural(name: str):
