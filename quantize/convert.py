@@ -62,6 +62,8 @@ def _weight_rows(job: Job, w: torch.Tensor, s: torch.Tensor | None, r0: int, r1:
     rows = w[r0:r1]
     if job.scale is None:
         return rows
+    if job.scale_format == "int4":  # an INT4 source, dequantized exactly: code x scale in fp32
+        return int4.dequantize_int4(rows, s[r0:r1], (r1 - r0, job.wshape[1]), dtype=torch.float32, exact=True)
     if job.scale_format == "block":
         br = job.block[0]
         if r0 % br:
@@ -127,11 +129,15 @@ def compute_job(
         _check_finite(job, out)
         return [out.cpu()], None
     if job.kind == "int4":
-        rows, k = w.shape
+        rows, k = job.wshape
         g = options.group_size
-        scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
+        if job.scale_format == "int4":  # re-quantized: scales keep the source's dtype
+            scale_dtype = s.dtype
+        else:
+            scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
         if (
             use_native
+            and job.scale_format != "int4"
             and scale_dtype == torch.bfloat16
             and options.observer in int4.NATIVE_OBSERVERS
             and native.supports(k, g)
@@ -188,7 +194,7 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
     (plus RTN's own error on the method's grid, for comparison)."""
     w = _read(folder, job.src, fds, "w")
     s = _read(folder, job.scale, fds, "s").clone() if job.scale is not None else None
-    rows, k = w.shape
+    rows, k = job.wshape
     packed, scale = cache.read(job.module)
     want = (int4.packed_shape((rows, k)), int4.scale_shape((rows, k), options.group_size))
     if tuple(packed.shape) != want[0] or tuple(scale.shape) != want[1]:
@@ -268,7 +274,7 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     try:
         sides = side_files(src)  # a dangling symlink is named before any shard is written
         ident = source_identity(
-            src, [f for f in {j.src.file for j in plan.jobs} | {j.scale.file for j in plan.jobs if j.scale}]
+            src, [f for f in {r.file for j in plan.jobs for r in j.inputs}]
         )
         key = _job_key(plan, ident)
         if calib is not None:
@@ -404,8 +410,8 @@ def _execute(
                     refill()
                     psi, job, fut = pending.popleft()
                     assert psi == si
-                    if fut is None:  # copy / keep_fp8: stream bytes, no tensor in memory
-                        for ref, entry in zip([job.src] + ([job.scale] if job.scale else []), job.outputs):
+                    if fut is None:  # copy / keep_fp8 / pass_int4: stream bytes, no tensor in memory
+                        for ref, entry in zip(job.inputs, job.outputs):
                             _copy_checked(writer, entry.name, cached_fd(fds, src / ref.file), ref, copy_buf)
                     else:
                         tensors, st = fut.result()
@@ -413,7 +419,7 @@ def _execute(
                             writer.write_tensor(entry.name, t)
                         if st:
                             stats.append(st)
-                    done_bytes += job.src.nbytes + (job.scale.nbytes if job.scale else 0)
+                    done_bytes += job.in_bytes
                     emit(
                         {
                             "event": "tensor",
@@ -521,6 +527,7 @@ def _finish(
         "dropped_source_tensors": plan.dropped,
         "copied_from_source": copied,
         "outputs": o.record["shards"],
+        **({"passed_through": passed_through(plan)} if plan.source_int4 is not None else {}),
         "error_summary": _error_summary(stats),
         **({"method": method} if method is not None else {}),
         "tensors": stats,
@@ -528,6 +535,22 @@ def _finish(
     }
     o.complete()
     write_manifest(o, manifest)
+
+
+def passed_through(plan: Plan) -> dict:
+    """What of an INT4 source was written bit for bit (codes, scales and shape), by role; and
+    what was re-quantized (``--requantize``)."""
+    from collections import Counter
+
+    kept = Counter(j.role for j in plan.jobs if j.kind == "pass_int4")
+    redone = Counter(j.role for j in plan.jobs if j.kind == "int4" and j.scale_format == "int4")
+    return {
+        "scheme": {"group_size": plan.source_int4.group_size, "observer": plan.source_int4.observer},
+        "modules": sum(kept.values()),
+        "by_role": dict(sorted(kept.items())),
+        "requantized": sum(redone.values()),
+        **({"requantized_by_role": dict(sorted(redone.items()))} if redone else {}),
+    }
 
 
 def _error_summary(stats: list[dict]) -> dict:

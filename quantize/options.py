@@ -491,6 +491,12 @@ class ConvertOptions(Options):
         check=lambda v: v >= 0,
         why="must be 0 or more tokens (e.g. 16)",
     )
+    requantize: bool = opt(
+        False,
+        "an INT4 source (e.g. Kimi K2.6): dequantize its INT4 tensors exactly and quantize them again with the "
+        "requested scheme (group size, grid, method); without it they pass through bit for bit and a different "
+        "scheme is refused",
+    )
     # how the run goes, not what it makes: not recorded (same bytes for any value)
     resume: bool = opt(False, "continue an interrupted run in OUT (same options)", record=False, recipe=False)
     overwrite: bool = opt(False, "replace an existing quantize output in OUT", record=False, recipe=False)
@@ -519,6 +525,8 @@ class ConvertOptions(Options):
         if self.method_name == DEFAULT_METHOD:
             for k in ["method", *method_options()]:
                 d.pop(k, None)
+        if not self.requantize:  # only an INT4 source reads it: records of other runs stay as they were
+            d.pop("requantize", None)
         return d
 
     def check_method_options(self) -> None:

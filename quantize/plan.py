@@ -17,7 +17,7 @@ from pathlib import Path
 from . import archs
 from .archs.base import IGNORE_PATTERN, ROLE_GROUP, ROLES, Architecture, profile_quantizes
 from .checkpoint.config import ModelConfig
-from .checkpoint.index import CheckpointIndex, TensorRef, load_config
+from .checkpoint.index import CheckpointIndex, TensorRef, load_config, read_tensor
 from .checkpoint.reader import fp8_scale_format
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError
@@ -31,7 +31,7 @@ CT_VERSION = "0.19.0"
 
 @dataclass
 class Job:
-    kind: str  # "int4" | "dequant" | "keep_fp8" | "copy"
+    kind: str  # "int4" | "pass_int4" (an INT4 source tensor, bit for bit) | "dequant" | "keep_fp8" | "copy"
     name: str  # source tensor name
     role: str
     src: TensorRef
@@ -39,10 +39,26 @@ class Job:
     scale_format: str | None = None  # "block" | "channel"
     block: tuple[int, int] = (128, 128)  # FP8 weight_block_size of the source
     outputs: list[Entry] = field(default_factory=list)
+    extra: list[TensorRef] = field(default_factory=list)  # an INT4 source's weight_shape
+    shape: tuple[int, int] | None = None  # the weight's [out, in] when src is not the weight itself (INT4)
 
     @property
     def module(self) -> str:
         return self.name.rsplit(".", 1)[0]
+
+    @property
+    def inputs(self) -> list[TensorRef]:
+        """The source tensors the job reads (a copy streams them to ``outputs`` one for one)."""
+        return [self.src] + ([self.scale] if self.scale else []) + self.extra
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(r.nbytes for r in self.inputs)
+
+    @property
+    def wshape(self) -> tuple[int, ...]:
+        """The weight's logical shape ([out, in]), whatever it is stored as."""
+        return tuple(self.shape) if self.shape else tuple(self.src.shape)
 
 
 @dataclass
@@ -61,7 +77,7 @@ class ShardPlan:
 
     @property
     def source_bytes(self) -> int:
-        return sum(j.src.nbytes + (j.scale.nbytes if j.scale else 0) for j in self.jobs)
+        return sum(j.in_bytes for j in self.jobs)
 
 
 @dataclass
@@ -69,7 +85,7 @@ class Plan:
     source: str
     arch: Architecture
     options: ConvertOptions
-    source_format: str  # "fp8-block" | "ct-fp8" | "float"
+    source_format: str  # "fp8-block" | "ct-fp8" | "ct-int4" | "float"
     shards: list[ShardPlan]
     dropped: list[str]  # source tensors consumed as scales or dropped (input_scale)
     config_view: dict  # ignore + each config group's targets: what the engines match (no compressed-tensors import)
@@ -78,6 +94,7 @@ class Plan:
     tp: int = 1
     kv: object | None = None  # kvcache.KvCapacity, filled by ``quantize plan``
     recipe: Recipe | None = None
+    source_int4: "Int4Scheme | None" = None  # an INT4 source's scheme (its tensors pass through unless re-quantized)
     _qc: dict | None = field(default=None, repr=False)
 
     @property
@@ -102,7 +119,7 @@ class Plan:
         for j in self.jobs:
             split = ROLES[j.role][1]
             f = 1.0 / tp if split != "rep" and len(j.src.shape) >= 1 else 1.0  # norms, router bias: "rep" in ROLES
-            src += (j.src.nbytes + (j.scale.nbytes if j.scale else 0)) * f
+            src += j.in_bytes * f
             out += sum(e.nbytes for e in j.outputs) * f
         return int(math.ceil(src)), int(math.ceil(out))
 
@@ -175,26 +192,107 @@ def detect_source_format(config: dict, arch: Architecture, where: str) -> tuple[
             raise QuantizeError(f"{where}: FP8 format {qc.get('fmt')!r} is not read; only e4m3 block FP8 is")
         return "fp8-block", qc
     if method == "compressed-tensors":
-        fmts = {g.get("format") or qc.get("format") for g in (qc.get("config_groups") or {}).values()} or {
-            qc.get("format")
-        }
-        if fmts <= {"float-quantized", "naive-quantized"}:
-            for g in (qc.get("config_groups") or {}).values():
-                w = g.get("weights") or {}
+        groups = qc.get("config_groups")
+        if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+            raise QuantizeError(f"{where}: quantization_config.config_groups is missing or not a mapping of groups; "
+                                "the config is corrupt, re-download config.json")
+        int4_groups = {}
+        for gname, g in groups.items():
+            fmt = g.get("format") or qc.get("format")
+            w = g.get("weights") or {}
+            key = f"quantization_config.config_groups.{gname}"
+            if fmt == "pack-quantized":
+                int4_groups[gname] = _int4_group(w, g, key, where)
+            elif fmt in ("float-quantized", "naive-quantized"):
                 if w.get("type") != "float" or w.get("num_bits") != 8:
                     raise QuantizeError(
                         f"{where}: compressed-tensors weights {w.get('type')}{w.get('num_bits')} are not read; only "
-                        "FP8 float-quantized sources are"
+                        "FP8 float-quantized and INT4 pack-quantized sources are"
                     )
-            return "ct-fp8", qc
-        raise QuantizeError(
-            f"{where}: checkpoint is already compressed-tensors {sorted(map(str, fmts))}; convert reads BF16/FP16 or "
-            "FP8 sources, not a quantized output"
-        )
+            else:
+                raise QuantizeError(
+                    f"{where}: {key} has format {fmt!r}, which is not read; sources are BF16/FP16, block FP8, "
+                    "compressed-tensors FP8 (float-quantized) or INT4 (pack-quantized)"
+                )
+        if int4_groups:
+            sizes = sorted({g for g in int4_groups.values()})
+            if len(sizes) > 1:
+                raise QuantizeError(f"{where}: INT4 config groups with different group sizes {sizes} are not read; "
+                                    "one group size per checkpoint")
+            return "ct-int4", qc
+        return "ct-fp8", qc
     raise QuantizeError(
         f"{where}: quant_method {method!r} is not read; sources must be BF16/FP16, block FP8 (quant_method fp8) or "
         "compressed-tensors FP8"
     )
+
+
+@dataclass(frozen=True)
+class Int4Scheme:
+    """An INT4 source's weights as its quantization_config declares them (validated)."""
+
+    group_size: int
+    observer: str  # "minmax" when the config names none (compressed-tensors' default for weights)
+
+    def describe(self) -> str:
+        return f"symmetric INT4, group {self.group_size}, observer {self.observer}"
+
+
+def _int4_group(w: dict, g: dict, key: str, where: str) -> int:
+    """One pack-quantized config group's group size, or a one-line error naming the key."""
+    if w.get("type") != "int" or w.get("num_bits") != 4:
+        raise QuantizeError(f"{where}: {key}.weights is {w.get('type')}{w.get('num_bits')} pack-quantized; only "
+                            "INT4 (type int, num_bits 4) is read")
+    if w.get("symmetric") is not True:
+        raise QuantizeError(f"{where}: {key}.weights.symmetric is {w.get('symmetric')!r}: asymmetric INT4 (zero "
+                            "points) is not read; the engines' W4A16 MoE kernels take symmetric codes only")
+    if w.get("strategy") != "group":
+        raise QuantizeError(f"{where}: {key}.weights.strategy is {w.get('strategy')!r}; only group-wise INT4 "
+                            "(strategy group) is read")
+    gs = w.get("group_size")
+    if type(gs) is not int or gs < 1 or gs > 1 << 20:
+        raise QuantizeError(f"{where}: {key}.weights.group_size is {gs!r}; a group-wise INT4 config needs a "
+                            "positive integer group size")
+    if w.get("actorder") not in (None, "static", "weight"):
+        raise QuantizeError(f"{where}: {key}.weights.actorder is {w.get('actorder')!r}: act-order with a g_idx "
+                            "permutation is not read; only static group order is")
+    if w.get("dynamic") not in (None, False):
+        raise QuantizeError(f"{where}: {key}.weights.dynamic is {w.get('dynamic')!r}; INT4 weights must be "
+                            "static (dynamic false)")
+    for act in ("input_activations", "output_activations"):
+        if g.get(act) not in (None, {}):
+            raise QuantizeError(f"{where}: {key}.{act} is set: activation quantization is not read; only "
+                                "weight-only INT4 (W4A16) is")
+    return gs
+
+
+def int4_scheme(qc: dict) -> Int4Scheme:
+    """The (already validated) INT4 scheme of a ``ct-int4`` source's quantization_config."""
+    for g in qc["config_groups"].values():
+        if (g.get("format") or qc.get("format")) == "pack-quantized":
+            w = g["weights"]
+            return Int4Scheme(int(w["group_size"]), str(w.get("observer") or "minmax"))
+    raise AssertionError("not an INT4 quantization_config")
+
+
+def _int4_targets(qc: dict) -> dict[str, list[str]]:
+    return {n: list(g.get("targets") or []) for n, g in qc["config_groups"].items()
+            if (g.get("format") or qc.get("format")) == "pack-quantized"}
+
+
+def _ct_name_match(name: str, pat: str) -> bool:
+    """compressed-tensors' ``match_name`` rule (re: is ``re.match``, else the exact name), written
+    here so the header-only plan needs no compressed-tensors import (tests hold it to theirs)."""
+    import re
+
+    return re.match(pat[3:], name) is not None if pat.startswith("re:") else pat == name
+
+
+def source_int4_module(module: str, qc: dict) -> bool:
+    """Whether an INT4 source's config makes the Linear ``module`` INT4 (targeted, not ignored)."""
+    if any(_ct_name_match(module, p) for p in qc.get("ignore") or []):
+        return False
+    return any(t == "Linear" or _ct_name_match(module, t) for ts in _int4_targets(qc).values() for t in ts)
 
 
 def virtual_index(folder: Path, config: dict, arch: Architecture, source_format: str, qc: dict) -> CheckpointIndex:
@@ -207,8 +305,17 @@ def virtual_index(folder: Path, config: dict, arch: Architecture, source_format:
         str(arch.text_config(config).get("torch_dtype") or config.get("torch_dtype") or config.get("dtype")), "BF16"
     )
     pos = 0
+    g4 = int4_scheme(qc).group_size if source_format == "ct-int4" else None
     for name, shape, role in arch.expected(arch.text_config(config)):
         lin, _, keep = ROLES[role]
+        if g4 and lin and len(shape) == 2 and name.endswith(".weight") and source_int4_module(name[:-7], qc):
+            m, (o, k) = name[: -len(".weight")], shape
+            for part, dt, shp, size in (("weight_packed", "I32", (o, -(-k // 8)), 4), ("weight_scale", dtype,
+                                        (o, k // g4), 2 if dtype != "F32" else 4), ("weight_shape", "I64", (2,), 8)):
+                n = math.prod(shp) * size
+                tensors[f"{m}.{part}"] = TensorRef(f"{m}.{part}", "(config)", dt, shp, pos, pos + n)
+                pos += n
+            continue
         if role == "router_bias":
             dt = "F32"
         elif source_format == "fp8-block" and lin and not keep and len(shape) == 2:
@@ -242,6 +349,7 @@ def build_plan(
     options.validate()
     folder = Path(source)
     recipe = load_recipe(options.recipe) if options.recipe else None
+    asked = options  # what the user asked for (None: not given), before the recipe and defaults fill it
     options = options.resolve(recipe)  # never None from here on: plan.options is what the record and manifest hold
     has_tensors = folder.is_dir() and (
         any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").exists()
@@ -258,6 +366,10 @@ def build_plan(
     if index is None:
         index = virtual_index(folder, config, arch, source_format, src_qc)
     block = tuple(src_qc.get("weight_block_size") or layout.DEFAULT_BLOCK)
+    scheme4 = int4_scheme(src_qc) if source_format == "ct-int4" else None
+    if scheme4 is not None:
+        options = _int4_request(asked, options, recipe, scheme4, where)
+    int4_mods = _int4_parts(index, folder, scheme4, src_qc, where)
 
     jobs_by_file: dict[str, list[Job]] = defaultdict(list)
     dropped: list[str] = []
@@ -265,6 +377,12 @@ def build_plan(
     tensors = index.tensors
     for name, ref in tensors.items():
         base, _, param = name.rpartition(".")
+        if base in int4_mods:
+            if param == "weight_packed":  # its weight_scale / weight_shape belong to this job
+                role, _ = arch.role_of(base + ".weight")
+                quant = _decide_by_recipe(recipe, base) if recipe else profile_quantizes(options.profile, role)
+                jobs_by_file[ref.file].append(_int4_job(base, int4_mods[base], role, quant, options, recipe, folder))
+            continue
         if param in SCALE_SUFFIXES:
             weight = f"{base}.weight"
             if weight not in tensors:
@@ -335,7 +453,7 @@ def build_plan(
         jobs_by_file[ref.file].append(job)
     for name in tensors:
         base, _, param = name.rpartition(".")
-        if param in SCALE_SUFFIXES and name not in consumed:
+        if param in SCALE_SUFFIXES and name not in consumed and base not in int4_mods:
             if param in ("input_scale",):
                 dropped.append(name)
                 continue
@@ -352,10 +470,129 @@ def build_plan(
     shards = [ShardPlan(f, jobs_by_file[f], meta) for f in index.files if jobs_by_file.get(f)]
     view = config_view(arch, config, options, recipe, shards)
     plan = Plan(
-        str(folder), arch, options, source_format, shards, dropped, view, config, index.total_bytes, tp, recipe=recipe
+        str(folder), arch, options, source_format, shards, dropped, view, config, index.total_bytes, tp, recipe=recipe,
+        source_int4=scheme4,
     )
     validate_plan(plan, recipe, ct_check=ct_check)
     return plan
+
+
+INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+INT4_REFUSED = {"weight_zero_point": "asymmetric INT4 (zero points) is not read; the engines' W4A16 MoE kernels take "
+                                     "symmetric codes only",
+                "weight_g_idx": "act-order INT4 (a g_idx permutation) is not read; only static group order is"}
+
+
+def _int4_request(asked, options, recipe: Recipe | None, src: Int4Scheme, where: str):
+    """The options an INT4 source runs with: its own group size unless another is asked for. A
+    request that would change its INT4 tensors (another group size, grid or method) needs
+    ``--requantize``; without it they pass through bit for bit."""
+    from dataclasses import replace
+
+    g = asked.group_size if asked.group_size is not None else (recipe.group_size if recipe else None)
+    obs = asked.observer or (recipe.observer if recipe else None)
+    changes = []
+    if g is not None and g != src.group_size:
+        changes.append(f"group size {g}")
+    if obs is not None and obs != src.observer:
+        changes.append(f"observer {obs}")
+    if options.method_name != "rtn":
+        changes.append(f"method {options.method_name}")
+    if changes and not options.requantize:
+        raise QuantizeError(
+            f"{where}: the source's tensors are already INT4 ({src.describe()}); {' and '.join(changes)} would "
+            "re-quantize them: add --requantize (dequantized exactly, then quantized again; the source's codes are "
+            "not kept) or drop the request to pass them through bit for bit"
+        )
+    return replace(options, group_size=g if g is not None else src.group_size)
+
+
+def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None, qc: dict,
+                where: str) -> dict[str, tuple]:
+    """module -> (weight_packed, weight_scale, weight_shape, (out, in)) of an INT4 source, each
+    checked against the others and the config; one line naming the tensor otherwise."""
+    tensors = index.tensors
+    mods = sorted({n.rsplit(".", 1)[0] for n in tensors
+                   if n.rsplit(".", 1)[-1] in ("weight_packed", "weight_shape", *INT4_REFUSED)})
+    if scheme is None:
+        if mods:
+            ref = tensors.get(mods[0] + ".weight_packed") or next(
+                tensors[n] for n in tensors if n.startswith(mods[0] + "."))
+            raise QuantizeError(f"{folder / ref.file}: {mods[0]} is stored INT4 (pack-quantized), but {where} "
+                                "declares no compressed-tensors INT4 quantization_config; the config and the tensors "
+                                "disagree")
+        return {}
+    out: dict[str, tuple] = {}
+    for m in mods:
+        some = next(tensors[n] for n in tensors if n.startswith(m + ".") and n.rsplit(".", 1)[0] == m)
+        at = folder / some.file
+        for part, why in INT4_REFUSED.items():
+            if f"{m}.{part}" in tensors:
+                raise QuantizeError(f"{at}: {m}.{part}: {why}")
+        for part in INT4_PARTS:
+            if f"{m}.{part}" not in tensors:
+                raise QuantizeError(f"{at}: {m} has no {part} (an INT4 tensor needs weight_packed, weight_scale and "
+                                    "weight_shape); the checkpoint is incomplete, re-download the shard that holds it")
+        if f"{m}.weight" in tensors:
+            raise QuantizeError(f"{at}: {m} is stored both as weight and as weight_packed; the checkpoint mixes "
+                                "formats, re-export it")
+        packed, scale, shp = (tensors[f"{m}.{p}"] for p in INT4_PARTS)
+        if packed.dtype != "I32" or len(packed.shape) != 2:
+            raise QuantizeError(f"{folder / packed.file}: {packed.name} is {packed.dtype} {list(packed.shape)}; "
+                                "packed INT4 codes are a 2-D int32 tensor, the checkpoint is corrupt")
+        if scale.dtype not in ("BF16", "F16", "F32") or len(scale.shape) != 2:
+            raise QuantizeError(f"{folder / scale.file}: {scale.name} is {scale.dtype} {list(scale.shape)}; an INT4 "
+                                "group scale is a 2-D BF16/F16/F32 tensor, the checkpoint is corrupt")
+        if shp.dtype not in ("I64", "I32") or tuple(shp.shape) != (2,):
+            raise QuantizeError(f"{folder / shp.file}: {shp.name} is {shp.dtype} {list(shp.shape)}; weight_shape is "
+                                "[out, in] as int64, the checkpoint is corrupt")
+        if shp.file == "(config)":  # planned from config.json alone: the table is consistent by construction
+            o, k = packed.shape[0], packed.shape[1] * 8
+        else:
+            o, k = (int(v) for v in read_tensor(index.folder, shp).tolist())
+        if o != packed.shape[0] or -(-k // 8) != packed.shape[1] or k < 1:
+            raise QuantizeError(f"{folder / shp.file}: {shp.name} says [{o}, {k}], but {packed.name} is "
+                                f"{list(packed.shape)} (needs [{o}, {-(-k // 8)}]); the checkpoint is corrupt")
+        g = scheme.group_size
+        if k % g:
+            raise QuantizeError(f"{folder / shp.file}: {m} has K={k}, not a multiple of the group size {g} in "
+                                f"{where}; the config and the tensors disagree")
+        if tuple(scale.shape) != (o, k // g):
+            raise QuantizeError(f"{folder / scale.file}: {scale.name} is {list(scale.shape)}, but a [{o}, {k}] weight "
+                                f"in groups of {g} ({where}) needs [{o}, {k // g}]; the config and the tensors disagree")
+        if not source_int4_module(m, qc):
+            raise QuantizeError(f"{folder / packed.file}: {m} is stored INT4, but the quantization_config in {where} "
+                                "does not target it (or ignores it); the engines would build it high precision and "
+                                "fail to load it, fix the config")
+        out[m] = (packed, scale, shp, (o, k))
+    for gname, targets in _int4_targets(qc).items():
+        if not any(t == "Linear" or _ct_name_match(m, t) for t in targets for m in out):
+            raise QuantizeError(f"{where}: quantization_config.config_groups.{gname} targets {targets}, which match no "
+                                "INT4 tensor in the checkpoint; the config and the tensors disagree")
+    return out
+
+
+def _int4_job(module: str, parts: tuple, role: str, quant: bool, options, recipe: Recipe | None,
+              folder: Path) -> Job:
+    """An INT4 source tensor's job: passed through bit for bit (``pass_int4``), or, with
+    ``--requantize``, dequantized exactly and quantized again (``int4``)."""
+    packed, scale, shp, (o, k) = parts
+    if not quant:
+        by = f"the recipe {recipe.path}" if recipe else f"--profile {options.profile}"
+        raise QuantizeError(f"{folder / packed.file}: {module} is INT4 in the source, but {by} keeps it high "
+                            "precision; INT4 weights are not widened back, target it (or use --profile experts)")
+    job = Job("pass_int4", module + ".weight", role, packed, scale=scale, scale_format="int4", extra=[shp],
+              shape=(o, k))
+    if options.requantize:
+        g = options.group_size
+        job.kind = "int4"
+        job.outputs = [Entry(f"{module}.weight_packed", "I32", layout.packed_shape((o, k))),
+                       Entry(f"{module}.weight_scale", scale.dtype,
+                             layout.scale_shape((o, k), g) if k % g == 0 else (o, k // g)),
+                       Entry(f"{module}.weight_shape", "I64", (2,))]
+    else:
+        job.outputs = [Entry(r.name, r.dtype, r.shape) for r in (packed, scale, shp)]
+    return job
 
 
 def _load_config_file(path: Path) -> dict:
@@ -512,7 +749,13 @@ def _scheme_for(name: str, qc: dict, match) -> str:
     return "bf16"
 
 
-EXPECT = {"int4": "config_group_0", "keep_fp8": "config_group_1"}
+EXPECT = {"int4": "config_group_0", "pass_int4": "config_group_0", "keep_fp8": "config_group_1"}
+INT4_KINDS = ("int4", "pass_int4")
+
+
+def is_linear_weight(j: Job) -> bool:
+    """The job is a Linear layer's 2-D weight (the engines build a quantizable layer for it)."""
+    return j.name.endswith(".weight") and len(j.wshape) == 2 and ROLES[j.role][0]
 
 
 def check_with_compressed_tensors(plan: Plan) -> None:
@@ -522,7 +765,7 @@ def check_with_compressed_tensors(plan: Plan) -> None:
     if plan.recipe is not None:
         return
     for j in plan.jobs:
-        if j.src.name.endswith(".weight") and len(j.src.shape) == 2 and ROLES[j.role][0]:
+        if is_linear_weight(j):
             want = EXPECT.get(j.kind, "bf16")
             got = _scheme_for(j.module, plan.config_view, _ct_match)
             if got != want:
@@ -537,10 +780,10 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
     arch, cfg, g = plan.arch, plan.config, plan.options.group_size
     decision: dict[str, bool] = {}
     for j in plan.jobs:
-        if j.src.name.endswith(".weight") and len(j.src.shape) == 2 and ROLES[j.role][0]:
-            decision[j.module] = j.kind == "int4"
-        if j.kind == "int4" and j.src.shape[1] % g:
-            k = j.src.shape[1]
+        if is_linear_weight(j):
+            decision[j.module] = j.kind in INT4_KINDS
+        if j.kind == "int4" and j.wshape[1] % g:
+            k = j.wshape[1]
             fits = [x for x in layout.SUPPORTED_GROUP_SIZES if k % x == 0]
             fix = (
                 f"use --group-size {fits[-1]}"

@@ -172,13 +172,15 @@ def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def dequantize_int4(
-    packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], dtype=torch.bfloat16
+    packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], dtype=torch.bfloat16, exact: bool = False
 ) -> torch.Tensor:
-    """compressed-tensors' decompression: q * scale in the scale dtype."""
+    """compressed-tensors' decompression: q * scale in the scale dtype. ``exact``: the product in
+    fp32 instead (a code times a BF16/F16 scale is exact there, not always in BF16)."""
     out, k = shape
     q = unpack_int4(packed, k)
     g = k // scale.shape[1]
-    deq = q.to(scale.dtype).view(out, scale.shape[1], g) * scale.unsqueeze(-1)
+    work = torch.float32 if exact else scale.dtype
+    deq = q.to(work).view(out, scale.shape[1], g) * scale.to(work).unsqueeze(-1)
     return deq.view(out, k).to(dtype)
 
 

@@ -64,7 +64,7 @@ def layer_units(layer: torch.nn.Module, prefix: str, jobs) -> tuple[list[Unit], 
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)
             path = f"{base}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
             p = params.get(path)
-            out = job.src.shape[0]
+            out = job.wshape[0]
             if p is None or p.ndim != 3 or e >= p.shape[0]:
                 rtn.append((job.module, f"transformers' layer has no fused {path} for expert {e}"))
                 continue
@@ -74,10 +74,10 @@ def layer_units(layer: torch.nn.Module, prefix: str, jobs) -> tuple[list[Unit], 
             u.roles.append(job.role)
             continue
         p = params.get(rel + ".weight")
-        if p is None or p.ndim != 2 or tuple(p.shape) != tuple(job.src.shape):
+        if p is None or p.ndim != 2 or tuple(p.shape) != tuple(job.wshape):
             rtn.append((job.module, "not a Linear weight of transformers' layer class"))
             continue
-        units[rel + ".weight"] = Unit(rel + ".weight", None, [(job.module, 0, job.src.shape[0])], sdt, [job.role])
+        units[rel + ".weight"] = Unit(rel + ".weight", None, [(job.module, 0, job.wshape[0])], sdt, [job.role])
     out = []
     for u in units.values():
         u.names.sort(key=lambda n: n[1])
