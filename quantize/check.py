@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import archs
-from .archs.base import ROLES
+from .archs.base import ENGINE_UNQUANTIZED, ROLES
 from .checkpoint.config import ModelConfig
 from .checkpoint.index import INDEX_NAME, CheckpointIndex, read_tensor
 from .checkpoint.manifest import MANIFEST as QUANTIZE_MANIFEST
@@ -248,8 +248,14 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
     view = {"ignore": list(parsed.ignore or []),
             "config_groups": {g: {"targets": list(sc.targets)} for g, sc in parsed.config_groups.items()}}
     checked: set[str] = set()
+    def names(module: str) -> list[str]:
+        # the checkpoint's name and the one the engines match (Kimi: `language_model.` stripped, so a
+        # plain `lm_head` in the ignore list, as Moonshot writes it, holds for `language_model.lm_head`)
+        return [module] + [n for n in arch.engine_module_names(module, index.config)[:1] if n != module]
+
     for module, (n, k, g) in int4.items():
-        grp = _scheme_for(module, view, _ct_match)
+        grps = {_scheme_for(m, view, _ct_match) for m in names(module)}
+        grp = "bf16" if "bf16" in grps else _scheme_for(module, view, _ct_match)
         if grp == "bf16":
             raise CheckFailed(f"{where}: quantization_config leaves {module} unquantized (ignored, or in no config "
                               f"group's targets), but the tensors hold it INT4; convert again")
@@ -273,9 +279,11 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
         checked.add(grp)
     for name, ref in index.tensors.items():
         base, _, param = name.rpartition(".")
-        if param != "weight" or len(ref.shape) != 2 or not ROLES[arch.role_of(name)[0]][0]:
+        role = arch.role_of(name)[0]
+        if param != "weight" or len(ref.shape) != 2 or not ROLES[role][0] or role in ENGINE_UNQUANTIZED:
             continue
-        grp = _scheme_for(base, view, _ct_match)
+        grp = next((x for x in (_scheme_for(m, view, _ct_match) for m in names(base)) if x == "bf16"),
+                   _scheme_for(base, view, _ct_match)) if ref.dtype != "F8_E4M3" else _scheme_for(base, view, _ct_match)
         if ref.dtype == "F8_E4M3":
             w = parsed.config_groups[grp].weights if grp != "bf16" else None
             if w is None or w.num_bits != 8 or _value(w.type) != "float":
@@ -329,6 +337,10 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
     o, s = WeightReader(out), WeightReader(src)
     observer = options.get("observer") or "minmax"
     records = records or {}
+    # an INT4 source (Kimi K2.6): its tensors pass through (compared byte for byte below, as copies),
+    # or with --requantize were dequantized exactly and quantized again (re-derived here the same way)
+    redone = {n[: -len(".weight_packed")] for n in src.tensors if n.endswith(".weight_packed")} \
+        if options.get("requantize") else set()
     failures: list[str] = []
     proven = by_method = 0
     accounted: set[str] = set()
@@ -340,6 +352,11 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
             emit({"event": "tensor", "name": name, "done_bytes": i + 1})
             base = name[: -len(".weight")] if name.endswith(".weight") else None
             where = f"{out.folder}: tensor {name}"
+            m4, _, part = name.rpartition(".")
+            if m4 in redone:
+                if part != "weight_packed":
+                    continue  # its module is proven with its weight_packed
+                name, base, where = m4 + ".weight", m4, f"{out.folder}: tensor {m4}"
             if name in out.tensors:
                 got, ref = o.raw(name), s.raw(name)
                 accounted.add(name)
@@ -364,13 +381,20 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                 accounted.update(base + x for x in (".weight_packed", ".weight_scale", ".weight_shape"))
                 packed, scale = o.raw(base + ".weight_packed"), o.raw(base + ".weight_scale")
                 shape = [int(v) for v in o.raw(base + ".weight_shape").tolist()]
-                ref_shape = list(src.tensors[name].shape)
+                if base in redone:
+                    ref_shape = [int(v) for v in s.raw(base + ".weight_shape").tolist()]
+                else:
+                    ref_shape = list(src.tensors[name].shape)
                 if shape != ref_shape or scale.shape[0] != shape[0] or shape[1] % scale.shape[1]:
                     failures.append(f"{where}: INT4 shape {shape} / scale {list(scale.shape)} do not fit the source "
                                     f"{ref_shape}")
                     continue
-                fp8src = s.scheme(name).startswith("fp8")
-                w = s.weight(name, torch.bfloat16 if fp8src else src.tensors[name].torch_dtype)
+                if base in redone:  # as convert --requantize read it: code x scale, exact in fp32
+                    w = int4_fmt.dequantize_int4(s.raw(base + ".weight_packed"), s.raw(base + ".weight_scale"),
+                                                 tuple(ref_shape), dtype=torch.float32, exact=True)
+                else:
+                    fp8src = s.scheme(name).startswith("fp8")
+                    w = s.weight(name, torch.bfloat16 if fp8src else src.tensors[name].torch_dtype)
                 g = shape[1] // scale.shape[1]
                 exp = int4_fmt.quantize_pack(w, g, observer, scale.dtype)
                 how = (records.get(name) or {}).get("method")
@@ -433,11 +457,17 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
         return _check_sharded(model, source, tokens, seed, emit)
     index = CheckpointIndex.open(model)
     arch = archs.resolve(index.config, str(model / "config.json"))
-    failures, manifest = verify_files(model)
+    vendor = not (model / QUANTIZE_MANIFEST).exists() and not (model / RECORD_DIR).exists()
+    if vendor:  # a release as its vendor ships it (e.g. Kimi K2.6's INT4): no manifest to prove files against
+        failures, manifest = [], {}
+    else:
+        failures, manifest = verify_files(model)
     if manifest:
         verify_manifest_record(model, manifest, index)
     verify_quant_config(model, index)
     verified = {"files_sha256": len(manifest.get("files") or {}) - len(failures)}
+    if vendor:
+        verified["files_unrecorded"] = len(index.files)
     if tp:
         try:
             plan_shard(model, tp)

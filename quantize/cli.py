@@ -319,10 +319,10 @@ def check_cmd(json_out: bool, engine: str | None, engine_python, engine_toleranc
         )
         v = rep.verified
         if v:
-            _print(
-                "proven: "
-                + "; ".join([f"{v.get('files_sha256', 0)} files by SHA-256 against the manifest", *proven_parts(v)])
-            )
+            files = (f"{v['files_unrecorded']} weight files as the vendor shipped them (no quantize manifest to "
+                     "prove them against)" if "files_unrecorded" in v
+                     else f"{v.get('files_sha256', 0)} files by SHA-256 against the manifest")
+            _print("proven: " + "; ".join([files, *proven_parts(v)]))
         for f in rep.failures[:20]:
             typer.echo(f"FAIL {f}", err=True)
     if not rep.ok:

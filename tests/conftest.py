@@ -33,17 +33,18 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def converted(tiny, tmp_path_factory):
-    """Converted outputs, once per session: converted("glm_moe_dsa", group_size=32)."""
+    """Converted outputs, once per session: converted("glm_moe_dsa", group_size=32); ``layout``
+    picks the tiny source's layout (default: as the vendor ships it)."""
     from quantize.convert import convert
 
     cache: dict = {}
     root = tmp_path_factory.mktemp("out")
 
-    def get(arch: str, **kw) -> Path:
-        key = (arch, tuple(sorted(kw.items())))
+    def get(arch: str, layout: str = "vendor", **kw) -> Path:
+        key = (arch, layout, tuple(sorted(kw.items())))
         if key not in cache:
             out = root / f"{arch}-{len(cache)}"
-            convert(tiny(arch), out, **kw)
+            convert(tiny(arch, layout=layout), out, **kw)
             cache[key] = out
         return cache[key]
 

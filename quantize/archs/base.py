@@ -49,6 +49,11 @@ ROLES: dict[str, tuple[bool, str, bool]] = {
 }
 
 EXPERT_ROLES = frozenset({"expert_gate", "expert_up", "expert_down"})
+# roles the engines build without a quant method whatever quantization_config says: the MoE router
+# (SGLang 0.5.23 sglang/srt/models/deepseek_v2.py MoEGate holds a plain nn.Parameter; vLLM 0.33.0
+# vllm/model_executor/models/deepseek_v2.py builds GateLinear with no quant_config), so a "Linear"
+# target does not reach it (docs/engines.md#the-moe-router-is-never-quantized)
+ENGINE_UNQUANTIZED = frozenset({"router"})
 PROFILES = ("experts", "all-linear")
 # roles no profile quantizes: embeddings/heads, the router, DSA indexer, MTP glue, vision
 NEVER_INT4 = frozenset(

@@ -205,7 +205,8 @@ def _make(arch: str, out: Path, layout: str, seed: int, num_shards: int, overrid
         _kimi_vendor_config(cfg_dict)
     text = A.text_config(cfg_dict)
     prefix = A.prefix
-    has_mtp = mtp and A.layout.latent  # the MLA families (DeepSeek-V3, Kimi, GLM-5) carry an MTP layer
+    # the MLA families (DeepSeek-V3, GLM-5, Kimi K2 Instruct in FP8) carry an MTP layer; Moonshot's INT4 K2.x ships none
+    has_mtp = mtp and A.layout.latent and not (arch == "kimi_k25" and layout == "int4")
     if not has_mtp and "num_nextn_predict_layers" in text:
         text["num_nextn_predict_layers"] = 0  # transformers' DeepseekV3Config defaults num_mtp_layers to 1
     if has_mtp:
