@@ -243,3 +243,24 @@ def test_kimi_route_int4_to_fp8_block(int4_source, tmp_path):
         _same((out_t[k], out_t[k + "_scale"]), fp8.quant_block_ct(_our_int4_dequant(src_t, k)))
         assert not {k + "_packed", k + "_shape"} & set(out_t)
     assert qc == {**EXPECTED_CONFIG, "ignore": KIMI_IGNORE}  # the INT4 config is replaced, not merged
+
+
+def test_deepseek_fp8_route_to_fp8_block(tiny, tmp_path):
+    """A DeepSeek block-FP8 source (``weight_scale_inv``) through FP8BlockDequantizer (fp32 multiply,
+    bf16) then FP8_BLOCK: our dequant_block then quant_block_ct."""
+    from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
+
+    src = tiny("deepseek_v3")
+    # the dequantizer wants a weight_scale_inv beside every targeted weight: ignore every BF16 one
+    vendor = json.loads((src / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    bf16 = sorted(vendor) + ["re:.*embed_tokens$", "re:.*lm_head$", "re:.*shared_head.head$"]
+    conv = FP8BlockDequantizer(ignore=bf16)
+    out_t, qc = _ptq(src, tmp_path / "out", bf16, converter=conv)
+    src_t = load_dir(src)
+    fp8_w = [k for k in src_t if k.endswith(".weight_scale_inv")]
+    assert fp8_w
+    for k in fp8_w:
+        w = k[: -len("_scale_inv")]
+        _same((out_t[w], out_t[w + "_scale"]), fp8.quant_block_ct(fp8.dequant_block(src_t[w], src_t[k])))
+        assert k not in out_t
+    assert qc == {**EXPECTED_CONFIG, "ignore": bf16}  # the vendor's fp8 config is replaced
