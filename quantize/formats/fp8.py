@@ -80,3 +80,31 @@ def quant_block(
     q = (blocks / scale_inv.view(gr, 1, gc, 1)).clamp(-FP8_MAX, FP8_MAX)
     q = q.view(gr * br, gc * bc)[:rows, :cols].to(FP8_DTYPE)
     return q.contiguous(), scale_inv.float()
+
+
+def quant_block_ct(
+    w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, fp32_quotient: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [rows, cols] -> (e4m3 [rows, cols], weight_scale [ceil(rows/B), ceil(cols/B)] in
+    w's dtype): compressed-tensors' ``float-quantized`` block strategy as llm-compressor's
+    ``model_free_ptq(scheme="FP8_BLOCK")`` writes it (docs/formats.md#fp8-block-output-prefill-artifact).
+
+    Zero-padded to whole blocks; ``scale = dtype(absmax / 448)`` (a zero scale becomes the dtype's
+    eps); ``code = e4m3(clamp(dtype(w / scale), -448, 448))`` — the quotient rounded to w's dtype
+    first, as the eager torch path (CPU) does. ``fp32_quotient`` keeps the quotient in fp32, as
+    compressed-tensors' Triton kernel (CUDA SM90+) does; the two differ in a few percent of codes."""
+    if w.ndim != 2 or not w.is_floating_point():
+        raise ValueError(f"expected a 2-D float weight, got {w.dtype} {tuple(w.shape)}")
+    rows, cols = w.shape
+    (gr, gc), (br, bc) = block_grid((rows, cols), block), block
+    pad = w.new_zeros(gr * br, gc * bc)
+    pad[:rows, :cols] = w
+    blocks = pad.view(gr, br, gc, bc)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = (amax.float() / FP8_MAX).to(w.dtype)
+    scale = torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)
+    x = blocks.float() / scale.float().view(gr, 1, gc, 1)
+    if not fp32_quotient:
+        x = x.to(w.dtype)
+    q = x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(gr * br, gc * bc)[:rows, :cols]
+    return q.contiguous(), scale
