@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import archs
-from .archs.base import IGNORE_PATTERN, ROLE_GROUP, ROLES, Architecture, profile_quantizes
+from .archs.base import ENGINE_UNQUANTIZED, IGNORE_PATTERN, ROLE_GROUP, ROLES, Architecture, profile_quantizes
 from .checkpoint.config import ModelConfig
 from .checkpoint.index import CheckpointIndex, TensorRef, load_config, read_tensor
 from .checkpoint.reader import fp8_scale_format
@@ -288,11 +288,17 @@ def _ct_name_match(name: str, pat: str) -> bool:
     return re.match(pat[3:], name) is not None if pat.startswith("re:") else pat == name
 
 
-def source_int4_module(module: str, qc: dict) -> bool:
-    """Whether an INT4 source's config makes the Linear ``module`` INT4 (targeted, not ignored)."""
-    if any(_ct_name_match(module, p) for p in qc.get("ignore") or []):
+def source_int4_module(names: list[str], qc: dict) -> bool:
+    """Whether an INT4 source's config makes a Linear INT4 (targeted, and ignored under none of
+    ``names``: the checkpoint's and the engine's, e.g. Moonshot's plain ``lm_head`` is
+    ``language_model.lm_head`` on disk)."""
+    if any(_ct_name_match(n, p) for n in names for p in qc.get("ignore") or []):
         return False
-    return any(t == "Linear" or _ct_name_match(module, t) for ts in _int4_targets(qc).values() for t in ts)
+    return any(t == "Linear" or _ct_name_match(n, t) for n in names for ts in _int4_targets(qc).values() for t in ts)
+
+
+def _names(arch: Architecture, module: str, config: dict) -> list[str]:
+    return [module] + [n for n in arch.engine_module_names(module, config)[:1] if n != module]
 
 
 def virtual_index(folder: Path, config: dict, arch: Architecture, source_format: str, qc: dict) -> CheckpointIndex:
@@ -308,7 +314,8 @@ def virtual_index(folder: Path, config: dict, arch: Architecture, source_format:
     g4 = int4_scheme(qc).group_size if source_format == "ct-int4" else None
     for name, shape, role in arch.expected(arch.text_config(config)):
         lin, _, keep = ROLES[role]
-        if g4 and lin and len(shape) == 2 and name.endswith(".weight") and source_int4_module(name[:-7], qc):
+        if (g4 and lin and len(shape) == 2 and name.endswith(".weight") and role not in ENGINE_UNQUANTIZED
+                and source_int4_module(_names(arch, name[:-7], config), qc)):
             m, (o, k) = name[: -len(".weight")], shape
             for part, dt, shp, size in (("weight_packed", "I32", (o, -(-k // 8)), 4), ("weight_scale", dtype,
                                         (o, k // g4), 2 if dtype != "F32" else 4), ("weight_shape", "I64", (2,), 8)):
@@ -369,7 +376,7 @@ def build_plan(
     scheme4 = int4_scheme(src_qc) if source_format == "ct-int4" else None
     if scheme4 is not None:
         options = _int4_request(asked, options, recipe, scheme4, where)
-    int4_mods = _int4_parts(index, folder, scheme4, src_qc, where)
+    int4_mods = _int4_parts(index, folder, scheme4, src_qc, where, arch)
 
     jobs_by_file: dict[str, list[Job]] = defaultdict(list)
     dropped: list[str] = []
@@ -507,8 +514,8 @@ def _int4_request(asked, options, recipe: Recipe | None, src: Int4Scheme, where:
     return replace(options, group_size=g if g is not None else src.group_size)
 
 
-def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None, qc: dict,
-                where: str) -> dict[str, tuple]:
+def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None, qc: dict, where: str,
+                arch: Architecture) -> dict[str, tuple]:
     """module -> (weight_packed, weight_scale, weight_shape, (out, in)) of an INT4 source, each
     checked against the others and the config; one line naming the tensor otherwise."""
     tensors = index.tensors
@@ -516,15 +523,14 @@ def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None,
                    if n.rsplit(".", 1)[-1] in ("weight_packed", "weight_shape", *INT4_REFUSED)})
     if scheme is None:
         if mods:
-            ref = tensors.get(mods[0] + ".weight_packed") or next(
-                tensors[n] for n in tensors if n.startswith(mods[0] + "."))
+            ref = next(tensors[f"{mods[0]}.{p}"] for p in (*INT4_PARTS, *INT4_REFUSED) if f"{mods[0]}.{p}" in tensors)
             raise QuantizeError(f"{folder / ref.file}: {mods[0]} is stored INT4 (pack-quantized), but {where} "
                                 "declares no compressed-tensors INT4 quantization_config; the config and the tensors "
                                 "disagree")
         return {}
     out: dict[str, tuple] = {}
     for m in mods:
-        some = next(tensors[n] for n in tensors if n.startswith(m + ".") and n.rsplit(".", 1)[0] == m)
+        some = next(tensors[f"{m}.{p}"] for p in (*INT4_PARTS, *INT4_REFUSED) if f"{m}.{p}" in tensors)
         at = folder / some.file
         for part, why in INT4_REFUSED.items():
             if f"{m}.{part}" in tensors:
@@ -560,7 +566,7 @@ def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None,
         if tuple(scale.shape) != (o, k // g):
             raise QuantizeError(f"{folder / scale.file}: {scale.name} is {list(scale.shape)}, but a [{o}, {k}] weight "
                                 f"in groups of {g} ({where}) needs [{o}, {k // g}]; the config and the tensors disagree")
-        if not source_int4_module(m, qc):
+        if not source_int4_module(_names(arch, m, index.config), qc):
             raise QuantizeError(f"{folder / packed.file}: {m} is stored INT4, but the quantization_config in {where} "
                                 "does not target it (or ignores it); the engines would build it high precision and "
                                 "fail to load it, fix the config")
