@@ -99,8 +99,8 @@ def test_logits_close_to_fp8_reference(arch, tiny, converted, tmp_path):
     error of logits < 0.20 and top-1 agreement >= 75% over 64 positions (measured: GLM 0.106 /
     84%, Kimi 0.129 / 86%). Control: the same model with one layer's experts read in the wrong
     nibble order (K reversed) must break the bound."""
-    ref = _load_model(_bf16_reference(tiny(arch), tmp_path / "ref"))
-    cand = _load_model(converted(arch, group_size=32))
+    ref = _load_model(_bf16_reference(tiny(arch, layout="fp8"), tmp_path / "ref"))
+    cand = _load_model(converted(arch, layout="fp8", group_size=32))
     ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = ref(input_ids=ids).logits.float()
@@ -210,10 +210,10 @@ def test_keep_fp8(arch, tiny, converted, tmp_path):
     fused-MoE checkpoint (its expert conversion finds no tensors), so loading is not tested here."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    src = tiny(arch)
+    src = tiny(arch, layout="fp8")
     out = tmp_path / "kf"
     convert(src, out, keep_fp8=True)
-    a, ref, s = load_dir(out), load_dir(converted(arch, group_size=32)), load_dir(src)
+    a, ref, s = load_dir(out), load_dir(converted(arch, layout="fp8", group_size=32)), load_dir(src)
     for k, v in a.items():
         if k.endswith(("weight_packed", "weight_shape")) or (k.endswith("weight_scale") and k.replace("weight_scale", "weight_packed") in a):
             assert torch.equal(v, ref[k])

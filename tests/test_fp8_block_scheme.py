@@ -166,7 +166,7 @@ def _check_outputs(src_t, out_t, targeted, weights_of):
 def test_model_free_ptq_end_to_end_llama(tiny, tmp_path):
     """With no ignore list, embed_tokens and lm_head are quantized too: targets ["Linear"] match
     every ``*.weight`` by name (only ``*norm`` modules are skipped)."""
-    src = tiny("llama", fp8_source=False)
+    src = tiny("llama", layout="bf16")
     out_t, qc = _ptq(src, tmp_path / "out", [])
     src_t = load_dir(src)
     targeted = _quantized_names(src_t, lambda m: False)
@@ -178,7 +178,7 @@ def test_model_free_ptq_end_to_end_llama(tiny, tmp_path):
 def test_model_free_ptq_end_to_end_moe_with_the_kimi_ignore_list(tiny, tmp_path):
     from compressed_tensors.utils.match import match_name
 
-    src = tiny("deepseek_v3", fp8_source=False)
+    src = tiny("deepseek_v3", layout="bf16")
     out_t, qc = _ptq(src, tmp_path / "out", KIMI_IGNORE)
     src_t = load_dir(src)
     targeted = _quantized_names(src_t, lambda m: any(match_name(m, i) for i in KIMI_IGNORE))
@@ -190,7 +190,7 @@ def test_model_free_ptq_end_to_end_moe_with_the_kimi_ignore_list(tiny, tmp_path)
 
 def test_model_free_ptq_router_and_ragged_rows_when_not_ignored(tiny, tmp_path):
     """The router (8 rows) and kv_a_proj_with_mqa (192 rows) are accepted: zero-padded to whole blocks."""
-    src = tiny("deepseek_v3", fp8_source=False)
+    src = tiny("deepseek_v3", layout="bf16")
     out_t, _ = _ptq(src, tmp_path / "out", ["lm_head", "model.embed_tokens"])
     for k, grid in [("model.layers.1.mlp.gate.weight", (1, 2)),
                     ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", (2, 2))]:
@@ -204,7 +204,7 @@ def int4_source(tiny, tmp_path_factory):
     from llmcompressor.entrypoints.model_free import model_free_ptq
 
     out = tmp_path_factory.mktemp("int4") / "w4a16"
-    model_free_ptq(str(tiny("deepseek_v3", fp8_source=False)), str(out), scheme="W4A16",
+    model_free_ptq(str(tiny("deepseek_v3", layout="bf16")), str(out), scheme="W4A16",
                    ignore=KIMI_IGNORE, device="cpu")
     shutil.rmtree(out / ".quantize", ignore_errors=True)
     return out
