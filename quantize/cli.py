@@ -164,7 +164,10 @@ def convert(json_out: bool, **options):
     _print(
         f"[bold green]done[/] {res.out}: {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)} in "
         f"{res.seconds:.1f} s "
-        f"({res.gbps:.3f} GB/s); {res.tensors_int4} INT4 tensors{err}{kept}"
+        f"({res.gbps:.3f} GB/s); {res.tensors_int4} {'FP8 block' if res.plan['options'].get('scheme') else 'INT4'} "
+        f"tensors quantized{err}"
+        + (f"; {res.passed_through} INT4 tensors passed through bit for bit" if res.passed_through else "")
+        + kept
     )
     m = res.method
     if not m:

@@ -47,6 +47,7 @@ class ConvertResult:
     max_rel_err: float | None
     resumed_shards: int
     method: dict | None = None  # a data-aware method's report (also in the manifest): per layer, RTN fallbacks
+    passed_through: int = 0  # an INT4 source's tensors written bit for bit
 
     @property
     def gbps(self) -> float:
@@ -128,6 +129,8 @@ def compute_job(
             out[r0:r1] = _weight_rows(job, w, s, r0, r1)
         _check_finite(job, out)
         return [out.cpu()], None
+    if job.kind == "fp8":
+        return _fp8_block_job(job, w, s)
     if job.kind == "int4":
         rows, k = job.wshape
         g = options.group_size
@@ -186,6 +189,29 @@ def compute_job(
             stats["rel_err_minmax"] = (sq_err_mm / sq_ref) ** 0.5 if sq_ref else 0.0
         return [packed.cpu(), scale.cpu(), torch.tensor([rows, k], dtype=torch.int64)], stats
     raise AssertionError(job.kind)
+
+
+def _fp8_block_job(job: Job, w: torch.Tensor, s: torch.Tensor | None) -> tuple[list[torch.Tensor], dict]:
+    """``--scheme fp8-block``: the weight as llm-compressor's model_free_ptq sees it (an FP8 source
+    dequantized to BF16 as FP8BlockDequantizer does, an INT4 one as CompressedTensorsDequantizer
+    does: code x scale in BF16), then FP8_BLOCK's round to nearest (``fp8.quant_block_ct``)."""
+    if job.scale_format == "int4":
+        wb = int4.dequantize_int4(w, s, job.wshape, dtype=torch.bfloat16)
+    elif job.scale is not None:
+        wb = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+        for r0 in range(0, w.shape[0], ROW_CHUNK):
+            r1 = min(w.shape[0], r0 + ROW_CHUNK)
+            wb[r0:r1] = _weight_rows(job, w, s, r0, r1)
+    else:
+        wb = w
+    _check_finite(job, wb)
+    q, scale = fp8.quant_block_ct(wb)
+    ref = wb.float()
+    diff = fp8.dequant_block(q, scale.float(), fp8.DEFAULT_BLOCK, dtype=torch.float32).sub_(ref)
+    sq_ref, sq_err = float(ref.pow(2).sum(dtype=torch.float64)), float(diff.pow(2).sum(dtype=torch.float64))
+    stats = {"name": job.name, "role": job.role, "rel_err": (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0,
+             "max_abs_err": float(diff.abs().max()) if diff.numel() else 0.0, "scheme": "fp8-block"}
+    return [q.cpu(), scale.cpu()], stats
 
 
 def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cache) -> tuple[list[torch.Tensor], dict]:
@@ -356,6 +382,7 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
         max(rel) if rel else None,
         resumed,
         cache.report if cache is not None else None,
+        sum(j.kind == "pass_int4" for j in plan.jobs),
     )
     emit(
         {
@@ -389,7 +416,8 @@ def _execute(
                 return
             si, j = nxt
             fut = (
-                pool.submit(compute_job, j, src, options, fds, device, cache) if j.kind in ("int4", "dequant") else None
+                pool.submit(compute_job, j, src, options, fds, device, cache)
+                if j.kind in ("int4", "dequant", "fp8") else None
             )
             pending.append((si, j, fut))
 

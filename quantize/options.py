@@ -333,6 +333,9 @@ def cli_parameters(model: type) -> list[inspect.Parameter]:
 
 METHODS = ("rtn", "gptq", "autoround")
 DEFAULT_METHOD = "rtn"
+# output schemes: group-wise INT4 (pack-quantized) or 128x128 block FP8 (float-quantized, llm-compressor's FP8_BLOCK)
+SCHEMES = ("w4a16", "fp8-block")
+DEFAULT_SCHEME = "w4a16"
 DATA_AWARE = ("gptq", "autoround")
 # GPTQ column order: "static" visits columns by decreasing Hessian diagonal with the groups fixed
 # beforehand (llm-compressor's default, its "static"/"weight"; the file format is unchanged, no
@@ -363,6 +366,14 @@ class ConvertOptions(Options):
     )
     out: Path | None = opt(
         None, "output folder (must not exist unless --resume/--overwrite)", argument=True, record=False
+    )
+    scheme: str | None = opt(
+        None,
+        "w4a16 (default: group-wise INT4 pack-quantized, the decode artifact) or fp8-block (e4m3 weights, one scale "
+        "per 128x128 block, float-quantized as llm-compressor's FP8_BLOCK writes it: the prefill artifact); default: "
+        "the recipe's",
+        choices=SCHEMES,
+        why="unknown; use one of {choices}",
     )
     group_size: int | None = opt(
         None,
@@ -527,6 +538,11 @@ class ConvertOptions(Options):
                 d.pop(k, None)
         if not self.requantize:  # only an INT4 source reads it: records of other runs stay as they were
             d.pop("requantize", None)
+        if self.scheme in (None, DEFAULT_SCHEME):
+            d.pop("scheme", None)
+        else:  # FP8 block has one grid (absmax / 448 per block): INT4's group size and observer do not apply
+            d.pop("group_size", None)
+            d.pop("observer", None)
         return d
 
     def check_method_options(self) -> None:
@@ -557,6 +573,29 @@ class ConvertOptions(Options):
     def resolve(self, recipe) -> "ConvertOptions":
         """The options the plan runs with: explicit values, else the recipe's, else the defaults. A
         flag that contradicts the recipe is refused rather than silently replaced."""
+        rscheme = recipe.scheme if recipe is not None else None
+        if self.scheme is not None and rscheme is not None and self.scheme != rscheme:
+            raise QuantizeError(f"--scheme {self.scheme} conflicts with scheme {rscheme} in {recipe.path}; "
+                                "drop the flag or edit the recipe")
+        scheme = self.scheme or rscheme or DEFAULT_SCHEME
+        if scheme != DEFAULT_SCHEME:
+            self._check_fp8_block(recipe)
+        return replace(self._resolve(recipe), scheme=scheme)
+
+    def _check_fp8_block(self, recipe) -> None:
+        """FP8 block is round-to-nearest on its own grid (absmax / 448 per 128x128 block, as
+        llm-compressor's model_free_ptq): the INT4 knobs are refused, not ignored."""
+        for name, bad in (("group_size", self.group_size is not None), ("observer", self.observer is not None),
+                          ("method", self.method not in (None, DEFAULT_METHOD)),
+                          ("keep_fp8", self.keep_fp8)):
+            if bad:
+                raise QuantizeError(f"{flag(name)} is an INT4 option, but the scheme is fp8-block (one scale per "
+                                    f"128x128 block, round to nearest); drop {flag(name)} or use --scheme w4a16")
+        if recipe is not None and recipe.method != DEFAULT_METHOD:
+            raise QuantizeError(f"{recipe.path}: a {recipe.method} modifier with scheme fp8-block; FP8 block is "
+                                "round to nearest, use a QuantizationModifier")
+
+    def _resolve(self, recipe) -> "ConvertOptions":
         if recipe is None:
             method = self.method or DEFAULT_METHOD
             out = replace(
@@ -647,6 +686,8 @@ class PlanOptions(Options):
     )
     keep_fp8: bool = same(ConvertOptions, "keep_fp8")
     recipe: str | None = same(ConvertOptions, "recipe")
+    scheme: str | None = same(ConvertOptions, "scheme")
+    requantize: bool = same(ConvertOptions, "requantize")
     gpu_mem_gib: float = opt(
         H200_GIB,
         "GPU memory (default: an H200's)",

@@ -430,7 +430,12 @@ def build_plan(
         if is_weight2d:
             module = base
             quant = _decide_by_recipe(recipe, module) if recipe else profile_quantizes(options.profile, role)
-            if quant:
+            if quant and options.scheme == "fp8-block":
+                job.kind = "fp8"
+                sdt = "BF16" if is_fp8 or ref.dtype == "BF16" else ref.dtype  # the weight's dtype, as llm-compressor
+                job.outputs = [Entry(name, "F8_E4M3", ref.shape),
+                               Entry(f"{module}.weight_scale", sdt, layout.block_grid(ref.shape, layout.DEFAULT_BLOCK))]
+            elif quant:
                 out, k = ref.shape
                 job.kind = "int4"
                 sdt = "BF16" if is_fp8 or ref.dtype == "BF16" else ref.dtype
@@ -496,6 +501,8 @@ def _int4_request(asked, options, recipe: Recipe | None, src: Int4Scheme, where:
     ``--requantize``; without it they pass through bit for bit."""
     from dataclasses import replace
 
+    if options.scheme == "fp8-block":  # another format asked for by name: the INT4 codes are dequantized
+        return options
     g = asked.group_size if asked.group_size is not None else (recipe.group_size if recipe else None)
     obs = asked.observer or (recipe.observer if recipe else None)
     changes = []
@@ -589,7 +596,11 @@ def _int4_job(module: str, parts: tuple, role: str, quant: bool, options, recipe
                             "precision; INT4 weights are not widened back, target it (or use --profile experts)")
     job = Job("pass_int4", module + ".weight", role, packed, scale=scale, scale_format="int4", extra=[shp],
               shape=(o, k))
-    if options.requantize:
+    if options.scheme == "fp8-block":  # dequantized as compressed-tensors does (BF16), then FP8 block
+        job.kind = "fp8"
+        job.outputs = [Entry(module + ".weight", "F8_E4M3", (o, k)),
+                       Entry(module + ".weight_scale", "BF16", layout.block_grid((o, k), layout.DEFAULT_BLOCK))]
+    elif options.requantize:
         g = options.group_size
         job.kind = "int4"
         job.outputs = [Entry(f"{module}.weight_packed", "I32", layout.packed_shape((o, k))),
@@ -674,6 +685,15 @@ def quantization_config(
     from .formats import int4
 
     view = config_view(arch, config, options, recipe, shards)
+    if options.scheme == "fp8-block":  # llm-compressor's FP8_BLOCK preset, as model_free_ptq writes it
+        from compressed_tensors.quantization import preset_name_to_scheme
+
+        sc = preset_name_to_scheme("FP8_BLOCK", view["config_groups"]["config_group_0"]["targets"])
+        sc.format = "float-quantized"
+        qc = QuantizationConfig(config_groups={"config_group_0": sc}, format="float-quantized", ignore=view["ignore"],
+                                quantization_status="compressed", kv_cache_scheme=None, global_compression_ratio=None)
+        return {"version": CT_VERSION, "quant_method": "compressed-tensors", "transform_config": {},
+                **qc.model_dump(mode="json")}
     # compressed-tensors' own models, dumped as its 0.19 writes them (llmcompressor's update_config)
     groups = {
         "config_group_0": QuantizationScheme(
@@ -755,8 +775,10 @@ def _scheme_for(name: str, qc: dict, match) -> str:
     return "bf16"
 
 
-EXPECT = {"int4": "config_group_0", "pass_int4": "config_group_0", "keep_fp8": "config_group_1"}
+EXPECT = {"int4": "config_group_0", "pass_int4": "config_group_0", "fp8": "config_group_0",
+          "keep_fp8": "config_group_1"}
 INT4_KINDS = ("int4", "pass_int4")
+QUANT_KINDS = (*INT4_KINDS, "fp8")  # what config_group_0 holds
 
 
 def is_linear_weight(j: Job) -> bool:
@@ -787,7 +809,7 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
     decision: dict[str, bool] = {}
     for j in plan.jobs:
         if is_linear_weight(j):
-            decision[j.module] = j.kind in INT4_KINDS
+            decision[j.module] = j.kind in QUANT_KINDS
         if j.kind == "int4" and j.wshape[1] % g:
             k = j.wshape[1]
             fits = [x for x in layout.SUPPORTED_GROUP_SIZES if k % x == 0]
@@ -836,7 +858,8 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
 
 # ---------------------------------------------------------------------------------------------
 @takes(PlanOptions)
-def plan(source, tp, group_size, profile, keep_fp8, recipe, gpu_mem_gib, mem_fraction, reserve_gib) -> Plan:
+def plan(source, tp, group_size, profile, keep_fp8, recipe, scheme, requantize, gpu_mem_gib, mem_fraction,
+         reserve_gib) -> Plan:
     """``quantize plan``: the conversion plan from headers (or config.json alone), no tensor data,
     with KV-cache capacity per GPU (``Plan.kv``) for the given GPU memory inputs. ``group_size`` /
     ``profile`` None: not given (the recipe's, else 32 / experts)."""
@@ -844,7 +867,8 @@ def plan(source, tp, group_size, profile, keep_fp8, recipe, gpu_mem_gib, mem_fra
 
     p = build_plan(
         Path(source),
-        ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe),
+        ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe, scheme=scheme,
+                       requantize=requantize),
         tp=tp,
         allow_config_only=True,
         ct_check=False,

@@ -17,7 +17,9 @@ from .options import ConvertOptions, spec
 from .parse import load_yaml
 
 # the preset schemes this tool writes (symmetric INT4, group-wise); their group size is compressed-tensors'
-PRESETS = ("W4A16",)
+PRESETS = ("W4A16", "FP8_BLOCK")
+# a preset's output scheme (quantize.options.SCHEMES)
+PRESET_SCHEME = {"W4A16": "w4a16", "FP8_BLOCK": "fp8-block"}
 MODIFIERS = ("QuantizationModifier", "GPTQModifier", "AutoRoundModifier")
 
 
@@ -30,6 +32,7 @@ class Recipe:
     observer: str | None = None
     kv_cache_scheme: dict | None = field(default=None)
     method: str = "rtn"  # "gptq" for a GPTQModifier, "autoround" for an AutoRoundModifier
+    scheme: str = "w4a16"  # "fp8-block" for FP8_BLOCK (the preset, or a float block config group)
     damp: float | None = None  # GPTQModifier dampening_frac
     block: int | None = None  # GPTQModifier block_size
     actorder: str | None = None  # GPTQModifier actorder: "static" or "off" (calibration order only; static groups)
@@ -114,6 +117,8 @@ def load_recipe(path: str | Path) -> Recipe:
                 f"{path}: config group {gname} must be a mapping with a 'weights' mapping; fix the recipe"
             )
         w = group.get("weights") or {}
+        if w.get("type") == "float" and w.get("num_bits") == 8:
+            return _fp8_block_recipe(path, kind, mod, ignore, gname, group)
         if group.get("input_activations") or group.get("output_activations"):
             raise QuantizeError(
                 f"{path}: config group {gname} quantizes activations; convert writes weight-only "
@@ -153,8 +158,11 @@ def load_recipe(path: str | Path) -> Recipe:
     elif isinstance(scheme, str):
         if scheme not in PRESETS:
             raise QuantizeError(
-                f"{path}: scheme {scheme!r} is not supported; use W4A16 or a config_groups block with num_bits 4"
+                f"{path}: scheme {scheme!r} is not supported; use W4A16, FP8_BLOCK or a config_groups block with "
+                "num_bits 4"
             )
+        if PRESET_SCHEME[scheme] == "fp8-block":
+            return _fp8_block_recipe(path, kind, mod, ignore, None, None)
         group_size = _preset_group_size(scheme)
         targets = _strings(path, "targets", mod.get("targets")) or ("Linear",)
         observer = None
@@ -193,6 +201,33 @@ def load_recipe(path: str | Path) -> Recipe:
         block=_number(path, "block_size", mod.get("block_size", default("block")), int),
         actorder=_actorder(path, actorder if actorder_given else default("actorder")),
     )
+
+
+FP8_BLOCK_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                     "block_structure": [128, 128], "dynamic": False}
+FP8_BLOCK_INPUTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128,
+                    "dynamic": True}
+
+
+def _fp8_block_recipe(path: Path, kind: str, mod: dict, ignore, gname, group) -> Recipe:
+    """A recipe asking for llm-compressor's FP8_BLOCK (the preset, or a config group spelling it
+    out): e4m3 weights with one scale per 128x128 block, dynamic per-128-group FP8 activations."""
+    if kind != "QuantizationModifier":
+        raise QuantizeError(f"{path}: FP8 block weights under a {kind}; FP8 block is round to nearest, use a "
+                            "QuantizationModifier")
+    if group is not None:
+        for part, want in (("weights", FP8_BLOCK_WEIGHTS), ("input_activations", FP8_BLOCK_INPUTS)):
+            got = group.get(part)
+            if part == "input_activations" and got is None:
+                continue  # weight-only FP8 block is what the weights hold too; activations are dynamic anyway
+            bad = {k: (got or {}).get(k) for k, v in want.items() if (got or {}).get(k, v) != v}
+            if not isinstance(got, dict) or bad:
+                raise QuantizeError(f"{path}: config group {gname} {part} asks for {bad or got!r}; the FP8 scheme "
+                                    f"written is FP8_BLOCK ({part}: {want})")
+        targets = _strings(path, "targets", group.get("targets")) or ("Linear",)
+    else:
+        targets = _strings(path, "targets", mod.get("targets")) or ("Linear",)
+    return Recipe(str(path), targets, ignore, 32, None, mod.get("kv_cache_scheme"), scheme="fp8-block")
 
 
 def default(name: str):

@@ -106,6 +106,10 @@ MOONSHOT_INT4 = {
     "quant_method": "compressed-tensors", "quantization_status": "compressed",
 }
 MOONSHOT_GROUP = 32
+# config.json of Kimi K2.6 at its published size (61 layers, hidden 7168, 64 heads, kv_lora 512, rope 64,
+# 384 routed experts of 2048, MoonViT 27 x 1152) with Moonshot's INT4 quantization_config: for
+# `quantize plan` from the config alone (no weights), e.g. the KV capacity at TP 8
+KIMI_K26_CONFIG = Path(__file__).with_name("kimi-k2.6-config.json")
 # what each architecture's release ships: make-tiny --layout vendor
 VENDOR_LAYOUT = {"glm_moe_dsa": "fp8", "deepseek_v3": "fp8", "kimi_k25": "int4", "llama": "fp8"}
 
