@@ -328,6 +328,26 @@ def _method_tensor(where: str, how: str, rec: dict, scale: torch.Tensor, exp: "i
     return None
 
 
+def _fp8_block_diff(o: WeightReader, s: WeightReader, name: str, base: str) -> str | None:
+    """An FP8 block output tensor against FP8_BLOCK of the source weight as llm-compressor reads it
+    (FP8 and INT4 sources dequantized to BF16 first); why not, or None."""
+    from .formats import fp8 as fp8_fmt
+
+    st = s.index.tensors
+    if base + ".weight_packed" in st:
+        w = int4_fmt.dequantize_int4(s.raw(base + ".weight_packed"), s.raw(base + ".weight_scale"),
+                                     tuple(int(v) for v in s.raw(base + ".weight_shape").tolist()), torch.bfloat16)
+    elif s.scheme(name).startswith("fp8"):
+        w = s.weight(name, torch.bfloat16)
+    else:
+        w = s.raw(name)
+    if base + ".weight_scale" not in o.index.tensors:
+        return "its weight_scale is missing"
+    q, scale = fp8_fmt.quant_block_ct(w)
+    d = _diff(o.raw(name), q) or _diff(o.raw(base + ".weight_scale"), scale)
+    return f"FP8 block codes/scales differ from FP8_BLOCK of the source: {d}" if d else None
+
+
 def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: dict, rows: dict[str, "Row"],
                           max_source_rel_err: float, emit: Emit = null_emit, records: dict[str, dict] | None = None
                           ) -> tuple[list[str], int, int]:
@@ -340,7 +360,7 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
     # an INT4 source (Kimi K2.6): its tensors pass through (compared byte for byte below, as copies),
     # or with --requantize were dequantized exactly and quantized again (re-derived here the same way)
     redone = {n[: -len(".weight_packed")] for n in src.tensors if n.endswith(".weight_packed")} \
-        if options.get("requantize") else set()
+        if options.get("requantize") or options.get("scheme") == "fp8-block" else set()
     failures: list[str] = []
     proven = by_method = 0
     accounted: set[str] = set()
@@ -357,6 +377,14 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                 if part != "weight_packed":
                     continue  # its module is proven with its weight_packed
                 name, base, where = m4 + ".weight", m4, f"{out.folder}: tensor {m4}"
+                if base + ".weight" in out.tensors:  # INT4 -> FP8 block
+                    accounted.update((base + ".weight", base + ".weight_scale"))
+                    d = _fp8_block_diff(o, s, name, base)
+                    if d:
+                        failures.append(f"{where}: differs from the source ({d})")
+                    else:
+                        proven += 1
+                    continue
             if name in out.tensors:
                 got, ref = o.raw(name), s.raw(name)
                 accounted.add(name)
@@ -370,6 +398,9 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                              else "its scale is missing")
                 elif ref.dtype == torch.float8_e4m3fn:
                     d = _diff(got, s.weight(name, torch.bfloat16))
+                elif got.dtype == torch.float8_e4m3fn:  # --scheme fp8-block: FP8_BLOCK of the source weight
+                    d = _fp8_block_diff(o, s, name, base)
+                    accounted.add(base + ".weight_scale")
                 else:
                     d = f"{got.dtype} where the source holds {ref.dtype}"
                 if d:
@@ -479,8 +510,10 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
     g = torch.Generator().manual_seed(seed)
     rows: list[Row] = []
     modules = [n[: -len(".weight_packed")] for n in index.tensors if n.endswith(".weight_packed")]
-    if not modules:
-        raise QuantizeError(f"{model}: no INT4 (weight_packed) tensors to check; is this a quantize convert output?")
+    fp8_out = any(r.dtype == "F8_E4M3" for r in index.tensors.values())
+    if not modules and not fp8_out:
+        raise QuantizeError(f"{model}: no INT4 (weight_packed) or FP8 tensors to check; is this a quantize convert "
+                            "output?")
     emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0})
     for i, m in enumerate(modules):
         packed = read_tensor(model, index.tensors[m + ".weight_packed"])
