@@ -62,7 +62,8 @@ from .parse import load_json, load_yaml
 
 # -- the recipe's pipeline section --------------------------------------------------------------
 
-STAGES = ("make-source", "convert", "calibrate-kv", "shard", "check", "eval", "pd-eval", "card", "prefill", "push")
+STAGES = ("make-source", "convert", "convert-prefill", "calibrate-kv", "shard", "check", "eval", "pd-eval", "card",
+          "prefill", "push")
 DEFAULT_STAGES = ("convert", "calibrate-kv", "shard", "check", "eval", "card", "push")
 TINY_PREFIX = "tiny:"
 
@@ -75,6 +76,10 @@ SECTIONS = {
     "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device")), O.EvalStageOptions),
     "push": O.recipe_section(O.PushOptions, defaults={"dry_run": True}),
     "pd": O.recipe_section(O.PDOptions, O.PrefillOptions),
+    # the prefill pool's own weights (the convert-prefill stage): FP8 block from the source, e.g. Kimi
+    # K2.6's INT4 release, as llm-compressor's examples/model_free_ptq/kimi_k26_fp8_block.py makes it
+    "prefill_model": O.recipe_section((O.ConvertOptions, ("scheme", "profile")),
+                                      defaults={"scheme": "fp8-block", "profile": "all-linear"}),
 }
 TOP = O.recipe_section(
     O.PipelineOptions, (O.EvalOptions, ("tasks", "limit", "max_drop", "data_dir")), defaults={"tasks": "arc_easy"}
@@ -386,6 +391,24 @@ def _run_convert(ctx: Ctx, resume: bool) -> dict:
     }
 
 
+def _opts_convert_prefill(p: Pipeline) -> dict:
+    return dict(p.opts["prefill_model"])
+
+
+def _run_convert_prefill(ctx: Ctx, resume: bool) -> dict:
+    from . import convert as conv
+
+    out = ctx.p.out / "prefill-model"
+    res = conv.convert(ctx.path("source"), out, resume=resume, overwrite=not resume and out.exists(), emit=ctx.emit,
+                       **ctx.p.opts["prefill_model"])
+    return {
+        "outputs": {"prefill_model": {"path": "prefill-model", "id": _model_identity(out)}},
+        "summary": f"prefill weights: {res.tensors_int4} {ctx.p.opts['prefill_model']['scheme']} tensors, "
+                   f"{res.source_bytes:,} -> {res.output_bytes:,} bytes",
+        "result": {"tensors": res.tensors_int4, "source_bytes": res.source_bytes, "output_bytes": res.output_bytes},
+    }
+
+
 def _run_kv(ctx: Ctx, resume: bool) -> dict:
     from .calibrate import kv as kvmod
 
@@ -526,9 +549,8 @@ def _run_pd_eval(ctx: Ctx, resume: bool) -> dict:
     p, o = ctx.p, ctx.p.opts["pd"]
     (p.out / "reports").mkdir(exist_ok=True)
     out = p.out / "reports" / "pd.json"
-    rep = pd.pd_fidelity(
-        ctx.path("source"), ctx.path("model"), ctx.path("source"), out=out, **{k: o[k] for k in PD_EVAL_KEYS}
-    )
+    prefill = ctx.path("prefill_model") if "prefill_model" in ctx.art else ctx.path("source")
+    rep = pd.pd_fidelity(prefill, ctx.path("model"), ctx.path("source"), out=out, **{k: o[k] for k in PD_EVAL_KEYS})
     return {
         "outputs": {"pd_report": {"path": "reports/pd.json", "id": _file_identity(out)}},
         "summary": rep.line(),
@@ -567,6 +589,7 @@ def _run_prefill(ctx: Ctx, resume: bool) -> dict:
         out,
         repo=p.opts["repo"],
         pd_report=pd_report,
+        prefill_model=ctx.path("prefill_model") if "prefill_model" in ctx.art else None,
         overwrite=out.exists(),
         **{k: p.opts["pd"][k] for k in PREFILL_KEYS},
     )
@@ -664,13 +687,20 @@ def _does(p: Pipeline, name: str) -> str:
             f"drop {o['max_drop']}"
             + (" (skipped if the data is absent)" if o["eval"]["if_no_data"] == "skip" else "")
         ),
+        "convert-prefill": lambda: (
+            f"make the prefill pool's weights ({o['prefill_model']['scheme']}, profile {o['prefill_model']['profile']}) "
+            f"from the source in {p.out / 'prefill-model'}"
+        ),
         "pd-eval": lambda: (
-            f"prefill/decode fidelity: the prompt's KV from the source (prefill), stored {o['pd']['kv_cache_dtype']}, "
+            f"prefill/decode fidelity: the prompt's KV from the "
+            f"{'prefill weights' if 'convert-prefill' in p.stages else 'source'} (prefill), stored "
+            f"{o['pd']['kv_cache_dtype']}, "
             f"decoded by the model; KLD/top-1 against the source, beside the model alone"
         ),
         "card": lambda: "write the model card (README.md) from the records and the check/eval reports",
         "prefill": lambda: (
-            f"write the prefill artifact (card + SGLang PD launch lines pointing at {p.source}, no weights) in "
+            f"write the prefill artifact (card + SGLang PD launch lines pointing at "
+            f"{p.out / 'prefill-model' if 'convert-prefill' in p.stages else p.source}, no weights) in "
             f"{p.out / 'prefill'}"
         ),
         "push": lambda: (
@@ -682,21 +712,23 @@ def _does(p: Pipeline, name: str) -> str:
 STAGE_TABLE = {
     "make-source": Stage("make-source", (), (), _opts_make_source, _run_make_source),
     "convert": Stage("convert", ("source",), (), _opts_convert, _run_convert),
+    "convert-prefill": Stage("convert-prefill", ("source",), (), _opts_convert_prefill, _run_convert_prefill),
     "calibrate-kv": Stage("calibrate-kv", ("converted",), (), _opts_kv, _run_kv),
     "shard": Stage("shard", ("model",), (), lambda p: dict(p.opts["shard"]), _run_shard),
     "check": Stage(
         "check", ("model", "source", "converted"), ("shard",), lambda p: {"tp": p.opts["shard"]["tp"]}, _run_check
     ),
     "eval": Stage("eval", ("model", "source"), (), _opts_eval, _run_eval),
-    "pd-eval": Stage("pd-eval", ("model", "source"), (), _opts_pd, _run_pd_eval),
+    "pd-eval": Stage("pd-eval", ("model", "source"), ("prefill_model",), _opts_pd, _run_pd_eval),
     "card": Stage("card", ("model",), ("check_report", "eval_report"), lambda p: {}, _run_card),
-    "prefill": Stage("prefill", ("source", "model"), ("pd_report",), _opts_prefill, _run_prefill),
+    "prefill": Stage("prefill", ("source", "model"), ("pd_report", "prefill_model"), _opts_prefill, _run_prefill),
     "push": Stage("push", ("model",), ("card",), lambda p: dict(p.opts["push"]) | {"repo": p.opts["repo"]}, _run_push),
 }
 PRODUCER = {
     "source": "make-source or an existing source folder",
     "converted": "convert",
     "model": "convert",
+    "prefill_model": "convert-prefill",
     "shard": "shard",
     "check_report": "check",
     "eval_report": "eval",
@@ -796,7 +828,8 @@ def _outputs_intact(p: Pipeline, rec: dict) -> bool:
                 path = confined(p.out, a["path"], f"{p.out}/{RECORD_DIR}/job.json")
             except QuantizeError:
                 return False
-            fn = {"converted": _model_identity, "model": _model_identity}.get(name, _file_identity)
+            fn = {"converted": _model_identity, "model": _model_identity,
+                  "prefill_model": _model_identity}.get(name, _file_identity)
             if name == "shard":
                 path = path / "shard_manifest.json"
             elif name == "prefill":
@@ -932,6 +965,7 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
 STAGE_MAKES = {
     "make-source": ("source",),
     "convert": ("converted", "model"),
+    "convert-prefill": ("prefill_model",),
     "calibrate-kv": ("kv_report", "model"),
     "shard": ("shard",),
     "check": ("check_report",),

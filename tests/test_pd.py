@@ -200,3 +200,44 @@ def test_pd_recipe_yields_decode_and_prefill_artifacts(tmp_path):
     r.write_text(yaml.safe_dump(bad))
     with pytest.raises(QuantizeError, match="kv.fold with the pd-eval/prefill stage"):
         pipeline.run(str(r), plan=True)
+
+
+def test_kimi_pd_recipe_end_to_end_from_the_int4_release(tmp_path):
+    """recipes/kimi-k2.6-pd.yaml on the tiny Kimi as Moonshot ships it: the decode artifact is the
+    release's INT4 passed through bit for bit, the prefill artifact FP8 block weights made from it,
+    pd-eval measures that pair, and the prefill card points at the FP8 weights."""
+    from pathlib import Path
+
+    import yaml
+
+    from quantize import pipeline
+
+    from .conftest import load_dir
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2.6-pd.yaml").read_text())
+    doc["pipeline"].update(source="tiny:kimi_k25", out=str(tmp_path / "run"),
+                           stages=["convert", "convert-prefill", "calibrate-kv", "pd-eval", "card", "prefill", "push"])
+    doc["pipeline"]["kv"].update(samples=4, seq_len=32)
+    doc["pipeline"]["pd"].update(prompt_tokens=24, decode_tokens=8, device="cpu", decode_tp=2, source_repo=None)
+    r = tmp_path / "pd.yaml"
+    r.write_text(yaml.safe_dump(doc))
+    res = pipeline.run(str(r))
+    assert [s.state for s in res.stages] == ["done"] * 8
+    out = tmp_path / "run"
+    src, dec, pre = load_dir(out / "source"), load_dir(out / "model"), load_dir(out / "prefill-model")
+    int4 = [k for k in src if k.endswith((".weight_packed", ".weight_scale", ".weight_shape"))]
+    assert int4 and all(torch.equal(src[k], dec[k]) for k in int4)  # Moonshot's codes and scales, unchanged
+    man = json.loads((out / "model" / "quantize_manifest.json").read_text())
+    assert man["passed_through"]["modules"] == sum(k.endswith(".weight_packed") for k in src)
+    fp8 = [k for k, v in pre.items() if v.dtype == torch.float8_e4m3fn]
+    assert any(".mlp.experts." in k for k in fp8) and any(".self_attn.o_proj." in k for k in fp8)
+    assert not any(k.endswith(".weight_packed") for k in pre)
+    rep = json.loads((out / "reports" / "pd.json").read_text())
+    assert Path(rep["prefill"]).resolve() == (out / "prefill-model").resolve()
+    rec = json.loads((out / "prefill" / "prefill.json").read_text())
+    p = rec["launch"]["prefill"]
+    assert p[p.index("--model-path") + 1] == str((out / "prefill-model").resolve())
+    card = (out / "prefill" / "README.md").read_text()
+    assert "FP8 block weights" in card and "passed through bit for bit" in card
+    # a rerun keeps every stage
+    assert [s.state for s in pipeline.run(str(r)).stages] == ["done"] * 8

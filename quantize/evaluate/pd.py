@@ -449,11 +449,13 @@ def write_prefill(
     overwrite: bool = False,
     revision: str | None = None,
     source_repo: str | None = None,
+    prefill_model: str | os.PathLike | None = None,
     **launch,
 ) -> dict:
     """Write the prefill artifact into ``out``: README.md (the card), launch.sh and prefill.json,
     pointing at ``source`` (a Hub repo and revision where known, else the folder) for the prefill
-    pool and at ``decode_model`` (or ``repo``) for the decode pool. No weights are written."""
+    pool, or at ``prefill_model`` (its own weights made from the source, e.g. FP8 block from Kimi
+    K2.6's INT4), and at ``decode_model`` (or ``repo``) for the decode pool. No weights are written."""
     from ..checkpoint.index import hf_snapshot, hub_revision
     from ..checkpoint.manifest import write_manifest
     from ..checkpoint.output import Output
@@ -464,12 +466,17 @@ def write_prefill(
     revision = revision or hub_revision(src)
     snap = hf_snapshot(src.resolve())
     source_repo = source_repo or (snap.repo_id if snap else None)
-    prefill_ref = source_repo or str(src.resolve())
+    source_ref = source_repo or str(src.resolve())
+    prefill_ref = str(Path(prefill_model).resolve()) if prefill_model else source_ref
     decode_ref = repo or str(dec.resolve())
+    dec_man = load_json(dec / "quantize_manifest.json", "quantize manifest", kind="record") \
+        if (dec / "quantize_manifest.json").is_file() else {}
+    kept = (dec_man.get("passed_through") or {}) if isinstance(dec_man, dict) else {}
+    decode_is_source = bool(kept.get("modules")) and not kept.get("requantized")
     lines = launch_lines(
         prefill_ref,
         decode_ref,
-        revision=revision if source_repo else None,
+        revision=revision if source_repo and not prefill_model else None,
         trust_remote_code=bool(cfg.get("auto_map")),
         **launch,
     )
@@ -488,13 +495,24 @@ def write_prefill(
         f"# Prefill pool for {decode_ref}",
         "",
         f"This folder holds **no weights**. In a prefill/decode disaggregated {SGLANG} deployment the prefill pool "
-        "serves the "
-        f"source release itself, **{prefill_ref}**"
-        + (f" at revision `{revision}`" if revision else " (no Hub revision recorded: pin one)")
-        + f" ({arch}, its own FP8 weights), and the decode pool serves the INT4 checkpoint **{decode_ref}** made from "
-          "it by "
-        "`quantize convert` (routed experts INT4, everything else as in the source). Nothing here is a copy of the "
-        "source.",
+        + (
+            f"serves **{prefill_ref}**: FP8 block weights (e4m3, one scale per 128x128 block, compressed-tensors "
+            f"float-quantized, as llm-compressor's FP8_BLOCK writes them) made from the source **{source_ref}**"
+            + (f" at revision `{revision}`" if revision else "")
+            + f" ({arch}) by `quantize convert --scheme fp8-block`"
+            if prefill_model
+            else f"serves the source release itself, **{prefill_ref}**"
+            + (f" at revision `{revision}`" if revision else " (no Hub revision recorded: pin one)")
+            + f" ({arch}, its own FP8 weights)"
+        )
+        + (
+            f", and the decode pool serves **{decode_ref}**: the source's own INT4 weights, passed through bit for "
+            "bit by `quantize convert`."
+            if decode_is_source
+            else f", and the decode pool serves the INT4 checkpoint **{decode_ref}** made from it by `quantize "
+            "convert` (routed experts INT4, everything else as in the source)."
+        )
+        + " Nothing here is a copy of either.",
         "",
         "## KV cache",
         "",
@@ -551,6 +569,7 @@ def write_prefill(
     text = "\n".join(L)
     record = {
         "source": prefill_ref,
+        **({"prefill_weights_from": source_ref} if prefill_model else {}),
         "revision": revision,
         "source_path": str(src.resolve()),
         "decode": decode_ref,
@@ -561,7 +580,8 @@ def write_prefill(
         "fidelity": report,
     }
     key = {k: v for k, v in record.items() if k != "fidelity"}
-    with Output.open(out, "pd-prefill", [src, dec], overwrite=overwrite, key=key) as o:
+    inputs = [src, dec] + ([Path(prefill_model)] if prefill_model else [])
+    with Output.open(out, "pd-prefill", inputs, overwrite=overwrite, key=key) as o:
         o.write_text("README.md", text)
         o.write_text(
             "launch.sh",
