@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -76,11 +77,55 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device = torch.device("c
                   None) \
         or transformers.AutoModelForCausalLM
     try:
-        m = cls.from_pretrained(str(path), dtype=dtype)
+        if _has_fp8_block(cfg):
+            with tempfile.TemporaryDirectory(prefix="quantize-bf16-") as tmp:
+                m = cls.from_pretrained(_dequantized_copy(path, cfg, Path(tmp)), dtype=dtype)
+        else:
+            m = cls.from_pretrained(str(path), dtype=dtype)
     except Exception as e:  # noqa: BLE001 - surface one line naming the model
         raise QuantizeError(f"{path}: transformers cannot load this model "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
     return m.to(device=device, dtype=dtype).eval()
+
+
+def _has_fp8_block(cfg: dict) -> bool:
+    """An FP8 block (float-quantized, block strategy) checkpoint, e.g. ``convert --scheme fp8-block``:
+    transformers 5.17 cannot decompress such fused MoE experts (its DecompressExperts fails)."""
+    qc = cfg.get("quantization_config") or {}
+    return any(((g or {}).get("weights") or {}).get("strategy") == "block"
+               and ((g or {}).get("weights") or {}).get("type") == "float"
+               for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict))
+
+
+def _dequantized_copy(path: Path, cfg: dict, tmp: Path) -> str:
+    """The checkpoint as BF16 in ``tmp`` (every FP8 / INT4 weight dequantized by the one reader,
+    as compressed-tensors decompresses it: code x scale in the scale dtype, rounded to BF16; config
+    without quantization_config) for transformers to load as a plain model."""
+    from safetensors.torch import save_file
+
+    from ..checkpoint.index import CheckpointIndex
+    from ..checkpoint.reader import WeightReader
+
+    r = WeightReader(CheckpointIndex.open(path))
+    out: dict[str, torch.Tensor] = {}
+    try:
+        t = r.index.tensors
+        for name in t:
+            base, _, part = name.rpartition(".")
+            if part in ("weight_scale", "weight_shape") and (base + ".weight" in t or base + ".weight_packed" in t):
+                continue
+            if part == "weight_packed":
+                out[base + ".weight"] = r.weight(base + ".weight", torch.bfloat16)
+            elif part == "weight" and t[name].dtype == "F8_E4M3":
+                out[name] = r.weight(name, torch.bfloat16)
+            else:
+                out[name] = r.raw(name).clone()
+    finally:
+        r.close()
+    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    (tmp / "config.json").write_text(json.dumps(plain))
+    return str(tmp)
 
 
 def _tokenizer(path: Path):
