@@ -551,20 +551,24 @@ def make_tiny(override: list[str] | None, **options):
 
 @command(O.DemoOptions, json_help="NDJSON progress events on stdout")
 def demo(json_out: bool, out: Path):
-    """The tiny GLM-5 and Kimi K2.5 FP8 checkpoints -> INT4, converted one after the other (the main
-    job, with every stage, is `quantize run`)."""
+    """The tiny GLM-5 (block FP8) and Kimi K2.6 (Moonshot's INT4) releases -> the decode artifact
+    (W4A16 g32), and Kimi's prefill artifact (FP8 block), one after the other (the main job, with
+    every stage, is `quantize run`)."""
     from .convert import convert as run_convert
     from .testing.tiny import make_tiny as mk
 
-    for arch in ("glm_moe_dsa", "kimi_k25"):
-        src = out / f"{arch}-fp8"
+    for arch, name, kw in (("glm_moe_dsa", "w4a16-g32", {}), ("kimi_k25", "w4a16-g32", {}),
+                           ("kimi_k25", "fp8-block", {"scheme": "fp8-block", "profile": "all-linear"})):
+        src = out / f"{arch}-vendor"
         if not (src / "quantize_manifest.json").exists():  # a finished make-tiny output
             _run(mk, arch, src, overwrite=True)
-        typer.echo(f"== {arch}: {src} -> {out / (arch + '-w4a16-g32')}", err=True)
-        res = _run(run_convert, src, out / f"{arch}-w4a16-g32", overwrite=True, emit=_emitter(json_out))
+        typer.echo(f"== {arch}: {src} -> {out / (arch + '-' + name)}", err=True)
+        res = _run(run_convert, src, out / f"{arch}-{name}", overwrite=True, emit=_emitter(json_out), **kw)
+        err = f", mean rel. error {res.mean_rel_err:.4f}" if res.mean_rel_err is not None else ""
         typer.echo(
-            f"   {res.tensors_int4} INT4 tensors, {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)}, "
-            f"mean rel. error {res.mean_rel_err:.4f}",
+            f"   {res.tensors_int4} {'FP8 block' if kw else 'INT4'} tensors quantized"
+            + (f", {res.passed_through} INT4 tensors passed through bit for bit" if res.passed_through else "")
+            + f", {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)}{err}",
             err=True,
         )
 

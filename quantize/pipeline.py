@@ -352,7 +352,8 @@ def _run_make_source(ctx: Ctx, resume: bool) -> dict:
     tiny.make_tiny(ctx.p.tiny, out, overwrite=True)
     return {
         "outputs": {"source": {"path": "@source", "id": _source_identity(out)}},
-        "summary": f"tiny {ctx.p.tiny} FP8 checkpoint made from transformers' classes in {out}",
+        "summary": f"tiny {ctx.p.tiny} checkpoint, laid out as the vendor ships it, made from transformers' classes "
+                   f"in {out}",
     }
 
 
