@@ -381,8 +381,9 @@ def base_model(
     mine = recorded_base_model(manifest)
     theirs = recorded_base_model(conv[1]) if conv is not None and conv[1] is not manifest else None
     choices = [
+        # the one kept is the one given to an earlier card, said alike: a regenerated card is the same card
         (given, "given with --base-model or the recipe's base_model"),
-        (kept, f"given to an earlier `quantize card` or `quantize push` (kept in {RECORD_DIR}/{CARD_STATE})"),
+        (kept, "given with --base-model or the recipe's base_model"),
         (mine, f"recorded by `quantize {manifest.get('kind')} --base-model` in this folder's {MANIFEST}"),
         (theirs, "recorded by `quantize convert --base-model` in the conversion's manifest"),
     ]
