@@ -355,7 +355,7 @@ def _positive(v) -> bool:
 
 
 def _hub_repo(v) -> bool:
-    from .publish.card import repo_id_error  # huggingface_hub's validate_repo_id, and a namespace
+    from .hub import repo_id_error  # huggingface_hub's validate_repo_id, and a namespace
 
     return repo_id_error(v) is None
 

@@ -37,6 +37,7 @@ from ..checkpoint.index import CheckpointIndex, hf_snapshot, itemsize, read_tens
 from ..checkpoint.manifest import MANIFEST, job_files
 from ..checkpoint.output import LOCK, RECORD, RECORD_DIR, confined, sha256_file, take_lock, write_text_atomic
 from ..errors import QuantizeError
+from ..hub import repo_id_error  # push reads it from here
 from ..parse import load_json
 from ..formats.layout import OBSERVERS
 from ..options import CardOptions, takes
@@ -319,20 +320,6 @@ def conversion_record(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
 # -- facts -----------------------------------------------------------------------------------
 
 
-def repo_id_error(repo_id: str) -> str | None:
-    """Why ``repo_id`` is not a Hub repo id naming its namespace (namespace/name), in one line as
-    ``quantize push`` says it; None when it is one."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        return f"REPO_ID {repo_id!r}: {str(e).splitlines()[0]}; use namespace/name, e.g. my-org/GLM-5-W4A16"
-    if repo_id.count("/") != 1:
-        return f"REPO_ID {repo_id!r}: name the namespace too (namespace/name, e.g. my-org/{repo_id})"
-    return None
-
-
 BASE_MODEL_HINT = "pass --base-model REPO (or `base_model:` in the recipe's pipeline section)"
 # the relations the Hub knows between a model and its base_model (huggingface.co/docs/hub/model-cards,
 # "Specifying a base model"; huggingface_hub's ModelCardData passes base_model_relation through as it is)
@@ -488,7 +475,11 @@ def lineage(folder: Path, manifest: dict, base: str | None) -> Lineage:
             else "no weight quantized by the conversion"
         )
         return Lineage(
-            None, False, summary=f"with {what}", text=f"The weights are {whose}: {what}.{after}", note=_no_relation(what)
+            None,
+            False,
+            summary=f"with {what}",
+            text=f"The weights are {whose}: {what}.{after}",
+            note=_no_relation(what),
         )
     if origin(folder, manifest) is not None:  # calibrate-kv straight from the base's own checkpoint
         if fold:
