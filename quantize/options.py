@@ -546,11 +546,13 @@ class ConvertOptions(Options):
 
     def to_dict(self) -> dict:
         """What the manifest, the plan summary and the resume key record: the data-aware fields only
-        where a data-aware method runs."""
+        where a data-aware method runs, base_model only where given."""
         d = super().to_dict()
         if self.method_name == DEFAULT_METHOD:
             for k in ["method", *method_options()]:
                 d.pop(k, None)
+        if self.base_model is None:
+            d.pop("base_model")  # only where given: a manifest without it is what it was before the option
         return d
 
     def check_method_options(self) -> None:

@@ -343,6 +343,10 @@ def test_passed_through_int4_is_no_relation_and_one_requantized_module_is_quanti
 
     edit_json(folder / "quantize_manifest.json", fp8)
     assert _meta(card(folder, base_model="moonshotai/Kimi-K2.6").text)["base_model_relation"] == "quantized"
+    # a manifest that records no plan roles claims no relation either way
+    edit_json(folder / "quantize_manifest.json", lambda m: (m["plan"].pop("roles"), None)[1])
+    res = card(folder, base_model="moonshotai/Kimi-K2.6")
+    assert "base_model_relation" not in _meta(res.text) and any("records no plan roles" in n for n in res.notes)
 
 
 def test_calibrate_kv_fold_of_the_release_keeps_base_model_without_a_relation(tiny, converted, tmp_path):

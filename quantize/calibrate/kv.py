@@ -444,7 +444,7 @@ def calibrate_kv(
             stats_out,
             mode,
             fold_headroom,
-            {"base_model": base_model},
+            {"base_model": base_model} if base_model is not None else {},
         )
     finally:
         streamer.close()

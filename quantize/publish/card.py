@@ -451,6 +451,9 @@ def lineage(folder: Path, manifest: dict, base: str | None) -> Lineage:
         m = conv[1]
         plan = m.get("plan") if isinstance(m.get("plan"), dict) else {}
         roles = plan.get("roles") if isinstance(plan.get("roles"), dict) else {}
+        if not roles:  # a plan that records no jobs proves nothing either way: claim no relation
+            return Lineage(None, False, note="base_model_relation is not set: the conversion's manifest records no "
+                           "plan roles, so whether it quantized weights is not known")
         int4 = sum(_count(k.get("int4")) for k in roles.values() if isinstance(k, dict))
         pt = m.get("passed_through")
         passed = _count(pt.get("modules")) if isinstance(pt, dict) else 0
@@ -950,9 +953,11 @@ def render(
     lin = lineage(folder, manifest, base)
     src_text = source_card(folder, manifest)
     name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
-    weights0 = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights") or {}
+    weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+    w0 = weights[0] if weights else {}
+    # the tags say what the weights are: INT4 only for an INT4 scheme, quantized only where re-quantized
     tags = (("compressed-tensors",) if qc.get("quant_method") == "compressed-tensors" else ()) + (
-        ("int4", "w4a16") if weights0.get("num_bits") == 4 and weights0.get("type") == "int" else ()
+        ("int4", "w4a16") if w0.get("num_bits") == 4 and w0.get("type") == "int" else ()
     ) + (("quantized",) if lin.requantized else ())
     data = _metadata(
         name, base, _front_matter(src_text) if src_text else {}, reports, arch.name if arch else None,
@@ -967,8 +972,6 @@ def render(
     elif not any(k in data.to_dict() for k in CARRIED_KEYS):
         notes.append("no licence carried: the source's card states none")
 
-    weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-    w0 = weights[0] if weights else {}
     rec = cm or {}
     plan, src = rec.get("plan") or {}, rec.get("source") or {}
     roles = plan.get("roles") or {}
