@@ -262,7 +262,8 @@ def _torch_threads(n: int):
 
 
 def _job_key(plan: Plan, ident: dict) -> dict:
-    return {"options": plan.options.to_dict(), "plan": plan.fingerprint(), "source": ident}
+    # key_dict: the options the bytes depend on (a resume may add or correct --base-model)
+    return {"options": plan.options.key_dict(), "plan": plan.fingerprint(), "source": ident}
 
 
 @takes(ConvertOptions)

@@ -53,6 +53,8 @@ class Spec:
     check: Callable[[Any], bool] | None = None  # a given value must pass it
     why: str = ""  # said when a value is refused: "{flag} {value}: {why}"; {choices} is filled in
     record: bool = True  # in the manifest, the plan summary and the resume key
+    key: bool = True  # a recorded field: part of the resume key and the plan's fingerprint (False: recorded,
+    # but the output's bytes do not depend on it, so a resume with another value continues the same output)
     recipe: bool = True  # settable in the command's section of a `quantize run` recipe
     methods: tuple[str, ...] = ()  # convert: the data-aware methods that use it (refused beside others)
     method_default: Any = None  # convert: its value when one of ``methods`` runs and it was not given
@@ -165,6 +167,12 @@ class Options:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if spec(f).record and not spec(f).argument}
+
+    def key_dict(self) -> dict:
+        """The recorded fields the output's bytes depend on: what a resume key and a plan's
+        fingerprint hash (``to_dict`` less the fields declared ``key=False``)."""
+        unkeyed = {f.name for f in fields(self) if not spec(f).key}
+        return {k: v for k, v in self.to_dict().items() if k not in unkeyed}
 
 
 # -- the library side --------------------------------------------------------------------------
@@ -349,6 +357,18 @@ def _positive(v) -> bool:
     return v > 0 and math.isfinite(v)
 
 
+def _hub_repo(v) -> bool:
+    from .hub import repo_id_error  # huggingface_hub's validate_repo_id, and a namespace
+
+    return repo_id_error(v) is None
+
+
+BASE_MODEL_WHY = (
+    "not a Hub repo id naming its namespace; use namespace/name (letters, digits, '-', '_', '.'), "
+    "e.g. zai-org/GLM-5-FP8"
+)
+
+
 def _nonneg(v) -> bool:
     return v >= 0 and math.isfinite(v)
 
@@ -524,6 +544,18 @@ class ConvertOptions(Options):
         check=_nonneg,
         why="must be 0 or more GiB (0: every hidden state on disk)",
     )
+    # what the output is of, not how it is made: recorded in the manifest (the card's base_model),
+    # not in the resume key (the same bytes for any value; a resume may add or correct it)
+    base_model: str | None = opt(
+        None,
+        "the Hub repo (namespace/name) the source was downloaded from, recorded for the card's base_model "
+        "(needed when the source is a plain folder, e.g. from `hf download REPO --local-dir DIR`)",
+        metavar="REPO",
+        check=_hub_repo,
+        why=BASE_MODEL_WHY,
+        key=False,
+        recipe=False,  # a recipe sets it once for the whole run: pipeline.base_model
+    )
 
     @property
     def method_name(self) -> str:
@@ -531,7 +563,7 @@ class ConvertOptions(Options):
 
     def to_dict(self) -> dict:
         """What the manifest, the plan summary and the resume key record: the data-aware fields only
-        where a data-aware method runs."""
+        where a data-aware method runs, base_model only where given."""
         d = super().to_dict()
         if self.method_name == DEFAULT_METHOD:
             for k in ["method", *method_options()]:
@@ -543,6 +575,8 @@ class ConvertOptions(Options):
         else:  # FP8 block has one grid (absmax / 448 per block): INT4's group size and observer do not apply
             d.pop("group_size", None)
             d.pop("observer", None)
+        if self.base_model is None:
+            d.pop("base_model")  # only where given: a manifest without it is what it was before the option
         return d
 
     def check_method_options(self) -> None:
@@ -816,6 +850,7 @@ class CalibrateKVOptions(Options):
         why="must be at least 1 (the cache's amax is kept at or below 448 / headroom)",
     )
     overwrite: bool = opt(False, "replace an earlier calibrate-kv output in OUT", recipe=False)
+    base_model: str | None = same(ConvertOptions, "base_model")
 
 
 EVAL_TASKS = "gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro"
@@ -959,6 +994,10 @@ class PushOptions(Options):
         why="must be a positive number of GiB per commit (default 32)",
         recipe=False,
     )
+    base_model: str | None = same(
+        ConvertOptions, "base_model", help="the Hub repo (namespace/name) of the base model, for the card "
+        "push writes (default: the one the last card, the manifest or the source names)"
+    )
 
 
 # SGLang's --disaggregation-transfer-backend choices (sglang/srt/arg_groups/choices.py, 0.5.23)
@@ -1000,6 +1039,10 @@ class PipelineOptions(Options):
     )
     data: str | None = opt(None, "calibration text for calibrate-kv and a data-aware convert method")
     repo: str | None = opt(None, "the Hub repo (namespace/name) the card and push name")
+    base_model: str | None = same(
+        ConvertOptions, "base_model", recipe=True, help="the Hub repo (namespace/name) the source was "
+        "downloaded from: recorded by convert and calibrate-kv, the card's base_model"
+    )
 
 
 @dataclass
@@ -1026,6 +1069,10 @@ class CardOptions(Options):
     )
     repo_id: str | None = opt(
         None, "the Hub repo (namespace/name) the card is for: its title and launch lines", cli=False
+    )
+    base_model: str | None = same(
+        ConvertOptions, "base_model", help="the Hub repo (namespace/name) of the base model, for the card's "
+        "base_model (default: the one the last card, the manifest or the source names)"
     )
 
 

@@ -13,6 +13,7 @@ The recipe is an llm-compressor recipe (``quant_stage`` / ``QuantizationModifier
       limit: 200
       max_drop: 1.0
       repo: my-org/GLM-5.2-W4A16
+      base_model: zai-org/GLM-5.2-FP8            # the Hub repo the source was downloaded from (card's base_model)
       convert: {group_size, profile, observer, keep_fp8, workers, device,
                 method, samples, seq_len, iters, lr, batch_size, damp, block, actorder, all_experts,
                 min_expert_tokens, memory_budget_gib}   # method gptq/autoround calibrates on `data`
@@ -102,7 +103,14 @@ def _parse(path, doc) -> dict:
             raise O.unknown_key(path, "pipeline.", k, known)
     opts = O.parse_section(path, "pipeline.", {k: v for k, v in doc.items() if k not in SECTIONS}, TOP)
     for name, section in SECTIONS.items():
-        opts[name] = O.parse_section(path, f"pipeline.{name}.", doc.get(name), section)
+        sub = doc.get(name)
+        for k in sub if isinstance(sub, dict) else ():
+            if k not in section.model_fields and k in TOP.model_fields:  # e.g. base_model: one for the whole run
+                raise QuantizeError(
+                    f"{path}: pipeline.{name}.{k}: not a key of the {name} section; the run sets it once for every "
+                    f"stage: move it to pipeline.{k}"
+                )
+        opts[name] = O.parse_section(path, f"pipeline.{name}.", sub, section)
     return opts
 
 
@@ -374,6 +382,7 @@ def _run_convert(ctx: Ctx, resume: bool) -> dict:
         resume=resume,
         overwrite=not resume and out.exists(),
         emit=ctx.emit,
+        base_model=ctx.p.opts["base_model"],  # recorded in the manifest; not in the stage's hash (same bytes)
         **{k: v for k, v in c.items() if k not in METHOD_KEYS},  # the section is convert's own options
         **method_opts,
     )
@@ -401,7 +410,7 @@ def _run_convert_prefill(ctx: Ctx, resume: bool) -> dict:
 
     out = ctx.p.out / "prefill-model"
     res = conv.convert(ctx.path("source"), out, resume=resume, overwrite=not resume and out.exists(), emit=ctx.emit,
-                       **ctx.p.opts["prefill_model"])
+                       base_model=ctx.p.opts["base_model"], **ctx.p.opts["prefill_model"])
     return {
         "outputs": {"prefill_model": {"path": "prefill-model", "id": _model_identity(out)}},
         "summary": f"prefill weights: {res.tensors_int4} {ctx.p.opts['prefill_model']['scheme']} tensors, "
@@ -425,6 +434,7 @@ def _run_kv(ctx: Ctx, resume: bool) -> dict:
         stats_out=stats,
         overwrite=out is not None and out.exists(),
         emit=ctx.emit,
+        base_model=p.opts["base_model"],
         **kv,  # the section is calibrate-kv's own options
     )
     outputs = {"kv_report": {"path": "reports/kv.json", "id": _file_identity(stats)}}
@@ -563,7 +573,9 @@ def _run_card(ctx: Ctx, resume: bool) -> dict:
     from .publish import card as cd
 
     reports = [ctx.path(a) for a in ("check_report", "eval_report") if a in ctx.art]
-    res = cd.card(ctx.path("model"), eval=reports or None, repo_id=ctx.p.opts["repo"])  # push writes the same card
+    res = cd.card(  # push writes the same card
+        ctx.path("model"), eval=reports or None, repo_id=ctx.p.opts["repo"], base_model=ctx.p.opts["base_model"]
+    )
     model = ctx.path("model")
     return {
         "outputs": {
@@ -612,6 +624,7 @@ def _run_push(ctx: Ctx, resume: bool) -> dict:
         revision=o["revision"],
         create_pr=o["create_pr"],
         dry_run=o["dry_run"],
+        base_model=p.opts["base_model"],
         emit=ctx.emit,
     )
     (p.out / "reports").mkdir(exist_ok=True)
@@ -644,6 +657,13 @@ def _recipe_method(p: Pipeline) -> str:
     from .recipe import load_recipe
 
     return p.opts["convert"]["method"] or load_recipe(p.recipe).method
+
+
+def _base_opts(p: Pipeline) -> dict:
+    """pipeline.base_model in the card and push stages' options (so a new one rewrites the card),
+    only when set: a run without it keeps the hash its card stage had before the key existed.
+    convert and calibrate-kv record it but do not hash it: it does not change what they write."""
+    return {"base_model": p.opts["base_model"]} if p.opts["base_model"] else {}
 
 
 def _does(p: Pipeline, name: str) -> str:
@@ -698,7 +718,8 @@ def _does(p: Pipeline, name: str) -> str:
             f"{o['pd']['kv_cache_dtype']}, "
             f"decoded by the model; KLD/top-1 against the source, beside the model alone"
         ),
-        "card": lambda: "write the model card (README.md) from the records and the check/eval reports",
+        "card": lambda: "write the model card (README.md) from the records and the check/eval reports"
+        + (f", base_model {o['base_model']}" if o["base_model"] else ""),
         "prefill": lambda: (
             f"write the prefill artifact (card + SGLang PD launch lines pointing at "
             f"{p.out / 'prefill-model' if 'convert-prefill' in p.stages else p.source}, no weights) in "
@@ -721,9 +742,12 @@ STAGE_TABLE = {
     ),
     "eval": Stage("eval", ("model", "source"), (), _opts_eval, _run_eval),
     "pd-eval": Stage("pd-eval", ("model", "source"), ("prefill_model",), _opts_pd, _run_pd_eval),
-    "card": Stage("card", ("model",), ("check_report", "eval_report"), lambda p: {}, _run_card),
+    "card": Stage("card", ("model",), ("check_report", "eval_report"), lambda p: _base_opts(p), _run_card),
     "prefill": Stage("prefill", ("source", "model"), ("pd_report", "prefill_model"), _opts_prefill, _run_prefill),
-    "push": Stage("push", ("model",), ("card",), lambda p: dict(p.opts["push"]) | {"repo": p.opts["repo"]}, _run_push),
+    "push": Stage(
+        "push", ("model",), ("card",), lambda p: dict(p.opts["push"]) | {"repo": p.opts["repo"]} | _base_opts(p),
+        _run_push,
+    ),
 }
 PRODUCER = {
     "source": "make-source or an existing source folder",

@@ -126,7 +126,7 @@ class Plan:
     def fingerprint(self) -> str:
         """Hash of everything that determines the output bytes."""
         h = hashlib.sha256()
-        h.update(json.dumps(self.options.to_dict(), sort_keys=True).encode())
+        h.update(json.dumps(self.options.key_dict(), sort_keys=True).encode())
         h.update(
             json.dumps(self.config_view, sort_keys=True).encode()
         )  # the config is a function of it and the options

@@ -213,3 +213,164 @@ def test_command_line_records_only_the_cli(monkeypatch):
     assert command_line() is None
     monkeypatch.setattr(sys, "argv", [])
     assert command_line() is None
+
+
+# -- base_model: --base-model, the manifest, the cache snapshot; base_model_relation per artifact ----
+
+
+def test_a_local_source_names_the_flag_and_base_model_on_convert_reaches_the_card(converted, tiny, tmp_path):
+    """`hf download REPO --local-dir DIR` leaves a folder that names no repo: the card says how to
+    name it; --base-model on convert records it (the manifest's options) without changing a byte."""
+    plain = tmp_path / "plain"
+    shutil.copytree(converted("glm_moe_dsa"), plain)
+    res = card(plain)
+    meta = _meta(res.text)
+    assert "base_model" not in meta and "base_model_relation" not in meta
+    note = next(n for n in res.notes if n.startswith("base_model is not set"))
+    assert "is a local folder that names no Hub repository" in note
+    assert "pass --base-model REPO (or `base_model:` in the recipe's pipeline section)" in note
+    assert "| base model | not set (pass --base-model REPO) |" in res.text
+
+    out = tmp_path / "named"
+    convert(tiny("glm_moe_dsa"), out, base_model="zai-org/GLM-5-FP8")
+    m = json.loads((out / "quantize_manifest.json").read_text())
+    assert m["options"]["base_model"] == "zai-org/GLM-5-FP8"
+    theirs = json.loads((converted("glm_moe_dsa") / "quantize_manifest.json").read_text())
+    weights = lambda mm: {k: v for k, v in mm["files"].items() if k.endswith(".safetensors")}
+    assert weights(m) == weights(theirs)  # the same bytes with or without it
+    assert m["plan"]["options"]["base_model"] == "zai-org/GLM-5-FP8"
+    res = card(out)
+    meta = _meta(res.text)
+    assert meta["base_model"] == "zai-org/GLM-5-FP8" and meta["base_model_relation"] == "quantized"
+    assert not any("base_model" in n for n in res.notes)
+    assert "[zai-org/GLM-5-FP8](https://huggingface.co/zai-org/GLM-5-FP8) quantized by `quantize` to INT4" in res.text
+    assert "recorded by `quantize convert --base-model`" in res.text
+
+
+def test_a_resume_may_add_or_correct_base_model_but_not_change_the_bytes(tiny, tmp_path):
+    from quantize.checkpoint.output import read_record
+
+    src, out = tiny("glm_moe_dsa"), tmp_path / "out"
+    convert(src, out)
+    key = read_record(out)["key"]
+    assert "base_model" not in key["options"]  # not part of what a resume must match
+    res = convert(src, out, resume=True, base_model="zai-org/GLM-5-FP8")
+    assert res.resumed_shards == 3  # every shard kept: nothing recomputed
+    assert json.loads((out / "quantize_manifest.json").read_text())["options"]["base_model"] == "zai-org/GLM-5-FP8"
+    assert verify_files(out)[0] == []
+    # the near miss: an option that changes the bytes is still refused on resume
+    with pytest.raises(QuantizeError, match="--resume with different options"):
+        convert(src, out, resume=True, group_size=128)
+
+
+def test_base_model_on_card_overrides_the_recorded_one_and_is_kept_for_the_next_card(tiny, tmp_path):
+    out = tmp_path / "named"
+    convert(tiny("glm_moe_dsa"), out, base_model="zai-org/GLM-5-FP8")
+    res = card(out, base_model="my-org/GLM-5-FP8-mirror")
+    assert _meta(res.text)["base_model"] == "my-org/GLM-5-FP8-mirror"
+    assert any("replaces `zai-org/GLM-5-FP8`, which the manifest records" in n for n in res.notes)
+    st = json.loads((out / ".quantize" / "card.json").read_text())
+    assert st["base_model"] == "my-org/GLM-5-FP8-mirror"
+    again = card(out)  # regenerated without it (as push does): the same base model
+    assert _meta(again.text)["base_model"] == "my-org/GLM-5-FP8-mirror" and again.readme_was == "ours"
+    assert again.text == res.text  # the same card, word for word (push regenerates it without churn)
+    # the near miss: the same value as recorded is not a disagreement
+    same = card(out, base_model="zai-org/GLM-5-FP8")
+    assert not any("replaces" in n or "snapshot" in n for n in same.notes)
+
+
+def test_an_explicit_base_model_against_the_cache_snapshot_is_noted_not_refused(tiny, tmp_path):
+    snap = tmp_path / "hub" / "models--zai-org--GLM-5-FP8" / "snapshots" / REV
+    shutil.copytree(tiny("glm_moe_dsa"), snap, ignore=shutil.ignore_patterns(".quantize", "quantize_manifest.json"))
+    out = tmp_path / "out"
+    convert(snap, out)
+    res = card(out, base_model="zai-org/GLM-5")
+    assert _meta(res.text)["base_model"] == "zai-org/GLM-5"
+    note = next(n for n in res.notes if "cache snapshot" in n)
+    assert "base_model is `zai-org/GLM-5`" in note and "the Hugging Face cache snapshot of `zai-org/GLM-5-FP8`" in note
+    assert "> Note: " + note in res.text
+    # the near miss: the snapshot's own repo given explicitly says nothing
+    res = card(out, base_model="zai-org/GLM-5-FP8")
+    assert not any("snapshot" in n for n in res.notes) and _meta(res.text)["base_model"] == "zai-org/GLM-5-FP8"
+
+
+@pytest.mark.parametrize("bad", ["GLM-5-FP8", "a/b/c", "org/bad--name", "org/.hidden", "org/a b", ""])
+def test_a_bad_base_model_is_refused_in_one_line(folder, tiny, tmp_path, bad):
+    before = (folder / "quantize_manifest.json").read_bytes()
+    with pytest.raises(QuantizeError) as e:
+        card(folder, base_model=bad)
+    assert str(e.value).startswith("--base-model ") and "not a Hub repo id" in str(e.value) and "\n" not in str(e.value)
+    assert (folder / "quantize_manifest.json").read_bytes() == before and not (folder / "README.md").exists()
+    with pytest.raises(QuantizeError, match="--base-model .*not a Hub repo id"):
+        convert(tiny("glm_moe_dsa"), tmp_path / "never", base_model=bad)
+    assert not (tmp_path / "never").exists()
+
+
+def test_the_edge_repo_ids_are_accepted(folder):
+    for ok in ("a/b", "my-org/GLM-5.1_FP8-v2", "x" * 40 + "/" + "y" * 40):
+        assert _meta(card(folder, base_model=ok).text)["base_model"] == ok
+
+
+def _int4_modules(folder) -> int:
+    roles = json.loads((folder / "quantize_manifest.json").read_text())["plan"]["roles"]
+    return sum(k.get("int4", 0) for k in roles.values())
+
+
+def test_passed_through_int4_is_no_relation_and_one_requantized_module_is_quantized(folder):
+    """A conversion recording every INT4 module as passed through bit for bit (an already-INT4 source)
+    changed no weight: base_model stays, base_model_relation goes, and the card says why."""
+    from tests.hostile import edit_json
+
+    n = _int4_modules(folder)
+    assert n > 1
+    edit_json(folder / "quantize_manifest.json", lambda m: m.update(passed_through={"modules": n, "bytes": 1}))
+    res = card(folder, base_model="moonshotai/Kimi-K2.6")
+    meta = _meta(res.text)
+    assert meta["base_model"] == "moonshotai/Kimi-K2.6" and "base_model_relation" not in meta
+    assert "quantized" not in meta["tags"]
+    assert f"its {n} INT4 modules passed through bit for bit from the source, none re-quantized" in res.text
+    assert any(n_.startswith("base_model_relation is not set") and "adapter, merge, quantized, finetune" in n_
+               for n_ in res.notes)
+    # the near miss: one module re-quantized makes it a quantized model again
+    edit_json(folder / "quantize_manifest.json", lambda m: m.update(passed_through={"modules": n - 1}))
+    res = card(folder, base_model="moonshotai/Kimi-K2.6")
+    assert _meta(res.text)["base_model_relation"] == "quantized"
+    assert f"{n - 1} INT4 modules passed through from the source bit for bit" in res.text
+    # a future FP8 scheme re-quantizes whatever passed through
+    def fp8(m):
+        m.update(passed_through={"modules": n})
+        m["options"].update(scheme="fp8-block")
+
+    edit_json(folder / "quantize_manifest.json", fp8)
+    assert _meta(card(folder, base_model="moonshotai/Kimi-K2.6").text)["base_model_relation"] == "quantized"
+    # a manifest that records no plan roles claims no relation either way
+    edit_json(folder / "quantize_manifest.json", lambda m: (m["plan"].pop("roles"), None)[1])
+    res = card(folder, base_model="moonshotai/Kimi-K2.6")
+    assert "base_model_relation" not in _meta(res.text) and any("records no plan roles" in n for n in res.notes)
+
+
+def test_calibrate_kv_fold_of_the_release_keeps_base_model_without_a_relation(tiny, converted, tmp_path):
+    from quantize.calibrate.kv import calibrate_kv
+
+    src = tiny("deepseek_v3")
+    out = tmp_path / "fold"
+    calibrate_kv(src, out, fold=True, samples=4, seq_len=48, base_model="deepseek-ai/DeepSeek-V3")
+    m = json.loads((out / "quantize_manifest.json").read_text())
+    assert m["options"] == {"base_model": "deepseek-ai/DeepSeek-V3"} and m["changed_tensors"]
+    res = card(out)
+    meta = _meta(res.text)
+    assert meta["base_model"] == "deepseek-ai/DeepSeek-V3" and "base_model_relation" not in meta
+    assert not {"int4", "w4a16", "quantized"} & set(meta["tags"])  # the release's FP8 weights, not ours
+    assert (f"The weights are [deepseek-ai/DeepSeek-V3](https://huggingface.co/deepseek-ai/DeepSeek-V3)'s, "
+            f"unchanged except {len(m['changed_tensors'])} tensors multiplied by exact powers of two") in res.text
+    assert "quantized by `quantize` to" not in res.text
+    assert any(n.startswith("base_model_relation is not set") for n in res.notes)
+    assert verify_files(out)[0] == []
+    # the near miss: the fold of a conversion is still a quantized model (its weights are INT4)
+    q = converted("deepseek_v3", group_size=32)
+    out2 = tmp_path / "fold-int4"
+    calibrate_kv(q, out2, fold=True, samples=4, seq_len=48)
+    res = card(out2, base_model="deepseek-ai/DeepSeek-V3")
+    meta = _meta(res.text)
+    assert meta["base_model"] == "deepseek-ai/DeepSeek-V3" and meta["base_model_relation"] == "quantized"
+    assert "Then `quantize calibrate-kv --fold` changed" in res.text and "int4" in meta["tags"]

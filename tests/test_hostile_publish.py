@@ -195,6 +195,17 @@ CASES = [
          _report(lambda c: [1]), needs=OUT, inputs=_unlocked),
     Case("card: config.json num_hidden_layers null", _card(), "'num_hidden_layers' is null", _null_layers, needs=OUT,
          inputs=_unlocked),
+    # --base-model: namespace/name, checked before anything is read or written
+    *[Case(f"card: --base-model {b!r}", _card("--base-model", b), f"--base-model {b}: not a Hub repo id", needs=OUT)
+      for b in ("GLM-5-FP8", "a/b/c", "org/bad--name", "org/.hidden")],
+    Case("push: --base-model without a namespace", _push("--base-model", "GLM-5-FP8"),
+         "--base-model GLM-5-FP8: not a Hub repo id", needs=OUT),
+    Case("card: the card record's base_model not a repo id", _card(), "card.json: base_model is 'not a repo'",
+         lambda c: (card(c.out), edit_json(c.out / ".quantize/card.json", lambda s: s.update(base_model="not a repo"))),
+         needs=OUT, inputs=_unlocked),
+    Case("card: the card record's base_model a number", _card(), "card.json: base_model is a number",
+         lambda c: (card(c.out), edit_json(c.out / ".quantize/card.json", lambda s: s.update(base_model=7))),
+         needs=OUT, inputs=_unlocked),
     # R14: --revision
     *[Case(f"push: --revision {r!r}", _push("--revision", r), "not a branch name", needs=OUT)
       for r in ("../main", "..", "/main", "main/", "a b", "a\x07b", "a\tb", "x.lock", ".hidden", "a//b", "a@{1}",
@@ -286,6 +297,19 @@ def test_a_correct_manifest_pushes_and_card_then_push_passes(out):
     assert "would be regenerated" in r.stdout
     for rev in ("refs/pr/1", "feature/w4a16.g32", "v1.0"):
         assert _cli("push", out, "test-org/glm-int4", "--dry-run", "--revision", rev).exit_code == 0, rev
+
+
+def test_a_good_base_model_passes_where_a_near_miss_is_refused(out):
+    r = _cli("card", out, "--base-model", "my-org/GLM-5.1_FP8-v2")
+    assert r.exit_code == 0, r.output
+    assert "base_model: my-org/GLM-5.1_FP8-v2" in (out / "README.md").read_text()
+    r = _cli("push", out, "test-org/glm-int4", "--dry-run", "--base-model", "zai-org/GLM-5-FP8")
+    assert r.exit_code == 0, r.output
+    # without it, a local source's card says which flag names the base model (a note, exit 0)
+    (out / "README.md").unlink()
+    (out / ".quantize/card.json").unlink()
+    r = _cli("card", out)
+    assert r.exit_code == 0 and "note: base_model is not set" in r.stderr and "--base-model REPO" in r.stderr
 
 
 def test_a_card_interrupted_after_recording_readme_is_still_ours(out):

@@ -189,6 +189,9 @@ def test_cli_plan_json_and_ndjson_events(tmp_path):
     (lambda d: d.pop("pipeline"), "no `pipeline:` section"),
     (lambda d: d["pipeline"].update(repo=None), "pipeline.repo is missing"),
     (lambda d: d["pipeline"]["pd"].update(transfer_backend="mooncak"), "did you mean 'mooncake'"),
+    (lambda d: d["pipeline"].update(base_model="GLM-5-FP8"), "pipeline.base_model GLM-5-FP8: not a Hub repo id"),
+    (lambda d: d["pipeline"].update(base_mdoel="a/b"), "pipeline.base_mdoel: unknown key; did you mean 'base_model'"),
+    (lambda d: d["pipeline"]["push"].update(base_model="a/b"), "pipeline.push.base_model: not a key of the push section"),
 ])
 def test_bad_recipe_is_one_line(tmp_path, edit, message):
     doc = yaml.safe_load(pipeline.default_recipe().read_text())
@@ -350,3 +353,36 @@ def test_a_stage_is_kept_only_while_every_file_it_wrote_is_unchanged(tmp_path):
     assert rerun_after(lambda: shutil.rmtree(out / "model")) == ["check", "convert", "shard"]
     assert (out / "model" / "quantize_manifest.json").exists()
     assert rerun_after(lambda: None) == []
+
+
+def test_recipe_base_model_is_recorded_and_reaches_the_card_and_a_change_rewrites_only_the_card(tmp_path, monkeypatch):
+    import quantize.convert as conv
+
+    r = _recipe(tmp_path, stages=["convert", "card", "push"], base_model="zai-org/GLM-5.2-FP8")
+    out = tmp_path / "run"
+    assert "base_model zai-org/GLM-5.2-FP8" in {s.stage: s for s in pipeline.run(r, plan=True).stages}["card"].does
+    pipeline.run(r)
+    m = json.loads((out / "model" / "quantize_manifest.json").read_text())
+    assert m["options"]["base_model"] == "zai-org/GLM-5.2-FP8"
+    card = (out / "model" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("\n---\n", 1)[0][4:])
+    assert meta["base_model"] == "zai-org/GLM-5.2-FP8" and meta["base_model_relation"] == "quantized"
+    assert "base_model is not set" not in card
+
+    # another base_model: the card and push are redone, the conversion is kept (same bytes)
+    r2 = _recipe(tmp_path, "r2.yaml", stages=["convert", "card", "push"], base_model="zai-org/GLM-5.2")
+    plan = {s.stage: s for s in pipeline.run(r2, plan=True).stages}
+    assert plan["convert"].state == "done" and plan["card"].state == plan["push"].state == "stale"
+    assert "options changed: base_model" in plan["card"].why
+    calls = Calls(monkeypatch, conv, "convert")
+    pipeline.run(r2)
+    assert calls.n == 0
+    card = (out / "model" / "README.md").read_text()
+    assert "base_model: zai-org/GLM-5.2\n" in card and "replaces `zai-org/GLM-5.2-FP8`, which the manifest records" in card
+
+    # the near miss: a recipe without the key (the tiny source is a local folder) names the flag instead
+    (tmp_path / "other").mkdir()
+    pipeline.run(_recipe(tmp_path / "other", stages=["convert", "card"]))
+    card = (tmp_path / "other" / "run" / "model" / "README.md").read_text()
+    assert "base_model:" not in card.split("\n---\n", 1)[0]
+    assert "pass --base-model REPO (or `base_model:` in the recipe's pipeline section)" in card

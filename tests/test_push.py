@@ -136,7 +136,7 @@ def test_push_sends_proven_files_and_card_token_only_in_headers(folder, hub, tmp
     meta = _front_matter(card)
     assert meta["library_name"] == "transformers" and "int4" in meta["tags"] and "compressed-tensors" in meta["tags"]
     assert "base_model" not in meta  # a local source: the card says why instead
-    assert "base_model is not set" in card
+    assert "base_model is not set" in card and "pass --base-model REPO" in card
     assert f"--model-path {REPO} " in card and "--kv-cache-dtype fp8_e4m3" in card
     # the folder still proves every file (the manifest now records the card)
     assert verify_files(folder)[0] == []
@@ -245,6 +245,26 @@ def test_revision_branch_and_user_card_in_process(folder, hub, inproc):
     assert set(state.repos[REPO].tree("main")) == {".gitattributes"}
     assert all(state.repos[REPO].file(s, "w4a16-g32") == (folder / s).read_bytes() for s in SHARDS)
     assert res.sent_bytes == res.total_bytes == sum((folder / f.path).stat().st_size for f in res.files)
+
+
+def test_base_model_on_push_reaches_the_card_on_the_hub_and_stays_for_the_next_push(folder, hub, inproc):
+    url, state = hub
+    inproc(url)
+    push(folder, REPO, base_model="zai-org/GLM-5-FP8")
+    card = state.repos[REPO].file("README.md", "main").decode()
+    assert card == (folder / "README.md").read_text()
+    meta = _front_matter(card)
+    assert meta["base_model"] == "zai-org/GLM-5-FP8" and meta["base_model_relation"] == "quantized"
+    assert "base_model is not set" not in card
+    # a push without it regenerates the same card (card.json keeps it): nothing new to send
+    n = len(state.requests)
+    res = push(folder, REPO)
+    assert _front_matter((folder / "README.md").read_text())["base_model"] == "zai-org/GLM-5-FP8"
+    assert not [q for q in state.requests[n:] if q.method == "PUT" or "/commit/" in q.path]
+    assert all(f.status == "on the Hub already" for f in res.files)
+    # the near miss: another one replaces it on the Hub
+    push(folder, REPO, base_model="zai-org/GLM-5")
+    assert _front_matter(state.repos[REPO].file("README.md", "main").decode())["base_model"] == "zai-org/GLM-5"
 
 
 def test_preflight_refuses_tampered_or_incomplete_folders_before_any_request(folder, hub, tmp_path, inproc):

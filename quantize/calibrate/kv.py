@@ -381,6 +381,7 @@ def calibrate_kv(
     fold,
     fold_headroom,
     overwrite,
+    base_model,
     emit: Emit = null_emit,
 ) -> KvResult:
     """The per-layer KV report for any model the tool reads; with ``out``, a new checkpoint that
@@ -393,6 +394,9 @@ def calibrate_kv(
       ``kv_cache_scheme``.
     - GQA: K and V scales under the names the engines load, and ``kv_cache_scheme``.
     - GLM-5 DSA: the report only (the engines compute per-128 scales when they write the cache).
+
+    ``base_model`` (the Hub repo the weights come from) is recorded in the new checkpoint's manifest
+    (``options.base_model``) for its card.
     """
     model = Path(model)  # the options were checked where they are declared (quantize/options.py)
     streamer = LayerStreamer(model)
@@ -440,6 +444,7 @@ def calibrate_kv(
             stats_out,
             mode,
             fold_headroom,
+            {"base_model": base_model} if base_model is not None else {},
         )
     finally:
         streamer.close()
@@ -471,7 +476,7 @@ def _mode(model: Path, layout: AttentionLayout, target: str, fold: bool, writing
 
 
 def _finish(
-    model, output, carried, streamer, reports, meta, fp, target, layout, clip, stats_out, mode, headroom
+    model, output, carried, streamer, reports, meta, fp, target, layout, clip, stats_out, mode, headroom, recorded
 ) -> "KvResult":
     if len(reports) != streamer.num_layers:
         raise QuantizeError(
@@ -509,9 +514,11 @@ def _finish(
     if output is None:
         return result
     if mode == "fold":
-        result.written = _write_folded(model, output, carried, streamer, reports, headroom, result)
+        result.written = _write_folded(model, output, carried, streamer, reports, headroom, result, recorded)
     else:
-        result.written = _write_checkpoint(model, output, carried, streamer, reports, target, layout, result)
+        result.written = _write_checkpoint(
+            model, output, carried, streamer, reports, target, layout, result, recorded
+        )
     result.out = str(output.path)
     return result
 
@@ -627,7 +634,7 @@ def _fold_factors(streamer, layout: AttentionLayout, reports: list[LayerReport],
 
 
 def _write_folded(
-    model: Path, output: Output, carried: list[Path], streamer, reports, headroom: float, result
+    model: Path, output: Output, carried: list[Path], streamer, reports, headroom: float, result, recorded: dict
 ) -> list[str]:
     """The folded model: shards holding a changed tensor are rewritten (unchanged tensors copied
     byte for byte, streamed), the others hard-linked; config and index as the source's (no scale,
@@ -685,6 +692,7 @@ def _write_folded(
             "target": result.target,
             "layout": result.layout,
             "fold_headroom": headroom,
+            "options": recorded,
             "fold": result.fold,
             "changed_tensors": sorted(changed),
             "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out", "fold")},
@@ -711,7 +719,15 @@ def _check_writable_config(model: Path, streamer) -> None:
 
 
 def _write_checkpoint(
-    model: Path, output: Output, carried: list[Path], streamer, reports, target: str, layout: AttentionLayout, result
+    model: Path,
+    output: Output,
+    carried: list[Path],
+    streamer,
+    reports,
+    target: str,
+    layout: AttentionLayout,
+    result,
+    recorded: dict,
 ) -> list[str]:
     """The model's weights (hard-linked where possible: shared, never modified), its side files,
     the scales in ``kv_scales.safetensors``, index and config with ``kv_cache_scheme``, and a
@@ -763,6 +779,7 @@ def _write_checkpoint(
             "target": target,
             "layout": layout.name,
             "kv_cache_scheme": qc["kv_cache_scheme"],
+            "options": recorded,
             "report": {k: v for k, v in result.to_dict().items() if k not in ("written", "out")},
             "scales": sorted(tensors),
         },

@@ -37,6 +37,7 @@ from ..checkpoint.index import CheckpointIndex, hf_snapshot, itemsize, read_tens
 from ..checkpoint.manifest import MANIFEST, job_files
 from ..checkpoint.output import LOCK, RECORD, RECORD_DIR, confined, sha256_file, take_lock, write_text_atomic
 from ..errors import QuantizeError
+from ..hub import repo_id_error  # push reads it from here
 from ..parse import load_json
 from ..formats.layout import OBSERVERS
 from ..options import CardOptions, takes
@@ -195,7 +196,19 @@ def card_state(folder: Path) -> dict:
             f"{path}: readme_sha256 is not a SHA-256; delete {path} and rerun `quantize card` with --eval for "
             "each report"
         )
+    bm = st.get("base_model")
+    if bm is not None and not (isinstance(bm, str) and repo_id_error(bm) is None):
+        raise QuantizeError(
+            f"{path}: base_model is {_json_type(bm) if not isinstance(bm, str) else repr(_key(bm))}, not a Hub repo "
+            f"id (namespace/name); rerun `quantize card {folder} --base-model REPO` (or delete {path})"
+        )
     return st
+
+
+def kept_base_model(folder: Path) -> str | None:
+    """The --base-model an earlier card (or push) was given, kept in ``.quantize/card.json`` so a
+    card regenerated without it (push) names the same base model."""
+    return card_state(folder).get("base_model")
 
 
 @contextmanager
@@ -307,36 +320,192 @@ def conversion_record(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
 # -- facts -----------------------------------------------------------------------------------
 
 
-def repo_id_error(repo_id: str) -> str | None:
-    """Why ``repo_id`` is not a Hub repo id naming its namespace (namespace/name), in one line as
-    ``quantize push`` says it; None when it is one."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        return f"REPO_ID {repo_id!r}: {str(e).splitlines()[0]}; use namespace/name, e.g. my-org/GLM-5-W4A16"
-    if repo_id.count("/") != 1:
-        return f"REPO_ID {repo_id!r}: name the namespace too (namespace/name, e.g. my-org/{repo_id})"
-    return None
+BASE_MODEL_HINT = "pass --base-model REPO (or `base_model:` in the recipe's pipeline section)"
+# the relations the Hub knows between a model and its base_model (huggingface.co/docs/hub/model-cards,
+# "Specifying a base model"; huggingface_hub's ModelCardData passes base_model_relation through as it is)
+HUB_RELATIONS = ("adapter", "merge", "quantized", "finetune")
 
 
-def base_model(conv: tuple[Path, dict] | None) -> tuple[str | None, str]:
-    """(the source's Hub repo id or None, how it is known / why it is not)."""
-    if conv is None:
-        return None, "the conversion's record (its quantize_manifest.json) is not on disk, so the source is not known"
-    folder, m = conv
-    path = str((m.get("source") or {}).get("path") or "")
-    snap = hf_snapshot(path)  # the manifest records the source resolved
-    if snap and snap.repo_id and repo_id_error(snap.repo_id) is None:
-        return snap.repo_id, f"the source was the Hugging Face cache snapshot `{path}`"
-    name = (_tolerant_json(folder / "config.json", "config.json") or {}).get("_name_or_path")
+def recorded_base_model(m) -> str | None:
+    """The base model a writing command recorded (its manifest's ``options.base_model``, from
+    --base-model); None when none is, or when what is there is not a Hub repo id."""
+    opts = m.get("options") if isinstance(m, dict) else None
+    v = opts.get("base_model") if isinstance(opts, dict) else None
+    return v if isinstance(v, str) and repo_id_error(v) is None else None
+
+
+def origin(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
+    """(folder, manifest) whose ``source`` is the base model's own checkpoint: the conversion's
+    (``conversion_record``); for a calibrate-kv output made straight from a checkpoint no quantize
+    command wrote (the vendor's release), this folder's own. None when that is not known: the
+    calibrate-kv source is gone, or is itself another kind of quantize output."""
+    conv = conversion_record(folder, manifest)
+    if conv is not None or manifest.get("kind") != "calibrate-kv":
+        return conv
+    src = Path(str((manifest.get("source") or {}).get("path") or ""))
+    if not src.parts or not (src / "config.json").is_file():
+        return None
+    theirs = _tolerant_json(src / MANIFEST, "quantize manifest", "record") if (src / MANIFEST).exists() else None
+    if (src / MANIFEST).exists() and (not isinstance(theirs, dict) or theirs.get("kind") in KINDS):
+        return None  # another quantize output (or an unreadable record): its weights are not the release's
+    return Path(folder), manifest
+
+
+def base_model(
+    folder: Path, manifest: dict, given: str | None = None, kept: str | None = None
+) -> tuple[str | None, str, list[str]]:
+    """(the base model's Hub repo id or None, how it is known / why it is not, notes). First of:
+    ``given`` (--base-model, or the recipe's base_model), ``kept`` (given to an earlier card,
+    kept in .quantize/card.json), the one this folder's manifest records, the one its conversion's
+    records, the Hugging Face cache repo the source was read from, the source's config.json
+    ``_name_or_path``. A chosen repo that differs from the cache repo the source was read from, or
+    from the one recorded, is said in a note (the card still names the chosen one)."""
+    org = origin(folder, manifest)
+    conv = conversion_record(folder, manifest)
+    path = str(((org[1] if org else manifest).get("source") or {}).get("path") or "")
+    snap = hf_snapshot(path) if org else None  # the manifest records the source resolved
+    cache = snap.repo_id if snap and snap.repo_id and repo_id_error(snap.repo_id) is None else None
+    mine = recorded_base_model(manifest)
+    theirs = recorded_base_model(conv[1]) if conv is not None and conv[1] is not manifest else None
+    choices = [
+        # the one kept is the one given to an earlier card, said alike: a regenerated card is the same card
+        (given, "given with --base-model or the recipe's base_model"),
+        (kept, "given with --base-model or the recipe's base_model"),
+        (mine, f"recorded by `quantize {manifest.get('kind')} --base-model` in this folder's {MANIFEST}"),
+        (theirs, "recorded by `quantize convert --base-model` in the conversion's manifest"),
+    ]
+    for repo, how in choices:
+        if repo is None:
+            continue
+        notes = []
+        if cache is not None and cache != repo:
+            notes.append(
+                f"base_model is `{repo}` ({how}), but the source {_code(path)} is the Hugging Face cache snapshot of "
+                f"`{cache}`; the card names `{repo}`"
+            )
+        recorded = mine or theirs
+        if recorded is not None and recorded != repo and recorded != cache:
+            notes.append(f"base_model `{repo}` ({how}) replaces `{recorded}`, which the manifest records")
+        return repo, how, notes
+    if org is None:
+        return None, (
+            "the conversion's record (its quantize_manifest.json) is not on disk, so the source is not known"
+            if manifest.get("kind") == "convert" or _source_gone(manifest)
+            else f"the source {_code(path)} is another quantize output, not the release its weights come from"
+        ), []
+    if cache is not None:
+        return cache, f"the source was the Hugging Face cache snapshot {_code(path)}", []
+    name = (_tolerant_json(org[0] / "config.json", "config.json") or {}).get("_name_or_path")
     if isinstance(name, str) and repo_id_error(name) is None and not Path(name).exists():
-        return name, "the source's config.json names it (`_name_or_path`)"
+        return name, "the source's config.json names it (`_name_or_path`)", []
     return None, (
-        f"the source `{path}` is a local folder that names no Hub repository (not a Hugging Face cache "
-        "snapshot, "
-        "no repo id in its config.json `_name_or_path`)"
+        f"the source {_code(path)} is a local folder that names no Hub repository (not a Hugging Face cache "
+        "snapshot, no repo id in its config.json `_name_or_path`)"
+    ), []
+
+
+def _source_gone(manifest: dict) -> bool:
+    src = str((manifest.get("source") or {}).get("path") or "")
+    return not src or not (Path(src) / "config.json").is_file()
+
+
+def _count(v) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+@dataclass
+class Lineage:
+    """What this folder's weights are beside the base model's, and so its ``base_model_relation``:
+    "quantized" where a conversion re-quantized weights (INT4 jobs in its plan, or an FP8 scheme);
+    None where the weights are the base's as they were (passed through bit for bit, or folded /
+    given KV scales by calibrate-kv), which none of the Hub's relations describes, or where it is
+    not known."""
+
+    relation: str | None
+    requantized: bool
+    summary: str = ""  # after the base's name in the card's first line, when nothing was re-quantized
+    text: str = ""  # a paragraph of the card saying what changed
+    note: str = ""  # why base_model_relation is not set
+
+
+FOLDED = (
+    "multiplied by exact powers of two (`kv_a_layernorm` and `kv_b_proj` for the cached latent, the rope rows of "
+    "`kv_a_proj_with_mqa` and of the query projection, or the scales of those stored quantized): an exact "
+    "reparametrisation that moves the FP8 KV cache's range"
+)
+
+
+def lineage(folder: Path, manifest: dict, base: str | None) -> Lineage:
+    """The rules, per artifact: a conversion that re-quantized any weight (its plan's INT4 jobs
+    outnumber the modules its manifest records as ``passed_through`` from an already-INT4 source,
+    or its scheme is ``fp8-block``) is "quantized", and so is a calibrate-kv output of one; a
+    conversion whose every quantized module passed through, and a calibrate-kv output of the
+    base's own checkpoint (folded or with scales), keep the base's weights: no relation."""
+    whose = f"[{base}](https://huggingface.co/{base})'s" if base else "the source's"
+    conv = conversion_record(folder, manifest)
+    fold = manifest.get("kind") == "calibrate-kv" and manifest.get("mode") == "fold"
+    scales = manifest.get("kind") == "calibrate-kv" and not fold
+    n = len(manifest.get("changed_tensors") or []) if fold else 0
+    folded = f"{n} tensor{'s' if n != 1 else ''} {FOLDED}"
+    if conv is not None:
+        m = conv[1]
+        plan = m.get("plan") if isinstance(m.get("plan"), dict) else {}
+        roles = plan.get("roles") if isinstance(plan.get("roles"), dict) else {}
+        if not roles:  # a plan that records no jobs proves nothing either way: claim no relation
+            return Lineage(None, False, note="base_model_relation is not set: the conversion's manifest records no "
+                           "plan roles, so whether it quantized weights is not known")
+        int4 = sum(_count(k.get("int4")) for k in roles.values() if isinstance(k, dict))
+        pt = m.get("passed_through")
+        passed = _count(pt.get("modules")) if isinstance(pt, dict) else 0
+        opts = m.get("options") if isinstance(m.get("options"), dict) else {}
+        fp8 = "fp8-block" in (opts.get("scheme"), plan.get("scheme"))
+        after = (
+            f" Then `quantize calibrate-kv --fold` changed {folded}."
+            if fold
+            else " Then `quantize calibrate-kv` added KV-cache scales and changed no weight." if scales else ""
+        )
+        if fp8 or int4 > passed:
+            first = (
+                f"{passed} INT4 modules passed through from the source bit for bit; the others were quantized by "
+                "the conversion."
+                if passed
+                else ""
+            )
+            return Lineage("quantized", True, text=(first + after).strip())
+        what = (
+            f"its {passed} INT4 modules passed through bit for bit from the source, none re-quantized"
+            if passed
+            else "no weight quantized by the conversion"
+        )
+        return Lineage(
+            None,
+            False,
+            summary=f"with {what}",
+            text=f"The weights are {whose}: {what}.{after}",
+            note=_no_relation(what),
+        )
+    if origin(folder, manifest) is not None:  # calibrate-kv straight from the base's own checkpoint
+        if fold:
+            summary = "with its weights unchanged but for an exact power-of-two fold of the KV-cache range"
+            text = f"The weights are {whose}, unchanged except {folded}."
+        else:
+            summary = "with its weights unchanged and KV-cache scales added"
+            text = (
+                f"The weights are {whose}, unchanged: `quantize calibrate-kv` added KV-cache scales "
+                "(`kv_scales.safetensors`, `kv_cache_scheme` in config.json) and changed no weight."
+            )
+        return Lineage(None, False, summary=summary, text=text, note=_no_relation("the weights are the base's own"))
+    return Lineage(
+        None,
+        False,
+        note="base_model_relation is not set: how this folder's weights relate to the source's is not recorded on disk",
+    )
+
+
+def _no_relation(what: str) -> str:
+    return (
+        f"base_model_relation is not set: {what}, and none of the Hub's relations ({', '.join(HUB_RELATIONS)}) "
+        "is true of a model whose weights are its base's"
     )
 
 
@@ -703,9 +872,17 @@ def _template():
     return env.from_string(re.sub(r"\\\n[ \t]*", "", files(__package__).joinpath(TEMPLATE).read_text("utf-8")))
 
 
-def _metadata(repo_name: str, base: str | None, src_meta: dict, reports: list[dict], arch_name: str | None):
-    """The card's Hub metadata (a ``ModelCardData``): base model, licence carried from the source's
-    card, tags, and a model-index from the eval reports."""
+def _metadata(
+    repo_name: str,
+    base: str | None,
+    src_meta: dict,
+    reports: list[dict],
+    arch_name: str | None,
+    relation: str | None = None,
+    tags: tuple[str, ...] = ("compressed-tensors", "int4", "w4a16", "quantized"),
+):
+    """The card's Hub metadata (a ``ModelCardData``): base model and its relation (``lineage``),
+    licence carried from the source's card, tags, and a model-index from the eval reports."""
     from huggingface_hub import EvalResult, ModelCardData
 
     results = []
@@ -728,7 +905,7 @@ def _metadata(repo_name: str, base: str | None, src_meta: dict, reports: list[di
                     metric_name=f"{_flat(t['metric'])} (%, lm-eval{subset})",
                 )
             )
-    tags = ["quantize", "compressed-tensors", "int4", "w4a16", "quantized"] + ([arch_name] if arch_name else [])
+    tags = ["quantize", *tags] + ([arch_name] if arch_name else [])
     kw = {k: src_meta[k] for k in CARRIED_KEYS if isinstance(src_meta.get(k), str) and src_meta[k]}
     return ModelCardData(
         base_model=base,
@@ -736,19 +913,26 @@ def _metadata(repo_name: str, base: str | None, src_meta: dict, reports: list[di
         tags=tags,
         model_name=repo_name if results else None,
         eval_results=results or None,
-        base_model_relation="quantized" if base else None,
+        base_model_relation=relation if base else None,
         **kw,
     )
 
 
-def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | None, proven: int) -> CardResult:
+def render(
+    folder: Path,
+    manifest: dict,
+    reports: list[dict],
+    repo_id: str | None,
+    proven: int,
+    base_model_given: str | None = None,
+) -> CardResult:
     """The card's text and metadata, from the records; writes nothing. The wording is the template
     (``card.md.j2``); this gathers the facts it reads. The front matter is huggingface_hub's own YAML
     of the metadata (``ModelCardData.to_yaml``) and the card's metadata is what ``ModelCard`` reads back
     from the text, as the Hub does. ``ModelCard.from_template`` is not used: it renders with jinja2's
     defaults (no block trimming, the template's last newline dropped, no filters) and its text
     re-serialises the front matter with a line ending guessed from the whole card, which a report's
-    carriage returns could change."""
+    carriage returns could change. ``base_model_given``: --base-model, first in ``base_model``'s order."""
     from huggingface_hub import ModelCard
 
     from .. import __version__, archs
@@ -765,20 +949,29 @@ def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | Non
     qc = cfg.get("quantization_config") or text_cfg.get("quantization_config") or {}
     conv = conversion_record(folder, manifest)
     cm = conv[1] if conv else None
-    base, base_how = base_model(conv)
+    base, base_how, notes = base_model(folder, manifest, base_model_given, kept_base_model(folder))
+    lin = lineage(folder, manifest, base)
     src_text = source_card(folder, manifest)
     name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
-    data = _metadata(name, base, _front_matter(src_text) if src_text else {}, reports, arch.name if arch else None)
-    notes: list[str] = []
+    weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+    w0 = weights[0] if weights else {}
+    # the tags say what the weights are: INT4 only for an INT4 scheme, quantized only where re-quantized
+    tags = (("compressed-tensors",) if qc.get("quant_method") == "compressed-tensors" else ()) + (
+        ("int4", "w4a16") if w0.get("num_bits") == 4 and w0.get("type") == "int" else ()
+    ) + (("quantized",) if lin.requantized else ())
+    data = _metadata(
+        name, base, _front_matter(src_text) if src_text else {}, reports, arch.name if arch else None,
+        lin.relation, tags,
+    )
     if base is None:
-        notes.append(f"base_model is not set: {base_how}")
+        notes.append(f"base_model is not set: {base_how}; {BASE_MODEL_HINT}")
+    elif lin.note:
+        notes.append(lin.note)
     if src_text is None:
         notes.append("no licence carried: the source shipped no README.md (its card)")
     elif not any(k in data.to_dict() for k in CARRIED_KEYS):
         notes.append("no licence carried: the source's card states none")
 
-    weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-    w0 = weights[0] if weights else {}
     rec = cm or {}
     plan, src = rec.get("plan") or {}, rec.get("source") or {}
     roles = plan.get("roles") or {}
@@ -795,6 +988,8 @@ def render(folder: Path, manifest: dict, reports: list[dict], repo_id: str | Non
         marker=MARKER_LINE,
         name=name,
         base=base,
+        base_how=base_how,
+        lineage=lin,
         notes=notes,
         kind=manifest.get("kind"),
         manifest=manifest,
@@ -886,9 +1081,12 @@ def write_card(
     reports: list[dict] | None = None,
     repo_id: str | None = None,
     proven: int | None = None,
+    base_model: str | None = None,
 ) -> CardResult:
     """Write README.md (the caller holds the folder lock). ``reports`` None: the ones the last
     card was written from. ``proven``: files already verified by the caller (push's pre-flight).
+    ``base_model`` (--base-model) is kept in ``.quantize/card.json`` beside the reports: a card
+    regenerated without it names the same base model.
     The SHA-256 of the text is kept in ``.quantize/card.json`` before README.md is replaced: only a
     README.md with that SHA-256 (or the source's copy) is replaced next time."""
     folder = Path(folder)
@@ -907,11 +1105,14 @@ def write_card(
             )
     if reports is None:
         reports = _stored_reports(folder)
-    res = render(folder, manifest, reports, repo_id, proven)
+    res = render(folder, manifest, reports, repo_id, proven, base_model)
+    kept = base_model or kept_base_model(folder)
     rec = folder / RECORD_DIR
     if kind == "source" and not (rec / SOURCE_CARD).exists():
         write_text_atomic(rec / SOURCE_CARD, (folder / README).read_text(errors="replace"))
     state = {"reports": reports, "readme_sha256": hashlib.sha256(res.text.encode()).hexdigest()}
+    if kept is not None:
+        state["base_model"] = kept
     write_text_atomic(rec / CARD_STATE, json.dumps(state, indent=1, default=str))
     write_text_atomic(folder / README, res.text)
     entry = {"sha256": sha256_file(folder / README), "bytes": (folder / README).stat().st_size}
@@ -932,10 +1133,12 @@ def write_card(
 
 
 @takes(CardOptions)
-def card(model, eval, repo_id) -> CardResult:
+def card(model, eval, repo_id, base_model) -> CardResult:
     """``quantize card``: write ``model``/README.md from its records and the ``eval`` reports
     (``quantize eval --out``, ``--kld --out`` or ``quantize check --json`` files; None: those of
-    the last card). ``repo_id`` names the Hub repo in the launch lines (push passes it)."""
+    the last card). ``repo_id`` names the Hub repo in the launch lines (push passes it).
+    ``base_model`` (namespace/name, checked where it is declared) is the card's base_model, before
+    the one recorded or the source's (``base_model``'s order)."""
     folder = Path(model)
     manifest = load_manifest(folder)
     if eval and len(eval) > MAX_REPORTS:
@@ -946,4 +1149,4 @@ def card(model, eval, repo_id) -> CardResult:
             f"repo id {repo_id!r}: not a Hub repo id; use namespace/name (letters, digits, '-', '_', '.')"
         )
     with folder_lock(folder):
-        return write_card(folder, manifest, reports, repo_id)
+        return write_card(folder, manifest, reports, repo_id, base_model=base_model)
