@@ -67,6 +67,7 @@ TASK_DATASETS = {
 SOURCE_FORMATS = {
     "fp8-block": "block FP8 (e4m3, 128x128 `weight_scale_inv`)",
     "ct-fp8": "compressed-tensors FP8",
+    "ct-int4": "compressed-tensors INT4 (pack-quantized; e.g. Moonshot's QAT release)",
     "float": "BF16/FP16",
 }
 KIND_WORDS = {
@@ -74,6 +75,8 @@ KIND_WORDS = {
     "copy": "as stored in the source",
     "keep_fp8": "FP8 (kept, block scales)",
     "int4": "INT4",
+    "pass_int4": "INT4 (the source's own codes and scales, passed through bit for bit)",
+    "fp8": "FP8 block (e4m3, one scale per 128x128 block)",
 }
 OVERHEAD = {
     "weight_scale",
@@ -454,9 +457,12 @@ def lineage(folder: Path, manifest: dict, base: str | None) -> Lineage:
         if not roles:  # a plan that records no jobs proves nothing either way: claim no relation
             return Lineage(None, False, note="base_model_relation is not set: the conversion's manifest records no "
                            "plan roles, so whether it quantized weights is not known")
+        # "int4" jobs quantized (or, with --requantize, re-quantized) a weight; "pass_int4" ones wrote
+        # an INT4 source's tensors bit for bit (the manifest's passed_through counts them too)
         int4 = sum(_count(k.get("int4")) for k in roles.values() if isinstance(k, dict))
         pt = m.get("passed_through")
         passed = _count(pt.get("modules")) if isinstance(pt, dict) else 0
+        redone = _count(pt.get("requantized")) if isinstance(pt, dict) else 0
         opts = m.get("options") if isinstance(m.get("options"), dict) else {}
         fp8 = "fp8-block" in (opts.get("scheme"), plan.get("scheme"))
         after = (
@@ -464,13 +470,19 @@ def lineage(folder: Path, manifest: dict, base: str | None) -> Lineage:
             if fold
             else " Then `quantize calibrate-kv` added KV-cache scales and changed no weight." if scales else ""
         )
-        if fp8 or int4 > passed:
+        if fp8 or int4 > 0:
             first = (
                 f"{passed} INT4 modules passed through from the source bit for bit; the others were quantized by "
                 "the conversion."
                 if passed
                 else ""
             )
+            if redone:
+                first += (f" The source's own INT4 codes (quantization-aware trained) were not kept for {redone} "
+                          "modules: `--requantize` dequantized them exactly and quantized them again.")
+            if fp8 and m.get("source", {}).get("format") == "ct-int4":
+                first += (" The source's INT4 weights were dequantized (code x scale, BF16) and quantized to FP8 "
+                          "block: the prefill pool's weights, not the QAT codes.")
             return Lineage("quantized", True, text=(first + after).strip())
         what = (
             f"its {passed} INT4 modules passed through bit for bit from the source, none re-quantized"
@@ -975,10 +987,11 @@ def render(
     rec = cm or {}
     plan, src = rec.get("plan") or {}, rec.get("source") or {}
     roles = plan.get("roles") or {}
-    int4_roles = sorted(r for r, k in roles.items() if "int4" in k)
+    quant = ("int4", "pass_int4", "fp8")  # the kinds config_group_0 holds: quantized, passed through, FP8 block
+    int4_roles = sorted(r for r, k in roles.items() if any(q in k for q in quant))
     kept: dict[str, list[str]] = {}
     for r, k in roles.items():
-        for how in [] if "int4" in k else k:
+        for how in [] if any(q in k for q in quant) else k:
             kept.setdefault(KIND_WORDS.get(how, how), []).append(r)
     rtn_reasons, layers = _method_facts(rec.get("method"))
     source_format = plan.get("source_format") or src.get("format")
@@ -1012,6 +1025,9 @@ def render(
         rtn_reasons=rtn_reasons,
         method_layers=layers,
         int4_roles=int4_roles,
+        # an INT4 source's tensors written as they were: no method made them (the manifest counts them)
+        passed_only=bool((rec.get("passed_through") or {}).get("modules"))
+        and not any("int4" in k for k in roles.values()) and not (rec.get("options") or {}).get("scheme"),
         int4_tensors=sum(sum(roles[r].values()) for r in int4_roles),
         kept=sorted((how, sorted(rs)) for how, rs in kept.items()),
         bpw=bits_per_weight(index),
