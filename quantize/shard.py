@@ -33,7 +33,7 @@ import torch
 from . import archs
 from .archs.base import EXPERT_ROLES, ROLES
 from .checkpoint.config import ModelConfig
-from .checkpoint.index import DTYPES, INDEX_NAME, CheckpointIndex, _refs_from_header, itemsize, read_tensor
+from .checkpoint.index import DTYPES, INDEX_NAME, CheckpointIndex, _refs_from_header, itemsize, read_header, read_tensor
 from .checkpoint.manifest import MANIFEST as QUANTIZE_MANIFEST
 from .checkpoint.manifest import file_records
 from .checkpoint.output import SIDE_FILES, Output, confined, side_files
@@ -307,6 +307,9 @@ def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> di
         manifest = {"kind": "shard", "layout": LAYOUT_NOTE, "tp": tp, "pattern": PATTERN,
                     "source": str(model.resolve()), "architecture": archs.resolve(index.config).name,
                     "files": files_order, "unsharded_files": names, "rank_bytes": rank_bytes,
+                    # each file's own __metadata__ (None: none), so --merge rewrites its header byte for byte
+                    # (llm-compressor's files carry none, ours {"format": "pt"})
+                    "file_metadata": {f: read_header(model / f)[0].get("__metadata__") for f in files_order},
                     "outputs": file_records(o, o.record["shards"]), "tensors": manifest_tensors}
         text = json.dumps(manifest, indent=1, default=str)
         # the job record keeps what the manifest proves, and the manifest's own SHA-256, before the
@@ -498,7 +501,11 @@ def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = 
         with Output.open(out, "merge", [sharded], overwrite=overwrite) as o:
             for fname, names in m["files"].items():
                 entries = [Entry(n, m["tensors"][n]["dtype"], tuple(m["tensors"][n]["shape"])) for n in names]
-                w = StreamWriter(out / fname, entries, {"format": "pt"})
+                meta = (m.get("file_metadata") or {}).get(fname, {"format": "pt"})  # older manifests: ours
+                if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+                    raise QuantizeError(f"{sharded / MANIFEST}: file_metadata of {fname} is not an object of strings; "
+                                        "the manifest is corrupt, re-shard")
+                w = StreamWriter(out / fname, entries, meta)
                 for n in names:
                     rec = m["tensors"][n]
                     pieces = [reader.get(r, n) for r in range(tp)]
