@@ -252,3 +252,31 @@ def test_plan_of_kimi_k26_at_full_size(tmp_path):
     assert abs(kv["bf16"] / 686_000 - 1) < 0.02 and abs(kv["fp8"] / 1_370_000 - 1) < 0.02, kv
     assert 540 * 2**30 < s["source_bytes"] < 600 * 2**30  # ~594 GB, as the release is on disk
     assert s["roles"]["expert_gate"] == {"pass_int4": 60 * 384}
+
+
+def test_eval_and_card_of_what_was_made_from_it(source, tmp_path):
+    """KLD through transformers: the pass-through is the source (0 exactly), the FP8 block prefill
+    weights close to it; each card names the base model, with the relation that is true."""
+    from huggingface_hub import ModelCard
+
+    from quantize.evaluate.kld import kld
+    from quantize.publish.card import card
+
+    same, pre = tmp_path / "same", tmp_path / "fp8"
+    convert(source, same, base_model="moonshotai/Kimi-K2.6")
+    convert(source, pre, scheme="fp8-block", profile="all-linear", base_model="moonshotai/Kimi-K2.6")
+    r = kld(source, same, tokens=200, chunk=64)
+    assert r.kld_max == pytest.approx(0, abs=1e-5) and r.top1_agreement == 1.0
+    f = kld(source, pre, tokens=200, chunk=64)
+    assert 0 < f.kld_mean < 0.05 and f.top1_agreement > 0.8, f
+    for folder, relation in ((same, None), (pre, "quantized")):
+        card(folder)
+        data = ModelCard.load(folder / "README.md").data.to_dict()
+        assert data["base_model"] == "moonshotai/Kimi-K2.6" and data.get("base_model_relation") == relation
+    text = (same / "README.md").read_text()
+    assert "passed through bit for bit" in text and "absmax / 7.5" not in text
+    assert "FP8_BLOCK" in (pre / "README.md").read_text()
+    rq = tmp_path / "rq"
+    convert(source, rq, requantize=True, base_model="moonshotai/Kimi-K2.6")
+    card(rq)
+    assert "were not kept" in (rq / "README.md").read_text()
