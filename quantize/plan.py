@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -536,53 +537,64 @@ def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None,
                                 "disagree")
         return {}
     out: dict[str, tuple] = {}
-    for m in mods:
-        some = next(tensors[f"{m}.{p}"] for p in (*INT4_PARTS, *INT4_REFUSED) if f"{m}.{p}" in tensors)
-        at = folder / some.file
-        for part, why in INT4_REFUSED.items():
-            if f"{m}.{part}" in tensors:
-                raise QuantizeError(f"{at}: {m}.{part}: {why}")
-        for part in INT4_PARTS:
-            if f"{m}.{part}" not in tensors:
-                raise QuantizeError(f"{at}: {m} has no {part} (an INT4 tensor needs weight_packed, weight_scale and "
-                                    "weight_shape); the checkpoint is incomplete, re-download the shard that holds it")
-        if f"{m}.weight" in tensors:
-            raise QuantizeError(f"{at}: {m} is stored both as weight and as weight_packed; the checkpoint mixes "
-                                "formats, re-export it")
-        packed, scale, shp = (tensors[f"{m}.{p}"] for p in INT4_PARTS)
-        if packed.dtype != "I32" or len(packed.shape) != 2:
-            raise QuantizeError(f"{folder / packed.file}: {packed.name} is {packed.dtype} {list(packed.shape)}; "
-                                "packed INT4 codes are a 2-D int32 tensor, the checkpoint is corrupt")
-        if scale.dtype not in ("BF16", "F16", "F32") or len(scale.shape) != 2:
-            raise QuantizeError(f"{folder / scale.file}: {scale.name} is {scale.dtype} {list(scale.shape)}; an INT4 "
-                                "group scale is a 2-D BF16/F16/F32 tensor, the checkpoint is corrupt")
-        if shp.dtype not in ("I64", "I32") or tuple(shp.shape) != (2,):
-            raise QuantizeError(f"{folder / shp.file}: {shp.name} is {shp.dtype} {list(shp.shape)}; weight_shape is "
-                                "[out, in] as int64, the checkpoint is corrupt")
-        if shp.file == "(config)":  # planned from config.json alone: the table is consistent by construction
-            o, k = packed.shape[0], packed.shape[1] * 8
-        else:
-            o, k = (int(v) for v in read_tensor(index.folder, shp).tolist())
-        if o != packed.shape[0] or -(-k // 8) != packed.shape[1] or k < 1:
-            raise QuantizeError(f"{folder / shp.file}: {shp.name} says [{o}, {k}], but {packed.name} is "
-                                f"{list(packed.shape)} (needs [{o}, {-(-k // 8)}]); the checkpoint is corrupt")
-        g = scheme.group_size
-        if k % g:
-            raise QuantizeError(f"{folder / shp.file}: {m} has K={k}, not a multiple of the group size {g} in "
-                                f"{where}; the config and the tensors disagree")
-        if tuple(scale.shape) != (o, k // g):
-            raise QuantizeError(f"{folder / scale.file}: {scale.name} is {list(scale.shape)}, but a [{o}, {k}] weight "
-                                f"in groups of {g} ({where}) needs [{o}, {k // g}]; the config and the tensors disagree")
-        if not source_int4_module(_names(arch, m, index.config), qc):
-            raise QuantizeError(f"{folder / packed.file}: {m} is stored INT4, but the quantization_config in {where} "
-                                "does not target it (or ignores it); the engines would build it high precision and "
-                                "fail to load it, fix the config")
-        out[m] = (packed, scale, shp, (o, k))
+    fds: dict = {}  # one descriptor per shard for the weight_shape reads (Kimi K2.6: 70k of them)
+    try:
+        for m in mods:
+            _int4_module(m, tensors, folder, index, scheme, qc, where, arch, fds, out)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     for gname, targets in _int4_targets(qc).items():
         if not any(t == "Linear" or _ct_name_match(m, t) for t in targets for m in out):
             raise QuantizeError(f"{where}: quantization_config.config_groups.{gname} targets {targets}, which match no "
                                 "INT4 tensor in the checkpoint; the config and the tensors disagree")
     return out
+
+
+def _int4_module(m: str, tensors: dict, folder: Path, index: CheckpointIndex, scheme: Int4Scheme, qc: dict,
+                 where: str, arch: Architecture, fds: dict, out: dict) -> None:
+    """One INT4 module's parts, checked (``_int4_parts``), into ``out``."""
+    some = next(tensors[f"{m}.{p}"] for p in (*INT4_PARTS, *INT4_REFUSED) if f"{m}.{p}" in tensors)
+    at = folder / some.file
+    for part, why in INT4_REFUSED.items():
+        if f"{m}.{part}" in tensors:
+            raise QuantizeError(f"{at}: {m}.{part}: {why}")
+    for part in INT4_PARTS:
+        if f"{m}.{part}" not in tensors:
+            raise QuantizeError(f"{at}: {m} has no {part} (an INT4 tensor needs weight_packed, weight_scale and "
+                                "weight_shape); the checkpoint is incomplete, re-download the shard that holds it")
+    if f"{m}.weight" in tensors:
+        raise QuantizeError(f"{at}: {m} is stored both as weight and as weight_packed; the checkpoint mixes "
+                            "formats, re-export it")
+    packed, scale, shp = (tensors[f"{m}.{p}"] for p in INT4_PARTS)
+    if packed.dtype != "I32" or len(packed.shape) != 2:
+        raise QuantizeError(f"{folder / packed.file}: {packed.name} is {packed.dtype} {list(packed.shape)}; "
+                            "packed INT4 codes are a 2-D int32 tensor, the checkpoint is corrupt")
+    if scale.dtype not in ("BF16", "F16", "F32") or len(scale.shape) != 2:
+        raise QuantizeError(f"{folder / scale.file}: {scale.name} is {scale.dtype} {list(scale.shape)}; an INT4 "
+                            "group scale is a 2-D BF16/F16/F32 tensor, the checkpoint is corrupt")
+    if shp.dtype not in ("I64", "I32") or tuple(shp.shape) != (2,):
+        raise QuantizeError(f"{folder / shp.file}: {shp.name} is {shp.dtype} {list(shp.shape)}; weight_shape is "
+                            "[out, in] as int64, the checkpoint is corrupt")
+    if shp.file == "(config)":  # planned from config.json alone: the table is consistent by construction
+        o, k = packed.shape[0], packed.shape[1] * 8
+    else:
+        o, k = (int(v) for v in read_tensor(index.folder, shp, fds).tolist())
+    if o != packed.shape[0] or -(-k // 8) != packed.shape[1] or k < 1:
+        raise QuantizeError(f"{folder / shp.file}: {shp.name} says [{o}, {k}], but {packed.name} is "
+                            f"{list(packed.shape)} (needs [{o}, {-(-k // 8)}]); the checkpoint is corrupt")
+    g = scheme.group_size
+    if k % g:
+        raise QuantizeError(f"{folder / shp.file}: {m} has K={k}, not a multiple of the group size {g} in "
+                            f"{where}; the config and the tensors disagree")
+    if tuple(scale.shape) != (o, k // g):
+        raise QuantizeError(f"{folder / scale.file}: {scale.name} is {list(scale.shape)}, but a [{o}, {k}] weight "
+                            f"in groups of {g} ({where}) needs [{o}, {k // g}]; the config and the tensors disagree")
+    if not source_int4_module(_names(arch, m, index.config), qc):
+        raise QuantizeError(f"{folder / packed.file}: {m} is stored INT4, but the quantization_config in {where} "
+                            "does not target it (or ignores it); the engines would build it high precision and "
+                            "fail to load it, fix the config")
+    out[m] = (packed, scale, shp, (o, k))
 
 
 def _int4_job(module: str, parts: tuple, role: str, quant: bool, options, recipe: Recipe | None,
