@@ -138,6 +138,20 @@ def verify_files(model: Path) -> tuple[list[str], dict]:
     return failures, manifest
 
 
+def is_vendor_folder(model: Path) -> bool:
+    """A release as its vendor ships it (e.g. Kimi K2.6's INT4): neither a quantize manifest nor a
+    job record, so there is no manifest to prove files against (a quantize output missing its
+    manifest still has its record, and is incomplete)."""
+    return not (model / QUANTIZE_MANIFEST).exists() and not (model / RECORD_DIR).exists()
+
+
+def prove_files(model: Path) -> tuple[bool, list[str], dict]:
+    """(a vendor folder, failures, manifest): ``verify_files`` unless ``is_vendor_folder``."""
+    if is_vendor_folder(model):
+        return True, [], {}
+    return (False, *verify_files(model))
+
+
 def check_fp8_dtypes(src: CheckpointIndex) -> None:
     """Every FP8 weight of a source 2-D e4m3 and its scale of a dtype the format allows
     (formats.layout), as convert's plan requires: one line naming the tensor otherwise."""
@@ -488,11 +502,7 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
         return _check_sharded(model, source, tokens, seed, emit)
     index = CheckpointIndex.open(model)
     arch = archs.resolve(index.config, str(model / "config.json"))
-    vendor = not (model / QUANTIZE_MANIFEST).exists() and not (model / RECORD_DIR).exists()
-    if vendor:  # a release as its vendor ships it (e.g. Kimi K2.6's INT4): no manifest to prove files against
-        failures, manifest = [], {}
-    else:
-        failures, manifest = verify_files(model)
+    vendor, failures, manifest = prove_files(model)
     if manifest:
         verify_manifest_record(model, manifest, index)
     verify_quant_config(model, index)
@@ -564,7 +574,7 @@ def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) ->
     full = CheckpointIndex.open(src_dir)
     arch = archs.resolve(full.config, str(src_dir / "config.json"))
     # the unsharded checkpoint by its own manifest and record, its config by its tensors
-    bad, fman = verify_files(src_dir)
+    _, bad, fman = prove_files(src_dir)
     failures += bad
     if fman:
         verify_manifest_record(src_dir, fman, full)

@@ -709,7 +709,8 @@ def _does(p: Pipeline, name: str) -> str:
             + (" (skipped if the data is absent)" if o["eval"]["if_no_data"] == "skip" else "")
         ),
         "convert-prefill": lambda: (
-            f"make the prefill pool's weights ({o['prefill_model']['scheme']}, profile {o['prefill_model']['profile']}) "
+            f"make the prefill pool's weights ({o['prefill_model']['scheme']}, "
+            f"profile {o['prefill_model']['profile']}) "
             f"from the source in {p.out / 'prefill-model'}"
         ),
         "pd-eval": lambda: (

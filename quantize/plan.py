@@ -350,10 +350,13 @@ def _decide_by_recipe(recipe: Recipe, module: str) -> bool:
 
 
 def build_plan(
-    source: str | Path, options: ConvertOptions, tp: int = 1, allow_config_only: bool = False, ct_check: bool = True
+    source: str | Path, options: ConvertOptions, tp: int = 1, allow_config_only: bool = False, ct_check: bool = True,
+    header_only: bool = False,
 ) -> Plan:
     """``ct_check``: also match the config with compressed-tensors' own matcher (convert does; the
-    header-only ``quantize plan`` keeps to the engines' matching, without importing it)."""
+    header-only ``quantize plan`` keeps to the engines' matching, without importing it).
+    ``header_only``: read no tensor data (``quantize plan``): an INT4 source's ``weight_shape`` is
+    then taken from its packed shape rather than read (convert reads and checks it)."""
     options.validate()
     folder = Path(source)
     recipe = load_recipe(options.recipe) if options.recipe else None
@@ -377,7 +380,7 @@ def build_plan(
     scheme4 = int4_scheme(src_qc) if source_format == "ct-int4" else None
     if scheme4 is not None:
         options = _int4_request(asked, options, recipe, scheme4, where)
-    int4_mods = _int4_parts(index, folder, scheme4, src_qc, where, arch)
+    int4_mods = _int4_parts(index, folder, scheme4, src_qc, where, arch, header_only)
 
     jobs_by_file: dict[str, list[Job]] = defaultdict(list)
     dropped: list[str] = []
@@ -523,7 +526,7 @@ def _int4_request(asked, options, recipe: Recipe | None, src: Int4Scheme, where:
 
 
 def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None, qc: dict, where: str,
-                arch: Architecture) -> dict[str, tuple]:
+                arch: Architecture, header_only: bool = False) -> dict[str, tuple]:
     """module -> (weight_packed, weight_scale, weight_shape, (out, in)) of an INT4 source, each
     checked against the others and the config; one line naming the tensor otherwise."""
     tensors = index.tensors
@@ -540,7 +543,7 @@ def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None,
     fds: dict = {}  # one descriptor per shard for the weight_shape reads (Kimi K2.6: 70k of them)
     try:
         for m in mods:
-            _int4_module(m, tensors, folder, index, scheme, qc, where, arch, fds, out)
+            _int4_module(m, tensors, folder, index, scheme, qc, where, arch, None if header_only else fds, out)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -553,7 +556,8 @@ def _int4_parts(index: CheckpointIndex, folder: Path, scheme: Int4Scheme | None,
 
 def _int4_module(m: str, tensors: dict, folder: Path, index: CheckpointIndex, scheme: Int4Scheme, qc: dict,
                  where: str, arch: Architecture, fds: dict, out: dict) -> None:
-    """One INT4 module's parts, checked (``_int4_parts``), into ``out``."""
+    """One INT4 module's parts, checked (``_int4_parts``), into ``out``; ``fds`` None: its
+    weight_shape not read (header only)."""
     some = next(tensors[f"{m}.{p}"] for p in (*INT4_PARTS, *INT4_REFUSED) if f"{m}.{p}" in tensors)
     at = folder / some.file
     for part, why in INT4_REFUSED.items():
@@ -576,7 +580,7 @@ def _int4_module(m: str, tensors: dict, folder: Path, index: CheckpointIndex, sc
     if shp.dtype not in ("I64", "I32") or tuple(shp.shape) != (2,):
         raise QuantizeError(f"{folder / shp.file}: {shp.name} is {shp.dtype} {list(shp.shape)}; weight_shape is "
                             "[out, in] as int64, the checkpoint is corrupt")
-    if shp.file == "(config)":  # planned from config.json alone: the table is consistent by construction
+    if shp.file == "(config)" or fds is None:  # config.json alone (consistent by construction), or headers only
         o, k = packed.shape[0], packed.shape[1] * 8
     else:
         o, k = (int(v) for v in read_tensor(index.folder, shp, fds).tolist())
@@ -884,6 +888,7 @@ def plan(source, tp, group_size, profile, keep_fp8, recipe, scheme, requantize, 
         tp=tp,
         allow_config_only=True,
         ct_check=False,
+        header_only=True,
     )
     # the same rule as ``quantize shard``: attention heads split evenly over the ranks
     where = Path(source) / "config.json" if Path(source).is_dir() else Path(source)

@@ -100,7 +100,7 @@ def test_amax_equals_transformers_dynamic_cache(arch, tiny, request, tmp_path):
 @pytest.fixture(scope="module")
 def kimi_int4(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("kimi-int4") / "o"
-    convert(tiny("kimi_k25"), out)
+    convert(tiny("kimi_k25", layout="fp8"), out)  # our INT4 of Kimi K2 Instruct's FP8
     return out
 
 
@@ -208,7 +208,7 @@ def test_layer_streaming_fp8_source_equals_ct_dequantized_forward(tiny, tmp_path
     compressed-tensors' own FP8BlockDequantizer wrote."""
     from .test_convert import _bf16_reference
 
-    src = tiny("kimi_k25")
+    src = tiny("kimi_k25", layout="fp8")
     ref_dir = _bf16_reference(src, tmp_path / "ref")
     ids = torch.randint(3, 500, (16,), generator=torch.Generator().manual_seed(2))
     s = LayerStreamer(src)

@@ -323,7 +323,20 @@ def test_passed_through_int4_is_no_relation_and_one_requantized_module_is_quanti
 
     n = _int4_modules(folder)
     assert n > 1
-    edit_json(folder / "quantize_manifest.json", lambda m: m.update(passed_through={"modules": n, "bytes": 1}))
+
+    def passed(m, redone=0):  # as convert records an INT4 source: pass_int4 jobs, counted in passed_through
+        left = redone
+        for k in m["plan"]["roles"].values():
+            if "int4" in k:
+                c = k.pop("int4")
+                k["pass_int4"] = c - min(c, left)
+                if min(c, left):
+                    k["int4"] = min(c, left)
+                left -= min(c, left)
+        m.update(passed_through={"modules": n - redone, "requantized": redone})
+
+    pristine = (folder / "quantize_manifest.json").read_text()
+    edit_json(folder / "quantize_manifest.json", passed)
     res = card(folder, base_model="moonshotai/Kimi-K2.6")
     meta = _meta(res.text)
     assert meta["base_model"] == "moonshotai/Kimi-K2.6" and "base_model_relation" not in meta
@@ -332,11 +345,13 @@ def test_passed_through_int4_is_no_relation_and_one_requantized_module_is_quanti
     assert any(n_.startswith("base_model_relation is not set") and "adapter, merge, quantized, finetune" in n_
                for n_ in res.notes)
     # the near miss: one module re-quantized makes it a quantized model again
-    edit_json(folder / "quantize_manifest.json", lambda m: m.update(passed_through={"modules": n - 1}))
+    (folder / "quantize_manifest.json").write_text(pristine)
+    edit_json(folder / "quantize_manifest.json", lambda m: passed(m, redone=1))
     res = card(folder, base_model="moonshotai/Kimi-K2.6")
     assert _meta(res.text)["base_model_relation"] == "quantized"
     assert f"{n - 1} INT4 modules passed through from the source bit for bit" in res.text
-    # a future FP8 scheme re-quantizes whatever passed through
+    assert "were not kept for 1 modules" in res.text
+    # the FP8 block scheme re-quantizes whatever it reads
     def fp8(m):
         m.update(passed_through={"modules": n})
         m["options"].update(scheme="fp8-block")

@@ -213,12 +213,13 @@ def test_recipe_conflicting_flags_refused_and_resolved_options_recorded(tiny, tm
         plan(src, recipe=r128, profile="all-linear")
     with pytest.raises(QuantizeError, match=rf"^--observer minmax conflicts with observer mse in {r64mse}; drop the flag or edit the recipe$"):
         build_plan(src, ConvertOptions(observer="minmax", recipe=r64mse))
-    assert plan(src, recipe=r128).options == ConvertOptions(group_size=128, profile="experts", observer="minmax", recipe=r128)
+    assert plan(src, recipe=r128).options == ConvertOptions(group_size=128, profile="experts", observer="minmax", recipe=r128,
+                                                                scheme="w4a16")
     assert plan(src, recipe=r128, group_size=128, profile="experts").options.group_size == 128  # agreeing flags are fine
     assert build_plan(src, ConvertOptions(recipe=r64mse)).options.observer == "mse"
     assert build_plan(src, ConvertOptions(observer="mse", recipe=r128)).options.observer == "mse"  # the recipe names no observer
     p = plan(src)
-    assert p.options == ConvertOptions(group_size=32, profile="experts", observer="minmax")
+    assert p.options == ConvertOptions(group_size=32, profile="experts", observer="minmax", scheme="w4a16")
     assert p.summary()["options"] == {"group_size": 32, "profile": "experts", "observer": "minmax", "keep_fp8": False, "recipe": None}
     p = subprocess.run([sys.executable, "-m", "quantize.cli", "plan", str(src), "--recipe", r128, "--group-size", "32"],
                        capture_output=True, text=True)

@@ -92,8 +92,9 @@ KIMI_PREPROCESSOR = {"media_proc_cfg": {
     "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
     "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}}
 
-# Moonshot's quantization_config for Kimi K2 Thinking / K2.5 / K2.6 (docs/formats.md#kimi-native-int4): the routed
-# experts INT4, symmetric, group 32, QAT; the ignore list as the release writes it, plus the vision patterns
+# Moonshot's quantization_config for Kimi K2 Thinking / K2.5 / K2.6
+# (docs/formats.md#kimi-native-int4-release): the routed experts INT4, symmetric, group 32, QAT; the ignore
+# list as the release writes it, plus the vision patterns
 MOONSHOT_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
                    "re:.*vision_tower.*", "re:.*mm_projector.*"]
 MOONSHOT_INT4 = {
