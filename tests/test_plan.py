@@ -105,7 +105,7 @@ def test_plan_reads_no_tensor_data(tiny, monkeypatch):
     into_data = [(p, off, n) for p, off, n in reads if p in data_start and (off is None or off + n > data_start[p])]
     assert into_data == []
     assert read <= allowed, f"plan read {read} bytes; headers, config.json and the index are at most {allowed}"
-    assert s["roles"]["expert_down"] == {"int4": 24} and s["roles"]["vision"]["copy"] > 0
+    assert s["roles"]["expert_down"] == {"pass_int4": 16} and s["roles"]["vision"]["copy"] > 0  # Moonshot's INT4
     assert s["per_rank_output_bytes"] < s["output_bytes"]
 
 

@@ -88,6 +88,11 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device = torch.device("c
     return m.to(device=device, dtype=dtype).eval()
 
 
+def _vocab(model) -> int:
+    """The vocabulary size of a loaded model (a multimodal one, Kimi K2.5/K2.6, keeps it in its text config)."""
+    return int(model.config.get_text_config().vocab_size)
+
+
 def _has_fp8_block(cfg: dict) -> bool:
     """An FP8 block (float-quantized, block strategy) checkpoint, e.g. ``convert --scheme fp8-block``:
     transformers 5.17 cannot decompress such fused MoE experts (its DecompressExperts fails)."""
@@ -344,13 +349,13 @@ def kld(
         saved = _open_logits(Path(baseline_logits), run, chunks, cand_path, Path(baseline) if baseline else None)
     base_model = _load(Path(baseline), tdtype, dev) if saved is None else None
     cand_model = _load(cand_path, tdtype, dev)
-    if base_model is not None and base_model.config.vocab_size != cand_model.config.vocab_size:
-        raise QuantizeError(f"{cand_path}: vocabulary {cand_model.config.vocab_size} differs from the baseline's "
-                            f"{base_model.config.vocab_size}")
+    if base_model is not None and _vocab(base_model) != _vocab(cand_model):
+        raise QuantizeError(f"{cand_path}: vocabulary {_vocab(cand_model)} differs from the baseline's "
+                            f"{_vocab(base_model)}")
 
     writers: list[tuple[StreamWriter, torch.dtype]] = []
     if base_model is not None and (save_baseline is not None or keep_baseline is not None):
-        vocab = int(base_model.config.vocab_size)
+        vocab = _vocab(base_model)
         ident = {**run, "model": model_identity(Path(baseline)), "vocab": vocab}
         meta = {"format": "quantize-kld", "quantize_kind": BASELINE_KIND, "identity": json.dumps(ident),
                 "baseline": str(baseline)}
