@@ -103,6 +103,7 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
     if heads % tp:
         raise QuantizeError(f"{model / 'config.json'}: {heads} attention heads do not split over TP {tp}; "
                             f"use a TP that divides {heads}")
+    _check_fp8_block(arch, index, tp)
     splits: list[TensorSplit] = []
     for name, ref in index.tensors.items():
         kind, dim = _split_of(arch, name, ref)
@@ -146,6 +147,37 @@ def marlin_violation(n: int, k: int, g: int, tp: int, split: str, role: str, hid
     if k_r % g:
         return f"K per rank {k_r} is not a multiple of group {g}"
     return None
+
+
+FP8_BLOCK = 128  # the block the engines' FP8 block kernels tile by (weight_block_size / block_structure)
+
+
+def fp8_block_violation(shape: tuple[int, int], split: str, tp: int) -> str | None:
+    """vLLM 0.33.0's rule for a 128x128 block FP8 weight split over ``tp`` ranks
+    (vllm/model_executor/layers/quantization/utils/fp8_utils.py ``validate_fp8_block_shape``, and
+    ``validate_fp8_block_shape_moe`` for the experts): the split dimension per rank a whole number
+    of blocks (column: N, row: K); a replicated weight is not split. None when it holds."""
+    if tp == 1 or split not in ("col", "row"):
+        return None
+    n, k = shape
+    size, what = (n, "N (output rows)") if split == "col" else (k, "K (input columns)")
+    if size % tp or (size // tp) % FP8_BLOCK:
+        return f"FP8 block weights need {what} per rank % {FP8_BLOCK} == 0, got {size} / {tp}"
+    return None
+
+
+def _check_fp8_block(arch, index: CheckpointIndex, tp: int) -> None:
+    """Every block-FP8 weight (``--scheme fp8-block``, ``--keep-fp8``) against ``fp8_block_violation``
+    at ``tp``, before any write; one line naming the tensor and a TP that works."""
+    for name, ref in index.tensors.items():
+        if ref.dtype != "F8_E4M3" or not name.endswith(".weight") or len(ref.shape) != 2:
+            continue
+        split, _ = _split_of(arch, name, ref)
+        rule = fp8_block_violation(tuple(ref.shape), split, tp)
+        if rule:
+            alt = [t for t in (1, 2, 4, 8, 16) if t != tp and fp8_block_violation(tuple(ref.shape), split, t) is None]
+            raise QuantizeError(f"{index.folder / ref.file}: tensor {name} at TP {tp}: {rule}; use --tp "
+                                f"{' or '.join(map(str, alt))}")
 
 
 def _check_rules(arch, index: CheckpointIndex, splits: list[TensorSplit], int4: dict, tp: int) -> None:

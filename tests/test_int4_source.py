@@ -280,3 +280,21 @@ def test_eval_and_card_of_what_was_made_from_it(source, tmp_path):
     convert(source, rq, requantize=True, base_model="moonshotai/Kimi-K2.6")
     card(rq)
     assert "were not kept" in (rq / "README.md").read_text()
+
+
+def test_fp8_block_shape_rule_at_tp(tiny, tmp_path):
+    """vLLM's validate_fp8_block_shape: the split dimension per rank a whole number of 128-blocks."""
+    from quantize.shard import fp8_block_violation
+
+    assert fp8_block_violation((1024, 7168), "col", 8) is None  # 128 rows per rank
+    assert "N (output rows) per rank % 128" in fp8_block_violation((1024, 7168), "col", 16)  # 64: a near miss
+    assert fp8_block_violation((7168, 2048), "row", 16) is None
+    assert "K (input columns)" in fp8_block_violation((7168, 2048), "row", 32)
+    assert fp8_block_violation((576, 7168), "rep", 8) is None  # replicated: not split
+    assert fp8_block_violation((200, 300), "col", 1) is None
+    out = tmp_path / "fp8"
+    convert(tiny("kimi_k25"), out, scheme="fp8-block")
+    assert check(out, tp=2).ok  # 256-wide experts: 128 per rank
+    rep = check(out, tp=4)
+    assert not rep.ok and any("FP8 block weights need K (input columns) per rank % 128" in f and "use --tp 1 or 2" in f
+                              for f in rep.failures), rep.failures
