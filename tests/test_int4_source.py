@@ -298,3 +298,15 @@ def test_fp8_block_shape_rule_at_tp(tiny, tmp_path):
     rep = check(out, tp=4)
     assert not rep.ok and any("FP8 block weights need K (input columns) per rank % 128" in f and "use --tp 1 or 2" in f
                               for f in rep.failures), rep.failures
+
+
+def test_requantize_with_gptq_is_proven_by_its_grid(tiny, tmp_path):
+    """--requantize --method gptq on Moonshot's INT4: the layer pass reads the dequantized experts,
+    and check proves each GPTQ tensor by its grid and recorded error against the exact dequantization."""
+    src, out = tiny("kimi_k25"), tmp_path / "g"
+    convert(src, out, requantize=True, method="gptq", samples=4, seq_len=32)
+    man = json.loads((out / "quantize_manifest.json").read_text())
+    assert man["passed_through"]["requantized"] == 48 and man["method"]["method"] == "gptq"
+    rep = check(out, source=src)
+    assert rep.ok, rep.failures
+    assert rep.verified.get("tensors_method_vs_source", 0) > 0
