@@ -289,13 +289,41 @@ def _ct_name_match(name: str, pat: str) -> bool:
     return re.match(pat[3:], name) is not None if pat.startswith("re:") else pat == name
 
 
+class _Patterns:
+    """A list of compressed-tensors patterns compiled once: ``match(name)`` is ``_ct_name_match``
+    against any of them (Kimi K2.6's config is matched against ~70,000 modules)."""
+
+    def __init__(self, pats):
+        import re
+
+        self.exact = {p for p in pats if not p.startswith("re:")}
+        self.regex = [re.compile(p[3:]) for p in pats if p.startswith("re:")]
+        self.linear = "Linear" in self.exact
+
+    def match(self, name: str) -> bool:
+        return name in self.exact or any(r.match(name) for r in self.regex)
+
+
+def _source_patterns(qc: dict) -> tuple[_Patterns, _Patterns]:
+    """(ignore, INT4 targets) of ``qc``, compiled once per config object (the last one is kept)."""
+    held = _PATTERNS.get("qc")
+    if held is None or held[0] is not qc:
+        held = _PATTERNS["qc"] = (qc, _Patterns(qc.get("ignore") or []),
+                                  _Patterns([t for ts in _int4_targets(qc).values() for t in ts]))
+    return held[1], held[2]
+
+
+_PATTERNS: dict[str, tuple] = {}
+
+
 def source_int4_module(names: list[str], qc: dict) -> bool:
     """Whether an INT4 source's config makes a Linear INT4 (targeted, and ignored under none of
     ``names``: the checkpoint's and the engine's, e.g. Moonshot's plain ``lm_head`` is
     ``language_model.lm_head`` on disk)."""
-    if any(_ct_name_match(n, p) for n in names for p in qc.get("ignore") or []):
+    ignore, targets = _source_patterns(qc)
+    if any(ignore.match(n) for n in names):
         return False
-    return any(t == "Linear" or _ct_name_match(n, t) for n in names for ts in _int4_targets(qc).values() for t in ts)
+    return targets.linear or any(targets.match(n) for n in names)
 
 
 def _names(arch: Architecture, module: str, config: dict) -> list[str]:

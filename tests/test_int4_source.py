@@ -310,3 +310,21 @@ def test_requantize_with_gptq_is_proven_by_its_grid(tiny, tmp_path):
     rep = check(out, source=src)
     assert rep.ok, rep.failures
     assert rep.verified.get("tensors_method_vs_source", 0) > 0
+
+
+def test_our_matcher_is_compressed_tensors_match_name():
+    """plan matches an INT4 source's config without importing compressed-tensors: the same answers
+    as its match_name on Kimi's names and Moonshot's patterns (plain names exact, re: re.match)."""
+    from compressed_tensors.utils.match import match_name
+
+    from quantize.plan import _ct_name_match, _Patterns
+    from quantize.testing.tiny import MOONSHOT_IGNORE
+
+    names = ["lm_head", "language_model.lm_head", "language_model.model.layers.0.self_attn.kv_b_proj",
+             "language_model.model.layers.1.mlp.experts.3.down_proj", "language_model.model.layers.1.mlp.gate",
+             "language_model.model.layers.0.mlp.gate_proj", "vision_tower.blocks.0.mlp.fc0", "mm_projector.proj.0"]
+    pats = MOONSHOT_IGNORE + ["re:.*experts\\.3\\..*", "Linear", "language_model.lm_head"]
+    for n in names:
+        for p in pats:
+            assert _ct_name_match(n, p) == match_name(n, p), (n, p)
+        assert _Patterns(pats).match(n) == any(match_name(n, p) for p in pats), n
