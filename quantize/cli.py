@@ -221,8 +221,9 @@ def plan(json_out: bool, **options):
     kv, kin = s["kv_bytes_per_token"], s["kv_capacity_inputs"]
     _print(
         _table(
-            f"{s['architecture']} ({s['source_format']}) -> INT4 g{s['options']['group_size']}, profile "
-            f"{s['options']['profile']}",
+            f"{s['architecture']} ({s['source_format']}) -> "
+            + ("FP8 block 128x128" if s["options"].get("scheme") == "fp8-block" else f"INT4 g{s['options']['group_size']}")
+            + f", profile {s['options']['profile']}",
             ("role", "jobs"),
             [(role, ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))) for role, kinds in s["roles"].items()],
         ),

@@ -328,3 +328,17 @@ def test_our_matcher_is_compressed_tensors_match_name():
         for p in pats:
             assert _ct_name_match(n, p) == match_name(n, p), (n, p)
         assert _Patterns(pats).match(n) == any(match_name(n, p) for p in pats), n
+
+
+def test_plan_cli_for_each_scheme(tiny):
+    """`quantize plan` prints the INT4 pass-through and the FP8 block plan of the release (a near miss
+    of a summary that lost the INT4 group size for FP8 block was a traceback)."""
+    from typer.testing import CliRunner
+
+    from quantize.cli import app
+
+    for extra, want in (([], "INT4 g32"), (["--scheme", "fp8-block"], "FP8 block 128x128")):
+        res = CliRunner().invoke(app, ["plan", str(tiny("kimi_k25")), "--tp", "2", *extra], env={"COLUMNS": "200"})
+        assert res.exit_code == 0 and res.exception is None, res.output
+        text = " ".join(res.output.split())  # the table's title wraps at its width
+        assert want in text and ("pass_int4 16" in text or "fp8 16" in text)
