@@ -42,6 +42,9 @@ INT_FIELDS: dict[str, tuple[int, int, bool]] = {
     "v_head_dim": (1, 1 << 16, False),
     "index_n_heads": (1, 1 << 16, False),
     "index_head_dim": (1, 1 << 16, False),
+    "num_experts_per_tok": (1, 1 << 16, False),
+    "n_group": (1, 1 << 16, False),
+    "topk_group": (1, 1 << 16, False),
 }
 TEXT_KEY = "text_config"
 
@@ -108,9 +111,35 @@ class ModelConfig:
                 raise self._fail(prefix + name, f"must be an integer, not {_short(v)}")
             if not lo <= v <= hi:
                 raise self._fail(prefix + name, f"is {v}, outside [{lo}, {hi:,}]")
+        self._check_routing(prefix)
         tie = body.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
         if tie is not None and not isinstance(tie, bool):
             raise self._fail("tie_word_embeddings", f"must be true or false, not {_short(tie)}")
+
+    def _check_routing(self, prefix: str) -> None:
+        """Can the router pick ``num_experts_per_tok`` experts? DeepSeek-V3-style group-limited
+        routing (transformers' DeepseekV3TopkRouter, SGLang's and vLLM's grouped_topk) splits the
+        experts into ``n_group`` groups, scores each group by its top-2 experts, keeps
+        ``topk_group`` groups and picks the experts among those: a config where that cannot
+        happen fails in the router, mid-run, with a torch index error; here it is one line."""
+        b = self.text
+        e, k, g, tg = (b.get(n) for n in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"))
+        if not e:
+            return
+        if k is not None and k > e:
+            raise self._fail(prefix + "num_experts_per_tok", f"is {k}, more than the {e} routed experts")
+        if g is None:
+            return
+        if e % g:
+            raise self._fail(prefix + "n_group", f"is {g}: {e} routed experts do not split into {g} equal groups")
+        if tg is not None and tg > g:
+            raise self._fail(prefix + "topk_group", f"is {tg}, more than the {g} expert groups (n_group)")
+        if e // g < 2:
+            raise self._fail(prefix + "n_group", f"is {g}: {e // g} expert per group, but a group is scored by its "
+                             "top 2 experts; use fewer groups")
+        if k is not None and tg is not None and tg * (e // g) < k:
+            raise self._fail(prefix + "num_experts_per_tok", f"is {k}, but the router keeps {tg} groups (topk_group) "
+                             f"of {e // g} experts, {tg * (e // g)} to choose from")
 
     def _check_quant(self, cfg: dict, prefix: str) -> None:
         qc = cfg.get("quantization_config")
