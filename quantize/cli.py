@@ -222,7 +222,8 @@ def plan(json_out: bool, **options):
     _print(
         _table(
             f"{s['architecture']} ({s['source_format']}) -> "
-            + ("FP8 block 128x128" if s["options"].get("scheme") == "fp8-block" else f"INT4 g{s['options']['group_size']}")
+            + ("FP8 block 128x128" if s["options"].get("scheme") == "fp8-block"
+               else f"INT4 g{s['options']['group_size']}")
             + f", profile {s['options']['profile']}",
             ("role", "jobs"),
             [(role, ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))) for role, kinds in s["roles"].items()],
