@@ -225,7 +225,7 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
     from compressed_tensors.quantization import QuantizationConfig
     from pydantic import ValidationError
 
-    from .plan import _ct_match, _scheme_for
+    from .plan import _ct_match, _names, _scheme_for
     from .shard import _int4_modules
 
     where = model / "config.json"
@@ -262,14 +262,15 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
     view = {"ignore": list(parsed.ignore or []),
             "config_groups": {g: {"targets": list(sc.targets)} for g, sc in parsed.config_groups.items()}}
     checked: set[str] = set()
-    def names(module: str) -> list[str]:
-        # the checkpoint's name and the one the engines match (Kimi: `language_model.` stripped, so a
-        # plain `lm_head` in the ignore list, as Moonshot writes it, holds for `language_model.lm_head`)
-        return [module] + [n for n in arch.engine_module_names(module, index.config)[:1] if n != module]
+    def group(module: str) -> str:
+        # "bf16" when the config leaves the module unquantized under the checkpoint's name or the one
+        # the engines match (Kimi: `language_model.` stripped, so a plain `lm_head` in the ignore list,
+        # as Moonshot writes it, holds for `language_model.lm_head`), else its group by the checkpoint name
+        grps = {_scheme_for(m, view, _ct_match) for m in _names(arch, module, index.config)}
+        return "bf16" if "bf16" in grps else _scheme_for(module, view, _ct_match)
 
     for module, (n, k, g) in int4.items():
-        grps = {_scheme_for(m, view, _ct_match) for m in names(module)}
-        grp = "bf16" if "bf16" in grps else _scheme_for(module, view, _ct_match)
+        grp = group(module)
         if grp == "bf16":
             raise CheckFailed(f"{where}: quantization_config leaves {module} unquantized (ignored, or in no config "
                               f"group's targets), but the tensors hold it INT4; convert again")
@@ -296,8 +297,7 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
         role = arch.role_of(name)[0]
         if param != "weight" or len(ref.shape) != 2 or not ROLES[role][0] or role in ENGINE_UNQUANTIZED:
             continue
-        grp = next((x for x in (_scheme_for(m, view, _ct_match) for m in names(base)) if x == "bf16"),
-                   _scheme_for(base, view, _ct_match)) if ref.dtype != "F8_E4M3" else _scheme_for(base, view, _ct_match)
+        grp = _scheme_for(base, view, _ct_match) if ref.dtype == "F8_E4M3" else group(base)
         if ref.dtype == "F8_E4M3":
             w = parsed.config_groups[grp].weights if grp != "bf16" else None
             if w is None or w.num_bits != 8 or _value(w.type) != "float":
