@@ -347,14 +347,9 @@ def _fp8_block_diff(o: WeightReader, s: WeightReader, name: str, base: str) -> s
     (FP8 and INT4 sources dequantized to BF16 first); why not, or None."""
     from .formats import fp8 as fp8_fmt
 
-    st = s.index.tensors
-    if base + ".weight_packed" in st:
-        w = int4_fmt.dequantize_int4(s.raw(base + ".weight_packed"), s.raw(base + ".weight_scale"),
-                                     tuple(int(v) for v in s.raw(base + ".weight_shape").tolist()), torch.bfloat16)
-    elif s.scheme(name).startswith("fp8"):
-        w = s.weight(name, torch.bfloat16)
-    else:
-        w = s.raw(name)
+    # the one reader dequantizes INT4 (code x scale in the scale dtype) and FP8 to BF16, as
+    # llm-compressor's dequantizers do; a float weight keeps its own dtype
+    w = s.raw(name) if s.scheme(name) == "float" else s.weight(name, torch.bfloat16)
     if base + ".weight_scale" not in o.index.tensors:
         return "its weight_scale is missing"
     q, scale = fp8_fmt.quant_block_ct(w)
