@@ -1026,8 +1026,7 @@ def render(
         method_layers=layers,
         int4_roles=int4_roles,
         # an INT4 source's tensors written as they were: no method made them (the manifest counts them)
-        passed_only=bool((rec.get("passed_through") or {}).get("modules"))
-        and not any("int4" in k for k in roles.values()) and not (rec.get("options") or {}).get("scheme"),
+        passed_only=bool((rec.get("passed_through") or {}).get("modules")) and not lin.requantized,
         int4_tensors=sum(sum(roles[r].values()) for r in int4_roles),
         kept=sorted((how, sorted(rs)) for how, rs in kept.items()),
         bpw=bits_per_weight(index),
