@@ -342,3 +342,17 @@ def test_plan_cli_for_each_scheme(tiny):
         assert res.exit_code == 0 and res.exception is None, res.output
         text = " ".join(res.output.split())  # the table's title wraps at its width
         assert want in text and ("pass_int4 16" in text or "fp8 16" in text)
+
+
+def test_prefill_card_says_the_decode_weights_are_the_sources_only_when_they_are(tiny, tmp_path):
+    """Passed through and nothing quantized: 'the source's own INT4 weights'; the near miss, the
+    same release with its BF16 attention quantized too (--profile all-linear), is not described so."""
+    from quantize.evaluate.pd import write_prefill
+
+    src = tiny("kimi_k25")
+    convert(src, tmp_path / "same")
+    convert(src, tmp_path / "more", profile="all-linear")
+    write_prefill(src, tmp_path / "same", tmp_path / "p1")
+    write_prefill(src, tmp_path / "more", tmp_path / "p2")
+    assert "the source's own INT4 weights, passed through bit for bit" in (tmp_path / "p1" / "README.md").read_text()
+    assert "passed through bit for bit" not in (tmp_path / "p2" / "README.md").read_text()

@@ -471,8 +471,12 @@ def write_prefill(
     decode_ref = repo or str(dec.resolve())
     dec_man = load_json(dec / "quantize_manifest.json", "quantize manifest", kind="record") \
         if (dec / "quantize_manifest.json").is_file() else {}
-    kept = (dec_man.get("passed_through") or {}) if isinstance(dec_man, dict) else {}
-    decode_is_source = bool(kept.get("modules")) and not kept.get("requantized")
+    # the decode model is the source's own weights when its conversion passed INT4 through and
+    # quantized nothing (the card's lineage decides it, for both)
+    from ..publish.card import lineage
+
+    decode_is_source = (isinstance(dec_man, dict) and bool((dec_man.get("passed_through") or {}).get("modules"))
+                        and not lineage(dec, dec_man, None).requantized)
     lines = launch_lines(
         prefill_ref,
         decode_ref,
