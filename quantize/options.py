@@ -539,7 +539,8 @@ class ConvertOptions(Options):
     )
     memory_budget_gib: float = opt(
         4.0,
-        "gptq/autoround: calibration hidden states kept in memory; beyond it they go to OUT/.quantize/hidden",
+        "gptq/autoround: calibration hidden states kept in memory (beyond it they go to OUT/.quantize/hidden); "
+        "gptq: also the routed experts read at once (with their Hessians), a MoE layer's experts a group at a time",
         record=False,
         check=_nonneg,
         why="must be 0 or more GiB (0: every hidden state on disk)",
@@ -850,6 +851,14 @@ class CalibrateKVOptions(Options):
         why="must be at least 1 (the cache's amax is kept at or below 448 / headroom)",
     )
     overwrite: bool = opt(False, "replace an earlier calibrate-kv output in OUT", recipe=False)
+    memory_budget_gib: float = opt(
+        4.0,
+        "routed experts' weights held in memory at once: a MoE layer's experts are read a group at a time "
+        "(0: one expert at a time); the report is the same for any value",
+        record=False,
+        check=_nonneg,
+        why="must be 0 or more GiB (0: one routed expert at a time)",
+    )
     base_model: str | None = same(ConvertOptions, "base_model")
 
 

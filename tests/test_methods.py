@@ -177,16 +177,26 @@ def dsv3(tiny):
 
 
 def _spy_gptq(monkeypatch):
+    """The Hessians GPTQ gets, per layer with INT4 units in order: one dict per layer, merged over
+    its calls (a MoE layer's routed experts come a group at a time)."""
     from quantize.methods import gptq as G
 
-    seen = []
-    real = G.quantize
+    seen: list[dict] = []
+    layer_of: list[int] = []
+    real, real_results = G.quantize, G.GPTQ.results
+
+    def results(x, hooks):
+        if not seen or layer_of[-1] != x.index:
+            layer_of.append(x.index)
+            seen.append({})
+        return real_results(x, hooks)
 
     def spy(items, *a, **kw):
-        seen.append({u.key: h.clone() for u, _, h in items})
+        seen[-1].update({u.key: h.clone() for u, _, h in items})
         return real(items, *a, **kw)
 
     monkeypatch.setattr(G, "quantize", spy)
+    monkeypatch.setattr(G.GPTQ, "results", staticmethod(results))
     return seen
 
 
@@ -295,11 +305,11 @@ def test_one_layer_in_memory_and_flat_in_depth(tiny, tmp_path, monkeypatch):
     most = [0]
     real = LayerStreamer.layer
 
-    def layer(self, i):
+    def layer(self, i, stream_experts=False):
         gc.collect()
         alive = [r for r in live if r() is not None]
         most[0] = max(most[0], len(alive) + 1)
-        m = real(self, i)
+        m = real(self, i, stream_experts)
         live.append(weakref.ref(m))
         return m
 
@@ -333,30 +343,30 @@ def test_interrupted_mid_layer_redoes_that_layer_only(dsv3, tmp_path, monkeypatc
     ref = tmp_path / "ref"
     convert(dsv3, ref, method="gptq", workers=1, **CAL)
     out = tmp_path / "out"
-    real = G.quantize
-    calls = [0]
+    real = G.GPTQ.results
 
-    def dies_in_second_layer(*a, **kw):
-        calls[0] += 1
-        if calls[0] == 2:
-            raise KeyboardInterrupt  # a kill in the middle of layer 2's GPTQ
-        return real(*a, **kw)
+    def dies_in_second_moe_layer(x, hooks):
+        if x.index == 2 and any(u.expert == 3 for u in x.units):
+            raise KeyboardInterrupt  # a kill in the middle of layer 2's GPTQ (some expert groups done)
+        return real(x, hooks)
 
-    monkeypatch.setattr(G, "quantize", dies_in_second_layer)
+    monkeypatch.setattr(G.GPTQ, "results", staticmethod(dies_in_second_moe_layer))
     with pytest.raises(KeyboardInterrupt):
-        convert(dsv3, out, method="gptq", workers=1, **CAL)
+        convert(dsv3, out, method="gptq", workers=1, memory_budget_gib=0.0, **CAL)
     job = json.loads((out / ".quantize" / "job.json").read_text())
     assert sorted(job["layers"]) == ["0000", "0001"] and job["state"] == "running"
     assert not (out / "quantize_manifest.json").exists()
-    layer1 = (out / ".quantize" / "layers" / "0001.safetensors").read_bytes()
-    monkeypatch.setattr(G, "quantize", real)
+    files = sorted((out / ".quantize" / "layers").glob("0001*.safetensors"))
+    assert files and all(f.name in {p["file"] for p in job["layers"]["0001"]["parts"]} for f in files)
+    layer1 = {f.name: f.read_bytes() for f in files}
+    monkeypatch.setattr(G.GPTQ, "results", staticmethod(real))
     with pytest.raises(QuantizeError, match="different"):
         convert(dsv3, out, method="gptq", damp=0.02, workers=1, resume=True, **CAL)
     events = []
     convert(dsv3, out, method="gptq", workers=1, resume=True, emit=events.append, **CAL)
     layers = [e for e in events if e.get("event") == "layer"]
     assert [(e["layer"], bool(e.get("replayed"))) for e in layers] == [(0, True), (1, True), (2, False)]
-    assert (out / ".quantize" / "layers" / "0001.safetensors").read_bytes() == layer1
+    assert {f.name: f.read_bytes() for f in sorted((out / ".quantize" / "layers").glob("0001*.safetensors"))} == layer1
     assert _weights_only(out) == _weights_only(ref)
     ma, mb = _manifest(out), _manifest(ref)
     timeless = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731

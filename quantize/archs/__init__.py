@@ -31,7 +31,8 @@ register(Architecture(
     fusions=MLA_FUSIONS,
     engine_mtp_name="model.decoder",
     attention="dsa",
-    hf={"module": "glm_moe_dsa", "prefix": "GlmMoeDsa", "mask_kwargs": {"allow_is_causal_skip": False}, "topk": True},
+    hf={"module": "glm_moe_dsa", "prefix": "GlmMoeDsa", "mask_kwargs": {"allow_is_causal_skip": False}, "topk": True,
+        "experts": "mlp.experts"},
     expected=partial(mla_expected, dsa=True, mtp_embed=False),
     notes="GLM-5.x: MLA + DSA indexer, dense first layers, MTP layer at num_hidden_layers",
 ))
@@ -45,7 +46,7 @@ register(Architecture(
     global_rules=MLA_GLOBAL_RULES,
     fusions=MLA_FUSIONS,
     attention="mla",
-    hf={"module": "deepseek_v3", "prefix": "DeepseekV3"},
+    hf={"module": "deepseek_v3", "prefix": "DeepseekV3", "experts": "mlp.experts"},
     expected=partial(mla_expected, dsa=False, mtp_embed=True),
     notes="DeepSeek-V3 / Kimi K2: MLA, MTP layer at num_hidden_layers",
 ))
@@ -60,7 +61,7 @@ register(Architecture(
     global_rules=MLA_GLOBAL_RULES,
     fusions=MLA_FUSIONS,
     attention="mla",
-    hf={"module": "deepseek_v3", "prefix": "DeepseekV3"},
+    hf={"module": "deepseek_v3", "prefix": "DeepseekV3", "experts": "mlp.experts"},
     expected=partial(mla_expected, dsa=False, mtp_embed=True, prefix="language_model."),
     notes="Kimi K2.5/K2.6: deepseek_v3 text model under language_model., vision tower",
 ))

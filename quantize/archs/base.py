@@ -130,7 +130,9 @@ class Architecture:
     attention: str = "mla"
     # transformers' own text-model classes for layer-streamed calibration:
     # {"module": "deepseek_v3", "prefix": "DeepseekV3", "mask_kwargs": {...}, "topk": bool,
-    #  "by_model_type": {text model_type: (module, prefix)} where a family spans several}
+    #  "by_model_type": {text model_type: (module, prefix)} where a family spans several,
+    #  "experts": the routed experts module in a decoder layer (fused gate_up_proj / down_proj),
+    #  streamed a group of experts at a time (calibrate/experts.py)}
     hf: dict = field(default_factory=dict)
     # tensors from config alone: cfg(text) -> [(name, shape, role)]
     expected: Callable[[dict], list[tuple[str, tuple[int, ...], str]]] | None = None

@@ -381,6 +381,7 @@ def calibrate_kv(
     fold,
     fold_headroom,
     overwrite,
+    memory_budget_gib,
     base_model,
     emit: Emit = null_emit,
 ) -> KvResult:
@@ -399,7 +400,7 @@ def calibrate_kv(
     (``options.base_model``) for its card.
     """
     model = Path(model)  # the options were checked where they are declared (quantize/options.py)
-    streamer = LayerStreamer(model)
+    streamer = LayerStreamer(model, expert_budget=int(memory_budget_gib * (1 << 30)))
     layout = streamer.arch.layout
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     fp = _fingerprint(streamer)
@@ -536,6 +537,7 @@ def _measure(streamer, model, data, samples, seq_len, chat_template, clip, error
         tap = layout.latent_module(layer.self_attn)  # DSA hands the cache expanded K/V: the latent is observed here
         if tap is not None:
             handles.append(tap.register_forward_hook(_latent_hook(layout, obs[i], None)))
+        return list(handles)  # removed by the stream before a MoE layer's replay pass, so each sample counts once
 
     def after(i, layer, inputs):
         while handles:

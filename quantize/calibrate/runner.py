@@ -4,8 +4,11 @@ The whole model is never instantiated: for each layer, its class (``DeepseekV3De
 ``GlmMoeDsaDecoderLayer``, ``LlamaDecoderLayer``, ...) is built on the meta device, filled with
 that layer's tensors read from safetensors (BF16 as is, block/channel FP8 and our INT4 output
 dequantized on the fly, per-expert 2-D tensors stacked into transformers' fused expert
-parameters), run over the cached hidden states of every sample, and freed. Peak memory: one
-layer's weights plus the hidden states.
+parameters), run over the cached hidden states of every sample, and freed. A MoE layer's routed
+experts are not built with it: they are read a group at a time (``expert_budget`` bytes) and run on
+the tokens routed to them (``calibrate/experts.py``), bit for bit the whole layer's output. Peak
+memory: the layer's attention, router and shared experts, one group of routed experts, and the
+hidden states.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from .. import archs
 from ..checkpoint.index import CheckpointIndex
 from ..checkpoint.reader import WeightReader
 from ..errors import QuantizeError
+from . import experts as routed
 
 
 class LayerStreamer:
-    def __init__(self, model: str | Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, model: str | Path, dtype: torch.dtype = torch.float32, expert_budget: int = 4 << 30):
         self.folder = Path(model)
         self.index = CheckpointIndex.open(self.folder)
         self.arch = archs.resolve(self.index.config, str(self.folder / "config.json"))
@@ -47,6 +51,8 @@ class LayerStreamer:
                 f"{self.folder}: no attention tensors under {self._layer_prefix(0)}self_attn.*; nothing to calibrate"
             )
         self.reader = WeightReader(self.index)
+        self.expert_budget = int(expert_budget)  # bytes of routed expert weights held at once
+        self.experts_path = self.arch.hf.get("experts")
 
     def _layer_prefix(self, i: int) -> str:
         return f"{self.arch.prefix}model.layers.{i}."
@@ -77,10 +83,14 @@ class LayerStreamer:
         t = self.tensor(name)
         return t.float() if name.endswith("e_score_correction_bias") else t
 
-    def layer(self, i: int) -> torch.nn.Module:
+    def layer(self, i: int, stream_experts: bool = False) -> torch.nn.Module:
+        """Decoder layer ``i`` with its weights; ``stream_experts``: its routed experts module
+        replaced by a ``StandIn`` (``stand_in``), their weights left on disk for ``expert_weights``."""
         cls = getattr(self.modeling, self.prefix + "DecoderLayer")
         with torch.device("meta"):
             layer = cls(self.config, layer_idx=i)
+        if stream_experts:
+            routed.stand_in(layer, self.experts_path)
         state = layer.state_dict()
         n_experts = int(getattr(self.config, "n_routed_experts", 0) or 0)
         loaded = {
@@ -89,6 +99,44 @@ class LayerStreamer:
         }
         layer.load_state_dict(loaded, strict=True, assign=True)
         return layer.eval()
+
+    def stand_in(self, layer: torch.nn.Module) -> "routed.StandIn | None":
+        """The layer's routed experts stand-in (``layer(i, stream_experts=True)``), or None."""
+        if not self.experts_path:
+            return None
+        try:
+            m = layer.get_submodule(self.experts_path)
+        except AttributeError:
+            return None
+        return m if isinstance(m, routed.StandIn) else None
+
+    def expert_weights(self, i: int, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed experts ``experts`` of layer ``i`` as transformers' fused parameters hold them
+        ([g, 2I, H] gate|up and [g, H, I] down, in ``self.dtype``), from the on-disk per-expert
+        tensors, dequantized as ``layer`` would."""
+        base = self._layer_prefix(i) + self.experts_path
+        gate_up = torch.stack([torch.cat([self.tensor(f"{base}.{e}.gate_proj.weight"),
+                                          self.tensor(f"{base}.{e}.up_proj.weight")]) for e in experts])
+        down = torch.stack([self.tensor(f"{base}.{e}.down_proj.weight") for e in experts])
+        return gate_up.to(self.dtype), down.to(self.dtype)
+
+    def expert_groups(self, stand: "routed.StandIn", per_expert: int | None = None) -> list[range]:
+        """The layer's routed experts in groups of at most ``expert_budget`` bytes (``per_expert``:
+        the bytes one expert costs the caller; its weights by default)."""
+        per = per_expert if per_expert is not None else stand.expert_bytes(self.dtype)
+        return routed.groups(stand.num_experts, routed.group_size(self.expert_budget, per, stand.num_experts))
+
+    def routed_outputs(self, i: int, stand: "routed.StandIn", captured: list) -> list[torch.Tensor]:
+        """Per sample, the routed experts' output for what ``captured`` recorded (``Routed``),
+        the experts read a group at a time."""
+        outs = [torch.zeros_like(r.hidden) for r in captured]
+        for g in self.expert_groups(stand):
+            gate_up, down = self.expert_weights(i, g)
+            with torch.no_grad():
+                for out, r in zip(outs, captured):
+                    routed.accumulate(out, r, g, gate_up, down, stand.act_fn)
+            del gate_up, down
+        return outs
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.tensor(f"{self.arch.prefix}model.embed_tokens.weight")
@@ -134,19 +182,42 @@ class LayerStreamer:
         after: Callable | None = None,
     ) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """Yield (layer index, hidden states after that layer) for every layer. Per layer:
-        ``before(i, layer)`` (hooks), then every sample through the layer with
-        ``past_key_values=cache_for(i)``, then ``after(i, layer, inputs)`` with the layer's input
-        hidden states (e.g. to re-run attention under FP8). DSA top-k indices flow to the next layer."""
+        ``before(i, layer)`` (hooks; it returns the hook handles it registered, or None), then
+        every sample through the layer with ``past_key_values=cache_for(i)``, then
+        ``after(i, layer, inputs)`` with the layer's input hidden states (e.g. to re-run attention
+        under FP8). DSA top-k indices flow to the next layer.
+
+        A MoE layer runs in three steps (``calibrate/experts.py``): every sample through the layer
+        with the routed experts captured (the hooks and ``cache_for`` observe this pass, once), the
+        routed experts a group at a time, and every sample again with their output replayed (the
+        hooks removed, no cache): the outputs are the whole layer's, bit for bit."""
         hidden = [self.embed(ids.unsqueeze(0)).to(self.dtype) for ids in samples]
         topk: list = [None] * len(hidden)
         for i in range(self.num_layers):
-            layer = self.layer(i)
-            if before is not None:
-                before(i, layer)
-            outs = [
-                self.run_layer(layer, h, cache=cache_for(i) if cache_for else None, topk=t)
-                for h, t in zip(hidden, topk)
-            ]
+            layer = self.layer(i, stream_experts=True)
+            stand = self.stand_in(layer)
+            handles = before(i, layer) if before is not None else None
+            if stand is None:
+                outs = [
+                    self.run_layer(layer, h, cache=cache_for(i) if cache_for else None, topk=t)
+                    for h, t in zip(hidden, topk)
+                ]
+            else:
+                captured = []
+                for h, t in zip(hidden, topk):
+                    stand.capture()
+                    self.run_layer(layer, h, cache=cache_for(i) if cache_for else None, topk=t)
+                    captured.append(stand.take())
+                for h in handles or ():
+                    h.remove()
+                experts_out = self.routed_outputs(i, stand, captured)
+                del captured
+                outs = []
+                for h, t, e in zip(hidden, topk, experts_out):
+                    stand.replay(e)
+                    outs.append(self.run_layer(layer, h, topk=t))
+                stand.capture()
+                del experts_out
             if after is not None:
                 after(i, layer, hidden)
             hidden, topk = [o for o, _ in outs], [t for _, t in outs]

@@ -304,6 +304,7 @@ class AutoRound(Method):
 
     name = "autoround"
     source_stream = True
+    streams_experts = False  # one loss over the whole layer's output: its experts are trained together
     report_fields = ("iters", "lr", "batch_size")
     title = ("AutoRound-class tuning: learnable rounding offsets and per-group min/max scale factors trained by "
              "signed gradient descent on each decoder layer's output error (Cheng et al.)")

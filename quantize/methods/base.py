@@ -60,11 +60,14 @@ class Method(Protocol):
     """A data-aware method. ``name``: its ``--method`` value (and what the manifest records for
     the tensors it made); ``grid``: its default observer; ``source_stream``: the source model's
     own hidden states are carried beside the quantized path and given as ``Layer.targets``;
+    ``streams_experts``: its statistics are per unit, so a MoE layer's routed experts are read a
+    group at a time (``methods/streamed.py``) instead of the whole layer being built;
     ``report_fields``: the options the run report records (after the common ones); ``title``,
     ``loss_target`` and ``card_section``: what the model card says of it."""
 
     name: str
     source_stream: bool
+    streams_experts: bool  # a MoE layer's routed experts go a group at a time (methods/streamed.py)
     report_fields: tuple[str, ...]
     title: str
     loss_target: str

@@ -102,17 +102,23 @@ class Forward:
         self.budget, self.spill = budget, spill
 
     def __call__(self, layer, hidden: HiddenStore, topk: list, i: int, what: str,
-                 keep: bool = True, ref: HiddenStore | None = None, collector=None):
+                 keep: bool = True, ref: HiddenStore | None = None, collector=None,
+                 stand=None, replay: HiddenStore | None = None):
         """Every sample through ``layer``: (outputs store or None, top-k[, (sq err, sq ref) vs ``ref``]).
         Samples run in parallel threads (``workers``), each op on one torch thread, in windows of
         ``workers`` samples whose results are taken in sample order: the figures do not depend
-        on the thread count, and at most a window of outputs is held beside the store."""
+        on the thread count, and at most a window of outputs is held beside the store.
+
+        ``stand``: the layer's routed experts stand-in (``calibrate/experts.py``), given each
+        sample's experts output from ``replay``."""
         out = HiddenStore(self.budget, self.spill, f"l{i}") if keep else None
         new_topk, err, tot = [], 0.0, 0.0
 
         def one(s: int):
             if collector is not None:
                 collector.begin()
+            if stand is not None:
+                stand.replay(replay[s])
             with torch.no_grad():
                 o, t2 = call_layer(self.streamer, self.ctx, layer, hidden[s], topk[s])
                 e = _sq(o, ref[s].to(o.device)) if ref is not None else None
@@ -130,3 +136,52 @@ class Forward:
         if ref is not None:
             return out, new_topk, (err, tot)
         return out, new_topk
+
+    def capture(self, layer, stand, hidden: HiddenStore, topk: list, i: int, collector=None) -> "Captured":
+        """Every sample through ``layer`` with its routed experts captured (``stand``): what the
+        router hands them, per sample, and the DSA top-k for the next layer (the layer's own
+        outputs are not the layer's and are dropped). ``collector``'s hooks observe this pass."""
+        cap = Captured(HiddenStore(self.budget, self.spill, f"x{i}"))
+
+        def one(s: int):
+            if collector is not None:
+                collector.begin()
+            stand.capture()
+            with torch.no_grad():
+                call_layer(self.streamer, self.ctx, layer, hidden[s], topk[s])
+            return stand.take(), collector.end() if collector is not None else None
+
+        for r, part in in_order(self.pool, self.workers, one, range(len(hidden))):
+            _finite(r.hidden, i, "before the routed experts")
+            if collector is not None:
+                collector.merge(part)
+            cap.append(r)
+        return cap
+
+
+class Captured:
+    """What the router handed a layer's routed experts, per sample (the inputs on the store's
+    budget, the routing beside them)."""
+
+    def __init__(self, hidden: HiddenStore):
+        self.hidden = hidden
+        self.index: list[torch.Tensor] = []
+        self.weights: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+    def append(self, r) -> None:
+        self.hidden.append(r.hidden)
+        self.index.append(r.index.cpu())
+        self.weights.append(r.weights.detach().cpu())
+
+    def __getitem__(self, s: int):
+        from ..calibrate.experts import Routed
+
+        return Routed(self.hidden[s], self.index[s], self.weights[s])
+
+    def clear(self) -> None:
+        self.hidden.clear()
+        self.index.clear()
+        self.weights.clear()

@@ -87,24 +87,31 @@ class Hessians(Collector):
 
     def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[Unit]):
         def hook(module, args):
-            hidden, top_k_index = args[0], args[1]
-            hidden = hidden.reshape(-1, hidden.shape[-1])
-            gate_up = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
-            down = {u.expert: u for u in us if u.path.endswith("down_proj")}
-            routed_part = self._part().setdefault("routed", {})
-            for e in sorted(set(gate_up) | set(down)):
-                routed = (top_k_index == e).any(-1).reshape(-1)
-                routed_part[(path, e)] = routed_part.get((path, e), 0) + int(routed.sum())
-                x = hidden if self.all_experts else hidden[routed]
-                if x.shape[0] == 0:
-                    continue
-                with torch.no_grad():
-                    if e in gate_up:
-                        self._add(gate_up[e].key, x, x.shape[0])
-                    if e in down:
-                        g, up = torch.nn.functional.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
-                        self._add(down[e].key, mod.act_fn(g) * up, x.shape[0])
+            self.observe_experts(path, us, lambda e: mod.gate_up_proj[e], mod.act_fn, args[0], args[1])
         return hook
+
+    def observe_experts(self, path: str, us: list[Unit], gate_up, act_fn, hidden: torch.Tensor,
+                        top_k_index: torch.Tensor) -> None:
+        """One sample's statistics of the routed expert units ``us`` of the experts module at
+        ``path``, from what the router handed it; ``gate_up(e)``: expert ``e``'s source
+        ``[2I, H]`` weight (the down_proj Hessian is of ``act(gate) * up``). The hook's body, and
+        what a streamed layer calls per group of experts (``methods/streamed.py``)."""
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        gate_up_units = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
+        down = {u.expert: u for u in us if u.path.endswith("down_proj")}
+        routed_part = self._part().setdefault("routed", {})
+        for e in sorted(set(gate_up_units) | set(down)):
+            routed = (top_k_index == e).any(-1).reshape(-1)
+            routed_part[(path, e)] = routed_part.get((path, e), 0) + int(routed.sum())
+            x = hidden if self.all_experts else hidden[routed]
+            if x.shape[0] == 0:
+                continue
+            with torch.no_grad():
+                if e in gate_up_units:
+                    self._add(gate_up_units[e].key, x, x.shape[0])
+                if e in down:
+                    g, up = torch.nn.functional.linear(x, gate_up(e)).chunk(2, dim=-1)
+                    self._add(down[e].key, act_fn(g) * up, x.shape[0])
 
     def remove(self) -> None:
         for h in self._handles:
@@ -218,6 +225,7 @@ class GPTQ(Method):
 
     name = "gptq"
     source_stream = False
+    streams_experts = True  # statistics per unit: a MoE layer's routed experts go a group at a time
     report_fields = ("damp", "block", "actorder")
     title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
              "model's own layer-by-layer calibration forward")
@@ -230,7 +238,7 @@ class GPTQ(Method):
             ref, _ = x.fwd(x.module, x.hidden, x.topk, x.index, "of the source layer", collector=hooks)
         finally:
             hooks.remove()
-        results = self._results(x, hooks)
+        results = self.results(x, hooks)
         x.put(x.rtn)
         _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
         return Step(results, ref, hooks.routed, e_rtn, tot)
@@ -245,7 +253,7 @@ class GPTQ(Method):
                 f"dampening {report.get('damp')}, block {report.get('block')}")
 
     @staticmethod
-    def _results(x: Layer, hooks: Hessians) -> dict[str, Result]:
+    def results(x: Layer, hooks: Hessians) -> dict[str, Result]:
         """GPTQ per unit; RTN (named in ``x.fallbacks``) for an expert below --min-expert-tokens,
         a unit no token reached, or a Hessian llm-compressor could not factorize."""
         opt = x.options

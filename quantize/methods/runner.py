@@ -33,6 +33,7 @@ from ..checkpoint.output import sha256_file
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
 from .base import Layer
+from . import streamed
 from .forward import Context, Forward, clear
 from .registry import METHODS
 from .store import Budget, HiddenStore
@@ -89,9 +90,9 @@ def open_streamer(src: Path):
     return st
 
 
-def _build(streamer, i: int) -> torch.nn.Module:
+def _build(streamer, i: int, stream_experts: bool = False) -> torch.nn.Module:
     try:
-        return streamer.layer(i)
+        return streamer.layer(i, stream_experts=stream_experts)
     except QuantizeError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -110,6 +111,19 @@ class LayerCache:
 
     def has(self, module: str) -> bool:
         return module in self.files
+
+    def result(self, unit, k: int):
+        """A unit's result read back from its layer file (``units.join``), or None."""
+        if not all(self.has(n) for n, _, _ in unit.names):
+            return None
+        from safetensors import safe_open
+
+        tensors = {}
+        for n, _, _ in unit.names:
+            with safe_open(self.files[n], "pt") as f:
+                tensors[f"{n}.weight_packed"] = f.get_tensor(f"{n}.weight_packed")
+                tensors[f"{n}.weight_scale"] = f.get_tensor(f"{n}.weight_scale")
+        return join(unit, tensors, k)
 
     def read(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         from safetensors import safe_open
@@ -134,25 +148,36 @@ class Pass:
         rec = self.o.record.get("layers", {}).get(key)
         if not rec:
             return False
-        if rec.get("file") is None:
-            return True
-        p = self.dir / rec["file"]
-        return p.is_file() and p.stat().st_size == rec["bytes"] and sha256_file(p) == rec["sha256"]
+        files = ([{"file": rec["file"], "sha256": rec.get("sha256"), "bytes": rec.get("bytes")}]
+                 if rec.get("file") is not None else []) + list(rec.get("parts", []))
+        for f in files:
+            p = self.dir / f["file"]
+            if not (p.is_file() and p.stat().st_size == f["bytes"] and sha256_file(p) == f["sha256"]):
+                return False
+        return True
 
-    def _write(self, i: int, tensors: dict[str, torch.Tensor], report: dict, modules: dict[str, str]) -> None:
+    def _save(self, name: str, tensors: dict[str, torch.Tensor], i: int) -> dict:
+        """One layer file, atomically: its record entry (file, SHA-256, bytes)."""
         from safetensors.torch import save_file
 
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path, tmp = self.dir / name, self.dir / f"{name}.partial"
+        save_file(tensors, str(tmp), metadata={"format": "pt", "layer": str(i), "method": self.opt.method})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return {"file": name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+    def _write(self, i: int, tensors: dict[str, torch.Tensor], report: dict, modules: dict[str, str],
+               parts: list[dict] | None = None, part_modules: dict[str, str] | None = None) -> None:
+        """Record layer ``i`` done: its tensors in ``LLLL.safetensors``, and (streamed experts) the
+        group files already written (``parts``; ``part_modules``: module -> its group file)."""
         key = f"{i:04d}"
         entry = {"file": None, "report": report, "modules": modules}
         if tensors:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            name = f"{key}.safetensors"
-            path, tmp = self.dir / name, self.dir / f"{name}.partial"
-            save_file(tensors, str(tmp), metadata={"format": "pt", "layer": str(i), "method": self.opt.method})
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            entry.update(file=name, sha256=sha256_file(path), bytes=path.stat().st_size)
+            entry.update(self._save(f"{key}.safetensors", tensors, i))
+        if parts:
+            entry.update(parts=parts, module_files=part_modules)
         self.o.record.setdefault("layers", {})[key] = entry
         self.o.save()
 
@@ -163,6 +188,7 @@ class Pass:
         from concurrent.futures import ThreadPoolExecutor
 
         streamer = open_streamer(self.src)
+        streamer.expert_budget = self.budget.limit  # routed experts' weights (and Hessians) held at once
         old_threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -196,7 +222,7 @@ class Pass:
             rec = self.o.record["layers"][k]
             layers.append(rec["report"])
             for module, how in rec["modules"].items():
-                cache.files[module] = self.dir / rec["file"]
+                cache.files[module] = self.dir / rec.get("module_files", {}).get(module, rec["file"])
                 cache.methods[module] = how
         cache.report = self._summary(layers, outside, time.time() - t0)
         return cache
@@ -215,24 +241,20 @@ class Pass:
         fp_hidden, fp_topk = hidden, topk
         for i, jobs in enumerate(jobs_by_layer):
             t = time.time()
-            layer = _build(streamer, i).to(self.device)
-            units, rtn_named = layer_units(layer, streamer._layer_prefix(i), jobs)
+            layer = _build(streamer, i, stream_experts=self.method.streams_experts).to(self.device)
+            stand = streamer.stand_in(layer)
+            units, rtn_named = layer_units(layer, streamer._layer_prefix(i), jobs, streamed.virtual_shapes(streamer,
+                                                                                                          stand))
             key = f"{i:04d}"
             fp_next = fp_next_topk = None
             if fp_stream and (units or fp_hidden is not hidden):
                 fp_next, fp_next_topk = fwd(layer, fp_hidden, fp_topk, i, "of the source layer")
             if i < first:  # recorded: replay through the same quantized weights
-                rec = self.o.record["layers"][key]
-                if rec["file"] is not None:
-                    from safetensors.torch import load_file
-
-                    tensors = load_file(str(self.dir / rec["file"]))
-                    for u in units:
-                        install(layer, u, dequant(join(u, tensors, param(layer, u).shape[1])).to(self.device))
-                out, new_topk = fwd(layer, hidden, topk, i, "after the quantized layer (replayed)")
+                out, new_topk = self._replay(fwd, streamer, layer, stand, i, units, hidden, topk)
                 self.emit({"event": "layer", "layer": i, "of": len(jobs_by_layer), "replayed": True})
             else:
-                out, new_topk = self._layer(fwd, layer, i, units, rtn_named, hidden, topk, t, targets=fp_next)
+                out, new_topk = self._layer(fwd, layer, i, units, rtn_named, hidden, topk, t, targets=fp_next,
+                                            stand=stand)
             clear(hidden, fp_hidden)
             if fp_next is not None:
                 fp_hidden, fp_topk = fp_next, fp_next_topk
@@ -242,36 +264,93 @@ class Pass:
             del layer
         clear(hidden, fp_hidden)
 
-    def _layer(self, fwd: Forward, layer, i, units, rtn_named, hidden, topk, t0, targets=None):
+    def _replay(self, fwd: Forward, streamer, layer, stand, i, units, hidden, topk):
+        """A recorded layer: forward only, through the quantized weights read back from its files."""
+        rec = self.o.record["layers"][f"{i:04d}"]
+        cache = LayerCache()
+        for module in rec["modules"]:
+            cache.files[module] = self.dir / rec.get("module_files", {}).get(module, rec["file"])
+        by_expert: dict[int, list] = {}
+        for u in units:
+            if u.expert is None:
+                res = cache.result(u, param(layer, u).shape[1])
+                if res is not None:
+                    install(layer, u, dequant(res).to(self.device))
+            else:
+                by_expert.setdefault(u.expert, []).append(u)
+        what = "after the quantized layer (replayed)"
+        if stand is None:
+            for u in [u for us in by_expert.values() for u in us]:
+                res = cache.result(u, param(layer, u).shape[1])
+                if res is not None:
+                    install(layer, u, dequant(res).to(self.device))
+            return fwd(layer, hidden, topk, i, what)
+        k = {p: shape[-1] for p, shape in streamed.virtual_shapes(streamer, stand).items()}
+        return streamed.carry(streamer, fwd, layer, stand, i, hidden, topk, what,
+                              result=lambda u: cache.result(u, k[u.path]), units_by_expert=by_expert)
+
+    def _layer(self, fwd: Forward, layer, i, units, rtn_named, hidden, topk, t0, targets=None, stand=None):
         """Quantize one layer: the method's step (``self.method.layer_step``: its statistics and its
         quantization, from the RTN start on the same grid), then the quantized layer's outputs for
-        the next layer and its error against the step's reference, recorded with the report."""
+        the next layer and its error against the step's reference, recorded with the report. A
+        layer whose routed experts are streamed (``stand``) goes through ``methods/streamed.py``."""
         opt = self.opt
         report: dict = {"layer": i, "method": opt.method, "units": len(units), "samples": len(hidden)}
         fallbacks = [{"name": n, "reason": r} for n, r in rtn_named]
         if not units:  # nothing INT4 here (e.g. a dense layer under --profile experts): carry through
-            out, topk = fwd(layer, hidden, topk, i, "after the layer")
+            if stand is None:
+                out, topk = fwd(layer, hidden, topk, i, "after the layer")
+            else:
+                out, topk = streamed.carry(fwd.streamer, fwd, layer, stand, i, hidden, topk, "after the layer")
             report.update(fallbacks=fallbacks, seconds=round(time.time() - t0, 3))
             self._write(i, {}, report, {})
             self.emit({"event": "layer", "layer": i, "units": 0})
             return out, topk
-        originals = {u.key: param(layer, u).detach().clone() for u in units}
+        held = [u for u in units if stand is None or u.expert is None]  # the units the built layer holds
+        originals = {u.key: param(layer, u).detach().clone() for u in held}
         # the loss before: RTN on the same grid, through the real quantized layer (q * scale)
-        rtn_init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in units}
+        rtn_init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in held}
         x = Layer(i, layer, units, originals, rtn_init, hidden, topk, targets, fallbacks, opt, fwd)
-        step = self.method.layer_step(x)
-        report.update(step.report)
-        results, ref, routed, e_rtn, tot = step.results, step.ref, step.routed, step.err_rtn, step.ref_sq
-        x.put(results)
-        out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref)
+        parts: list[dict] = []
+        part_modules: dict[str, str] = {}
+        modules: dict[str, str] = {}
+        if stand is None:
+            step = self.method.layer_step(x)
+            report.update(step.report)
+            results, ref, routed, e_rtn, tot = step.results, step.ref, step.routed, step.err_rtn, step.ref_sq
+            x.put(results)
+            out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref)
+        else:
+            def write_group(g, done):
+                tensors = {}
+                for u, res in done:
+                    tensors.update(split(u, res))
+                    for name, _, _ in u.names:
+                        modules[name] = res.how
+                if tensors:
+                    entry = self._save(f"{i:04d}-e{g.start:05d}.safetensors", tensors, i)
+                    parts.append(entry)
+                    for u, _ in done:
+                        for name, _, _ in u.names:
+                            part_modules[name] = entry["file"]
+
+            results, ref, routed, e_rtn, tot, acc_q = streamed.gptq_step(self.method, fwd.streamer, fwd, layer,
+                                                                         stand, x, write_group)
+            out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref, stand=stand,
+                                          replay=acc_q)
+            acc_q.clear()
         if ref is not targets:
             ref.clear()
         numel = hidden.numel
-        tensors, modules = {}, {}
+        tensors = {}
         for u in units:
+            if u.key not in results:
+                continue  # a streamed expert: in its group's file
             tensors.update(split(u, results[u.key]))
             for name, _, _ in u.names:
                 modules[name] = results[u.key].how
+        order = {name: n for n, u in enumerate(units) for name, _, _ in u.names}
+        fallbacks.sort(key=lambda f: (order.get(f["name"], -1), f["name"], f["reason"]))  # unit order, either path
         counts = sorted(routed.values())
         per_module: dict[str, list[int]] = {}
         for (path, e), c in sorted(routed.items()):
@@ -284,7 +363,7 @@ class Pass:
             rel_err_rtn=(e_rtn / tot) ** 0.5 if tot else 0.0, rel_err=(e_q / tot) ** 0.5 if tot else 0.0,
             seconds=round(time.time() - t0, 3),
         )
-        self._write(i, tensors, report, modules)
+        self._write(i, tensors, report, modules, parts, part_modules)
         self.emit({"event": "layer", "layer": i, "method": opt.method, "units": len(units),
                    "loss_rtn": report["loss_rtn"], "loss": report["loss"], "fallbacks": len(fallbacks),
                    "seconds": report["seconds"]})

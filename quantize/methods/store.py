@@ -58,6 +58,16 @@ class HiddenStore:
             return torch.load(item, weights_only=True)
         return item
 
+    def update(self, i: int, t: torch.Tensor) -> None:
+        """Replace item ``i`` with ``t`` (same shape and dtype), where it lives: in memory or its
+        spill file (an accumulator carried across passes)."""
+        item = self._items[i]
+        t = t.detach().cpu().contiguous()
+        if isinstance(item, Path):
+            torch.save(t, item)
+        else:
+            self._items[i] = t
+
     def __iter__(self):
         for i in range(len(self._items)):
             yield self[i]

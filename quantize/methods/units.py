@@ -50,10 +50,14 @@ def param(layer: torch.nn.Module, unit: Unit) -> torch.Tensor:
     return p if unit.expert is None else p[unit.expert]
 
 
-def layer_units(layer: torch.nn.Module, prefix: str, jobs) -> tuple[list[Unit], list[tuple[str, str]]]:
+def layer_units(layer: torch.nn.Module, prefix: str, jobs, streamed: dict[str, tuple] | None = None
+                ) -> tuple[list[Unit], list[tuple[str, str]]]:
     """The plan's INT4 jobs of one layer (names under ``prefix``) as units of ``layer``, and the
-    jobs that are not a weight of transformers' layer (quantized RTN, named with the reason)."""
-    params = dict(layer.named_parameters())
+    jobs that are not a weight of transformers' layer (quantized RTN, named with the reason).
+    ``streamed``: the shapes of fused expert parameters the layer does not hold (its routed experts
+    are streamed: ``calibrate/experts.py``), by parameter path."""
+    params: dict = {n: p.shape for n, p in layer.named_parameters()}
+    params.update(streamed or {})
     units: dict[str, Unit] = {}
     rtn: list[tuple[str, str]] = []
     for job in jobs:
@@ -65,7 +69,7 @@ def layer_units(layer: torch.nn.Module, prefix: str, jobs) -> tuple[list[Unit], 
             path = f"{base}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
             p = params.get(path)
             out = job.wshape[0]
-            if p is None or p.ndim != 3 or e >= p.shape[0]:
+            if p is None or len(p) != 3 or e >= p[0]:
                 rtn.append((job.module, f"transformers' layer has no fused {path} for expert {e}"))
                 continue
             u = units.setdefault(f"{path}[{e}]", Unit(path, e, [], sdt))
@@ -74,14 +78,14 @@ def layer_units(layer: torch.nn.Module, prefix: str, jobs) -> tuple[list[Unit], 
             u.roles.append(job.role)
             continue
         p = params.get(rel + ".weight")
-        if p is None or p.ndim != 2 or tuple(p.shape) != tuple(job.wshape):
+        if p is None or len(p) != 2 or tuple(p) != tuple(job.wshape):
             rtn.append((job.module, "not a Linear weight of transformers' layer class"))
             continue
         units[rel + ".weight"] = Unit(rel + ".weight", None, [(job.module, 0, job.wshape[0])], sdt, [job.role])
     out = []
     for u in units.values():
         u.names.sort(key=lambda n: n[1])
-        rows = param(layer, u).shape[0]
+        rows = params[u.path][-2]
         if u.expert is not None and (u.names[0][1] != 0 or u.names[-1][2] != rows
                                      or any(a[2] != b[1] for a, b in zip(u.names, u.names[1:]))):
             for name, _, _ in u.names:  # gate without up (or the reverse): cannot be fused

@@ -1,0 +1,134 @@
+"""Routed experts streamed through a decoder layer, a group of experts at a time.
+
+A whole MoE layer in fp32 is 70 GB at DeepSeek-V3's 256 experts and about 105 GB at Kimi K2.6's
+384, so the layer pass does not build it. The layer is built with its attention, router and shared
+experts, and its routed experts module (``mlp.experts``, transformers' fused ``gate_up_proj``
+[E, 2I, H] / ``down_proj`` [E, H, I]) replaced by a ``StandIn`` without weights. Every sample goes
+through the layer twice:
+
+1. **capture**: the stand-in records what the router hands the experts (the flattened hidden
+   states, ``top_k_index``, ``top_k_weights``) and returns zeros; the layer's output is discarded
+   (statistics hooks, e.g. the KV cache observers and GPTQ's Hessians, fire here, once);
+2. the routed experts are read (``LayerStreamer.expert_weights``: BF16, block FP8 or INT4,
+   dequantized as the whole layer would hold them) a group at a time, each group run on exactly
+   the tokens routed to it (``accumulate``) and freed;
+3. **replay**: the stand-in returns the accumulated expert output of that sample, so the layer's
+   output is the whole layer's.
+
+``accumulate`` is transformers' eager experts forward (``DeepseekV3Experts.forward``,
+``GlmMoeDsaExperts.forward`` in transformers 5.17: per expert in ascending order, the tokens from
+``torch.where`` of its routing mask, ``act(gate) * up``, ``down``, times the routing weight,
+``index_add_`` into one zero-initialised output) split at group boundaries with the SAME output
+tensor carried across groups, so every addition happens in the same order as in the whole layer:
+the result is bit for bit the whole layer's, for any group size (tests/test_expert_stream.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import QuantizeError
+
+FP32 = 4
+
+
+@dataclass
+class Routed:
+    """What the router handed the routed experts for one sample."""
+
+    hidden: torch.Tensor  # [T, H], the experts' input
+    index: torch.Tensor  # [T, K] top-k expert indices
+    weights: torch.Tensor  # [T, K] routing weights
+
+
+class StandIn(torch.nn.Module):
+    """Takes the place of a layer's routed experts module: records its input (capture) or returns
+    a precomputed output (replay), per thread, so samples may run in parallel threads."""
+
+    def __init__(self, experts: torch.nn.Module):
+        super().__init__()
+        gu, down = experts.gate_up_proj, experts.down_proj
+        self.num_experts = int(gu.shape[0])
+        self.gate_up_shape = tuple(gu.shape[1:])
+        self.down_shape = tuple(down.shape[1:])
+        self.act_fn = experts.act_fn
+        self.experts_class = type(experts).__name__
+        self._tls = threading.local()
+
+    def expert_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """One expert's weights in memory (gate, up and down)."""
+        n = self.gate_up_shape[0] * self.gate_up_shape[1] + self.down_shape[0] * self.down_shape[1]
+        return n * torch.tensor([], dtype=dtype).element_size()
+
+    def capture(self) -> None:
+        self._tls.output, self._tls.routed = None, None
+
+    def replay(self, output: torch.Tensor) -> None:
+        self._tls.output, self._tls.routed = output, None
+
+    def take(self) -> Routed:
+        routed = getattr(self._tls, "routed", None)
+        if routed is None:
+            raise QuantizeError("the decoder layer never called its routed experts; this layer class is not "
+                                "supported for expert streaming")
+        self._tls.routed = None
+        return routed
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = getattr(self._tls, "output", None)
+        if out is not None:
+            if tuple(out.shape) != tuple(hidden_states.shape):
+                raise QuantizeError(f"expert replay: output {tuple(out.shape)} for input {tuple(hidden_states.shape)}")
+            return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
+        self._tls.routed = Routed(hidden_states.detach().clone(), top_k_index.detach().clone(),
+                                  top_k_weights.detach().clone())
+        return torch.zeros_like(hidden_states)
+
+
+def stand_in(layer: torch.nn.Module, path: str | None) -> StandIn | None:
+    """Replace the routed experts module at ``path`` (the architecture's ``hf["experts"]``) of a
+    layer built on the meta device by a ``StandIn``; None when the layer has none (a dense layer)."""
+    if not path:
+        return None
+    parent_path, _, name = path.rpartition(".")
+    try:
+        parent = layer.get_submodule(parent_path) if parent_path else layer
+    except AttributeError:
+        return None
+    experts = getattr(parent, name, None)
+    if experts is None or not all(getattr(getattr(experts, p, None), "ndim", 0) == 3
+                                  for p in ("gate_up_proj", "down_proj")):
+        return None
+    s = StandIn(experts)
+    setattr(parent, name, s)
+    return s
+
+
+def group_size(budget_bytes: int, per_expert: int, n_experts: int) -> int:
+    """Experts read at once: as many as fit in ``budget_bytes`` (at least one)."""
+    return max(1, min(n_experts, int(budget_bytes) // max(1, per_expert)))
+
+
+def groups(n_experts: int, size: int) -> list[range]:
+    return [range(a, min(n_experts, a + size)) for a in range(0, n_experts, size)]
+
+
+def accumulate(out: torch.Tensor, r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor,
+               act_fn) -> None:
+    """Add the outputs of ``experts`` (ascending; ``gate_up[j]``/``down[j]`` are expert
+    ``experts[j]``) for the tokens routed to them into ``out``, as transformers' eager experts
+    forward does for the whole set: the same ops in the same order on the same output tensor."""
+    for j, e in enumerate(experts):
+        mask = r.index == e  # [T, K]; transformers' expert_mask[e] is its transpose [K, T]
+        if not bool(mask.any()):
+            continue
+        top_k_pos, token_idx = torch.where(mask.t())
+        current = r.hidden[token_idx]
+        gate, up = torch.nn.functional.linear(current, gate_up[j]).chunk(2, dim=-1)
+        h = act_fn(gate) * up
+        h = torch.nn.functional.linear(h, down[j])
+        h = h * r.weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))

@@ -1,0 +1,221 @@
+"""A MoE layer's pass with its routed experts streamed: what the layer pass runs for a method
+whose statistics are per unit (GPTQ: ``Method.streams_experts``) and for every layer it only
+carries through (no INT4 unit, or replayed on resume).
+
+The layer is built without its routed experts (``calibrate/experts.py``: a ``StandIn`` records
+what the router hands them, or returns their output). Per layer, for GPTQ:
+
+1. **capture** every sample through the source layer (the Linear units' Hessians hooked here),
+   through the layer with the Linear units at RTN, and (after GPTQ on the Linear units) with
+   them quantized: three records of the experts' inputs;
+2. **the routed experts, a group at a time** (at most ``--memory-budget-gib`` of weights,
+   Hessians and working copies): read, their Hessians from the source capture (the same sums in
+   the same sample order as the whole layer's hooks), GPTQ, the group's codes and scales written
+   to their own layer file, and the experts' outputs of the three captures accumulated exactly
+   as transformers' experts forward accumulates them (source, RTN and quantized weights);
+3. **replay** the three passes with those outputs: the source layer's output (the reference),
+   the RTN error, and the quantized layer's output for the next layer.
+
+Every number is the whole layer's, bit for bit (tests/test_expert_stream.py): the attention runs
+twice as often (capture and replay), the routed experts' weights are read once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..calibrate.experts import accumulate
+from .base import Layer
+from .forward import Captured, in_order
+from .store import HiddenStore
+from .units import Result, Unit, dequant, install, rtn
+
+FP32 = 4
+
+
+@dataclass
+class Variant:
+    """One capture of a streamed layer and the expert weights its outputs are computed with:
+    ``weights(group, gate_up, down)`` -> the group's (gate_up, down) for this variant, from the
+    source ones."""
+
+    captured: Captured
+    weights: object
+    acc: HiddenStore | None = None
+
+
+def _zeros_like(store: HiddenStore, budget, spill, name: str, device: str) -> HiddenStore:
+    acc = HiddenStore(budget, spill, name)
+    for h in store:
+        acc.append(torch.zeros_like(h))
+    return acc
+
+
+def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert: int, before_outputs=None) -> None:
+    """The routed experts a group at a time: for each group, ``before_outputs(group, gate_up,
+    down)`` (a method's statistics and quantization of the group), then each variant's outputs
+    accumulated into its ``acc`` (created here, one zero tensor per sample)."""
+    dev = fwd.device
+    for v in variants:
+        v.acc = _zeros_like(v.captured.hidden, fwd.budget, fwd.spill, f"a{i}", dev)
+    for g in streamer.expert_groups(stand, per_expert):
+        gate_up, down = streamer.expert_weights(i, g)
+        gate_up, down = gate_up.to(dev), down.to(dev)
+        if before_outputs is not None:
+            before_outputs(g, gate_up, down)
+        for v in variants:
+            gu, dn = v.weights(g, gate_up, down)
+
+            def one(s: int, v=v, gu=gu, dn=dn):
+                r = v.captured[s]
+                r.hidden, r.index, r.weights = r.hidden.to(dev), r.index.to(dev), r.weights.to(dev)
+                a = v.acc[s].to(dev)
+                with torch.no_grad():
+                    accumulate(a, r, g, gu, dn, stand.act_fn)
+                return a
+
+            for s, a in enumerate(in_order(fwd.pool, fwd.workers, one, range(len(v.captured)))):
+                v.acc.update(s, a)
+            del gu, dn
+        del gate_up, down
+
+
+def source_weights(g, gate_up, down):
+    return gate_up, down
+
+
+def with_results(result, units_by_expert: dict[int, list[Unit]]):
+    """A variant's weights: the source group's, with every unit that has a result (``result(u)``,
+    or None) replaced by ``q * scale`` (as ``Layer.put`` installs it in the whole layer)."""
+
+    def weights(g, gate_up, down):
+        gu, dn = gate_up, down
+        replaced = False
+        for j, e in enumerate(g):
+            for u in units_by_expert.get(e, ()):
+                res = result(u)
+                if res is None:
+                    continue
+                if not replaced:
+                    gu, dn, replaced = gate_up.clone(), down.clone(), True
+                target = gu if u.path.endswith("gate_up_proj") else dn
+                target[j].copy_(dequant(res).to(target.device))
+        return gu, dn
+
+    return weights
+
+
+def per_expert_bytes(stand, hessians: bool) -> int:
+    """What one routed expert costs a group: its source weights and two variants' copies, plus
+    (GPTQ) its Hessians with their normalised and factorised copies."""
+    w = stand.expert_bytes(torch.float32)
+    if not hessians:
+        return 2 * w
+    h_dim, i_dim = stand.gate_up_shape[1], stand.down_shape[1]
+    return 3 * w + 3 * (h_dim * h_dim + i_dim * i_dim) * FP32
+
+
+def carry(streamer, fwd, layer, stand, i: int, hidden, topk, what: str, result=None,
+          units_by_expert: dict | None = None, ref: HiddenStore | None = None):
+    """Every sample through a streamed layer with the layer's current weights and its routed
+    experts at the source weights, or at ``result(u)`` for the units that have one: the layer's
+    outputs and top-k (and the error against ``ref``), as ``Forward`` gives them for a whole layer."""
+    cap = fwd.capture(layer, stand, hidden, topk, i)
+    w = with_results(result, units_by_expert or {}) if result is not None else source_weights
+    v = Variant(cap, w)
+    run_groups(streamer, fwd, i, stand, [v], per_expert_bytes(stand, False))
+    cap.clear()
+    got = fwd(layer, hidden, topk, i, what, stand=stand, replay=v.acc, ref=ref)
+    v.acc.clear()
+    return got
+
+
+def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
+    """GPTQ on a streamed layer (module docstring): the Linear units' results, the reference
+    store, the routed token counts, the RTN error, the reference's squared norm, and the
+    quantized layer's routed expert outputs (for ``Forward(..., stand=, replay=)``), as
+    ``GPTQ.layer_step`` gives them for the whole layer. ``x.originals`` and ``x.rtn`` hold the
+    Linear units only; ``write_group(group, results)`` stores one group's expert results."""
+    from .gptq import Hessians
+
+    opt, i = x.options, x.index
+    linear = [u for u in x.units if u.expert is None]
+    by_expert: dict[int, list[Unit]] = {}
+    for u in x.units:
+        if u.expert is not None:
+            by_expert.setdefault(u.expert, []).append(u)
+    hooks = Hessians(layer, linear, opt.all_experts)
+    try:
+        cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i, collector=hooks)
+    finally:
+        hooks.remove()
+
+    def put(res):
+        for u in linear:
+            install(layer, u, (x.originals[u.key] if res is None else dequant(res[u.key])).to(fwd.device))
+
+    put(x.rtn)
+    cap_r = fwd.capture(layer, stand, x.hidden, x.topk, i)
+    results = method.results(Layer(i, layer, linear, x.originals, x.rtn, x.hidden, x.topk, None, x.fallbacks, opt,
+                                   fwd), hooks)
+    for u in linear:
+        hooks.H.pop(u.key, None)
+    put(results)
+    cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
+    cur: dict[str, Result] = {}  # this group's results
+    cur_rtn: dict[str, Result] = {}
+
+    def group_step(g, gate_up, down):
+        cur.clear()
+        cur_rtn.clear()
+        us = [u for e in g for u in by_expert.get(e, ())]
+        if not us:
+            return
+
+        def obs(s: int):
+            hooks.begin()
+            r = cap_s[s]
+            hooks.observe_experts(streamer.experts_path, us, lambda e: gate_up[e - g.start], stand.act_fn,
+                                  r.hidden.to(fwd.device), r.index.to(fwd.device))
+            return hooks.end()
+
+        for part in in_order(fwd.pool, fwd.workers, obs, range(len(cap_s))):
+            hooks.merge(part)
+        originals = {u.key: (gate_up if u.path.endswith("gate_up_proj") else down)[u.expert - g.start] for u in us}
+        init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in us}
+        res = method.results(Layer(i, layer, us, originals, init, x.hidden, x.topk, None, x.fallbacks, opt, fwd),
+                             hooks)
+        for u in us:
+            for d in (hooks.H, hooks.n, hooks.tokens):
+                d.pop(u.key, None)
+        cur.update(res)
+        cur_rtn.update(init)
+        write_group(g, [(u, res[u.key]) for u in us])
+
+    variants = [Variant(cap_s, source_weights), Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
+                Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
+    run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(stand, True), before_outputs=group_step)
+    cur.clear()
+    cur_rtn.clear()
+    for c in (cap_s, cap_r, cap_q):
+        c.clear()
+    put(None)
+    ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=variants[0].acc)
+    variants[0].acc.clear()
+    put(x.rtn)
+    _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
+                             replay=variants[1].acc)
+    variants[1].acc.clear()
+    put(results)
+    return results, ref, hooks.routed, e_rtn, tot, variants[2].acc
+
+
+def virtual_shapes(streamer, stand) -> dict[str, tuple]:
+    """The fused expert parameters a streamed layer does not hold, by path (``units.layer_units``)."""
+    if stand is None:
+        return {}
+    p = streamer.experts_path
+    return {f"{p}.gate_up_proj": (stand.num_experts, *stand.gate_up_shape),
+            f"{p}.down_proj": (stand.num_experts, *stand.down_shape)}
