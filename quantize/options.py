@@ -852,7 +852,7 @@ class CalibrateKVOptions(Options):
     )
     overwrite: bool = opt(False, "replace an earlier calibrate-kv output in OUT", recipe=False)
     memory_budget_gib: float = opt(
-        4.0,
+        1.0,
         "routed experts' weights held in memory at once: a MoE layer's experts are read a group at a time "
         "(0: one expert at a time); the report is the same for any value",
         record=False,

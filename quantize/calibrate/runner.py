@@ -115,10 +115,16 @@ class LayerStreamer:
         ([g, 2I, H] gate|up and [g, H, I] down, in ``self.dtype``), from the on-disk per-expert
         tensors, dequantized as ``layer`` would."""
         base = self._layer_prefix(i) + self.experts_path
-        gate_up = torch.stack([torch.cat([self.tensor(f"{base}.{e}.gate_proj.weight"),
-                                          self.tensor(f"{base}.{e}.up_proj.weight")]) for e in experts])
-        down = torch.stack([self.tensor(f"{base}.{e}.down_proj.weight") for e in experts])
-        return gate_up.to(self.dtype), down.to(self.dtype)
+        gate_up = down = None
+        for j, e in enumerate(experts):  # filled in place: one copy of the group in memory, not two
+            g, u, d = (self.tensor(f"{base}.{e}.{p}.weight").to(self.dtype) for p in ("gate_proj", "up_proj",
+                                                                                        "down_proj"))
+            if gate_up is None:
+                gate_up = torch.empty((len(experts), g.shape[0] + u.shape[0], g.shape[1]), dtype=self.dtype)
+                down = torch.empty((len(experts), *d.shape), dtype=self.dtype)
+            gate_up[j, : g.shape[0]], gate_up[j, g.shape[0]:], down[j] = g, u, d
+            del g, u, d
+        return gate_up, down
 
     def expert_groups(self, stand: "routed.StandIn", per_expert: int | None = None) -> list[range]:
         """The layer's routed experts in groups of at most ``expert_budget`` bytes (``per_expert``:
