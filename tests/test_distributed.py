@@ -310,3 +310,39 @@ def test_the_launcher_shows_the_earliest_error_and_else_the_rank_that_died():
         "error: rank 1 was killed by SIGKILL (out of memory?); its output, if any, is above", 1)
     assert D._first_failure({0: _failure(stopped), 1: _failure(1)}) == (
         "error: rank 1 exited with code 1; its output is above", 1)
+
+
+def test_a_rank_aware_command_runs_in_the_world_and_rank_0_alone_prints(monkeypatch, capsys):
+    """Once a command splits its work (RANK_AWARE), each rank joins the World, runs the body and
+    leaves it; a rank other than 0 prints nothing on stdout and its progress goes nowhere."""
+    from quantize import cli
+    from quantize.events import null_emit
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(D, "RANK_AWARE", {"convert"})
+    seen = []
+
+    def join(timeout_s):
+        D._CURRENT = D.World(rank=int(os.environ["RANK"]), size=2, local_rank=1, local_size=2, backend="gloo",
+                             timeout_s=timeout_s)
+        seen.append(("join", timeout_s))
+        return D._CURRENT
+
+    monkeypatch.setattr(D, "join", join)
+    monkeypatch.setattr(D, "leave", lambda: seen.append("leave") or setattr(D, "_CURRENT", D.World()))
+
+    def body(**kw):
+        print("result")
+        seen.append((D.current().rank, cli._emitter(False) is null_emit, kw["nproc"]))
+        return "ok"
+
+    kw = {"nproc": 2, "dist_timeout_s": 9.0}
+    assert cli._ranks(O.ConvertOptions, "convert", body, kw) == "ok"
+    assert capsys.readouterr().out == "" and seen == [("join", 9.0), (1, True, 2), "leave"]
+    monkeypatch.setenv("RANK", "0")
+    seen.clear()
+    assert cli._ranks(O.ConvertOptions, "convert", body, kw) == "ok"
+    assert capsys.readouterr().out == "result\n" and seen == [("join", 9.0), (0, False, 2), "leave"]
