@@ -477,6 +477,9 @@ def _selftest(argv: list[str]) -> int:
                 json.dumps({"failed_after_s": time.monotonic() - t}))
         report(f"error: {e}", e.exit_code)
         return e.exit_code
+    except KeyboardInterrupt:
+        report("interrupted", 130)
+        return 130
 
 
 if __name__ == "__main__":
