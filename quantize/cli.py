@@ -18,6 +18,9 @@ import typer
 from . import options as O
 from .errors import QuantizeError
 
+_ARGV: list[str] = []  # this command line, as given: what --nproc runs again under torchrun
+
+
 class _OneLineErrors(typer.core.TyperGroup):
     """Usage errors (a value that does not parse as the option's type, an unknown option, a
     missing argument) are one line like every other refusal, naming the command and option, with
@@ -26,6 +29,7 @@ class _OneLineErrors(typer.core.TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         from typer._click import exceptions as click  # typer's own click (its exceptions are these)
 
+        _ARGV[:] = sys.argv[1:] if args is None else list(args)
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -83,6 +87,8 @@ def command(
             )
 
         def cmd(**kw):
+            if "nproc" in kw:  # a command that runs as several ranks (quantize.distributed)
+                return _ranks(model, name or body.__name__, body, kw)
             return body(**kw)
 
         cmd.__signature__ = inspect.Signature(params)
@@ -94,24 +100,67 @@ def command(
 
 
 def _emitter(json_out: bool):
-    from .events import JsonEmitter, RichEmitter
+    from .distributed import current
+    from .events import JsonEmitter, RichEmitter, null_emit
 
+    if current().quiet:  # rank 0 shows the run's progress
+        return null_emit
     return JsonEmitter() if json_out else RichEmitter()
 
 
+INTERRUPTED = (
+    "interrupted: nothing is presented as complete; rerun the same command (convert continues with "
+    "--resume, `quantize run` keeps its finished stages, the others start over with --overwrite)"
+)
+
+
 def _run(fn, *args, **kwargs):
-    """Call a library function; a user error becomes one line on stderr and a non-zero exit."""
+    """Call a library function; a user error becomes one line on stderr and a non-zero exit (a
+    rank that --nproc started hands the line to its launcher, which prints the first rank's)."""
+    from .distributed import report
+
     try:
         return fn(*args, **kwargs)
     except QuantizeError as e:
-        typer.echo(f"error: {e}", err=True)
+        report(f"error: {e}", e.exit_code)
         raise typer.Exit(e.exit_code)
     except KeyboardInterrupt:
-        typer.echo(
-            "interrupted: nothing is presented as complete; rerun the same command (convert continues with "
-            "--resume, `quantize run` keeps its finished stages, the others start over with --overwrite)", err=True
-        )
+        report(INTERRUPTED, 130)
         raise typer.Exit(130)
+
+
+def _ranks(model: type, name: str, body, kw: dict):
+    """A command that may run as several ranks (docs/distributed.md): ``--nproc N`` outside
+    torchrun starts N ranks of this same command line under torchrun and exits with the first
+    failed rank's code; under torchrun (ours or the user's) each rank joins the process group
+    (``--dist-timeout-s`` on every wait), rank 0 alone prints, and the library function runs in
+    every rank. One process: the body, as before."""
+    import contextlib
+    import os
+
+    from . import distributed as D
+
+    nproc, timeout = kw["nproc"], kw["dist_timeout_s"]
+    _run(model(nproc=nproc, dist_timeout_s=timeout).validate)  # before any rank starts
+    if not D.under_torchrun() or _run(D.env_size) == 1:
+        if nproc > 1 and not D.under_torchrun():
+            raise typer.Exit(D.launch("quantize.cli", _ARGV, nproc, interrupted=INTERRUPTED))
+        return body(**kw)
+    local = _run(D.env_local_size)
+    if nproc not in (1, local):
+        _refuse(f"--nproc {nproc} under torchrun, which started {local} rank(s) on this node; drop --nproc "
+                "(torchrun's --nproc-per-node decides)")
+    if name not in D.RANK_AWARE:
+        _refuse(f"{name} does not split its work across ranks yet: every rank would run the whole job (and write "
+                "the same output); run it as one process (without --nproc or torchrun)")
+    w = _run(D.join, timeout)
+    try:
+        if not w.quiet:
+            return body(**kw)
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+            return body(**kw)
+    finally:
+        D.leave()
 
 
 def _refuse(msg: str, error: type = QuantizeError):

@@ -26,6 +26,7 @@ from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, hub_revision, re
 from .checkpoint.manifest import source_identity, tool_versions, write_manifest
 from .checkpoint.output import Output, side_files
 from .checkpoint.writer import COPY_CHUNK, StreamWriter
+from .distributed import check_nproc
 from .errors import QuantizeError
 from .events import Emit, null_emit
 from .formats import fp8, int4, native
@@ -277,6 +278,7 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     rest on disk under OUT/.quantize/). ``device="cuda"`` runs the transforms (and a method's layer
     math) on a GPU."""
     t0 = time.time()
+    check_nproc(options.nproc)  # a library call starts no ranks: it runs in those it is called from
     device, resume, overwrite, workers = options.device, options.resume, options.overwrite, options.workers
     if device != "cpu":
         if not device.startswith("cuda") or not torch.cuda.is_available():

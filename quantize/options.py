@@ -37,6 +37,11 @@ SEED_WHY = "a seed is an integer from 0 to 2**63 - 1"
 MAX_TP = 4096  # tensor-parallel ranks: far past any deployment (8 per node, 64 across nodes)
 TP_WHY = f"must be from 1 to {MAX_TP}"
 MAX_CHECK_TOKENS = 4096  # check's random activation rows: a kernel check, not a benchmark (memory: rows x K)
+MAX_NPROC = 1024  # ranks on one machine: one per GPU or a share of the cores
+NPROC_WHY = f"must be from 1 to {MAX_NPROC} ranks on this machine"
+DIST_TIMEOUT_S = 600.0  # seconds a rank waits for the others (quantize.distributed)
+MAX_DIST_TIMEOUT_S = 7 * 86400.0  # a week: past any layer's compute, and within what a timedelta holds
+DIST_TIMEOUT_WHY = f"must be a positive number of seconds up to {MAX_DIST_TIMEOUT_S:.0f} (a week)"
 
 
 @dataclass(frozen=True)
@@ -557,6 +562,25 @@ class ConvertOptions(Options):
         key=False,
         recipe=False,  # a recipe sets it once for the whole run: pipeline.base_model
     )
+    # several processes (docs/distributed.md): how the run goes, not what it makes (not recorded)
+    nproc: int = opt(
+        1,
+        "start N ranks with torchrun on this machine (CPU: gloo; GPUs: NCCL, one per rank); or launch the command "
+        "under torchrun yourself",
+        metavar="N",
+        record=False,
+        recipe=False,  # the command line's launcher: a library call starts no ranks
+        check=lambda v: 1 <= v <= MAX_NPROC,
+        why=NPROC_WHY,
+    )
+    dist_timeout_s: float = opt(
+        DIST_TIMEOUT_S,
+        "seconds a rank waits for the others before the run fails",
+        record=False,
+        recipe=False,
+        check=lambda v: _positive(v) and v <= MAX_DIST_TIMEOUT_S,
+        why=DIST_TIMEOUT_WHY,
+    )
 
     @property
     def method_name(self) -> str:
@@ -860,6 +884,8 @@ class CalibrateKVOptions(Options):
         why="must be 0 or more GiB (0: one routed expert at a time)",
     )
     base_model: str | None = same(ConvertOptions, "base_model")
+    nproc: int = same(ConvertOptions, "nproc")
+    dist_timeout_s: float = same(ConvertOptions, "dist_timeout_s")
 
 
 EVAL_TASKS = "gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro"

@@ -38,6 +38,7 @@ from ..checkpoint.manifest import tool_versions, write_manifest
 from ..checkpoint.output import SIDE_FILES, TMP_SUFFIX, Output, report_target, side_files, write_report
 from ..parse import load_json
 from ..checkpoint.writer import Entry, StreamWriter
+from ..distributed import check_nproc
 from . import fold as folding
 from .fold import FoldFactors
 from ..errors import QuantizeError
@@ -383,6 +384,8 @@ def calibrate_kv(
     overwrite,
     memory_budget_gib,
     base_model,
+    nproc,
+    dist_timeout_s,  # noqa: ARG001 - the timeout of the World the command line joined (quantize.distributed)
     emit: Emit = null_emit,
 ) -> KvResult:
     """The per-layer KV report for any model the tool reads; with ``out``, a new checkpoint that
@@ -400,6 +403,7 @@ def calibrate_kv(
     (``options.base_model``) for its card.
     """
     model = Path(model)  # the options were checked where they are declared (quantize/options.py)
+    check_nproc(nproc)  # a library call starts no ranks: it runs in those it is called from
     streamer = LayerStreamer(model, expert_budget=int(memory_budget_gib * (1 << 30)))
     layout = streamer.arch.layout
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)

@@ -1,0 +1,488 @@
+"""Several processes, one run: the ranks of a torch.distributed job (issue 18 item 2).
+
+A command runs as N ranks under torchrun, started by the user (``torchrun --nproc-per-node N -m
+quantize.cli convert ...``, several nodes with ``--nnodes``/``--rdzv-endpoint``) or by ``--nproc N``
+(``launch``: torchrun's own launcher, in the command's process). This module is what the work
+calls; docs/distributed.md is the user's side.
+
+- ``current()``: this process's ``World`` (rank, size, device, ``is_writer``). One process is a
+  World of size 1 with no process group, where every collective below returns at once: callers
+  write one code path.
+- ``owned(n)`` / ``owner(i, n)``: a fixed contiguous partition of n items (routed experts), a
+  function of (n, size, rank) alone: never of timing.
+- ``gather(obj, what)``, ``broadcast(obj, what)``, ``barrier(what)``: rank order, on a gloo group
+  (CPU objects, pickled; see ``World.gather`` for the cost). A peer that died or hangs fails them
+  in one line (``QuantizeError`` naming this rank, the collective, ``what`` and the peer) within
+  the timeout (``--dist-timeout-s``) instead of hanging this rank.
+
+Bytes that do not depend on the number of ranks: each item's result must depend on that item
+alone, and whatever is combined is combined in ``gather``'s order (rank order, hence item order),
+never with ``all_reduce``, whose summation order is the backend's.
+
+Importing this module imports no torch (``quantize --help`` stays fast); torch comes with the
+first World of more than one process or the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import QuantizeError
+from .options import DIST_TIMEOUT_S
+
+DEFAULT_TIMEOUT_S = DIST_TIMEOUT_S  # --dist-timeout-s
+# launch() marks the ranks it starts: their one-line error goes to torchrun's error file for the
+# rank (TORCHELASTIC_ERROR_FILE), not to stderr, and the launcher prints the first one, once
+LAUNCHED = "QUANTIZE_LAUNCHED"
+# torchrun's variables: a process it started has them all (TORCHELASTIC_RUN_ID too)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_STEP = "quantize/step/"  # rendezvous-store key per rank: the last collective it entered
+PROBE_S = 2.0  # after a failure, how long the store is asked which ranks never arrived
+# the commands whose library function splits its work across ranks and writes from rank 0 alone;
+# any other refuses to run as several ranks (each would do the whole job into one output). The
+# layer pass adds its command here when it partitions (issue 18 item 2).
+RANK_AWARE: set[str] = set()
+
+
+def partition(n: int, size: int, rank: int) -> range:
+    """Rank ``rank``'s items of ``n`` over ``size`` ranks: contiguous blocks, the first ``n % size``
+    ranks one item longer (10 over 4: 0-2, 3-5, 6-7, 8-9). Some ranks get none when n < size."""
+    if n < 0 or size < 1 or not 0 <= rank < size:
+        raise ValueError(f"partition({n}, {size}, {rank})")
+    q, r = divmod(n, size)
+    start = rank * q + min(rank, r)
+    return range(start, start + q + (rank < r))
+
+
+def owner_of(i: int, n: int, size: int) -> int:
+    """The rank whose ``partition(n, size, rank)`` holds item ``i``."""
+    if not 0 <= i < n:
+        raise ValueError(f"item {i} of {n}")
+    q, r = divmod(n, size)
+    big = r * (q + 1)  # the first r ranks hold q + 1 items each
+    return i // (q + 1) if i < big else r + (i - big) // q
+
+
+def under_torchrun() -> bool:
+    """This process was started by torchrun (ours or the user's)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise QuantizeError(f"environment variable {name}={v!r} is not an integer; torchrun sets it, unset it "
+                            "outside torchrun") from None
+
+
+def env_size() -> int:
+    """The world size torchrun gave this process (1 outside torchrun)."""
+    return _env_int("WORLD_SIZE", 1) if under_torchrun() else 1
+
+
+def env_local_size() -> int:
+    """The ranks torchrun started on this node (1 outside torchrun)."""
+    return _env_int("LOCAL_WORLD_SIZE", env_size()) if under_torchrun() else 1
+
+
+class World:
+    """This process's place in the run. ``World()`` is one process: rank 0 of 1, no process group,
+    collectives that return their input."""
+
+    def __init__(self, rank: int = 0, size: int = 1, local_rank: int = 0, local_size: int = 1,
+                 backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, group: Any = None,
+                 store: Any = None):
+        self.rank, self.size, self.local_rank, self.local_size = rank, size, local_rank, local_size
+        self.backend, self.timeout_s = backend, timeout_s
+        self._group, self._store, self._step = group, store, 0
+
+    def __repr__(self) -> str:
+        return f"World(rank={self.rank}, size={self.size}, backend={self.backend}, device={self.device})"
+
+    @property
+    def device(self) -> str:
+        """Where this rank's tensors go: its own GPU under NCCL (``cuda:LOCAL_RANK``), else the CPU.
+        A World of one leaves the choice to the command's ``--device``."""
+        return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 writes the output (shards, job record, manifest); the others compute."""
+        return self.rank == 0
+
+    @property
+    def quiet(self) -> bool:
+        """Print no progress or results here: rank 0 speaks for the run."""
+        return self.rank != 0
+
+    def owned(self, n: int) -> range:
+        """This rank's items of ``n`` (``partition``)."""
+        return partition(n, self.size, self.rank)
+
+    def owner(self, i: int, n: int) -> int:
+        return owner_of(i, n, self.size)
+
+    # -- collectives: every rank calls the same ones in the same order ---------------------------
+
+    def gather(self, obj, what: str, *, to: int | None = None) -> list | None:
+        """Every rank's ``obj``, in rank order: on every rank (``to`` None), or on rank ``to``
+        alone (the others get None). ``what`` names the step in a failure ("layer 3 experts").
+
+        Cost: each object is pickled (tensors by torch.save, so CPU tensors: move GPU results to
+        the CPU first) and sent whole; all ranks receive every rank's bytes (size x the largest
+        object each) unless ``to`` is given. For what only the writer needs (quantized experts),
+        pass ``to=0``."""
+        if self.size == 1:
+            return [obj] if to in (None, 0) else None
+        import torch.distributed as dist
+
+        out = [None] * self.size
+
+        def op():
+            if to is None:
+                dist.all_gather_object(out, obj, group=self._group)
+                return out
+            dist.gather_object(obj, out if self.rank == to else None, dst=to, group=self._group)
+            return out if self.rank == to else None
+
+        return self._collective("gather", what, op)
+
+    def broadcast(self, obj, what: str, *, src: int = 0):
+        """Rank ``src``'s ``obj`` on every rank (the others' ``obj`` is ignored)."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.rank == src else None]
+
+        def op():
+            dist.broadcast_object_list(box, src=src, group=self._group)
+            return box[0]
+
+        return self._collective("broadcast", what, op)
+
+    def barrier(self, what: str) -> None:
+        """Return when every rank has reached it."""
+        if self.size == 1:
+            return
+        import torch.distributed as dist
+
+        self._collective("barrier", what, lambda: dist.barrier(group=self._group))
+
+    def _collective(self, name: str, what: str, op: Callable):
+        self._step += 1
+        try:
+            self._store.set(f"{_STEP}{self.rank}", str(self._step))
+            return op()
+        except RuntimeError as e:  # torch.distributed's errors (DistBackendError, DistStoreError...) are these
+            raise self._failure(name, what, e) from None
+
+    def _failure(self, name: str, what: str, e: Exception) -> QuantizeError:
+        from .checkpoint.output import rerun_hint
+
+        text = " ".join(str(e).split())
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        closed = any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused"))
+        who = self._absent()
+        at = f"{what!r} ({name})"
+        if timed_out:
+            return QuantizeError(f"rank {self.rank}: {who} did not reach {at} within {self.timeout_s:g} s "
+                                 f"(--dist-timeout-s): it hangs or stopped without a word; {rerun_hint()}")
+        if closed:
+            return QuantizeError(f"rank {self.rank}: {who} stopped during {at}, its connection closed: its own "
+                                 f"error, if it printed one, says why; {rerun_hint()}")
+        return QuantizeError(f"rank {self.rank}: {at} failed: {text[:300]}; {rerun_hint()}")
+
+    def _absent(self) -> str:
+        """The ranks that never entered the collective this one failed in, by the step each
+        recorded in the rendezvous store (best effort: the store may be gone with its host)."""
+        others = [r for r in range(self.size) if r != self.rank]
+        behind = []
+        try:
+            from datetime import timedelta
+
+            self._store.set_timeout(timedelta(seconds=PROBE_S))
+            for r in others:
+                key = f"{_STEP}{r}"
+                step = int(self._store.get(key)) if self._store.check([key]) else 0
+                if step < self._step:
+                    behind.append(r)
+        except Exception:  # noqa: BLE001 - the store is only a hint; the error is the collective's
+            behind = []
+        if not behind and len(others) == 1:
+            behind = others
+        if not behind:
+            return "another rank"
+        return ("rank " if len(behind) == 1 else "ranks ") + ", ".join(map(str, behind))
+
+
+_CURRENT = World()
+
+
+def current() -> World:
+    """This process's World: the one ``join`` made, else one process."""
+    return _CURRENT
+
+
+def join(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> World:
+    """Join the run torchrun started (its environment, WORLD_SIZE > 1): a process group, NCCL when
+    CUDA is there (one GPU per rank, ``cuda:LOCAL_RANK``) else gloo, with ``timeout_s`` on every
+    collective; the objects of ``gather``/``broadcast``/``barrier`` travel on a gloo group in both
+    cases (CPU, and a timeout that raises instead of aborting). Outside torchrun, or at size 1:
+    the World of one process. Leave with ``leave``."""
+    global _CURRENT
+    if _CURRENT.size > 1:
+        return _CURRENT
+    size = env_size()
+    if size <= 1:
+        _CURRENT = World(timeout_s=timeout_s)
+        return _CURRENT
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    local_size = env_local_size()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    td = timedelta(seconds=timeout_s)
+    try:
+        if backend == "nccl":
+            if local_rank >= torch.cuda.device_count():
+                raise QuantizeError(f"rank {rank}: local rank {local_rank} but {torch.cuda.device_count()} GPU(s) "
+                                    "visible here; start at most one rank per GPU (--nproc-per-node)")
+            torch.cuda.set_device(local_rank)
+        store, rank, size = next(dist.rendezvous("env://", timeout=td))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=td)
+        group = dist.new_group(backend="gloo", timeout=td) if backend != "gloo" else None
+    except RuntimeError as e:
+        raise QuantizeError(f"rank {rank}: could not join the other {size - 1} rank(s) within {timeout_s:g} s "
+                            f"({' '.join(str(e).split())[:200]}); check --rdzv-endpoint and that every node "
+                            "started") from None
+    _CURRENT = World(rank, size, local_rank, local_size, backend, timeout_s, group, store)
+    return _CURRENT
+
+
+def leave() -> None:
+    """Destroy the process group ``join`` made (nothing for a World of one)."""
+    global _CURRENT
+    w, _CURRENT = _CURRENT, World()
+    if w.size > 1:
+        import torch.distributed as dist
+
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone: nothing is left to tear down
+            pass
+
+
+@contextmanager
+def world(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None):
+    """``with world(600) as w:`` -- ``join``, then ``leave`` on the way out (inside another
+    ``world``, the outer one's World, left by the outer one)."""
+    outer = current().size > 1
+    w = join(timeout_s, backend)
+    try:
+        yield w
+    finally:
+        if not outer:
+            leave()
+
+
+def gather(obj, what: str, *, to: int | None = None) -> list | None:
+    return current().gather(obj, what, to=to)
+
+
+def broadcast(obj, what: str, *, src: int = 0):
+    return current().broadcast(obj, what, src=src)
+
+
+def barrier(what: str) -> None:
+    current().barrier(what)
+
+
+def owned(n: int) -> range:
+    return current().owned(n)
+
+
+def owner(i: int, n: int) -> int:
+    return current().owner(i, n)
+
+
+def check_nproc(nproc: int) -> None:
+    """The library's side of ``nproc``: a library function runs in the ranks it is called from and
+    starts none (the command line's ``--nproc`` does, or torchrun)."""
+    w = current()
+    if nproc != 1 and nproc != w.local_size:
+        raise QuantizeError(
+            f"--nproc {nproc}: this call runs in {w.local_size} process(es) here; the command line starts the "
+            f"ranks (`quantize ... --nproc {nproc}`), or run this under `torchrun --nproc-per-node {nproc}`"
+        )
+
+
+# -- saying a rank's error once -------------------------------------------------------------------
+
+
+def report(line: str, exit_code: int) -> None:
+    """A rank's one-line error (``error: ...``) before it exits with ``exit_code``. On stderr; under
+    ``launch``, into torchrun's error file for the rank instead, and the launcher prints the first
+    rank's and exits with its code. Under a user's own torchrun, both: torchrun's failure summary
+    then shows the line."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
+    if path:
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            now = time.time()
+            Path(path).write_text(json.dumps({
+                # torchrun's own layout (torch.distributed.elastic.multiprocessing.errors), which its summary reads
+                "message": {"message": line, "extraInfo": {"timestamp": str(int(now))}},  # no py_callstack: shown
+                # the launcher's: the first failure by a finer clock, and its code (torchrun may stop it first)
+                "quantize": {"line": line, "time": now, "exit_code": exit_code},
+            }))
+            if os.environ.get(LAUNCHED):
+                return
+        except OSError:
+            pass
+    print(line, file=sys.stderr, flush=True)
+
+
+# -- the --nproc launcher -------------------------------------------------------------------------
+
+
+def _first_failure(failures: dict) -> tuple[str, int]:
+    """The line and exit code to show for torchrun's failed ranks: the earliest one-line error a
+    rank reported, else the first rank that died (not one torchrun stopped after it)."""
+    import signal
+
+    said = []
+    for rank, f in failures.items():
+        data = f.error_file_data if isinstance(getattr(f, "error_file_data", None), dict) else {}
+        q = data.get("quantize")
+        if isinstance(q, dict) and isinstance(q.get("line"), str):
+            said.append((float(q.get("time", 0)), rank, q["line"], int(q.get("exit_code", 1))))
+    if said:
+        _, _, line, code = min(said)
+        return line, code
+    stopped = -int(signal.SIGTERM)  # what torchrun sends the others once one has failed
+    died = sorted(failures.items(), key=lambda kv: (kv[1].exitcode == stopped, kv[1].timestamp, kv[0]))
+    rank, f = died[0]
+    if f.exitcode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-f.exitcode).name}"
+        except ValueError:
+            how = f"was killed by signal {-f.exitcode}"
+        return f"error: rank {rank} {how} (out of memory?); its output, if any, is above", 1
+    return f"error: rank {rank} exited with code {f.exitcode}; its output is above", 1
+
+
+def launch(module: str, argv: list[str], nproc: int, interrupted: str = "interrupted") -> int:
+    """Run ``python -m module *argv`` as ``nproc`` ranks on this machine under torchrun
+    (``torch.distributed.run`` with ``--standalone``, its agent in this process: it starts, watches
+    and stops the ranks) and return the exit code: 0, or the first failed rank's, whose one-line
+    error is printed here once instead of torchrun's report. The ranks get this environment, the
+    package this process runs (PYTHONPATH first), and a share of the cores each (OMP_NUM_THREADS,
+    unless set)."""
+    import logging
+    import shutil
+    import tempfile
+
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    for name in list(logging.root.manager.loggerDict):  # the agent's own log lines: its report is ours
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root + (os.pathsep + path if path else "")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ[LAUNCHED] = "1"
+    logs = tempfile.mkdtemp(prefix="quantize-ranks-")
+    try:
+        args = run.parse_args(["--standalone", "--nproc-per-node", str(nproc), "--log-dir", logs, "-m", module])
+        # set, not parsed: torchrun's parser would take the command's --nproc for its --nproc-per-node
+        args.training_script_args = list(argv)
+        run.run(args)
+        return 0
+    except ChildFailedError as e:
+        line, code = _first_failure(e.failures)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    except (KeyboardInterrupt, SignalException):
+        print(interrupted, file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - torchrun could not start the ranks (rendezvous, ports)
+        print(f"error: torchrun could not start {nproc} ranks here: {' '.join(str(e).split())[:300]}",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+# -- a self-test the tests run under torchrun -----------------------------------------------------
+
+
+def _selftest(argv: list[str]) -> int:
+    """``python -m quantize.distributed selftest [--nproc N] [--timeout-s T] [--items N]
+    [--vanish R] [--hang R] [--fail R] [--timings DIR]``: gather, partition and broadcast across
+    the ranks, then a barrier that rank R leaves (exits 0 without a word), hangs at, or fails
+    before (one line); the writer prints the result as JSON. ``--timings DIR``: each rank writes
+    how long its last collective took, for the failure latencies."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m quantize.distributed selftest")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    p.add_argument("--items", type=int, default=10)
+    for what in ("vanish", "hang", "fail"):
+        p.add_argument(f"--{what}", type=int, default=None, metavar="RANK")
+    p.add_argument("--timings", type=Path, default=None)
+    a = p.parse_args(argv)
+    if a.nproc > 1 and not under_torchrun():
+        return launch("quantize.distributed", ["selftest", *argv], a.nproc)
+    t = time.monotonic()
+    try:
+        with world(a.timeout_s) as w:
+            ranks = w.gather(w.rank, "selftest ranks")
+            parts = w.gather(list(w.owned(a.items)), "selftest partition")
+            token = w.broadcast(f"from rank {w.rank}", "selftest broadcast")
+            if w.rank == a.vanish:
+                os._exit(0)  # a process gone without a word or an error code
+            if w.rank == a.hang:
+                time.sleep(10 * a.timeout_s + 60)
+            if w.rank == a.fail:
+                raise QuantizeError(f"rank {w.rank}: a planted failure (selftest --fail {a.fail})")
+            t = time.monotonic()
+            w.barrier("selftest barrier")
+            at_writer = w.gather({"rank": w.rank, "owns": list(w.owned(a.items))}, "selftest results", to=0)
+            if w.is_writer:
+                print(json.dumps({"size": w.size, "ranks": ranks, "parts": parts, "token": token,
+                                  "at_writer": at_writer, "device": w.device, "backend": w.backend}), flush=True)
+        return 0
+    except QuantizeError as e:
+        if a.timings is not None:
+            a.timings.mkdir(parents=True, exist_ok=True)
+            (a.timings / f"rank-{os.environ.get('RANK', 0)}.json").write_text(
+                json.dumps({"failed_after_s": time.monotonic() - t}))
+        report(f"error: {e}", e.exit_code)
+        return e.exit_code
+    except KeyboardInterrupt:
+        report("interrupted", 130)
+        return 130
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["selftest"]:
+        sys.exit("usage: python -m quantize.distributed selftest [--help]")
+    sys.exit(_selftest(sys.argv[2:]))

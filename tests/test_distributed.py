@@ -1,0 +1,348 @@
+"""Several ranks, one run (quantize/distributed.py, docs/distributed.md): the fixed partition, the
+rank-ordered collectives, a World of one that needs no process group, and failures in one line:
+a rank that exits early fails the others within seconds, a hung rank within --dist-timeout-s, and
+the --nproc launcher prints the first rank's error once, without torchrun's traceback. The ranks
+are real processes under torchrun (gloo on the CPU)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from quantize import distributed as D
+from quantize import options as O
+from quantize.cli import app
+from quantize.errors import QuantizeError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*D.TORCHRUN_ENV, "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", D.LAUNCHED)}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(args: list[str], timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env(),
+                       cwd=ROOT)
+    return p, time.monotonic() - t
+
+
+def _torchrun(logs: Path) -> list[str]:
+    """The user's own torchrun: two ranks on this machine (its logs in the test's folder)."""
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs)]
+
+
+SELFTEST = ["-m", "quantize.distributed", "selftest"]
+
+
+# -- the partition ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 10, 256, 257])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8, 9])
+def test_the_partition_is_contiguous_balanced_and_owner_inverts_it(n, size):
+    parts = [D.partition(n, size, r) for r in range(size)]
+    assert [i for p in parts for i in p] == list(range(n))  # every item once, in rank order
+    assert all(p.step == 1 for p in parts)
+    lens = [len(p) for p in parts]
+    assert max(lens) - min(lens) <= 1 and lens == sorted(lens, reverse=True)  # the longer blocks first
+    for r, p in enumerate(parts):
+        assert all(D.owner_of(i, n, size) == r for i in p)
+
+
+def test_the_partition_of_ten_over_four():
+    assert [list(D.partition(10, 4, r)) for r in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert [list(D.partition(2, 4, r)) for r in range(4)] == [[0], [1], [], []]  # fewer items than ranks
+    for bad in ((5, 0, 0), (5, 2, 2), (-1, 2, 0)):
+        with pytest.raises(ValueError):
+            D.partition(*bad)
+    with pytest.raises(ValueError):
+        D.owner_of(10, 10, 4)  # one past the last item
+
+
+# -- a World of one -----------------------------------------------------------------------------
+
+
+def test_a_world_of_one_needs_no_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    for k in (*D.TORCHRUN_ENV, "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    with D.world(5) as w:
+        assert (w.rank, w.size, w.device, w.is_writer, w.quiet) == (0, 1, "cpu", True, False)
+        assert D.current() is w and not dist.is_initialized()
+        assert D.gather({"a": 1}, "step") == [{"a": 1}] and D.gather(3, "step", to=0) == [3]
+        assert D.broadcast("x", "step") == "x"
+        D.barrier("step")
+        assert list(D.owned(5)) == [0, 1, 2, 3, 4] and D.owner(4, 5) == 0
+    assert D.current().size == 1
+
+
+def _selftest_one(capsys, monkeypatch, items: int) -> dict:
+    for k in (*D.TORCHRUN_ENV, "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    assert D._selftest(["--items", str(items)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_two_ranks_gather_in_rank_order_and_own_their_blocks(capsys, monkeypatch, tmp_path):
+    one = _selftest_one(capsys, monkeypatch, 7)
+    p, _ = _run([*_torchrun(tmp_path), *SELFTEST, "--items", "7"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1  # rank 0 alone prints
+    two = json.loads(lines[0])
+    assert (one["size"], one["ranks"], one["parts"]) == (1, [0], [list(range(7))])
+    assert (two["size"], two["ranks"], two["parts"]) == (2, [0, 1], [[0, 1, 2, 3], [4, 5, 6]])
+    assert [i for part in two["parts"] for i in part] == [i for part in one["parts"] for i in part]
+    assert two["token"] == "from rank 0"  # broadcast from rank 0, whatever rank 1 held
+    assert two["at_writer"] == [{"rank": 0, "owns": [0, 1, 2, 3]}, {"rank": 1, "owns": [4, 5, 6]}]
+    assert (two["backend"], two["device"]) == ("gloo", "cpu")
+
+
+# -- failures in one line -------------------------------------------------------------------------
+
+
+def test_a_rank_that_exits_early_fails_the_other_within_seconds(tmp_path):
+    """Rank 1 leaves without a word (exit 0, so torchrun does not stop rank 0 for it): rank 0's
+    barrier fails at once (gloo sees the closed connection), far inside the 60 s timeout."""
+    p, wall = _run(["-m", "quantize.distributed", "selftest", "--nproc", "2", "--vanish", "1", "--timeout-s", "60",
+                    "--timings", str(tmp_path)])
+    assert p.returncode == 2
+    assert p.stderr.splitlines() == [
+        "error: rank 0: rank 1 stopped during 'selftest barrier' (barrier), its connection closed: its own error, "
+        "if it printed one, says why; rerun the command"
+    ]
+    waited = json.loads((tmp_path / "rank-0.json").read_text())["failed_after_s"]
+    assert waited < 5, waited
+    assert wall < 30, wall  # torch's start in three processes on two cores is most of it
+
+
+def test_a_hung_rank_fails_the_run_within_the_timeout(tmp_path):
+    """Under the user's own torchrun: rank 1 hangs before the barrier; rank 0 says so in one line
+    after --dist-timeout-s (5 s), and torchrun then stops the hung rank."""
+    p, wall = _run([*_torchrun(tmp_path / "logs"), *SELFTEST, "--hang", "1", "--timeout-s", "5",
+                    "--timings", str(tmp_path)])
+    assert p.returncode != 0
+    mine = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert mine == [
+        "error: rank 0: rank 1 did not reach 'selftest barrier' (barrier) within 5 s (--dist-timeout-s): it hangs or "
+        "stopped without a word; rerun the command"
+    ]
+    waited = json.loads((tmp_path / "rank-0.json").read_text())["failed_after_s"]
+    assert 4.9 <= waited < 10, waited
+    assert wall < 5 + 25, wall
+    assert "traceback : error: rank 0: rank 1 did not reach" in p.stderr  # torchrun's summary shows the line
+
+
+def test_the_launcher_prints_the_first_ranks_error_once(tmp_path):
+    """Rank 1 fails with a QuantizeError; rank 0 then fails at the barrier too (or is stopped by
+    torchrun): the launcher prints rank 1's line, the root cause, once, and exits with its code."""
+    p, wall = _run([*SELFTEST, "--nproc", "2", "--fail", "1", "--timeout-s", "60"])
+    assert p.returncode == 2
+    assert p.stderr == "error: rank 1: a planted failure (selftest --fail 1)\n"
+    assert p.stdout == "" and wall < 30
+
+
+@pytest.mark.parametrize("cmd", [["convert", "SRC", "OUT"], ["calibrate-kv", "SRC", "--out", "OUT"]],
+                         ids=["convert", "calibrate-kv"])
+def test_nproc_runs_the_command_as_ranks_that_refuse_until_the_work_is_split(tmp_path, cmd):
+    """`quantize convert ... --nproc 2` runs under torchrun; until the layer pass partitions its
+    work (RANK_AWARE), each rank refuses in one line before reading anything, and the launcher
+    shows one of them: one line, exit 2, no traceback, no output folder."""
+    args = [{"SRC": str(tmp_path / "src"), "OUT": str(tmp_path / "out")}.get(a, a) for a in cmd]
+    p, _ = _run(["-m", "quantize.cli", *args, "--nproc", "2", "--dist-timeout-s", "30"])
+    assert p.returncode == 2
+    assert p.stderr == (f"error: {cmd[0]} does not split its work across ranks yet: every rank would run the whole "
+                        "job (and write the same output); run it as one process (without --nproc or torchrun)\n")
+    assert "Traceback" not in p.stdout + p.stderr and not (tmp_path / "out").exists()
+
+
+# -- the options ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", ["convert", "calibrate-kv"])
+@pytest.mark.parametrize("flag,value,fragment", [
+    ("--nproc", "0", "--nproc 0: must be from 1 to 1024 ranks on this machine"),
+    ("--nproc", "1025", "--nproc 1025: must be from 1 to 1024"),
+    ("--dist-timeout-s", "nan", "--dist-timeout-s nan: not a finite number; must be a positive number of seconds"),
+    ("--dist-timeout-s", "0", "--dist-timeout-s 0.0: must be a positive number of seconds up to 604800 (a week)"),
+    ("--dist-timeout-s", "604800.5", "--dist-timeout-s 604800.5: must be a positive number of seconds"),
+])
+def test_nproc_and_the_timeout_are_refused_in_one_line(tmp_path, monkeypatch, cmd, flag, value, fragment):
+    launched = []
+    monkeypatch.setattr(D, "launch", lambda *a, **k: launched.append(a) or 0)
+    paths = [str(tmp_path / "src")] + ([str(tmp_path / "out")] if cmd == "convert" else [])
+    res = CliRunner().invoke(app, [cmd, *paths, flag, value])
+    assert res.exit_code == 2 and not launched
+    lines = res.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {fragment}"), res.output
+
+
+def test_the_edge_values_are_accepted():
+    for v in (O.ConvertOptions(nproc=1, dist_timeout_s=1e-3), O.ConvertOptions(nproc=1024, dist_timeout_s=604800.0),
+              O.CalibrateKVOptions(nproc=1024, dist_timeout_s=604800.0)):
+        v.validate()
+
+
+def test_nproc_and_the_timeout_change_no_record_and_are_no_recipe_keys():
+    from quantize import pipeline
+
+    for model, section in ((O.ConvertOptions, "convert"), (O.CalibrateKVOptions, "kv")):
+        assert model(nproc=8, dist_timeout_s=5.0).to_dict() == model().to_dict()  # manifest and resume key
+        assert {"nproc", "dist_timeout_s"}.isdisjoint(pipeline.SECTIONS[section].model_fields)
+    assert O.ConvertOptions(nproc=8).key_dict() == O.ConvertOptions().key_dict()
+
+
+def test_nproc_outside_torchrun_launches_the_same_command_line(tmp_path, monkeypatch):
+    for k in (*D.TORCHRUN_ENV, "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    launched = []
+    monkeypatch.setattr(D, "launch", lambda module, argv, nproc, **k: launched.append((module, argv, nproc)) or 3)
+    argv = ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--nproc", "4", "--dist-timeout-s", "9"]
+    res = CliRunner().invoke(app, argv)
+    assert res.exit_code == 3 and launched == [("quantize.cli", argv, 4)]  # the launcher's code is the exit code
+
+
+def test_under_torchrun_a_different_nproc_is_refused(tmp_path, monkeypatch):
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}  # never reached: both refusals come before the process group
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = CliRunner().invoke(app, ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--nproc", "3"])
+    assert res.exit_code == 2 and res.output == (
+        "error: --nproc 3 under torchrun, which started 2 rank(s) on this node; drop --nproc (torchrun's "
+        "--nproc-per-node decides)\n")
+    res = CliRunner().invoke(app, ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--nproc", "2"])
+    assert res.exit_code == 2 and "convert does not split its work across ranks yet" in res.output
+
+
+def test_a_library_call_with_nproc_starts_no_ranks(tmp_path):
+    from quantize.convert import convert
+
+    with pytest.raises(QuantizeError, match=r"--nproc 2: this call runs in 1 process\(es\) here; the command line"):
+        convert(tmp_path / "src", tmp_path / "out", nproc=2)
+    assert not (tmp_path / "out").exists()
+
+
+# -- the one line, from the pieces ------------------------------------------------------------------
+
+
+class _Store:
+    """The rendezvous store's part the failure message reads: each rank's last collective."""
+
+    def __init__(self, steps: dict):
+        self.steps = {f"{D._STEP}{r}": str(s) for r, s in steps.items()}
+
+    def set(self, k, v):
+        self.steps[k] = v
+
+    def set_timeout(self, t):
+        pass
+
+    def check(self, keys):
+        return all(k in self.steps for k in keys)
+
+    def get(self, k):
+        return self.steps[k].encode()
+
+
+@pytest.mark.parametrize("error,expect", [
+    ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5", "rank 2 stopped during 'layer 3' "
+     "(gather), its connection closed"),
+    ("Read error [127.0.0.1]:1177: Connection reset by peer", "rank 2 stopped during 'layer 3' (gather)"),
+    ("[gloo/unbound_buffer.cc:129] Timed out waiting 5000ms for send operation to complete",
+     "rank 2 did not reach 'layer 3' (gather) within 7 s (--dist-timeout-s)"),
+    ("something else", "'layer 3' (gather) failed: something else"),
+])
+def test_a_failed_collective_names_the_rank_that_never_arrived(error, expect):
+    """Of four ranks, rank 2 never entered the fourth collective (its last step is 3): rank 0's
+    one line names it, whatever gloo said."""
+    w = D.World(rank=0, size=4, backend="gloo", timeout_s=7, store=_Store({1: 4, 2: 3, 3: 4}))
+    w._step = 3
+
+    def op():
+        raise RuntimeError(error)
+
+    with pytest.raises(QuantizeError) as e:
+        w._collective("gather", "layer 3", op)
+    msg = str(e.value)
+    assert msg.startswith("rank 0: ") and expect in msg and "\n" not in msg, msg
+    assert msg.endswith("; rerun the command")
+
+
+def test_without_the_store_the_peer_is_another_rank():
+    class Gone(_Store):
+        def check(self, keys):
+            raise RuntimeError("store gone")
+
+    w = D.World(rank=1, size=3, backend="gloo", store=Gone({}))
+    with pytest.raises(QuantizeError, match="rank 1: another rank stopped during 'x' "):
+        w._collective("barrier", "x", lambda: (_ for _ in ()).throw(RuntimeError("Connection closed by peer")))
+    w2 = D.World(rank=1, size=2, backend="gloo", store=Gone({}))  # of two, the other one
+    with pytest.raises(QuantizeError, match="rank 1: rank 0 stopped during 'x' "):
+        w2._collective("barrier", "x", lambda: (_ for _ in ()).throw(RuntimeError("Connection closed by peer")))
+
+
+def _failure(exitcode, data=None, timestamp=100):
+    return SimpleNamespace(exitcode=exitcode, error_file_data=data or {"message": "<NONE>"}, timestamp=timestamp)
+
+
+def test_the_launcher_shows_the_earliest_error_and_else_the_rank_that_died():
+    said = lambda t, line, code: {"quantize": {"line": line, "time": t, "exit_code": code}}  # noqa: E731
+    failures = {0: _failure(2, said(10.5, "error: rank 0: rank 1 stopped", 2)),
+                1: _failure(-15, said(10.2, "error: rank 1: bad input", 2))}  # stopped by torchrun after saying it
+    assert D._first_failure(failures) == ("error: rank 1: bad input", 2)
+    stopped = -int(signal.SIGTERM)
+    assert D._first_failure({0: _failure(stopped, timestamp=1), 1: _failure(-9, timestamp=2)}) == (
+        "error: rank 1 was killed by SIGKILL (out of memory?); its output, if any, is above", 1)
+    assert D._first_failure({0: _failure(stopped), 1: _failure(1)}) == (
+        "error: rank 1 exited with code 1; its output is above", 1)
+
+
+def test_a_rank_aware_command_runs_in_the_world_and_rank_0_alone_prints(monkeypatch, capsys):
+    """Once a command splits its work (RANK_AWARE), each rank joins the World, runs the body and
+    leaves it; a rank other than 0 prints nothing on stdout and its progress goes nowhere."""
+    from quantize import cli
+    from quantize.events import null_emit
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(D, "RANK_AWARE", {"convert"})
+    seen = []
+
+    def join(timeout_s):
+        D._CURRENT = D.World(rank=int(os.environ["RANK"]), size=2, local_rank=1, local_size=2, backend="gloo",
+                             timeout_s=timeout_s)
+        seen.append(("join", timeout_s))
+        return D._CURRENT
+
+    monkeypatch.setattr(D, "join", join)
+    monkeypatch.setattr(D, "leave", lambda: seen.append("leave") or setattr(D, "_CURRENT", D.World()))
+
+    def body(**kw):
+        print("result")
+        seen.append((D.current().rank, cli._emitter(False) is null_emit, kw["nproc"]))
+        return "ok"
+
+    kw = {"nproc": 2, "dist_timeout_s": 9.0}
+    assert cli._ranks(O.ConvertOptions, "convert", body, kw) == "ok"
+    assert capsys.readouterr().out == "" and seen == [("join", 9.0), (1, True, 2), "leave"]
+    monkeypatch.setenv("RANK", "0")
+    seen.clear()
+    assert cli._ranks(O.ConvertOptions, "convert", body, kw) == "ok"
+    assert capsys.readouterr().out == "result\n" and seen == [("join", 9.0), (0, False, 2), "leave"]
