@@ -26,6 +26,7 @@ from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, hub_revision, re
 from .checkpoint.manifest import source_identity, tool_versions, write_manifest
 from .checkpoint.output import Output, side_files
 from .checkpoint.writer import COPY_CHUNK, StreamWriter
+from . import distributed
 from .distributed import check_nproc
 from .errors import QuantizeError
 from .events import Emit, null_emit
@@ -279,6 +280,19 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     math) on a GPU."""
     t0 = time.time()
     check_nproc(options.nproc)  # a library call starts no ranks: it runs in those it is called from
+    world = distributed.current()
+    if world.size > 1 and not world.is_writer:  # a rank of a GPTQ run: its share of the routed experts
+        from .methods.registry import METHODS
+        from .methods.streamed import expert_worker
+
+        return expert_worker(Path(options.source), world, METHODS["gptq"])
+    res = _convert(options, emit, t0)  # a failure here: the other ranks see this one's connection close, one line
+    if world.size > 1:
+        world.broadcast(("done", res), "the end of the run")
+    return res
+
+
+def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
     device, resume, overwrite, workers = options.device, options.resume, options.overwrite, options.workers
     if device != "cpu":
         if not device.startswith("cuda") or not torch.cuda.is_available():
@@ -286,6 +300,9 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     src, out = Path(options.source), Path(options.out)
     plan = build_plan(src, options, ct_check=False)
     options = plan.options  # a recipe may have set group size / observer / method
+    if distributed.current().size > 1 and options.method_name != "gptq":
+        raise QuantizeError(f"{distributed.current().size} ranks: only --method gptq splits its work (the routed "
+                            f"experts) across ranks; run --method {options.method_name} as one process (no --nproc)")
     calib = None
     if options.method_name != "rtn":
         from . import methods

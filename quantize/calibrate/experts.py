@@ -116,11 +116,10 @@ def groups(n_experts: int, size: int) -> list[range]:
     return [range(a, min(n_experts, a + size)) for a in range(0, n_experts, size)]
 
 
-def accumulate(out: torch.Tensor, r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor,
-               act_fn) -> None:
-    """Add the outputs of ``experts`` (ascending; ``gate_up[j]``/``down[j]`` are expert
-    ``experts[j]``) for the tokens routed to them into ``out``, as transformers' eager experts
-    forward does for the whole set: the same ops in the same order on the same output tensor."""
+def contributions(r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor, act_fn):
+    """Per expert of ``experts`` (ascending; ``gate_up[j]``/``down[j]`` are expert ``experts[j]``)
+    that the router sent tokens to: (those tokens' rows, the expert's weighted output for them),
+    computed as transformers' eager experts forward computes them."""
     for j, e in enumerate(experts):
         mask = r.index == e  # [T, K]; transformers' expert_mask[e] is its transpose [K, T]
         if not bool(mask.any()):
@@ -130,5 +129,13 @@ def accumulate(out: torch.Tensor, r: Routed, experts: range, gate_up: torch.Tens
         gate, up = torch.nn.functional.linear(current, gate_up[j]).chunk(2, dim=-1)
         h = act_fn(gate) * up
         h = torch.nn.functional.linear(h, down[j])
-        h = h * r.weights[token_idx, top_k_pos, None]
+        yield token_idx, h * r.weights[token_idx, top_k_pos, None]
+
+
+def accumulate(out: torch.Tensor, r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor,
+               act_fn) -> None:
+    """Add the outputs of ``experts`` for the tokens routed to them into ``out``, as transformers'
+    eager experts forward does for the whole set: the same ops in the same order on the same
+    output tensor (``index_add_`` per expert, ascending)."""
+    for token_idx, h in contributions(r, experts, gate_up, down, act_fn):
         out.index_add_(0, token_idx, h.to(out.dtype))

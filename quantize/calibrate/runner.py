@@ -126,11 +126,14 @@ class LayerStreamer:
             del g, u, d
         return gate_up, down
 
-    def expert_groups(self, stand: "routed.StandIn", per_expert: int | None = None) -> list[range]:
-        """The layer's routed experts in groups of at most ``expert_budget`` bytes (``per_expert``:
-        the bytes one expert costs the caller; its weights by default)."""
+    def expert_groups(self, stand: "routed.StandIn", per_expert: int | None = None,
+                      within: range | None = None) -> list[range]:
+        """The layer's routed experts (or those ``within``) in groups of at most ``expert_budget``
+        bytes (``per_expert``: the bytes one expert costs the caller; its weights by default)."""
         per = per_expert if per_expert is not None else stand.expert_bytes(self.dtype)
-        return routed.groups(stand.num_experts, routed.group_size(self.expert_budget, per, stand.num_experts))
+        within = range(stand.num_experts) if within is None else within
+        size = routed.group_size(self.expert_budget, per, max(1, len(within)))
+        return [range(g.start + within.start, g.stop + within.start) for g in routed.groups(len(within), size)]
 
     def routed_outputs(self, i: int, stand: "routed.StandIn", captured: list) -> list[torch.Tensor]:
         """Per sample, the routed experts' output for what ``captured`` recorded (``Routed``),

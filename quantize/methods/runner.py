@@ -321,18 +321,13 @@ class Pass:
             x.put(results)
             out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref)
         else:
-            def write_group(g, done):
-                tensors = {}
-                for u, res in done:
-                    tensors.update(split(u, res))
-                    for name, _, _ in u.names:
-                        modules[name] = res.how
+            def write_group(start, tensors, how):
+                modules.update(how)
                 if tensors:
-                    entry = self._save(f"{i:04d}-e{g.start:05d}.safetensors", tensors, i)
+                    entry = self._save(f"{i:04d}-e{start:05d}.safetensors", tensors, i)
                     parts.append(entry)
-                    for u, _ in done:
-                        for name, _, _ in u.names:
-                            part_modules[name] = entry["file"]
+                    for name in how:
+                        part_modules[name] = entry["file"]
 
             results, ref, routed, e_rtn, tot, acc_q = streamed.gptq_step(self.method, fwd.streamer, fwd, layer,
                                                                          stand, x, write_group)

@@ -30,7 +30,7 @@ from ..calibrate.experts import accumulate
 from .base import Layer
 from .forward import Captured, in_order
 from .store import HiddenStore
-from .units import Result, Unit, dequant, install, rtn
+from .units import Result, Unit, dequant, install, rtn, split
 
 FP32 = 4
 
@@ -53,14 +53,16 @@ def _zeros_like(store: HiddenStore, budget, spill, name: str, device: str) -> Hi
     return acc
 
 
-def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert: int, before_outputs=None) -> None:
-    """The routed experts a group at a time: for each group, ``before_outputs(group, gate_up,
-    down)`` (a method's statistics and quantization of the group), then each variant's outputs
-    accumulated into its ``acc`` (created here, one zero tensor per sample)."""
+def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert: int, before_outputs=None,
+               within: range | None = None) -> None:
+    """The routed experts (those ``within``: this rank's) a group at a time: for each group,
+    ``before_outputs(group, gate_up, down)`` (a method's statistics and quantization of the
+    group), then each variant's outputs accumulated into its ``acc`` (created here, one zero
+    tensor per sample)."""
     dev = fwd.device
     for v in variants:
         v.acc = _zeros_like(v.captured.hidden, fwd.budget, fwd.spill, f"a{i}", dev)
-    for g in streamer.expert_groups(stand, per_expert):
+    for g in streamer.expert_groups(stand, per_expert, within):
         gate_up, down = streamer.expert_weights(i, g)
         gate_up, down = gate_up.to(dev), down.to(dev)
         if before_outputs is not None:
@@ -132,15 +134,56 @@ def carry(streamer, fwd, layer, stand, i: int, hidden, topk, what: str, result=N
     return got
 
 
+def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit], cap_s, opt, fwd, fallbacks,
+                act_fn, i: int) -> tuple[dict[str, Result], dict[str, Result]]:
+    """One group of routed experts under GPTQ: their Hessians from the source capture (per sample,
+    merged in sample order, as the whole layer's hooks), then GPTQ per unit: (results, RTN start)."""
+
+    def obs(s: int):
+        hooks.begin()
+        r = cap_s[s]
+        hooks.observe_experts(streamer.experts_path, us, lambda e: gate_up[e - g.start], act_fn,
+                              r.hidden.to(fwd.device), r.index.to(fwd.device))
+        return hooks.end()
+
+    for part in in_order(fwd.pool, fwd.workers, obs, range(len(cap_s))):
+        hooks.merge(part)
+    originals = {u.key: (gate_up if u.path.endswith("gate_up_proj") else down)[u.expert - g.start] for u in us}
+    init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in us}
+    res = method.results(Layer(i, None, us, originals, init, None, None, None, fallbacks, opt, fwd), hooks)
+    for u in us:
+        for d in (hooks.H, hooks.n, hooks.tokens):
+            d.pop(u.key, None)
+    return res, init
+
+
+def _tensors(us: list[Unit], res: dict[str, Result]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A group's layer-file tensors and each module's method."""
+    tensors, how = {}, {}
+    for u in us:
+        tensors.update(split(u, res[u.key]))
+        for name, _, _ in u.names:
+            how[name] = res[u.key].how
+    return tensors, how
+
+
 def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
     """GPTQ on a streamed layer (module docstring): the Linear units' results, the reference
     store, the routed token counts, the RTN error, the reference's squared norm, and the
     quantized layer's routed expert outputs (for ``Forward(..., stand=, replay=)``), as
     ``GPTQ.layer_step`` gives them for the whole layer. ``x.originals`` and ``x.rtn`` hold the
-    Linear units only; ``write_group(group, results)`` stores one group's expert results."""
+    Linear units only; ``write_group(first expert, tensors, {module: method})`` stores one group.
+
+    Several ranks (``quantize.distributed``): this is rank 0; the routed experts are split in
+    fixed contiguous ranges (``World.owned``), rank 0 keeping the first. The others get the three
+    captures (``expert_worker``), run their experts' GPTQ and outputs, and send back their codes
+    and per-expert outputs, which are added here after rank 0's own, in expert order: the same
+    additions in the same order as one process, so the same bytes for any number of ranks."""
+    from .. import distributed
     from .gptq import Hessians
 
     opt, i = x.options, x.index
+    world = distributed.current()
     linear = [u for u in x.units if u.expert is None]
     by_expert: dict[int, list[Unit]] = {}
     for u in x.units:
@@ -164,6 +207,14 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
         hooks.H.pop(u.key, None)
     put(results)
     cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
+    caps = (cap_s, cap_r, cap_q)
+    within = None
+    if world.size > 1:
+        within = world.owned(stand.num_experts)
+        job = {"layer": i, "options": opt, "workers": fwd.workers, "budget": streamer.expert_budget,
+               "num_experts": stand.num_experts, "units": [u for us in by_expert.values() for u in us],
+               "caps": [(list(c.hidden), c.index, c.weights) for c in caps]}
+        world.broadcast(("layer", job), f"layer {i} routed experts")
     cur: dict[str, Result] = {}  # this group's results
     cur_rtn: dict[str, Result] = {}
 
@@ -173,33 +224,34 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
         us = [u for e in g for u in by_expert.get(e, ())]
         if not us:
             return
-
-        def obs(s: int):
-            hooks.begin()
-            r = cap_s[s]
-            hooks.observe_experts(streamer.experts_path, us, lambda e: gate_up[e - g.start], stand.act_fn,
-                                  r.hidden.to(fwd.device), r.index.to(fwd.device))
-            return hooks.end()
-
-        for part in in_order(fwd.pool, fwd.workers, obs, range(len(cap_s))):
-            hooks.merge(part)
-        originals = {u.key: (gate_up if u.path.endswith("gate_up_proj") else down)[u.expert - g.start] for u in us}
-        init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in us}
-        res = method.results(Layer(i, layer, us, originals, init, x.hidden, x.topk, None, x.fallbacks, opt, fwd),
-                             hooks)
-        for u in us:
-            for d in (hooks.H, hooks.n, hooks.tokens):
-                d.pop(u.key, None)
+        res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, cap_s, opt, fwd, x.fallbacks,
+                                stand.act_fn, i)
         cur.update(res)
         cur_rtn.update(init)
-        write_group(g, [(u, res[u.key]) for u in us])
+        write_group(g.start, *_tensors(us, res))
 
     variants = [Variant(cap_s, source_weights), Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
                 Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
-    run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(stand, True), before_outputs=group_step)
+    run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(stand, True), before_outputs=group_step,
+               within=within)
     cur.clear()
     cur_rtn.clear()
-    for c in (cap_s, cap_r, cap_q):
+    if world.size > 1:
+        got = world.gather(None, f"layer {i} routed experts", to=0)
+        for o in got[1:]:  # rank order = expert order, after rank 0's own
+            for start, tensors, how in o["groups"]:
+                write_group(start, tensors, how)
+            x.fallbacks.extend(o["fallbacks"])
+            for k, n in o["routed"].items():
+                hooks.routed[k] = hooks.routed.get(k, 0) + n
+            for v, per_sample in zip(variants, o["contrib"]):
+                for s, parts in enumerate(per_sample):
+                    a = v.acc[s]
+                    for token_idx, h in parts:
+                        a.index_add_(0, token_idx.to(a.device), h.to(a.device, a.dtype))
+                    v.acc.update(s, a)
+            del o
+    for c in caps:
         c.clear()
     put(None)
     ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=variants[0].acc)
@@ -210,6 +262,95 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
     variants[1].acc.clear()
     put(results)
     return results, ref, hooks.routed, e_rtn, tot, variants[2].acc
+
+
+class _ListCaptured:
+    """A capture as rank 0 sent it (lists of tensors)."""
+
+    def __init__(self, hidden, index, weights):
+        self.hidden, self.index, self.weights = hidden, index, weights
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+    def __getitem__(self, s: int):
+        from ..calibrate.experts import Routed
+
+        return Routed(self.hidden[s], self.index[s], self.weights[s])
+
+
+def expert_worker(src, world, method):
+    """A rank other than 0 of a GPTQ run: for each layer rank 0 sends, GPTQ and the outputs of
+    this rank's routed experts (``World.owned``), sent back to rank 0, which writes everything.
+    Returns what rank 0 broadcasts when its pass is done (its result)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from transformers.activations import ACT2FN
+
+    from ..calibrate.experts import contributions
+    from .gptq import Hessians
+    from .runner import open_streamer
+
+    streamer = open_streamer(src)
+    act_fn = ACT2FN[streamer.config.hidden_act]
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # as rank 0's pass: one torch thread per op, samples side by side
+    try:
+        while True:
+            kind, job = world.broadcast(None, "the next layer's routed experts")
+            if kind == "done":
+                return job
+            i, opt = job["layer"], job["options"]
+            streamer.expert_budget = job["budget"]
+            caps = [_ListCaptured(*c) for c in job["caps"]]
+            by_expert: dict[int, list[Unit]] = {}
+            for u in job["units"]:
+                by_expert.setdefault(u.expert, []).append(u)
+            hooks = Hessians(None, [], opt.all_experts)
+            out = {"groups": [], "fallbacks": [], "contrib": [[[] for _ in range(len(c))] for c in caps]}
+            with ThreadPoolExecutor(max(1, job["workers"]), thread_name_prefix="expert") as pool:
+                fwd = SimpleNamespace(workers=max(1, job["workers"]), device="cpu", pool=pool)
+                n = job["num_experts"]
+                size = per_expert_bytes(SimpleNamespace(expert_bytes=lambda dtype: _expert_bytes(streamer),
+                                                        gate_up_shape=_shapes(streamer)[0],
+                                                        down_shape=_shapes(streamer)[1]), True)
+                from ..calibrate.experts import group_size, groups
+
+                mine = world.owned(n)
+                for g0 in groups(len(mine), group_size(streamer.expert_budget, size, max(1, len(mine)))):
+                    g = range(g0.start + mine.start, g0.stop + mine.start)
+                    gate_up, down = streamer.expert_weights(i, g)
+                    us = [u for e in g for u in by_expert.get(e, ())]
+                    res, init = ({}, {})
+                    if us:
+                        res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, caps[0], opt, fwd,
+                                                out["fallbacks"], act_fn, i)
+                        out["groups"].append((g.start, *_tensors(us, res)))
+                    weights = [source_weights, with_results(lambda u: init.get(u.key), by_expert),
+                               with_results(lambda u: res.get(u.key), by_expert)]
+                    for v, (c, w) in enumerate(zip(caps, weights)):
+                        gu, dn = w(g, gate_up, down)
+                        with torch.no_grad():
+                            for s in range(len(c)):
+                                out["contrib"][v][s].extend(contributions(c[s], g, gu, dn, act_fn))
+                    del gate_up, down
+            out["routed"] = hooks.routed
+            world.gather(out, f"layer {i} routed experts", to=0)
+    finally:
+        torch.set_num_threads(old)
+        streamer.close()
+
+
+def _shapes(streamer) -> tuple[tuple, tuple]:
+    c = streamer.config
+    h, inter = int(c.hidden_size), int(c.moe_intermediate_size)
+    return (2 * inter, h), (h, inter)
+
+
+def _expert_bytes(streamer) -> int:
+    (a, b), (c, d) = _shapes(streamer)
+    return (a * b + c * d) * FP32
 
 
 def virtual_shapes(streamer, stand) -> dict[str, tuple]:

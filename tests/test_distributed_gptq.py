@@ -1,0 +1,119 @@
+"""GPTQ across ranks (gloo on the CPU, real torchrun processes through --nproc): the routed
+experts split across ranks give the bytes of one process; a rank killed mid-layer fails the run
+in one line and --resume finishes it with the same bytes; a method that does not split refuses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from quantize.convert import convert
+
+from .conftest import dir_bytes
+
+ARGS = ["--method", "gptq", "--profile", "all-linear", "--samples", "4", "--seq-len", "48", "--workers", "1",
+        "--memory-budget-gib", "0"]
+KW = dict(method="gptq", profile="all-linear", samples=4, seq_len=48, workers=1, memory_budget_gib=0.0)
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "quantize.cli", *args], capture_output=True, text=True, env=_env(),
+                          timeout=600, **kw)
+
+
+def _weights(d):
+    b = dir_bytes(d)
+    b.pop("quantize_manifest.json")
+    return b
+
+
+def _layers(out):
+    rec = json.loads((out / "quantize_manifest.json").read_text())["method"]["layers"]
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rec]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny, tmp_path_factory):
+    src = tiny("glm_moe_dsa")
+    out = tmp_path_factory.mktemp("ranks") / "one"
+    convert(src, out, **KW)
+    return src, out
+
+
+def test_two_ranks_are_one_process_bit_for_bit(one_rank, tmp_path):
+    src, one = one_rank
+    two = tmp_path / "two"
+    p = _cli("convert", str(src), str(two), *ARGS, "--nproc", "2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert _weights(two) == _weights(one)
+    assert _layers(two) == _layers(one)  # token counts, losses, fallbacks: rank 1's experts included
+    job = json.loads((two / ".quantize" / "job.json").read_text())
+    parts = {x["file"] for x in job["layers"]["0001"]["parts"]}
+    assert len(parts) == 8  # every expert's group file, rank 1's written by rank 0
+    assert "rank" not in p.stdout.lower() or p.stdout.count("done") == 1  # rank 0 alone speaks
+
+
+def _rank_pid(out: Path, rank: int) -> int | None:
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(out).encode() in cmd and f"RANK={rank}".encode() in env and b"LOCAL_RANK=%d" % rank in env:
+            return int(d.name)
+    return None
+
+
+def test_a_rank_killed_mid_layer_fails_in_one_line_and_resumes_byte_identical(one_rank, tmp_path):
+    src, one = one_rank
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "quantize.cli", "convert", str(src), str(out), *ARGS, "--nproc", "2",
+           "--dist-timeout-s", "60"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    job = out / ".quantize" / "job.json"
+    killed = None
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            layers = json.loads(job.read_text()).get("layers", {})
+        except (OSError, ValueError):
+            layers = {}
+        if "0001" in layers:  # layer 1 recorded: rank 1 is working on layer 2's experts
+            killed = _rank_pid(out, 1)
+            if killed:
+                os.kill(killed, signal.SIGKILL)
+                break
+        time.sleep(0.05)
+    assert killed, "rank 1 was not found while the run was in layer 2"
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode not in (0, None)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]  # beside rank 0's warnings
+    assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert "rank 1" in errors[0], errors[0]
+    assert not (out / "quantize_manifest.json").exists()
+    p = _cli("convert", str(src), str(out), *ARGS, "--nproc", "2", "--resume")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert _weights(out) == _weights(one)
+
+
+def test_autoround_on_two_ranks_is_refused_in_one_line(tiny, tmp_path):
+    out = tmp_path / "ar"
+    p = _cli("convert", str(tiny("llama", layout="bf16")), str(out), "--method", "autoround", "--iters", "2",
+             "--samples", "2", "--seq-len", "16", "--nproc", "2")
+    assert p.returncode != 0
+    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "only --method gptq" in lines[0], p.stderr[-1500:]
+    assert not (out / "quantize_manifest.json").exists()
