@@ -686,6 +686,9 @@ def test_card_records_method_grid_data_and_per_layer_report(outs):
     assert "`autoround`: AutoRound-class tuning" in a and "grid `fullrange`" in a and "20 iterations" in a
     r = _card_text(outs["rtn"])
     assert "observer `minmax`" in r and "data-free (no calibration set)" in r and "Per decoder layer" not in r
+    # GPTQ's and AutoRound's default grid has negative scales: their cards warn of vLLM's int8 path, RTN's does not
+    assert "Do not set `VLLM_MARLIN_INPUT_DTYPE=int8`" in g and "Do not set `VLLM_MARLIN_INPUT_DTYPE=int8`" in a
+    assert "VLLM_MARLIN_INPUT_DTYPE" not in r
 
 
 def test_card_names_experts_that_fell_back(dsv3, tmp_path):
