@@ -412,8 +412,8 @@ class ConvertOptions(Options):
         None,
         "minmax (default for rtn, bit-identical to compressed-tensors RTN), mse (clipping search), "
         "fullrange (all 16 codes: scale = signed extreme / -8; the default for gptq and autoround; negative scales, "
-        "served as written by the W4A16 kernels of SGLang 0.5.23 and vLLM 0.33.0 but not by vLLM's opt-in "
-        "VLLM_MARLIN_INPUT_DTYPE=int8, docs/engines.md#negative-scales), fullrange-mse",
+        "served as written by the W4A16 kernels of SGLang 0.5.23 and vLLM 0.33.0 (read in their source) but not "
+        "by vLLM's opt-in VLLM_MARLIN_INPUT_DTYPE=int8, docs/engines.md#negative-scales), fullrange-mse",
         choices=OBSERVERS,
         why="unknown; use one of {choices}",
     )
@@ -693,8 +693,9 @@ DEFAULT_OBSERVER = "minmax"
 
 # each method's grid when --observer is not given (the resolved one is what the resume key, the
 # manifest and the card record). The data-aware methods run on the full-range grid (all 16 codes,
-# negative scales; the H200 W4A16 kernels serve them as written: docs/engines.md#negative-scales);
-# RTN keeps compressed-tensors' absmax / 7.5, bit-identical to llm-compressor's model_free_ptq.
+# negative scales, which the H200 W4A16 kernels' source multiplies as written; read, not run on a
+# GPU: docs/engines.md#negative-scales); RTN keeps compressed-tensors' absmax / 7.5, bit-identical
+# to llm-compressor's model_free_ptq.
 DEFAULT_GRID = {"rtn": DEFAULT_OBSERVER, "gptq": "fullrange", "autoround": "fullrange"}
 
 
