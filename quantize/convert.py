@@ -272,7 +272,7 @@ def _job_key(plan: Plan, ident: dict) -> dict:
 def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     """FP8/BF16 checkpoint ``source`` -> compressed-tensors pack-quantized INT4 checkpoint ``out``
     (keywords: ``quantize.options.ConvertOptions``). ``group_size``/``profile``/``observer``/``method``
-    left None take the recipe's values or the defaults (32, experts, minmax, rtn); an explicit value
+    left None take the recipe's values or the defaults (32, experts, the method's grid, rtn); an explicit value
     that contradicts the recipe is refused. ``method`` gptq / autoround (or a recipe's GPTQModifier)
     first runs a layer-sequential pass over calibration text (``data``, ``samples`` x ``seq_len``
     tokens; quantize/methods/), holding at most ``memory_budget_gib`` of hidden states in memory (the

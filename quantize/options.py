@@ -381,10 +381,11 @@ def _nonneg(v) -> bool:
 @dataclass
 class ConvertOptions(Options):
     """``quantize convert``. None: not given by the user. ``resolve`` fills it from the recipe or
-    the defaults (group 32, profile experts, observer minmax); a built plan's options are never None
-    where they apply. ``method`` None is round-to-nearest (``--method rtn`` resolves to None too, so
-    an RTN run's options, resume key and manifest are what they were before data-aware methods
-    existed); a data-aware option stays None under a method that does not use it."""
+    the defaults (group 32, profile experts, the method's observer in ``DEFAULT_GRID``); a built
+    plan's options are never None where they apply. ``method`` None is round-to-nearest
+    (``--method rtn`` resolves to None too, so an RTN run's options, resume key and manifest are
+    what they were before data-aware methods existed); a data-aware option stays None under a
+    method that does not use it."""
 
     source: Path | None = opt(
         None, "source checkpoint folder (block FP8, compressed-tensors FP8, or BF16/FP16)", argument=True, record=False
@@ -414,9 +415,10 @@ class ConvertOptions(Options):
     )
     observer: str | None = opt(
         None,
-        "minmax (default for rtn and gptq, bit-identical to compressed-tensors RTN), mse (clipping search), "
-        "fullrange (all 16 codes: scale = signed extreme / -8; the default for autoround; negative scales, checked in "
-        "vLLM CPU, unverified on GPU Marlin/Machete), fullrange-mse",
+        "minmax (default for rtn, bit-identical to compressed-tensors RTN), mse (clipping search), "
+        "fullrange (all 16 codes: scale = signed extreme / -8; the default for gptq and autoround; negative scales, "
+        "served as written by the W4A16 kernels of SGLang 0.5.23 and vLLM 0.33.0 (read in their source) but not "
+        "by vLLM's opt-in VLLM_MARLIN_INPUT_DTYPE=int8, docs/engines.md#negative-scales), fullrange-mse",
         choices=OBSERVERS,
         why="unknown; use one of {choices}",
     )
@@ -714,9 +716,12 @@ DEFAULT_PROFILE = "experts"
 DEFAULT_OBSERVER = "minmax"
 
 
-# each method's grid when --observer is not given: AutoRound tunes on the full-range grid (all 16
-# codes); RTN and GPTQ default to compressed-tensors' absmax / 7.5
-DEFAULT_GRID = {"rtn": DEFAULT_OBSERVER, "gptq": DEFAULT_OBSERVER, "autoround": "fullrange"}
+# each method's grid when --observer is not given (the resolved one is what the resume key, the
+# manifest and the card record). The data-aware methods run on the full-range grid (all 16 codes,
+# negative scales, which the H200 W4A16 kernels' source multiplies as written; read, not run on a
+# GPU: docs/engines.md#negative-scales); RTN keeps compressed-tensors' absmax / 7.5, bit-identical
+# to llm-compressor's model_free_ptq.
+DEFAULT_GRID = {"rtn": DEFAULT_OBSERVER, "gptq": "fullrange", "autoround": "fullrange"}
 
 
 def default_observer(method: str) -> str:

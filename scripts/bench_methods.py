@@ -2,7 +2,7 @@
 """Fidelity of the INT4 methods, side by side in one run (a benchmark, not a test).
 
 SmolLM2-135M-Instruct (scripts/smollm2_to_hf.py), every decoder Linear INT4, at each --groups size:
-RTN (minmax, mse, fullrange), GPTQ (minmax and full-range grids) and AutoRound, calibrated on GSM8K
+RTN (minmax, mse, fullrange), GPTQ (minmax and its default full-range grid) and AutoRound, calibrated on GSM8K
 train; KL divergence against the BF16 source over --chunks x --chunk tokens of GSM8K test (in
 domain) and of ARC questions with their choices (out of domain), one table per text with each
 method's ratio to RTN minmax. Then the tiny glm_moe_dsa and deepseek_v3 fixtures (BF16 sources,
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--only", default=None,
-                    help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq,gptq-fullrange,autoround")
+                    help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq-minmax,gptq,autoround")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--reuse", action="store_true",
                     help="keep finished conversions in --work (their timings are the recorded ones)")
@@ -138,8 +138,8 @@ def main() -> None:
         "rtn-minmax": [],
         "rtn-mse": ["--observer", "mse"],
         "rtn-fullrange": ["--observer", "fullrange"],
-        "gptq": ["--method", "gptq", *cal],
-        "gptq-fullrange": ["--method", "gptq", "--observer", "fullrange", *cal],
+        "gptq-minmax": ["--method", "gptq", "--observer", "minmax", *cal],
+        "gptq": ["--method", "gptq", *cal],  # its default grid: fullrange
         "autoround": ["--method", "autoround", "--iters", str(a.iters), *cal],
     }
     if a.only:

@@ -389,3 +389,54 @@ def test_calibrate_kv_fold_of_the_release_keeps_base_model_without_a_relation(ti
     meta = _meta(res.text)
     assert meta["base_model"] == "deepseek-ai/DeepSeek-V3" and meta["base_model_relation"] == "quantized"
     assert "Then `quantize calibrate-kv --fold` changed" in res.text and "int4" in meta["tags"]
+
+
+INT8_WARNING = "Do not set `VLLM_MARLIN_INPUT_DTYPE=int8` for this checkpoint"
+
+
+def test_the_fullrange_grid_warns_of_vllms_int8_activation_path_and_minmax_does_not(folder, converted, tmp_path):
+    """Negative scales (the full-range grid) are served as written by the engines' W4A16 paths, but
+    vLLM's opt-in int8-activation Marlin path divides the scales by their maximum: the card says so,
+    citing the file, exactly when the INT4 tensors the conversion made are on a signed grid.
+    Near misses: minmax and mse output, the same grid with every INT4 module passed through, an FP8
+    scheme, and a method report on minmax say nothing of it."""
+    from tests.hostile import edit_json
+
+    fr = tmp_path / "fr"
+    shutil.copytree(converted("glm_moe_dsa", group_size=32, observer="fullrange"), fr)
+    idx = CheckpointIndex.open(fr)
+    scales = [read_tensor(fr, ref) for n, ref in idx.tensors.items() if n.endswith(".weight_scale")]
+    assert scales and any(bool((s < 0).any()) for s in scales)  # what the warning is about
+    text = card(fr).text
+    assert INT8_WARNING in text and "(`fullrange`)" in text
+    assert "`vllm/model_executor/layers/quantization/utils/marlin_utils.py`, `marlin_act_int8_process_scales`" in text
+    assert "serve them as written" in text and "`CompressedTensorsWNA16MoE`" in text
+    assert "VLLM_MARLIN_INPUT_DTYPE" not in card(folder).text  # minmax: all scales positive
+    pristine = (fr / "quantize_manifest.json").read_text()
+
+    def edited(fn):
+        (fr / "quantize_manifest.json").write_text(pristine)
+        edit_json(fr / "quantize_manifest.json", fn)
+        return card(fr).text
+
+    assert INT8_WARNING in edited(lambda m: m["options"].update(observer="fullrange-mse"))
+    assert "VLLM_MARLIN_INPUT_DTYPE" not in edited(lambda m: m["options"].update(observer="mse"))
+
+    def passed(m):  # every INT4 module the source's own (an INT4 source): no grid of ours was applied
+        for k in m["plan"]["roles"].values():
+            if "int4" in k:
+                k["pass_int4"] = k.pop("int4")
+    assert "VLLM_MARLIN_INPUT_DTYPE" not in edited(passed)
+
+    def fp8(m):
+        for k in m["plan"]["roles"].values():
+            if "int4" in k:
+                k["fp8"] = k.pop("int4")
+    assert "VLLM_MARLIN_INPUT_DTYPE" not in edited(fp8)
+    # a data-aware method's report names the grid it ran on, and that decides
+    assert "VLLM_MARLIN_INPUT_DTYPE" not in edited(lambda m: m.update(method={"method": "gptq", "grid": "minmax"}))
+
+    def gptq_fullrange(m):
+        m["options"].update(observer="minmax")
+        m.update(method={"method": "gptq", "grid": "fullrange"})
+    assert INT8_WARNING in edited(gptq_fullrange)

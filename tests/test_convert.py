@@ -46,14 +46,16 @@ def _load_model(path):
 
 @pytest.mark.parametrize("arch", ORACLE_ARCHS)
 def test_output_tensors_and_config_equal_model_free_ptq(arch, tiny, converted, tmp_path):
-    """minmax mode: every tensor and the quantization_config equal llmcompressor's model_free_ptq
-    (with compressed-tensors' FP8BlockDequantizer) on the same FP8 input."""
+    """RTN's default, the minmax grid (no --observer given): every tensor and the quantization_config
+    equal llmcompressor's model_free_ptq (with compressed-tensors' FP8BlockDequantizer) on the same
+    FP8 input."""
     from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor import model_free_ptq
 
     src, ours = tiny(arch, layout="fp8"), converted(arch, layout="fp8", group_size=32)  # Kimi: as K2 Instruct ships
     qc = json.loads((ours / "config.json").read_text())["quantization_config"]
+    assert json.loads((ours / "quantize_manifest.json").read_text())["options"]["observer"] == "minmax"
     idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     bf16 = sorted({k[:-7] for k in idx if k.endswith(".weight") and k[:-7] + ".weight_scale_inv" not in idx})
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))

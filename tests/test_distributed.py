@@ -156,8 +156,7 @@ def test_the_launcher_prints_the_first_ranks_error_once(tmp_path):
     assert p.stdout == "" and wall < 30
 
 
-@pytest.mark.parametrize("cmd", [["convert", "SRC", "OUT"], ["calibrate-kv", "SRC", "--out", "OUT"]],
-                         ids=["convert", "calibrate-kv"])
+@pytest.mark.parametrize("cmd", [["calibrate-kv", "SRC", "--out", "OUT"]], ids=["calibrate-kv"])
 def test_nproc_runs_the_command_as_ranks_that_refuse_until_the_work_is_split(tmp_path, cmd):
     """`quantize convert ... --nproc 2` runs under torchrun; until the layer pass partitions its
     work (RANK_AWARE), each rank refuses in one line before reading anything, and the launcher
@@ -225,8 +224,8 @@ def test_under_torchrun_a_different_nproc_is_refused(tmp_path, monkeypatch):
     assert res.exit_code == 2 and res.output == (
         "error: --nproc 3 under torchrun, which started 2 rank(s) on this node; drop --nproc (torchrun's "
         "--nproc-per-node decides)\n")
-    res = CliRunner().invoke(app, ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--nproc", "2"])
-    assert res.exit_code == 2 and "convert does not split its work across ranks yet" in res.output
+    res = CliRunner().invoke(app, ["calibrate-kv", str(tmp_path / "src"), "--nproc", "2"])
+    assert res.exit_code == 2 and "calibrate-kv does not split its work across ranks yet" in res.output
 
 
 def test_a_library_call_with_nproc_starts_no_ranks(tmp_path):

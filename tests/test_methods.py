@@ -39,7 +39,8 @@ def llama(tiny):
 @pytest.fixture(scope="module")
 def outs(llama, tmp_path_factory):
     """Tiny dense llama, every decoder Linear INT4 g32: RTN, GPTQ, AutoRound (20 steps) and its
-    iters-0 grid, on the same calibration samples."""
+    iters-0 grid, on the same calibration samples; none names an observer, so each runs on its
+    method's default grid (RTN minmax, GPTQ and AutoRound fullrange)."""
     root = tmp_path_factory.mktemp("methods")
     res = {}
     for name, kw in {"rtn": {}, "gptq": dict(method="gptq", **CAL),
@@ -60,16 +61,17 @@ def _load(path):
 
 
 def test_gptq_format_unchanged_loads_and_differs_from_rtn(outs):
-    rtn, gptq = outs["rtn"], outs["gptq"]
+    rtn, gptq = outs["fullrange"], outs["gptq"]  # RTN on GPTQ's default grid
     a, b = load_dir(rtn), load_dir(gptq)
     assert set(a) == set(b)
     assert all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape for k in a)
     qa = json.loads((rtn / "config.json").read_text())["quantization_config"]
     qb = json.loads((gptq / "config.json").read_text())["quantization_config"]
     assert qa == qb  # pack-quantized, static groups, no g_idx: what the engines load
+    assert qb == json.loads((outs["rtn"] / "config.json").read_text())["quantization_config"]  # the grid is not in it
     packed = [k for k in a if k.endswith("weight_packed")]
     assert len(packed) == 14
-    # same grid (static minmax scales of the source weight), other codes
+    # same grid (static full-range scales of the source weight), other codes
     for k in packed:
         m = k[: -len(".weight_packed")]
         assert torch.equal(a[m + ".weight_scale"], b[m + ".weight_scale"])
@@ -82,14 +84,17 @@ def test_gptq_format_unchanged_loads_and_differs_from_rtn(outs):
     assert torch.allclose(sd["model.layers.1.mlp.down_proj.weight"].float(), w, rtol=2 ** -8, atol=0)
 
 
-def test_gptq_on_the_fullrange_grid(outs, llama, tmp_path):
-    """--method gptq --observer fullrange: the full-range RTN scales fixed before the update (bit
-    for bit, negative ones included), code -8 in use, lower layer loss and KLD than fullrange RTN,
-    read back by transformers as q * scale, and proven by check --source."""
+def test_gptq_defaults_to_the_fullrange_grid(outs, llama, tmp_path):
+    """--method gptq with no --observer runs on the full-range grid: the full-range RTN scales fixed
+    before the update (bit for bit, negative ones included), code -8 in use, the grid recorded in the
+    options and the report, lower layer loss and KLD than fullrange RTN, read back by transformers as
+    q * scale, and proven by check --source. Near miss: --observer minmax, the old default, gives
+    compressed-tensors' positive scales and another checkpoint."""
     from quantize.check import check
 
-    out = tmp_path / "gptq-fr"
-    convert(llama, out, profile="all-linear", method="gptq", observer="fullrange", workers=2, **CAL)
+    out = outs["gptq"]
+    man = _manifest(out)
+    assert man["options"]["observer"] == "fullrange" and man["method"]["grid"] == "fullrange"
     a, b = load_dir(outs["fullrange"]), load_dir(out)
     for k in (k for k in a if k.endswith("weight_scale")):
         assert torch.equal(a[k], b[k]), k
@@ -97,8 +102,8 @@ def test_gptq_on_the_fullrange_grid(outs, llama, tmp_path):
     assert (s < 0).any() and (s > 0).any()
     codes = int4.unpack_int4(b["model.layers.0.mlp.down_proj.weight_packed"], int(b["model.layers.0.mlp.down_proj.weight_shape"][1]))
     assert int(codes.min()) == -8 and int(codes.max()) == 7
-    rep = _manifest(out)["method"]
-    assert rep["grid"] == "fullrange" and all(r["loss"] < r["loss_rtn"] for r in rep["layers"])
+    rep = man["method"]
+    assert all(r["loss"] < r["loss_rtn"] for r in rep["layers"])
     assert kld(llama, out, tokens=256, chunk=64).kld_mean < kld(llama, outs["fullrange"], tokens=256, chunk=64).kld_mean
     sd = _load(out).state_dict()
     w = int4.dequantize_int4(b["model.layers.1.mlp.up_proj.weight_packed"], b["model.layers.1.mlp.up_proj.weight_scale"],
@@ -106,11 +111,18 @@ def test_gptq_on_the_fullrange_grid(outs, llama, tmp_path):
     assert torch.allclose(sd["model.layers.1.mlp.up_proj.weight"].float(), w, rtol=2 ** -8, atol=0)
     chk = check(out, source=llama)
     assert chk.ok and chk.verified["tensors_method_vs_source"] == 14, chk.failures
+    mm = tmp_path / "gptq-minmax"
+    convert(llama, mm, profile="all-linear", method="gptq", observer="minmax", workers=2, **CAL)
+    c, r = load_dir(mm), load_dir(outs["rtn"])
+    assert _manifest(mm)["method"]["grid"] == "minmax"
+    for k in (k for k in c if k.endswith("weight_scale")):
+        assert torch.equal(c[k], r[k]) and (c[k] > 0).all(), k  # RTN minmax's scales, all positive
+    assert _weights_only(mm) != _weights_only(out)
 
 
 def test_gptq_lowers_layer_loss_and_kld(outs, llama):
     rep = _manifest(outs["gptq"])["method"]
-    assert rep["method"] == "gptq" and rep["grid"] == "minmax" and rep["samples"] == 4 and rep["seq_len"] == 64
+    assert rep["method"] == "gptq" and rep["grid"] == "fullrange" and rep["samples"] == 4 and rep["seq_len"] == 64
     assert [r["layer"] for r in rep["layers"]] == [0, 1]
     for r in rep["layers"]:
         assert r["units"] == 7 and r["fallbacks"] == []
@@ -257,7 +269,7 @@ def test_all_experts_feeds_every_token_and_starved_experts_fall_back(dsv3, tmp_p
     names = {f["name"] for f in rep["rtn"] if "--min-expert-tokens" in f["reason"]}
     assert len(names) == 2 * 8 * 3  # two MoE layers x 8 experts x gate/up/down
     rtn = tmp_path / "rtn"
-    convert(dsv3, rtn)
+    convert(dsv3, rtn, observer="fullrange")  # RTN on GPTQ's default grid
     a, b = load_dir(starved), load_dir(rtn)
     assert all(torch.equal(a[k], b[k]) for k in a if ".experts." in k)
     assert {t["method"] for t in _manifest(starved)["tensors"]} == {"rtn"}
@@ -362,8 +374,12 @@ def test_interrupted_mid_layer_redoes_that_layer_only(dsv3, tmp_path, monkeypatc
     monkeypatch.setattr(G.GPTQ, "results", staticmethod(real))
     with pytest.raises(QuantizeError, match="different"):
         convert(dsv3, out, method="gptq", damp=0.02, workers=1, resume=True, **CAL)
+    # the job records the resolved grid: minmax (the old default) is another run, fullrange named
+    # explicitly the same one
+    with pytest.raises(QuantizeError, match="--resume with different options"):
+        convert(dsv3, out, method="gptq", observer="minmax", workers=1, resume=True, **CAL)
     events = []
-    convert(dsv3, out, method="gptq", workers=1, resume=True, emit=events.append, **CAL)
+    convert(dsv3, out, method="gptq", observer="fullrange", workers=1, resume=True, emit=events.append, **CAL)
     layers = [e for e in events if e.get("event") == "layer"]
     assert [(e["layer"], bool(e.get("replayed"))) for e in layers] == [(0, True), (1, True), (2, False)]
     assert {f.name: f.read_bytes() for f in sorted((out / ".quantize" / "layers").glob("0001*.safetensors"))} == layer1
@@ -668,7 +684,7 @@ def _card_text(folder):
 def test_card_records_method_grid_data_and_per_layer_report(outs):
     g = _card_text(outs["gptq"])
     m = _manifest(outs["gptq"])["method"]
-    assert "`gptq`: GPTQ: llm-compressor's `quantize_weight`" in g and "grid `minmax`" in g
+    assert "`gptq`: GPTQ: llm-compressor's `quantize_weight`" in g and "grid `fullrange`" in g
     assert f"act-order {m['actorder']}" in g and f"dampening {m['damp']}" in g
     assert f"SHA-256 {m['data_sha256'][:16]}" in g and f"{m['samples']} samples, at most {m['seq_len']} tokens each, {m['tokens']:,} tokens" in g
     assert "data-free" not in g  # the RTN wording must not describe a calibrated conversion
@@ -680,6 +696,9 @@ def test_card_records_method_grid_data_and_per_layer_report(outs):
     assert "`autoround`: AutoRound-class tuning" in a and "grid `fullrange`" in a and "20 iterations" in a
     r = _card_text(outs["rtn"])
     assert "observer `minmax`" in r and "data-free (no calibration set)" in r and "Per decoder layer" not in r
+    # GPTQ's and AutoRound's default grid has negative scales: their cards warn of vLLM's int8 path, RTN's does not
+    assert "Do not set `VLLM_MARLIN_INPUT_DTYPE=int8`" in g and "Do not set `VLLM_MARLIN_INPUT_DTYPE=int8`" in a
+    assert "VLLM_MARLIN_INPUT_DTYPE" not in r
 
 
 def test_card_names_experts_that_fell_back(dsv3, tmp_path):

@@ -238,6 +238,41 @@ def test_a_new_observer_is_one_row_in_each_table(tiny, tmp_path, monkeypatch):
     assert manifest["options"]["observer"] == "halfrange"
 
 
+def _recipe_file(tmp_path, modifier: str, observer: str | None):
+    from quantize.recipe import load_recipe
+
+    obs = f", observer: {observer}" if observer else ""
+    p = tmp_path / f"{modifier}-{observer}.yaml"
+    p.write_text(f"""quant_stage:
+  quant_modifiers:
+    {modifier}:
+      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          targets: ["Linear"]
+          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32{obs}}}
+""")
+    return load_recipe(p)
+
+
+def test_each_method_resolves_to_its_default_grid_and_an_explicit_one_wins(tmp_path):
+    """Issue 18 item 3: RTN stays on minmax (model_free_ptq's grid), GPTQ and AutoRound run on the
+    full-range grid unless --observer or the recipe names one; the resolved grid is what the options,
+    the resume key and the manifest carry."""
+    assert O.DEFAULT_GRID == {"rtn": "minmax", "gptq": "fullrange", "autoround": "fullrange"}
+    got = {m: O.ConvertOptions(method=m).resolve(None) for m in O.METHODS}
+    assert {m: o.observer for m, o in got.items()} == O.DEFAULT_GRID
+    assert O.ConvertOptions().resolve(None).observer == "minmax"
+    assert got["gptq"].key_dict()["observer"] == "fullrange"
+    assert O.ConvertOptions(method="gptq", observer="minmax").resolve(None).observer == "minmax"
+    assert O.ConvertOptions(observer="fullrange").resolve(None).observer == "fullrange"
+    # a recipe: its modifier picks the method, its observer (if any) the grid
+    cases = {("GPTQModifier", None): "fullrange", ("GPTQModifier", "minmax"): "minmax",
+             ("QuantizationModifier", None): "minmax", ("QuantizationModifier", "fullrange"): "fullrange"}
+    for (mod, obs), want in cases.items():
+        assert O.ConvertOptions().resolve(_recipe_file(tmp_path, mod, obs)).observer == want, (mod, obs)
+
+
 def test_method_names_agree_with_the_method_table():
     from quantize.methods.registry import METHODS
 

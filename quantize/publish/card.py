@@ -416,6 +416,29 @@ def _count(v) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
+def _int4_jobs(plan: dict) -> int:
+    """How many INT4 tensors the conversion's plan quantized (or, with --requantize, re-quantized)
+    itself: its "int4" jobs. "pass_int4" ones wrote an INT4 source's tensors bit for bit (the
+    manifest's passed_through counts them too)."""
+    roles = plan.get("roles") if isinstance(plan, dict) and isinstance(plan.get("roles"), dict) else {}
+    return sum(_count(k.get("int4")) for k in roles.values() if isinstance(k, dict))
+
+
+def signed_grid(conversion: dict | None) -> str | None:
+    """The grid of the INT4 tensors the conversion made itself when it is a signed one (scale = the
+    group's signed extreme / -8, so a group whose extreme is positive has a negative scale), else
+    None: for minmax and mse, for an FP8 scheme, for INT4 passed through from the source, and where
+    the grid is not recorded. A method's report names the grid it ran on; RTN's is the observer."""
+    if not isinstance(conversion, dict) or _int4_jobs(conversion.get("plan")) == 0:
+        return None
+    from ..formats.int4 import GRIDS  # imports torch, as render's check import does
+
+    rep = conversion.get("method") if isinstance(conversion.get("method"), dict) else {}
+    opts = conversion.get("options") if isinstance(conversion.get("options"), dict) else {}
+    grid = rep.get("grid") if rep else opts.get("observer")
+    return grid if isinstance(grid, str) and grid in GRIDS and GRIDS[grid].signed else None
+
+
 @dataclass
 class Lineage:
     """What this folder's weights are beside the base model's, and so its ``base_model_relation``:
@@ -457,9 +480,7 @@ def lineage(folder: Path, manifest: dict, base: str | None) -> Lineage:
         if not roles:  # a plan that records no jobs proves nothing either way: claim no relation
             return Lineage(None, False, note="base_model_relation is not set: the conversion's manifest records no "
                            "plan roles, so whether it quantized weights is not known")
-        # "int4" jobs quantized (or, with --requantize, re-quantized) a weight; "pass_int4" ones wrote
-        # an INT4 source's tensors bit for bit (the manifest's passed_through counts them too)
-        int4 = sum(_count(k.get("int4")) for k in roles.values() if isinstance(k, dict))
+        int4 = _int4_jobs(plan)
         pt = m.get("passed_through")
         passed = _count(pt.get("modules")) if isinstance(pt, dict) else 0
         redone = _count(pt.get("requantized")) if isinstance(pt, dict) else 0
@@ -1028,6 +1049,7 @@ def render(
         # an INT4 source's tensors written as they were: no method made them (the manifest counts them)
         passed_only=bool((rec.get("passed_through") or {}).get("modules")) and not lin.requantized,
         int4_tensors=sum(sum(roles[r].values()) for r in int4_roles),
+        signed_grid=signed_grid(cm),
         kept=sorted((how, sorted(rs)) for how, rs in kept.items()),
         bpw=bits_per_weight(index),
         bytes_before=src_bytes if cm else None,
