@@ -876,6 +876,38 @@ def _diff_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _calibration_preflight(p: Pipeline) -> None:
+    """The calibration inputs of the stages that tokenize text (a data-aware convert, calibrate-kv),
+    checked on the source before the run's folder is opened or any stage runs, in the stages' own
+    order (docs/hostile-input.md#fail-fast): config.json and the headers, the data and tokenizer (the
+    samples tokenized as the stage will), the layer classes (``LayerStreamer.check_layers``).
+    calibrate-kv reads the converted model, which carries the source's tokenizer and layer tensors,
+    so a missing tokenizer is one line now, not after the whole conversion. A tiny source is made by
+    the run, tokenizer included."""
+    from .calibrate.data import build_samples
+    from .calibrate.runner import LayerStreamer
+    from .recipe import load_recipe
+
+    if p.tiny is not None:
+        return
+    jobs = []
+    if "convert" in p.stages and _recipe_method(p) != "rtn":
+        c = O.ConvertOptions(**p.opts["convert"]).resolve(load_recipe(p.recipe))
+        jobs.append((c.samples, c.seq_len, False))
+    if "calibrate-kv" in p.stages:
+        kv = p.opts["kv"]
+        jobs.append((kv["samples"], kv["seq_len"], bool(kv["chat_template"])))
+    if not jobs:
+        return
+    st = LayerStreamer(p.source_path)
+    try:
+        for samples, seq_len, chat in jobs:
+            build_samples(p.source_path, p.opts["data"], samples, seq_len, chat)
+        st.check_layers()
+    finally:
+        st.close()
+
+
 def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
     """Decide, stage by stage, whether its record still holds (same options, same input
     identities, outputs intact); ``execute`` runs those that do not (None: plan only)."""
@@ -1025,6 +1057,7 @@ def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
         rec = {} if overwrite or not record or record.get("kind") != "run" else json.loads(json.dumps(record))
         plans = _walk(p, rec, None, null_emit)
         return RunResult(str(p.out), str(p.recipe), True, plans, time.time() - t0)
+    _calibration_preflight(p)  # before the run's folder: a missing tokenizer is not found after convert
     key = {"recipe": str(p.recipe.resolve()), "source": p.source}
     with Output.open(p.out, "run", inputs, resume=not overwrite, overwrite=overwrite, key=key) as o:
         o.record["key"] = key

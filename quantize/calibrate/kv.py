@@ -30,8 +30,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from compressed_tensors.quantization import QuantizationArgs
-
 from ..archs.attention import AttentionLayout
 from ..checkpoint.index import INDEX_NAME, cached_fd, hub_revision, read_header
 from ..checkpoint.manifest import tool_versions, write_manifest
@@ -51,12 +49,19 @@ E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
 E4M3_ZERO_BELOW = 2.0**-10  # half the smallest subnormal (2^-9): rounds to zero
 TARGETS = KV_TARGETS  # declared with the option (quantize/options.py)
-KV_CACHE_SCHEME = QuantizationArgs(
-    num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False
-).model_dump(mode="json")
 STATS_VERSION = 1
 STATS_KIND = "kv-stats"  # what proves a --stats-out file ours (checkpoint.output.write_report)
 CARRIED = SIDE_FILES  # the model's own manifest is not carried: a fresh one is written
+
+
+def kv_cache_scheme() -> dict:
+    """``kv_cache_scheme`` as compressed-tensors dumps it. Imported here, not at the top: the
+    package takes seconds to import, and a refusal (no tokenizer, bad data) should not wait for it."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False).model_dump(
+        mode="json"
+    )
 
 
 class Hist:
@@ -402,8 +407,11 @@ def calibrate_kv(
     ``base_model`` (the Hub repo the weights come from) is recorded in the new checkpoint's manifest
     (``options.base_model``) for its card.
     """
+    # the order (docs/hostile-input.md#fail-fast): options, config.json, the calibration data and
+    # tokenizer, the layer classes against the headers; only then a weight is read or OUT opened
     model = Path(model)  # the options were checked where they are declared (quantize/options.py)
     check_nproc(nproc)  # a library call starts no ranks: it runs in those it is called from
+    # config.json (routing included) and the safetensors headers
     streamer = LayerStreamer(model, expert_budget=int(memory_budget_gib * (1 << 30)))
     layout = streamer.arch.layout
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
@@ -418,9 +426,13 @@ def calibrate_kv(
             f"{stats}: written before query statistics were recorded; --fold needs them, recompute the stats with "
             "--stats-out"
         )
+    if mode == "scales":
+        _check_writable_config(model, streamer)  # before the long measurement
+    batch = build_samples(model, data, samples, seq_len, chat_template) if loaded is None else None
+    streamer.check_layers()  # on the meta device, from the headers: no tensor data read
+    if batch is not None:
+        streamer.check_ids(batch.ids)
     if mode is not None:
-        if mode == "scales":
-            _check_writable_config(model, streamer)  # before the long measurement
         carried = side_files(model, CARRIED) + [model / f for f in streamer.index.files]
         output = Output.open(
             out,
@@ -432,9 +444,7 @@ def calibrate_kv(
         if loaded is not None:
             reports, meta = loaded
         else:
-            reports, meta = _measure(
-                streamer, model, data, samples, seq_len, chat_template, clip, error_samples, layout, rope_dim, emit
-            )
+            reports, meta = _measure(streamer, batch, clip, error_samples, layout, rope_dim, emit)
         result = _finish(
             model,
             output,
@@ -528,8 +538,7 @@ def _finish(
     return result
 
 
-def _measure(streamer, model, data, samples, seq_len, chat_template, clip, error_samples, layout, rope_dim, emit):
-    batch = build_samples(model, data, samples, seq_len, chat_template)
+def _measure(streamer, batch, clip, error_samples, layout, rope_dim, emit):
     tokens = sum(int(x.numel()) for x in batch.ids)
     emit({"event": "start", "stage": "calibrate-kv", "total_bytes": streamer.num_layers, "done_bytes": 0})
     reports: list[LayerReport] = []
@@ -772,7 +781,7 @@ def _write_checkpoint(
             "version": "0.19.0",
         }
     )
-    qc["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+    qc["kv_cache_scheme"] = kv_cache_scheme()
     cfg["quantization_config"] = qc
     output.write_json("config.json", cfg, indent=2)
     output.complete()

@@ -147,6 +147,80 @@ class LayerStreamer:
             del gate_up, down
         return outs
 
+    # -- checked before a weight is read ----------------------------------------------------------
+    def sources(self, i: int, key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """The on-disk tensors ``layer(i)`` reads for its parameter ``key`` of ``shape``, each with
+        the shape it must have (``_param``'s names: transformers' fused ``experts.gate_up_proj``
+        [E, 2I, H] is every expert's ``gate_proj`` and ``up_proj`` [I, H], ``down_proj`` [E, H, I]
+        every expert's ``down_proj`` [H, I])."""
+        prefix = self._layer_prefix(i)
+        m = re.fullmatch(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)", key)
+        if not m or len(shape) != 3:
+            return [(prefix + key, tuple(shape))]
+        base, n = prefix + m.group(1), int(getattr(self.config, "n_routed_experts", 0) or 0)
+        if n != shape[0]:  # _param stacks n_routed_experts experts
+            raise QuantizeError(f"{self.folder / 'config.json'}: layer {i}'s {key} holds {shape[0]} experts, but "
+                                f"n_routed_experts is {n}; fix config.json")
+        if m.group(2) == "down_proj":
+            return [(f"{base}.{e}.down_proj.weight", tuple(shape[1:])) for e in range(n)]
+        half = (shape[1] // 2, shape[2])
+        return [(f"{base}.{e}.{p}_proj.weight", half) for e in range(n) for p in ("gate", "up")]
+
+    def check_layers(self, build_fix: str = "fix config.json (compare it with the release's)") -> list[list[int]]:
+        """Every decoder layer ``stream`` runs, checked before any tensor data is read: transformers'
+        layer class built on the meta device for each, and each of its parameters found on disk
+        (BF16, FP8 with a fitting scale, or INT4) with the shape it needs, from the safetensors
+        headers (``WeightReader.mismatch``); the embedding too. The first failure is one line naming
+        the tensor (or the layer and ``build_fix``). Returns the layers grouped by kind (the same
+        parameter names and shapes: e.g. the dense layers, then the MoE layers)."""
+        cls = getattr(self.modeling, self.prefix + "DecoderLayer")
+        cls_name = f"transformers' {cls.__name__}"
+        embed, hidden = self._embed_name(), int(self.config.hidden_size)
+        ref = self.index.tensors.get(embed)
+        if ref is None or len(ref.shape) != 2 or ref.shape[1] != hidden:  # rows: checked against the token ids
+            need = (int(getattr(self.config, "vocab_size", 0) or 0), hidden)
+            raise self._mismatch(embed, "is missing" if ref is None else f"has shape {list(ref.shape)}", need,
+                                 "calibration's embedding")
+        kinds: dict[tuple, list[int]] = {}
+        for i in range(self.num_layers):
+            try:
+                with torch.device("meta"):
+                    layer = cls(self.config, layer_idx=i)
+            except Exception as e:  # noqa: BLE001 - transformers' own failure, as one line
+                raise QuantizeError(f"{self.folder}: transformers cannot build decoder layer {i} ({type(e).__name__}: "
+                                    f"{(str(e).splitlines() or [''])[0][:160]}); {build_fix}") from e
+            params = tuple((k, tuple(v.shape)) for k, v in layer.state_dict().items())
+            for key, shape in params:
+                for name, need in self.sources(i, key, shape):
+                    why = self.reader.mismatch(name, need)
+                    if why:
+                        raise self._mismatch(name, why, need, f"{cls_name} (layer {i})")
+            kinds.setdefault(params, []).append(i)
+            del layer
+        return list(kinds.values())
+
+    def _mismatch(self, name: str, why: str, need: tuple, who: str) -> QuantizeError:
+        ref = self.index.tensors.get(name) or self.index.tensors.get(name.removesuffix(".weight") + ".weight_packed")
+        where = self.folder / ref.file if ref is not None else self.folder
+        fix = ("the tensors disagree with config.json: fix config.json or re-download the shard" if ref is not None
+               else "the checkpoint is incomplete: re-download it (or the shard that should hold it)")
+        return QuantizeError(f"{where}: {name} {why}, but {who} needs {list(need)}; {fix}")
+
+    def check_ids(self, ids: list[torch.Tensor]) -> None:
+        """Every token id of the samples is a row of the embedding (a tokenizer of another model
+        would index past it mid-run)."""
+        ref = self.index.tensors.get(self._embed_name())
+        if ref is None or len(ref.shape) != 2:
+            return  # check_layers names it
+        top = max((int(x.max()) for x in ids if x.numel()), default=-1)
+        if top >= ref.shape[0]:
+            raise QuantizeError(f"{self.folder}: the tokenizer gives token id {top}, but {ref.name} has "
+                                f"{ref.shape[0]} rows; the tokenizer is another model's: copy this model's own "
+                                "tokenizer into the folder")
+
+    def _embed_name(self) -> str:
+        return f"{self.arch.prefix}model.embed_tokens.weight"
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.tensor(f"{self.arch.prefix}model.embed_tokens.weight")
         return torch.nn.functional.embedding(ids, w)

@@ -93,6 +93,28 @@ class WeightReader:
             return "int4"
         return "missing"
 
+    def mismatch(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """Why ``weight(name)`` could not give a tensor of ``shape``, from the headers alone (no
+        tensor data read); None when it can. FP8: the weight's shape, and a scale whose grid fits
+        (``fp8_scale_format`` raises naming the scale); INT4: ``weight_packed`` [out, ceil(in / 8)]
+        with its ``weight_scale`` and ``weight_shape`` beside it."""
+        t, shape = self.index.tensors, tuple(shape)
+        if name in t:
+            ref = t[name]
+            if ref.dtype == "F8_E4M3" and self.fp8_scale(name) is None:
+                return "is FP8 without a weight_scale_inv / weight_scale beside it"
+            return None if tuple(ref.shape) == shape else f"has shape {list(ref.shape)}"
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        packed = t.get(f"{base}.weight_packed") if base else None
+        if packed is None:
+            return "is missing (and so is its INT4 form)" if base else "is missing"
+        for part in ("weight_scale", "weight_shape"):
+            if f"{base}.{part}" not in t:
+                return f"is INT4 without its {base}.{part}"
+        if len(shape) != 2 or tuple(packed.shape) != (shape[0], -(-shape[1] // 8)):
+            return f"is INT4 packed as {list(packed.shape)} ({packed.name})"
+        return None
+
     def weight(self, name: str, dtype=None):
         """The tensor as ``dtype`` (default float32), dequantized from whatever it is stored as."""
         import torch

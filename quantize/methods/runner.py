@@ -54,8 +54,10 @@ class Calibration:
 
 
 def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
-    """Tokenize the calibration data and check that transformers can build the layers, before
-    any output is opened: bad data or an unbuildable architecture is one line, nothing written."""
+    """Tokenize the calibration data, then check that transformers can build every layer from the
+    checkpoint's tensors (``LayerStreamer.check_layers``, headers only), before any weight is read
+    or any output opened: bad data, a missing tokenizer, an unbuildable architecture or a tensor the
+    layer class cannot take is one line, nothing written."""
     from ..calibrate.data import build_samples
 
     s = build_samples(Path(src), options.data, options.samples, options.seq_len)
@@ -68,8 +70,9 @@ def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
         h.update(len(ids).to_bytes(8, "little"))
         h.update(ids.to(torch.int64).numpy().tobytes())
     streamer = open_streamer(Path(src))
-    try:
-        _build(streamer, 0)
+    try:  # every layer's class built on the meta device, its tensors found in the headers: no weight read
+        streamer.check_layers(build_fix="use --method rtn")
+        streamer.check_ids(s.ids)
     finally:
         streamer.close()
     return Calibration(s.ids, s.source, h.hexdigest(), sum(len(i) for i in s.ids), s.texts_read, s.dropped_short)
