@@ -5,7 +5,8 @@ The fixture is written tensor by tensor (a whole 64-expert model would not fit i
 built by transformers): DeepSeek-V3's hidden 7168, moe_intermediate 2048, 128 heads, q/kv LoRA
 ranks 1536/512, block FP8 weights as DeepSeek ships them (128x128 ``weight_scale_inv``), router
 8 groups / 4 kept / 8 experts per token, a small vocabulary. Each measured run is its own
-process (peak RSS = its VmHWM). ``--before PATH`` runs the same command with another checkout of
+process (peak RSS = its VmHWM; GPTQ with --min-expert-tokens 0, so that every expert of the 32
+calibration tokens runs GPTQ). ``--before PATH`` runs the same command with another checkout of
 this tool on PYTHONPATH (e.g. a worktree at an older commit), side by side. Not a test.
 
     python scripts/bench_experts.py [--experts 16 64] [--layers 2] [--commands calibrate-kv gptq]
@@ -42,7 +43,7 @@ if cmd == "calibrate-kv":
 else:
     from quantize.convert import convert
     kw = {"memory_budget_gib": float(budget)} if budget != "-" else {}
-    convert(src, out, method="gptq", samples=2, seq_len=16, **kw)
+    convert(src, out, method="gptq", samples=2, seq_len=16, min_expert_tokens=0, **kw)  # every expert GPTQ, not RTN
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
 print(json.dumps({"seconds": time.time() - t, "peak_rss": int(hwm) * 1024}))
 """

@@ -116,7 +116,8 @@ def per_expert_bytes(stand, hessians: bool) -> int:
     if not hessians:
         return 2 * w
     h_dim, i_dim = stand.gate_up_shape[1], stand.down_shape[1]
-    return 3 * w + 3 * (h_dim * h_dim + i_dim * i_dim) * FP32
+    # the accumulators, llm-compressor's stacked copy of a chunk and its factorisation's working copies
+    return 3 * w + 4 * (h_dim * h_dim + i_dim * i_dim) * FP32
 
 
 def carry(streamer, fwd, layer, stand, i: int, hidden, topk, what: str, result=None,
@@ -139,15 +140,33 @@ def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit]
     """One group of routed experts under GPTQ: their Hessians from the source capture (per sample,
     merged in sample order, as the whole layer's hooks), then GPTQ per unit: (results, RTN start)."""
 
-    def obs(s: int):
-        hooks.begin()
+    # per sample in order, the group's experts side by side (each thread its own accumulator), each
+    # product added as it is made: the whole layer's sums without a per-sample copy of the group's Hessians
+    path = streamer.experts_path
+    gate_up_units = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
+    down_units = {u.expert: u for u in us if u.path.endswith("down_proj")}
+    experts = sorted(set(gate_up_units) | set(down_units))
+    for s in range(len(cap_s)):
         r = cap_s[s]
-        hooks.observe_experts(streamer.experts_path, us, lambda e: gate_up[e - g.start], act_fn,
-                              r.hidden.to(fwd.device), r.index.to(fwd.device))
-        return hooks.end()
+        hidden = r.hidden.to(fwd.device).reshape(-1, r.hidden.shape[-1])
+        index = r.index.to(fwd.device)
 
-    for part in in_order(fwd.pool, fwd.workers, obs, range(len(cap_s))):
-        hooks.merge(part)
+        def obs(e: int, hidden=hidden, index=index):
+            routed = (index == e).any(-1).reshape(-1)
+            n = int(routed.sum())
+            x = hidden if opt.all_experts else hidden[routed]
+            if x.shape[0] == 0:
+                return e, n
+            with torch.no_grad():
+                if e in gate_up_units:
+                    hooks.observe_one(gate_up_units[e].key, x, x.shape[0])
+                if e in down_units:
+                    g_, up = torch.nn.functional.linear(x, gate_up[e - g.start]).chunk(2, dim=-1)
+                    hooks.observe_one(down_units[e].key, act_fn(g_) * up, x.shape[0])
+            return e, n
+
+        for e, n in fwd.pool.map(obs, experts):
+            hooks.routed[(path, e)] = hooks.routed.get((path, e), 0) + n
     originals = {u.key: (gate_up if u.path.endswith("gate_up_proj") else down)[u.expert - g.start] for u in us}
     init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in us}
     res = method.results(Layer(i, None, us, originals, init, None, None, None, fallbacks, opt, fwd), hooks)
