@@ -47,7 +47,7 @@ PROBE_S = 2.0  # after a failure, how long the store is asked which ranks never 
 # the commands whose library function splits its work across ranks and writes from rank 0 alone;
 # any other refuses to run as several ranks (each would do the whole job into one output). The
 # layer pass adds its command here when it partitions (issue 18 item 2).
-RANK_AWARE: set[str] = {"convert"}  # --method gptq: routed experts split across ranks (methods/streamed.py)
+RANK_AWARE: set[str] = {"convert", "calibrate-kv"}  # routed experts split across ranks (methods/streamed.py, calibrate/runner.py)
 
 
 def partition(n: int, size: int, rank: int) -> range:

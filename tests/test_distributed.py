@@ -156,17 +156,15 @@ def test_the_launcher_prints_the_first_ranks_error_once(tmp_path):
     assert p.stdout == "" and wall < 30
 
 
-@pytest.mark.parametrize("cmd", [["calibrate-kv", "SRC", "--out", "OUT"]], ids=["calibrate-kv"])
-def test_nproc_runs_the_command_as_ranks_that_refuse_until_the_work_is_split(tmp_path, cmd):
-    """`quantize convert ... --nproc 2` runs under torchrun; until the layer pass partitions its
-    work (RANK_AWARE), each rank refuses in one line before reading anything, and the launcher
-    shows one of them: one line, exit 2, no traceback, no output folder."""
-    args = [{"SRC": str(tmp_path / "src"), "OUT": str(tmp_path / "out")}.get(a, a) for a in cmd]
-    p, _ = _run(["-m", "quantize.cli", *args, "--nproc", "2", "--dist-timeout-s", "30"])
+def test_nproc_runs_convert_as_ranks_that_refuse_a_method_they_do_not_split(tiny, tmp_path):
+    """`quantize convert ... --nproc 2` runs under torchrun; RTN (and AutoRound) do not split
+    their work across ranks: one line, exit 2, no traceback, no output."""
+    p, _ = _run(["-m", "quantize.cli", "convert", str(tiny("deepseek_v3")), str(tmp_path / "out"), "--nproc", "2",
+                 "--dist-timeout-s", "30"])
     assert p.returncode == 2
-    assert p.stderr == (f"error: {cmd[0]} does not split its work across ranks yet: every rank would run the whole "
-                        "job (and write the same output); run it as one process (without --nproc or torchrun)\n")
-    assert "Traceback" not in p.stdout + p.stderr and not (tmp_path / "out").exists()
+    errors = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "only --method gptq splits its work" in errors[0], p.stderr
+    assert "Traceback" not in p.stdout + p.stderr and not (tmp_path / "out" / "quantize_manifest.json").exists()
 
 
 # -- the options ------------------------------------------------------------------------------------
@@ -224,8 +222,6 @@ def test_under_torchrun_a_different_nproc_is_refused(tmp_path, monkeypatch):
     assert res.exit_code == 2 and res.output == (
         "error: --nproc 3 under torchrun, which started 2 rank(s) on this node; drop --nproc (torchrun's "
         "--nproc-per-node decides)\n")
-    res = CliRunner().invoke(app, ["calibrate-kv", str(tmp_path / "src"), "--nproc", "2"])
-    assert res.exit_code == 2 and "calibrate-kv does not split its work across ranks yet" in res.output
 
 
 def test_a_library_call_with_nproc_starts_no_ranks(tmp_path):

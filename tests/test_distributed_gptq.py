@@ -1,4 +1,4 @@
-"""GPTQ across ranks (gloo on the CPU, real torchrun processes through --nproc): the routed
+"""GPTQ and calibrate-kv across ranks (gloo on the CPU, real torchrun processes through --nproc): the routed
 experts split across ranks give the bytes of one process; a rank killed mid-layer fails the run
 in one line and --resume finishes it with the same bytes; a method that does not split refuses."""
 
@@ -117,3 +117,20 @@ def test_autoround_on_two_ranks_is_refused_in_one_line(tiny, tmp_path):
     lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "only --method gptq" in lines[0], p.stderr[-1500:]
     assert not (out / "quantize_manifest.json").exists()
+
+
+def test_calibrate_kv_on_two_ranks_is_one_process(tiny, tmp_path):
+    """calibrate-kv's figures depend on the torch thread count (its GEMMs run multi-threaded); at
+    the same threads per process (OMP_NUM_THREADS=1, as --nproc 2 gives each rank on 2 cores) the
+    routed experts split across two ranks give the one-process report."""
+    src = tiny("deepseek_v3")
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    args = ["calibrate-kv", str(src), "--samples", "3", "--seq-len", "24", "--memory-budget-gib", "0"]
+    env = {**_env(), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", *args, "--stats-out", str(one)], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", *args, "--stats-out", str(two), "--nproc", "2"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(two.read_text())["layers"] == json.loads(one.read_text())["layers"]

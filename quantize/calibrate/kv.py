@@ -44,6 +44,7 @@ from ..events import Emit, null_emit
 from ..options import KV_TARGETS, CalibrateKVOptions, takes
 from .data import build_samples
 from .runner import LayerStreamer
+from .. import distributed
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
@@ -413,6 +414,23 @@ def calibrate_kv(
     check_nproc(nproc)  # a library call starts no ranks: it runs in those it is called from
     # config.json (routing included) and the safetensors headers
     streamer = LayerStreamer(model, expert_budget=int(memory_budget_gib * (1 << 30)))
+    world = distributed.current()
+    if world.size > 1:  # the routed experts split across ranks (LayerStreamer.routed_outputs); rank 0 does the rest
+        if not world.is_writer:
+            try:
+                return streamer.expert_service(world)
+            finally:
+                streamer.close()
+        result = _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats_out, stats, chat_template,
+                            error_samples, fold, fold_headroom, overwrite, base_model, emit)
+        world.broadcast(("done", result), "the end of the run")
+        return result
+    return _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats_out, stats, chat_template,
+                      error_samples, fold, fold_headroom, overwrite, base_model, emit)
+
+
+def _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats_out, stats, chat_template,
+               error_samples, fold, fold_headroom, overwrite, base_model, emit) -> KvResult:
     layout = streamer.arch.layout
     rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     fp = _fingerprint(streamer)

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""GPTQ as 1 and as N ranks (gloo on this machine's CPUs) on an expert-heavy MoE: the output's
+bytes compared, the wall times side by side in one run. Not a test.
+
+The fixture is a tiny GLM-5 (glm_moe_dsa) with many wide routed experts, so that the experts'
+GPTQ, which the ranks split, is most of the work (attention, the router and the captures stay on
+rank 0). Each rank runs one torch thread per op; with 2 cores, 2 ranks is the most this machine
+can show.
+
+    python scripts/bench_ranks.py [--ranks 2] [--experts 32] [--moe-intermediate 512] [--hidden 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.safetensors")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--moe-intermediate", type=int, default=512)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    a = ap.parse_args()
+    here = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "src"
+        over = [f"n_routed_experts={a.experts}", f"hidden_size={a.hidden}", f"moe_intermediate_size={a.moe_intermediate}",
+                "num_hidden_layers=3"]
+        subprocess.run([sys.executable, "-m", "quantize.cli", "make-tiny", "glm_moe_dsa", str(src),
+                        *sum((["--override", o] for o in over), [])], check=True, env=env, capture_output=True)
+        common = ["--method", "gptq", "--samples", str(a.samples), "--seq-len", str(a.seq_len),
+                  "--min-expert-tokens", "0", "--workers", "1"]
+        rows = {}
+        for n in (1, a.ranks):
+            out = Path(d) / f"r{n}"
+            t = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "quantize.cli", "convert", str(src), str(out), *common,
+                                *(["--nproc", str(n)] if n > 1 else [])], env=env, capture_output=True, text=True)
+            if p.returncode:
+                raise SystemExit(p.stderr[-2000:])
+            rows[n] = (time.perf_counter() - t, digest(out))
+    (t1, d1), (tn, dn) = rows[1], rows[a.ranks]
+    print(f"{'ranks':>5s} {'wall s':>8s}  output sha256")
+    for n, (t, dg) in rows.items():
+        print(f"{n:5d} {t:8.1f}  {dg[:16]}")
+    print(f"byte-identical: {d1 == dn}; wall ratio {a.ranks} ranks / 1 rank: {tn / t1:.2f}")
+
+
+if __name__ == "__main__":
+    main()
