@@ -44,10 +44,10 @@ LAUNCHED = "QUANTIZE_LAUNCHED"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _STEP = "quantize/step/"  # rendezvous-store key per rank: the last collective it entered
 PROBE_S = 2.0  # after a failure, how long the store is asked which ranks never arrived
-# the commands whose library function splits its work across ranks and writes from rank 0 alone;
-# any other refuses to run as several ranks (each would do the whole job into one output). The
-# layer pass adds its command here when it partitions (issue 18 item 2).
-RANK_AWARE: set[str] = {"convert", "calibrate-kv"}  # routed experts split across ranks (methods/streamed.py, calibrate/runner.py)
+# the commands whose library function splits its work across ranks and writes from rank 0 alone
+# (the routed experts: methods/streamed.py, calibrate/runner.py); any other refuses to run as
+# several ranks (each would do the whole job into one output)
+RANK_AWARE: set[str] = {"convert", "calibrate-kv"}
 
 
 def partition(n: int, size: int, rank: int) -> range:

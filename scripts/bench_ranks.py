@@ -43,8 +43,8 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "src"
-        over = [f"n_routed_experts={a.experts}", f"hidden_size={a.hidden}", f"moe_intermediate_size={a.moe_intermediate}",
-                "num_hidden_layers=3"]
+        over = [f"n_routed_experts={a.experts}", f"hidden_size={a.hidden}",
+                f"moe_intermediate_size={a.moe_intermediate}", "num_hidden_layers=3"]
         subprocess.run([sys.executable, "-m", "quantize.cli", "make-tiny", "glm_moe_dsa", str(src),
                         *sum((["--override", o] for o in over), [])], check=True, env=env, capture_output=True)
         common = ["--method", "gptq", "--samples", str(a.samples), "--seq-len", str(a.seq_len),

@@ -33,10 +33,10 @@ from ..checkpoint.output import sha256_file
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
 from .base import Layer
-from . import streamed
 from .forward import Context, Forward, clear
 from .registry import METHODS
 from .store import Budget, HiddenStore
+from .streamed import carry, gptq_step, virtual_shapes
 from .units import dequant, install, join, layer_units, param, rtn, split
 
 LAYERS_DIR = "layers"
@@ -246,7 +246,7 @@ class Pass:
             t = time.time()
             layer = _build(streamer, i, stream_experts=self.method.streams_experts).to(self.device)
             stand = streamer.stand_in(layer)
-            units, rtn_named = layer_units(layer, streamer._layer_prefix(i), jobs, streamed.virtual_shapes(streamer,
+            units, rtn_named = layer_units(layer, streamer._layer_prefix(i), jobs, virtual_shapes(streamer,
                                                                                                           stand))
             key = f"{i:04d}"
             fp_next = fp_next_topk = None
@@ -288,8 +288,8 @@ class Pass:
                 if res is not None:
                     install(layer, u, dequant(res).to(self.device))
             return fwd(layer, hidden, topk, i, what)
-        k = {p: shape[-1] for p, shape in streamed.virtual_shapes(streamer, stand).items()}
-        return streamed.carry(streamer, fwd, layer, stand, i, hidden, topk, what,
+        k = {p: shape[-1] for p, shape in virtual_shapes(streamer, stand).items()}
+        return carry(streamer, fwd, layer, stand, i, hidden, topk, what,
                               result=lambda u: cache.result(u, k[u.path]), units_by_expert=by_expert)
 
     def _layer(self, fwd: Forward, layer, i, units, rtn_named, hidden, topk, t0, targets=None, stand=None):
@@ -304,7 +304,7 @@ class Pass:
             if stand is None:
                 out, topk = fwd(layer, hidden, topk, i, "after the layer")
             else:
-                out, topk = streamed.carry(fwd.streamer, fwd, layer, stand, i, hidden, topk, "after the layer")
+                out, topk = carry(fwd.streamer, fwd, layer, stand, i, hidden, topk, "after the layer")
             report.update(fallbacks=fallbacks, seconds=round(time.time() - t0, 3))
             self._write(i, {}, report, {})
             self.emit({"event": "layer", "layer": i, "units": 0})
@@ -332,7 +332,7 @@ class Pass:
                     for name in how:
                         part_modules[name] = entry["file"]
 
-            results, ref, routed, e_rtn, tot, acc_q = streamed.gptq_step(self.method, fwd.streamer, fwd, layer,
+            results, ref, routed, e_rtn, tot, acc_q = gptq_step(self.method, fwd.streamer, fwd, layer,
                                                                          stand, x, write_group)
             out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref, stand=stand,
                                           replay=acc_q)
