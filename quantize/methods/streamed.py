@@ -330,7 +330,9 @@ def expert_worker(src, world, method):
             hooks = Hessians(None, [], opt.all_experts)
             out = {"groups": [], "fallbacks": [], "contrib": [[[] for _ in range(len(c))] for c in caps]}
             with ThreadPoolExecutor(max(1, job["workers"]), thread_name_prefix="expert") as pool:
-                fwd = SimpleNamespace(workers=max(1, job["workers"]), device="cpu", pool=pool)
+                # a GPU run: this rank's own GPU (World.device: cuda:LOCAL_RANK under NCCL); what goes back: CPU
+                dev = world.device if str(opt.device).startswith("cuda") else "cpu"
+                fwd = SimpleNamespace(workers=max(1, job["workers"]), device=dev, pool=pool)
                 n = job["num_experts"]
                 size = per_expert_bytes(SimpleNamespace(expert_bytes=lambda dtype: _expert_bytes(streamer),
                                                         gate_up_shape=_shapes(streamer)[0],
@@ -340,7 +342,7 @@ def expert_worker(src, world, method):
                 mine = world.owned(n)
                 for g0 in groups(len(mine), group_size(streamer.expert_budget, size, max(1, len(mine)))):
                     g = range(g0.start + mine.start, g0.stop + mine.start)
-                    gate_up, down = streamer.expert_weights(i, g)
+                    gate_up, down = (t.to(dev) for t in streamer.expert_weights(i, g))
                     us = [u for e in g for u in by_expert.get(e, ())]
                     res, init = ({}, {})
                     if us:
@@ -353,7 +355,10 @@ def expert_worker(src, world, method):
                         gu, dn = w(g, gate_up, down)
                         with torch.no_grad():
                             for s in range(len(c)):
-                                out["contrib"][v][s].extend(contributions(c[s], g, gu, dn, act_fn))
+                                r = c[s]
+                                r.hidden, r.index, r.weights = r.hidden.to(dev), r.index.to(dev), r.weights.to(dev)
+                                out["contrib"][v][s].extend((t.cpu(), h.cpu())
+                                                            for t, h in contributions(r, g, gu, dn, act_fn))
                     del gate_up, down
             out["routed"] = hooks.routed
             world.gather(out, f"layer {i} routed experts", to=0)
