@@ -134,3 +134,19 @@ def test_calibrate_kv_on_two_ranks_is_one_process(tiny, tmp_path):
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(two.read_text())["layers"] == json.loads(one.read_text())["layers"]
+
+
+def test_bad_input_on_two_ranks_is_rank_0s_one_line(tiny, tmp_path):
+    """Rank 0 refuses (no tokenizer) before any work; the other rank, waiting for its first layer,
+    sees rank 0 go: the run prints rank 0's line, once."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny("deepseek_v3"), src)
+    for f in src.glob("tokenizer*"):
+        f.unlink()
+    p = _cli("convert", str(src), str(tmp_path / "o"), *ARGS, "--nproc", "2", "--dist-timeout-s", "60")
+    assert p.returncode == 2
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no tokenizer files" in lines[0], p.stderr[-1500:]
+    assert not (tmp_path / "o" / "quantize_manifest.json").exists()
