@@ -7,7 +7,7 @@ GPTQ, which the ranks split, is most of the work (attention, the router and the 
 rank 0). Each rank runs one torch thread per op; with 2 cores, 2 ranks is the most this machine
 can show.
 
-    python scripts/bench_ranks.py [--ranks 2] [--experts 32] [--moe-intermediate 512] [--hidden 512]
+    python scripts/bench_ranks.py [--ranks 2] [--experts 32] [--moe-intermediate 1024] [--hidden 1024]
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--moe-intermediate", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--moe-intermediate", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     a = ap.parse_args()
