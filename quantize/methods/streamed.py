@@ -46,7 +46,8 @@ class Variant:
     acc: HiddenStore | None = None
 
 
-def _zeros_like(store: HiddenStore, budget, spill, name: str, device: str) -> HiddenStore:
+def _zeros_like(store: HiddenStore, budget, spill, name: str) -> HiddenStore:
+    """One zero tensor per sample, shaped as ``store``'s: the per-sample expert output accumulators."""
     acc = HiddenStore(budget, spill, name)
     for h in store:
         acc.append(torch.zeros_like(h))
@@ -61,7 +62,7 @@ def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert
     tensor per sample)."""
     dev = fwd.device
     for v in variants:
-        v.acc = _zeros_like(v.captured.hidden, fwd.budget, fwd.spill, f"a{i}", dev)
+        v.acc = _zeros_like(v.captured.hidden, fwd.budget, fwd.spill, f"a{i}")
     for g in streamer.expert_groups(stand, per_expert, within):
         gate_up, down = streamer.expert_weights(i, g)
         gate_up, down = gate_up.to(dev), down.to(dev)
