@@ -393,7 +393,6 @@ def launch(module: str, argv: list[str], nproc: int, interrupted: str = "interru
     package this process runs (PYTHONPATH first), and a share of the cores each (OMP_NUM_THREADS,
     unless set)."""
     import logging
-    import shutil
     import tempfile
 
     from torch.distributed import run
@@ -408,26 +407,25 @@ def launch(module: str, argv: list[str], nproc: int, interrupted: str = "interru
     os.environ["PYTHONPATH"] = root + (os.pathsep + path if path else "")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHED] = "1"
-    logs = tempfile.mkdtemp(prefix="quantize-ranks-")
-    try:
-        args = run.parse_args(["--standalone", "--nproc-per-node", str(nproc), "--log-dir", logs, "-m", module])
-        # set, not parsed: torchrun's parser would take the command's --nproc for its --nproc-per-node
-        args.training_script_args = list(argv)
-        run.run(args)
-        return 0
-    except ChildFailedError as e:
-        line, code = _first_failure(e.failures)
-        print(line, file=sys.stderr, flush=True)
-        return code
-    except (KeyboardInterrupt, SignalException):
-        print(interrupted, file=sys.stderr, flush=True)
-        return 130
-    except Exception as e:  # noqa: BLE001 - torchrun could not start the ranks (rendezvous, ports)
-        print(f"error: torchrun could not start {nproc} ranks here: {' '.join(str(e).split())[:300]}",
-              file=sys.stderr, flush=True)
-        return 1
-    finally:
-        shutil.rmtree(logs, ignore_errors=True)
+    # torchrun's per-rank logs and error files: a private folder, removed with the run
+    with tempfile.TemporaryDirectory(prefix="quantize-ranks-", ignore_cleanup_errors=True) as logs:
+        try:
+            args = run.parse_args(["--standalone", "--nproc-per-node", str(nproc), "--log-dir", logs, "-m", module])
+            # set, not parsed: torchrun's parser would take the command's --nproc for its --nproc-per-node
+            args.training_script_args = list(argv)
+            run.run(args)
+            return 0
+        except ChildFailedError as e:
+            line, code = _first_failure(e.failures)
+            print(line, file=sys.stderr, flush=True)
+            return code
+        except (KeyboardInterrupt, SignalException):
+            print(interrupted, file=sys.stderr, flush=True)
+            return 130
+        except Exception as e:  # noqa: BLE001 - torchrun could not start the ranks (rendezvous, ports)
+            print(f"error: torchrun could not start {nproc} ranks here: {' '.join(str(e).split())[:300]}",
+                  file=sys.stderr, flush=True)
+            return 1
 
 
 # -- a self-test the tests run under torchrun -----------------------------------------------------
