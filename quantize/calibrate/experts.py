@@ -32,7 +32,6 @@ import torch
 
 from ..errors import QuantizeError
 
-FP32 = 4
 
 
 @dataclass
@@ -57,11 +56,6 @@ class StandIn(torch.nn.Module):
         self.act_fn = experts.act_fn
         self.experts_class = type(experts).__name__
         self._tls = threading.local()
-
-    def expert_bytes(self, dtype: torch.dtype = torch.float32) -> int:
-        """One expert's weights in memory (gate, up and down)."""
-        n = self.gate_up_shape[0] * self.gate_up_shape[1] + self.down_shape[0] * self.down_shape[1]
-        return n * torch.tensor([], dtype=dtype).element_size()
 
     def capture(self) -> None:
         self._tls.output, self._tls.routed = None, None
@@ -105,6 +99,11 @@ def stand_in(layer: torch.nn.Module, path: str | None) -> StandIn | None:
     s = StandIn(experts)
     setattr(parent, name, s)
     return s
+
+
+def expert_bytes(hidden: int, intermediate: int, dtype: torch.dtype = torch.float32) -> int:
+    """One routed expert's weights in memory: gate|up [2I, H] and down [H, I]."""
+    return 3 * hidden * intermediate * torch.tensor([], dtype=dtype).element_size()
 
 
 def group_size(budget_bytes: int, per_expert: int, n_experts: int) -> int:

@@ -27,6 +27,10 @@ from ..errors import QuantizeError
 from . import experts as routed
 
 
+# transformers' fused routed experts parameters of a decoder layer (the rest map to one tensor each)
+_FUSED = re.compile(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
 class LayerStreamer:
     def __init__(self, model: str | Path, dtype: torch.dtype = torch.float32, expert_budget: int = 4 << 30):
         self.folder = Path(model)
@@ -63,29 +67,17 @@ class LayerStreamer:
         as a BF16 checkpoint of the model and convert hold it; INT4 unpacked)."""
         return self.reader.weight(name, self.dtype)
 
-    def _param(self, prefix: str, key: str, n_experts: int) -> torch.Tensor:
-        """In-memory parameter ``key`` of the layer at ``prefix``: on-disk per-expert tensors are
-        stacked into transformers' fused ``experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]."""
-        m = re.fullmatch(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)", key)
-        if m:
-            base = prefix + m.group(1)
-            if m.group(2) == "gate_up_proj":
-                return torch.stack(
-                    [
-                        torch.cat(
-                            [self.tensor(f"{base}.{e}.gate_proj.weight"), self.tensor(f"{base}.{e}.up_proj.weight")]
-                        )
-                        for e in range(n_experts)
-                    ]
-                )
-            return torch.stack([self.tensor(f"{base}.{e}.down_proj.weight") for e in range(n_experts)])
+    def _param(self, prefix: str, key: str) -> torch.Tensor:
+        """In-memory parameter ``key`` of the layer at ``prefix``, other than the fused experts."""
         name = prefix + key
         t = self.tensor(name)
         return t.float() if name.endswith("e_score_correction_bias") else t
 
     def layer(self, i: int, stream_experts: bool = False) -> torch.nn.Module:
         """Decoder layer ``i`` with its weights; ``stream_experts``: its routed experts module
-        replaced by a ``StandIn`` (``stand_in``), their weights left on disk for ``expert_weights``."""
+        replaced by a ``StandIn`` (``stand_in``), their weights left on disk for ``expert_weights``.
+        Whole, the on-disk per-expert tensors are stacked into transformers' fused
+        ``experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] (``expert_weights``, once for both)."""
         cls = getattr(self.modeling, self.prefix + "DecoderLayer")
         with torch.device("meta"):
             layer = cls(self.config, layer_idx=i)
@@ -93,12 +85,23 @@ class LayerStreamer:
             routed.stand_in(layer, self.experts_path)
         state = layer.state_dict()
         n_experts = int(getattr(self.config, "n_routed_experts", 0) or 0)
-        loaded = {
-            k: self._param(self._layer_prefix(i), k, n_experts).to(v.dtype if v.dtype == torch.float32 else self.dtype)
-            for k, v in state.items()
-        }
+        fused: dict[str, torch.Tensor] = {}
+
+        def param(key: str) -> torch.Tensor:
+            m = _FUSED.fullmatch(key)
+            if not m:
+                return self._param(self._layer_prefix(i), key)
+            if not fused:
+                fused["gate_up_proj"], fused["down_proj"] = self.expert_weights(i, range(n_experts))
+            return fused.pop(m.group(2))
+
+        loaded = {k: param(k).to(v.dtype if v.dtype == torch.float32 else self.dtype) for k, v in state.items()}
         layer.load_state_dict(loaded, strict=True, assign=True)
         return layer.eval()
+
+    def expert_dims(self) -> tuple[int, int]:
+        """(hidden, moe_intermediate): a routed expert is gate|up [2I, H] and down [H, I]."""
+        return int(self.config.hidden_size), int(getattr(self.config, "moe_intermediate_size", 0) or 0)
 
     def stand_in(self, layer: torch.nn.Module) -> "routed.StandIn | None":
         """The layer's routed experts stand-in (``layer(i, stream_experts=True)``), or None."""
@@ -126,13 +129,10 @@ class LayerStreamer:
             del g, u, d
         return gate_up, down
 
-    def expert_groups(self, stand: "routed.StandIn", per_expert: int | None = None,
-                      within: range | None = None) -> list[range]:
-        """The layer's routed experts (or those ``within``) in groups of at most ``expert_budget``
-        bytes (``per_expert``: the bytes one expert costs the caller; its weights by default)."""
-        per = per_expert if per_expert is not None else stand.expert_bytes(self.dtype)
-        within = range(stand.num_experts) if within is None else within
-        size = routed.group_size(self.expert_budget, per, max(1, len(within)))
+    def expert_groups(self, per_expert: int, within: range) -> list[range]:
+        """The routed experts ``within`` (all of a layer's, or this rank's) in groups of at most
+        ``expert_budget`` bytes (``per_expert``: the bytes one expert costs the caller)."""
+        size = routed.group_size(self.expert_budget, per_expert, max(1, len(within)))
         return [range(g.start + within.start, g.stop + within.start) for g in routed.groups(len(within), size)]
 
     def routed_outputs(self, i: int, stand: "routed.StandIn", captured: list) -> list[torch.Tensor]:
@@ -144,12 +144,11 @@ class LayerStreamer:
         from .. import distributed
 
         world = distributed.current()
-        within = None
         if world.size > 1:
-            within = world.owned(stand.num_experts)
             world.broadcast(("layer", {"layer": i, "captured": captured}), f"layer {i} routed experts")
         outs = [torch.zeros_like(r.hidden) for r in captured]
-        for g in self.expert_groups(stand, within=within):
+        per = routed.expert_bytes(*self.expert_dims(), self.dtype)
+        for g in self.expert_groups(per, world.owned(stand.num_experts)):  # one process: every expert
             gate_up, down = self.expert_weights(i, g)
             with torch.no_grad():
                 for out, r in zip(outs, captured):
@@ -170,17 +169,14 @@ class LayerStreamer:
 
         act_fn = ACT2FN[self.config.hidden_act]
         n = int(getattr(self.config, "n_routed_experts", 0) or 0)
-        h, inter = int(self.config.hidden_size), int(getattr(self.config, "moe_intermediate_size", 0) or 0)
-        per = 3 * h * inter * torch.tensor([], dtype=self.dtype).element_size()
+        per = routed.expert_bytes(*self.expert_dims(), self.dtype)
         while True:
             kind, job = world.broadcast(None, "the next layer's routed experts")
             if kind == "done":
                 return job
             i, captured = job["layer"], job["captured"]
-            mine = world.owned(n)
             parts: list[list] = [[] for _ in captured]
-            for g0 in routed.groups(len(mine), routed.group_size(self.expert_budget, per, max(1, len(mine)))):
-                g = range(g0.start + mine.start, g0.stop + mine.start)
+            for g in self.expert_groups(per, world.owned(n)):
                 gate_up, down = self.expert_weights(i, g)
                 with torch.no_grad():
                     for out, r in zip(parts, captured):
@@ -195,7 +191,7 @@ class LayerStreamer:
         [E, 2I, H] is every expert's ``gate_proj`` and ``up_proj`` [I, H], ``down_proj`` [E, H, I]
         every expert's ``down_proj`` [H, I])."""
         prefix = self._layer_prefix(i)
-        m = re.fullmatch(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)", key)
+        m = _FUSED.fullmatch(key)
         if not m or len(shape) != 3:
             return [(prefix + key, tuple(shape))]
         base, n = prefix + m.group(1), int(getattr(self.config, "n_routed_experts", 0) or 0)
@@ -332,8 +328,8 @@ class LayerStreamer:
                     stand.capture()
                     self.run_layer(layer, h, cache=cache_for(i) if cache_for else None, topk=t)
                     captured.append(stand.take())
-                for h in handles or ():
-                    h.remove()
+                for handle in handles or ():
+                    handle.remove()
                 experts_out = self.routed_outputs(i, stand, captured)
                 del captured
                 outs = []

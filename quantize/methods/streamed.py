@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..calibrate.experts import accumulate
+from ..calibrate.experts import accumulate, expert_bytes
 from .base import Layer
 from .forward import Captured, in_order
 from .store import HiddenStore
@@ -63,7 +63,7 @@ def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert
     dev = fwd.device
     for v in variants:
         v.acc = _zeros_like(v.captured.hidden, fwd.budget, fwd.spill, f"a{i}")
-    for g in streamer.expert_groups(stand, per_expert, within):
+    for g in streamer.expert_groups(per_expert, range(stand.num_experts) if within is None else within):
         gate_up, down = streamer.expert_weights(i, g)
         gate_up, down = gate_up.to(dev), down.to(dev)
         if before_outputs is not None:
@@ -110,13 +110,13 @@ def with_results(result, units_by_expert: dict[int, list[Unit]]):
     return weights
 
 
-def per_expert_bytes(stand, hessians: bool) -> int:
+def per_expert_bytes(streamer, hessians: bool) -> int:
     """What one routed expert costs a group: its source weights and two variants' copies, plus
     (GPTQ) its Hessians with their normalised and factorised copies."""
-    w = stand.expert_bytes(torch.float32)
+    h_dim, i_dim = streamer.expert_dims()
+    w = expert_bytes(h_dim, i_dim, torch.float32)
     if not hessians:
         return 2 * w
-    h_dim, i_dim = stand.gate_up_shape[1], stand.down_shape[1]
     # the accumulators, llm-compressor's stacked copy of a chunk and its factorisation's working copies
     # (measured at DeepSeek-V3's width: 4 copies per expert left a 16-expert layer at 6.4 GiB, over budget)
     return 3 * w + 6 * (h_dim * h_dim + i_dim * i_dim) * FP32
@@ -130,7 +130,7 @@ def carry(streamer, fwd, layer, stand, i: int, hidden, topk, what: str, result=N
     cap = fwd.capture(layer, stand, hidden, topk, i)
     w = with_results(result, units_by_expert or {}) if result is not None else source_weights
     v = Variant(cap, w)
-    run_groups(streamer, fwd, i, stand, [v], per_expert_bytes(stand, False))
+    run_groups(streamer, fwd, i, stand, [v], per_expert_bytes(streamer, False))
     cap.clear()
     got = fwd(layer, hidden, topk, i, what, stand=stand, replay=v.acc, ref=ref)
     v.acc.clear()
@@ -141,7 +141,6 @@ def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit]
                 act_fn, i: int) -> tuple[dict[str, Result], dict[str, Result]]:
     """One group of routed experts under GPTQ: their Hessians from the source capture (per sample,
     merged in sample order, as the whole layer's hooks), then GPTQ per unit: (results, RTN start)."""
-
     # per sample in order, the group's experts side by side (each thread its own accumulator), each
     # product added as it is made: the whole layer's sums without a per-sample copy of the group's Hessians
     path = streamer.experts_path
@@ -154,18 +153,8 @@ def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit]
         index = r.index.to(fwd.device)
 
         def obs(e: int, hidden=hidden, index=index):
-            routed = (index == e).any(-1).reshape(-1)
-            n = int(routed.sum())
-            x = hidden if opt.all_experts else hidden[routed]
-            if x.shape[0] == 0:
-                return e, n
-            with torch.no_grad():
-                if e in gate_up_units:
-                    hooks.observe_one(gate_up_units[e].key, x, x.shape[0])
-                if e in down_units:
-                    g_, up = torch.nn.functional.linear(x, gate_up[e - g.start]).chunk(2, dim=-1)
-                    hooks.observe_one(down_units[e].key, act_fn(g_) * up, x.shape[0])
-            return e, n
+            return e, hooks.expert(e, gate_up_units.get(e), down_units.get(e), gate_up[e - g.start], act_fn, hidden,
+                                   index, hooks.observe_one)
 
         for e, n in fwd.pool.map(obs, experts):
             hooks.routed[(path, e)] = hooks.routed.get((path, e), 0) + n
@@ -229,9 +218,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
     put(results)
     cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
     caps = (cap_s, cap_r, cap_q)
-    within = None
     if world.size > 1:
-        within = world.owned(stand.num_experts)
         job = {"layer": i, "options": opt, "workers": fwd.workers, "budget": streamer.expert_budget,
                "num_experts": stand.num_experts, "units": [u for us in by_expert.values() for u in us],
                "caps": [(list(c.hidden), c.index, c.weights) for c in caps]}
@@ -253,8 +240,8 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
 
     variants = [Variant(cap_s, source_weights), Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
                 Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
-    run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(stand, True), before_outputs=group_step,
-               within=within)
+    run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True), before_outputs=group_step,
+               within=world.owned(stand.num_experts))  # one process: every expert
     cur.clear()
     cur_rtn.clear()
     if world.size > 1:
@@ -334,15 +321,7 @@ def expert_worker(src, world, method):
                 # a GPU run: this rank's own GPU (World.device: cuda:LOCAL_RANK under NCCL); what goes back: CPU
                 dev = world.device if str(opt.device).startswith("cuda") else "cpu"
                 fwd = SimpleNamespace(workers=max(1, job["workers"]), device=dev, pool=pool)
-                n = job["num_experts"]
-                size = per_expert_bytes(SimpleNamespace(expert_bytes=lambda dtype: _expert_bytes(streamer),
-                                                        gate_up_shape=_shapes(streamer)[0],
-                                                        down_shape=_shapes(streamer)[1]), True)
-                from ..calibrate.experts import group_size, groups
-
-                mine = world.owned(n)
-                for g0 in groups(len(mine), group_size(streamer.expert_budget, size, max(1, len(mine)))):
-                    g = range(g0.start + mine.start, g0.stop + mine.start)
+                for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(job["num_experts"])):
                     gate_up, down = (t.to(dev) for t in streamer.expert_weights(i, g))
                     us = [u for e in g for u in by_expert.get(e, ())]
                     res, init = ({}, {})
@@ -366,17 +345,6 @@ def expert_worker(src, world, method):
     finally:
         torch.set_num_threads(old)
         streamer.close()
-
-
-def _shapes(streamer) -> tuple[tuple, tuple]:
-    c = streamer.config
-    h, inter = int(c.hidden_size), int(c.moe_intermediate_size)
-    return (2 * inter, h), (h, inter)
-
-
-def _expert_bytes(streamer) -> int:
-    (a, b), (c, d) = _shapes(streamer)
-    return (a * b + c * d) * FP32
 
 
 def virtual_shapes(streamer, stand) -> dict[str, tuple]:
