@@ -31,6 +31,19 @@ from .units import Result, Unit, rtn
 CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
 
 
+def _accumulate(H: dict, n: dict, tokens: dict, key: str, x: torch.Tensor, count: int) -> None:
+    """``2 x^T x`` (fp32, llm-compressor's accumulate_hessian) added to ``H[key]`` (or its first
+    term), ``count`` to the divisor and the rows to the token count."""
+    inp = math.sqrt(2) * x.reshape(-1, x.shape[-1]).to(torch.float32)
+    prod = inp.t().matmul(inp)
+    if key in H:
+        H[key] += prod
+    else:
+        H[key] = prod
+    n[key] = n.get(key, 0) + count
+    tokens[key] = tokens.get(key, 0) + inp.shape[0]
+
+
 class Hessians(Collector):
     """Forward pre-hooks that accumulate every unit's Hessian during one calibration forward."""
 
@@ -68,17 +81,14 @@ class Hessians(Collector):
                 acc[k] = acc.get(k, 0) + v
 
     def _add(self, key: str, x: torch.Tensor, count: int) -> None:
+        """One sample's ``2 x^T x`` of ``key`` into this thread's part (merged in sample order)."""
         part = self._part()
-        inp = math.sqrt(2) * x.reshape(-1, x.shape[-1]).to(torch.float32)
-        prod = inp.t().matmul(inp)
-        hs = part.setdefault("H", {})
-        if key in hs:
-            hs[key] += prod
-        else:
-            hs[key] = prod
-        for name, v in (("n", count), ("tokens", inp.shape[0])):
-            d = part.setdefault(name, {})
-            d[key] = d.get(key, 0) + v
+        _accumulate(part.setdefault("H", {}), part.setdefault("n", {}), part.setdefault("tokens", {}), key, x, count)
+
+    def observe_one(self, key: str, x: torch.Tensor, count: int) -> None:
+        """The same, straight into the totals: the same sums in the same sample order as a part
+        merged, without the part. Distinct keys may be observed in parallel threads."""
+        _accumulate(self.H, self.n, self.tokens, key, x, count)
 
     def _linear_hook(self, u: Unit):
         def hook(module, args):
@@ -86,32 +96,35 @@ class Hessians(Collector):
         return hook
 
     def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[Unit]):
+        gate_up = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
+        down = {u.expert: u for u in us if u.path.endswith("down_proj")}
+
         def hook(module, args):
-            self.observe_experts(path, us, lambda e: mod.gate_up_proj[e], mod.act_fn, args[0], args[1])
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            routed_part = self._part().setdefault("routed", {})
+            for e in sorted(set(gate_up) | set(down)):
+                n = self.expert(e, gate_up.get(e), down.get(e), mod.gate_up_proj[e], mod.act_fn, hidden, args[1],
+                                self._add)
+                routed_part[(path, e)] = routed_part.get((path, e), 0) + n
         return hook
 
-    def observe_experts(self, path: str, us: list[Unit], gate_up, act_fn, hidden: torch.Tensor,
-                        top_k_index: torch.Tensor) -> None:
-        """One sample's statistics of the routed expert units ``us`` of the experts module at
-        ``path``, from what the router handed it; ``gate_up(e)``: expert ``e``'s source
-        ``[2I, H]`` weight (the down_proj Hessian is of ``act(gate) * up``). The hook's body, and
-        what a streamed layer calls per group of experts (``methods/streamed.py``)."""
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        gate_up_units = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
-        down = {u.expert: u for u in us if u.path.endswith("down_proj")}
-        routed_part = self._part().setdefault("routed", {})
-        for e in sorted(set(gate_up_units) | set(down)):
-            routed = (top_k_index == e).any(-1).reshape(-1)
-            routed_part[(path, e)] = routed_part.get((path, e), 0) + int(routed.sum())
-            x = hidden if self.all_experts else hidden[routed]
-            if x.shape[0] == 0:
-                continue
+    def expert(self, e: int, gate_up: Unit | None, down: Unit | None, w_gate_up: torch.Tensor, act_fn,
+               hidden: torch.Tensor, top_k_index: torch.Tensor, add) -> int:
+        """One sample's statistics of routed expert ``e`` (its ``gate_up`` / ``down`` units, either
+        None when not INT4) from the tokens the router sends it (every token with ``--all-experts``):
+        ``add(key, x, count)`` takes ``x`` (``act(gate) * up`` of the source ``w_gate_up`` for the
+        down_proj Hessian). Returns the tokens the router sent it. The hook's body per expert, and
+        what a streamed layer runs per expert of a group (``methods/streamed.py``)."""
+        routed = (top_k_index == e).any(-1).reshape(-1)
+        x = hidden if self.all_experts else hidden[routed]
+        if x.shape[0]:
             with torch.no_grad():
-                if e in gate_up_units:
-                    self._add(gate_up_units[e].key, x, x.shape[0])
-                if e in down:
-                    g, up = torch.nn.functional.linear(x, gate_up(e)).chunk(2, dim=-1)
-                    self._add(down[e].key, act_fn(g) * up, x.shape[0])
+                if gate_up is not None:
+                    add(gate_up.key, x, x.shape[0])
+                if down is not None:
+                    g, up = torch.nn.functional.linear(x, w_gate_up).chunk(2, dim=-1)
+                    add(down.key, act_fn(g) * up, x.shape[0])
+        return int(routed.sum())
 
     def remove(self) -> None:
         for h in self._handles:
@@ -123,19 +136,6 @@ class Hessians(Collector):
         accumulator is handed over, not copied (at real width one expert's is 200 MB)."""
         h = self.H.pop(key, None)
         return None if h is None else h.div_(self.n[key])
-
-    def observe_one(self, key: str, x: torch.Tensor, count: int) -> None:
-        """Add one sample's ``2 x^T x`` of ``key`` straight into its accumulator: the same sums, in
-        the same sample order, as a per-sample part merged (``_add`` then ``merge``), without the
-        part. Distinct keys may be observed in parallel threads."""
-        inp = math.sqrt(2) * x.reshape(-1, x.shape[-1]).to(torch.float32)
-        prod = inp.t().matmul(inp)
-        if key in self.H:
-            self.H[key] += prod
-        else:
-            self.H[key] = prod
-        self.n[key] = self.n.get(key, 0) + count
-        self.tokens[key] = self.tokens.get(key, 0) + inp.shape[0]
 
 
 @contextmanager
