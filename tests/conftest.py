@@ -68,6 +68,19 @@ def dir_bytes(d) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
 
 
+def weights_only(d) -> dict[str, bytes]:
+    """A conversion's files, byte for byte, without its manifest (which records timings)."""
+    b = dir_bytes(d)
+    b.pop("quantize_manifest.json")
+    return b
+
+
+def method_layers(out) -> list[dict]:
+    """A data-aware conversion's per-layer reports from its manifest, without their seconds."""
+    rec = json.loads((Path(out) / "quantize_manifest.json").read_text())["method"]["layers"]
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rec]
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct as a transformers checkpoint, made once per session by

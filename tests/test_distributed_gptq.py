@@ -14,7 +14,7 @@ import pytest
 
 from quantize.convert import convert
 
-from .conftest import dir_bytes
+from .conftest import method_layers, weights_only
 
 ARGS = ["--method", "gptq", "--profile", "all-linear", "--samples", "4", "--seq-len", "48", "--workers", "1",
         "--memory-budget-gib", "0"]
@@ -31,17 +31,6 @@ def _cli(*args, **kw):
                           timeout=600, **kw)
 
 
-def _weights(d):
-    b = dir_bytes(d)
-    b.pop("quantize_manifest.json")
-    return b
-
-
-def _layers(out):
-    rec = json.loads((out / "quantize_manifest.json").read_text())["method"]["layers"]
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rec]
-
-
 @pytest.fixture(scope="module")
 def one_rank(tiny, tmp_path_factory):
     src = tiny("glm_moe_dsa")
@@ -55,8 +44,8 @@ def test_two_ranks_are_one_process_bit_for_bit(one_rank, tmp_path):
     two = tmp_path / "two"
     p = _cli("convert", str(src), str(two), *ARGS, "--nproc", "2")
     assert p.returncode == 0, p.stderr[-2000:]
-    assert _weights(two) == _weights(one)
-    assert _layers(two) == _layers(one)  # token counts, losses, fallbacks: rank 1's experts included
+    assert weights_only(two) == weights_only(one)
+    assert method_layers(two) == method_layers(one)  # token counts, losses, fallbacks: rank 1's experts included
     job = json.loads((two / ".quantize" / "job.json").read_text())
     parts = {x["file"] for x in job["layers"]["0001"]["parts"]}
     assert len(parts) == 8  # every expert's group file, rank 1's written by rank 0
@@ -106,7 +95,7 @@ def test_a_rank_killed_mid_layer_fails_in_one_line_and_resumes_byte_identical(on
     assert not (out / "quantize_manifest.json").exists()
     p = _cli("convert", str(src), str(out), *ARGS, "--nproc", "2", "--resume")
     assert p.returncode == 0, p.stderr[-2000:]
-    assert _weights(out) == _weights(one)
+    assert weights_only(out) == weights_only(one)
 
 
 def test_autoround_on_two_ranks_is_refused_in_one_line(tiny, tmp_path):

@@ -11,7 +11,7 @@ from quantize.calibrate import experts as ex
 from quantize.calibrate.runner import LayerStreamer
 from quantize.convert import convert
 
-from .conftest import dir_bytes
+from .conftest import method_layers, weights_only
 
 CAL = dict(samples=4, seq_len=48, workers=1)
 ARCHS = [("deepseek_v3", "vendor"), ("glm_moe_dsa", "vendor"), ("kimi_k25", "vendor")]
@@ -21,17 +21,6 @@ def _whole_layer(monkeypatch):
     """The pass as it was: every decoder layer built whole, routed experts included."""
     real = LayerStreamer.layer
     monkeypatch.setattr(LayerStreamer, "layer", lambda self, i, stream_experts=False: real(self, i, False))
-
-
-def _weights(d):
-    b = dir_bytes(d)
-    b.pop("quantize_manifest.json")
-    return b
-
-
-def _layers(out):
-    rec = json.loads((out / "quantize_manifest.json").read_text())["method"]["layers"]
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rec]
 
 
 @pytest.mark.parametrize("arch,layout", ARCHS)
@@ -98,9 +87,9 @@ def test_gptq_streamed_is_the_whole_layer_bit_for_bit(gptq_outs, tmp_path, monke
     _whole_layer(monkeypatch)
     whole = tmp_path / "whole"
     convert(src, whole, method="gptq", profile="all-linear", **CAL)
-    assert _weights(outs["one"]) == _weights(whole)
-    assert _weights(outs["big"]) == _weights(whole)
-    assert _layers(outs["one"]) == _layers(whole)  # losses, token counts, fallbacks: the same report
+    assert weights_only(outs["one"]) == weights_only(whole)
+    assert weights_only(outs["big"]) == weights_only(whole)
+    assert method_layers(outs["one"]) == method_layers(whole)  # losses, token counts, fallbacks: the same report
     job = json.loads((outs["one"] / ".quantize" / "job.json").read_text())
     assert len(job["layers"]["0001"]["parts"]) > 1  # one group file per expert (budget 0)
 
@@ -113,10 +102,10 @@ def test_gptq_streamed_statistics_options_match_the_whole_layer(tiny, tmp_path, 
     _whole_layer(monkeypatch)
     whole = tmp_path / "w"
     convert(src, whole, method="gptq", **CAL, **kw)
-    assert _weights(streamed) == _weights(whole)
-    assert _layers(streamed) == _layers(whole)
+    assert weights_only(streamed) == weights_only(whole)
+    assert method_layers(streamed) == method_layers(whole)
     if "min_expert_tokens" in kw:  # the near miss is real: some experts fell back, named, in both
-        assert any(r["fallbacks"] for r in _layers(whole))
+        assert any(r["fallbacks"] for r in method_layers(whole))
 
 
 def test_gptq_killed_mid_group_resumes_byte_identical(gptq_outs, tmp_path, monkeypatch):
@@ -143,7 +132,7 @@ def test_gptq_killed_mid_group_resumes_byte_identical(gptq_outs, tmp_path, monke
             **CAL)
     replayed = [e["layer"] for e in events if e.get("event") == "layer" and e.get("replayed")]
     assert replayed == [0, 1]  # layer 1 replayed through its streamed expert files, layer 2 redone
-    assert _weights(out) == _weights(outs["one"])
+    assert weights_only(out) == weights_only(outs["one"])
 
 
 def test_a_tampered_group_file_redoes_the_layer(gptq_outs, tmp_path):
@@ -162,4 +151,4 @@ def test_a_tampered_group_file_redoes_the_layer(gptq_outs, tmp_path):
             **CAL)
     redone = [e["layer"] for e in events if e.get("event") == "layer" and not e.get("replayed")]
     assert redone[0] == 1
-    assert _weights(out) == _weights(outs["one"])
+    assert weights_only(out) == weights_only(outs["one"])

@@ -16,19 +16,13 @@ from quantize.errors import QuantizeError
 from quantize.evaluate.kld import kld
 from quantize.formats import int4
 
-from .conftest import dir_bytes, load_dir
+from .conftest import load_dir, weights_only
 
 CAL = dict(samples=4, seq_len=64)
 
 
 def _manifest(out):
     return json.loads((out / "quantize_manifest.json").read_text())
-
-
-def _weights_only(d):
-    b = dir_bytes(d)
-    b.pop("quantize_manifest.json")
-    return b
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +111,7 @@ def test_gptq_defaults_to_the_fullrange_grid(outs, llama, tmp_path):
     assert _manifest(mm)["method"]["grid"] == "minmax"
     for k in (k for k in c if k.endswith("weight_scale")):
         assert torch.equal(c[k], r[k]) and (c[k] > 0).all(), k  # RTN minmax's scales, all positive
-    assert _weights_only(mm) != _weights_only(out)
+    assert weights_only(mm) != weights_only(out)
 
 
 def test_gptq_lowers_layer_loss_and_kld(outs, llama):
@@ -342,7 +336,7 @@ def test_spilled_hidden_states_give_the_same_bytes(llama, outs, tmp_path):
     convert(llama, out, profile="all-linear", method="gptq", workers=2, memory_budget_gib=0, **CAL)
     rep = _manifest(out)["method"]
     assert rep["hidden_bytes_spilled"] > 0 and rep["hidden_bytes_peak_in_memory"] == 0
-    assert _weights_only(out) == _weights_only(outs["gptq"])
+    assert weights_only(out) == weights_only(outs["gptq"])
     assert not (out / ".quantize" / "hidden").exists()  # spill files removed
 
 
@@ -383,7 +377,7 @@ def test_interrupted_mid_layer_redoes_that_layer_only(dsv3, tmp_path, monkeypatc
     layers = [e for e in events if e.get("event") == "layer"]
     assert [(e["layer"], bool(e.get("replayed"))) for e in layers] == [(0, True), (1, True), (2, False)]
     assert {f.name: f.read_bytes() for f in sorted((out / ".quantize" / "layers").glob("0001*.safetensors"))} == layer1
-    assert _weights_only(out) == _weights_only(ref)
+    assert weights_only(out) == weights_only(ref)
     ma, mb = _manifest(out), _manifest(ref)
     timeless = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
     assert ma["tensors"] == mb["tensors"] and timeless(ma["method"]["layers"]) == timeless(mb["method"]["layers"])
@@ -406,21 +400,21 @@ def test_sigkill_then_resume_is_byte_identical(tiny, tmp_path):
     assert not (out / "quantize_manifest.json").exists()
     p = subprocess.run(cmd + ["--resume"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert _weights_only(out) == _weights_only(ref)
+    assert weights_only(out) == weights_only(ref)
     assert not list((out / ".quantize" / "layers").glob("*.partial"))
 
 
 def test_deterministic_across_thread_counts(dsv3, tmp_path):
     for w in (1, 2):
         convert(dsv3, tmp_path / f"w{w}", method="gptq", workers=w, **CAL)
-    assert _weights_only(tmp_path / "w1") == _weights_only(tmp_path / "w2")
+    assert weights_only(tmp_path / "w1") == weights_only(tmp_path / "w2")
 
 
 # ------------------------------------------------------------------------------------------------
 # AutoRound
 
 def test_autoround_iters0_is_fullrange_rtn_bit_for_bit(outs):
-    assert _weights_only(outs["autoround0"]) == _weights_only(outs["fullrange"])
+    assert weights_only(outs["autoround0"]) == weights_only(outs["fullrange"])
     assert _manifest(outs["autoround0"])["method"]["grid"] == "fullrange"  # AutoRound's default grid
 
 
@@ -461,7 +455,7 @@ def test_autoround_moe_experts_trained_and_starved_named(dsv3, tmp_path):
 def test_autoround_deterministic_across_thread_counts(llama, tmp_path):
     for w in (1, 2):
         convert(llama, tmp_path / f"w{w}", profile="all-linear", method="autoround", iters=3, workers=w, **CAL)
-    assert _weights_only(tmp_path / "w1") == _weights_only(tmp_path / "w2")
+    assert weights_only(tmp_path / "w1") == weights_only(tmp_path / "w2")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -670,7 +664,7 @@ def test_autoround_interrupted_resumes_byte_identical(llama, outs, tmp_path, mon
     assert sorted(json.loads((out / ".quantize" / "job.json").read_text())["layers"]) == ["0000"]
     monkeypatch.setattr(A, "tune", real)
     convert(llama, out, profile="all-linear", method="autoround", iters=20, workers=1, resume=True, **CAL)
-    assert _weights_only(out) == _weights_only(outs["autoround"])
+    assert weights_only(out) == weights_only(outs["autoround"])
 
 
 # the model card says what the manifest records about the method, and no more
