@@ -31,7 +31,7 @@ from .distributed import check_nproc
 from .errors import QuantizeError
 from .events import Emit, null_emit
 from .formats import fp8, int4, native
-from .options import ConvertOptions, takes
+from .options import DATA_AWARE, ConvertOptions, takes
 from .plan import Job, Plan, build_plan, check_with_compressed_tensors
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
@@ -281,11 +281,10 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     t0 = time.time()
     check_nproc(options.nproc)  # a library call starts no ranks: it runs in those it is called from
     world = distributed.current()
-    if world.size > 1 and not world.is_writer:  # a rank of a GPTQ run: its share of the routed experts
-        from .methods.registry import METHODS
-        from .methods.streamed import expert_worker
+    if world.size > 1 and not world.is_writer:  # a rank of a GPTQ / AutoRound run: its share of each layer
+        from .methods.ranks import serve
 
-        return expert_worker(Path(options.source), world, METHODS["gptq"])
+        return serve(Path(options.source), world)
     res = _convert(options, emit, t0)  # a failure here: the other ranks see this one's connection close, one line
     if world.size > 1:
         world.broadcast(("done", res), "the end of the run")
@@ -300,9 +299,10 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
     src, out = Path(options.source), Path(options.out)
     plan = build_plan(src, options, ct_check=False)
     options = plan.options  # a recipe may have set group size / observer / method
-    if distributed.current().size > 1 and options.method_name != "gptq":
-        raise QuantizeError(f"{distributed.current().size} ranks: only --method gptq splits its work (the routed "
-                            f"experts) across ranks; run --method {options.method_name} as one process (no --nproc)")
+    size = distributed.current().size
+    if size > 1 and options.method_name not in DATA_AWARE:
+        raise QuantizeError(f"{size} ranks: only the data-aware methods ({', '.join(DATA_AWARE)}) split their work "
+                            f"across ranks; run --method {options.method_name} as one process (no --nproc)")
     calib = None
     if options.method_name != "rtn":
         from . import methods

@@ -157,13 +157,13 @@ def test_the_launcher_prints_the_first_ranks_error_once(tmp_path):
 
 
 def test_nproc_runs_convert_as_ranks_that_refuse_a_method_they_do_not_split(tiny, tmp_path):
-    """`quantize convert ... --nproc 2` runs under torchrun; RTN (and AutoRound) do not split
+    """`quantize convert ... --nproc 2` runs under torchrun; RTN does not split
     their work across ranks: one line, exit 2, no traceback, no output."""
     p, _ = _run(["-m", "quantize.cli", "convert", str(tiny("deepseek_v3")), str(tmp_path / "out"), "--nproc", "2",
                  "--dist-timeout-s", "30"])
     assert p.returncode == 2
     errors = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and "only --method gptq splits its work" in errors[0], p.stderr
+    assert len(errors) == 1 and "only the data-aware methods (gptq, autoround) split" in errors[0], p.stderr
     assert "Traceback" not in p.stdout + p.stderr and not (tmp_path / "out" / "quantize_manifest.json").exists()
 
 

@@ -98,13 +98,31 @@ def test_a_rank_killed_mid_layer_fails_in_one_line_and_resumes_byte_identical(on
     assert weights_only(out) == weights_only(one)
 
 
-def test_autoround_on_two_ranks_is_refused_in_one_line(tiny, tmp_path):
-    out = tmp_path / "ar"
-    p = _cli("convert", str(tiny("llama", layout="bf16")), str(out), "--method", "autoround", "--iters", "2",
-             "--samples", "2", "--seq-len", "16", "--nproc", "2")
+AR = ["--method", "autoround", "--profile", "all-linear", "--iters", "3", "--batch-size", "3", "--samples", "4",
+      "--seq-len", "24", "--workers", "1", "--memory-budget-gib", "0"]
+
+
+def test_autoround_on_two_ranks_is_one_process_bit_for_bit(tiny, tmp_path):
+    """Each step's samples split across ranks (3 per step over 2 ranks: 2 and 1), every sample's
+    gradients summed on rank 0 in batch order: one process's codes, scales and losses."""
+    src = tiny("glm_moe_dsa")
+    one, two = tmp_path / "one", tmp_path / "two"
+    convert(src, one, method="autoround", profile="all-linear", iters=3, batch_size=3, samples=4, seq_len=24,
+            workers=1, memory_budget_gib=0.0)
+    p = _cli("convert", str(src), str(two), *AR, "--nproc", "2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert weights_only(two) == weights_only(one)
+    assert method_layers(two) == method_layers(one)  # per-step losses (first, last, best) included
+    trained = [x["train"] for x in method_layers(one) if x.get("train")]
+    assert trained and all(t["first_loss"] != t["last_loss"] for t in trained)  # the steps moved the weights
+
+
+def test_rtn_on_two_ranks_is_refused_in_one_line(tiny, tmp_path):
+    out = tmp_path / "rtn"
+    p = _cli("convert", str(tiny("llama", layout="bf16")), str(out), "--nproc", "2")
     assert p.returncode != 0
     lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "only --method gptq" in lines[0], p.stderr[-1500:]
+    assert len(lines) == 1 and "only the data-aware methods" in lines[0], p.stderr[-1500:]
     assert not (out / "quantize_manifest.json").exists()
 
 

@@ -35,10 +35,11 @@ import math
 
 import torch
 
+from .. import distributed
 from ..errors import QuantizeError
 from ..formats import int4
 from .base import Layer, Method, Step
-from .forward import Collector, call_layer, in_order
+from .forward import Collector, Context, call_layer, in_order
 from .units import Result, Unit
 
 V_RANGE = 0.5
@@ -174,6 +175,42 @@ def _all_experts_hook(w0_gu, w0_d, experts: list[int], tls):
     return hook
 
 
+def _all_experts_hooks(layer, units: list[Unit], source, tls) -> list:
+    """--all-experts' hooks on every experts module whose gate_up and down are both trained,
+    ``source(path)`` giving a fused parameter's source weight (fp32): the same on rank 0 and on
+    the ranks that compute a share of each step (``tune_rank``)."""
+    paths = {u.path for u in units}
+    by_mod: dict[str, list[int]] = {}
+    for u in units:
+        if u.expert is not None and u.path.endswith("gate_up_proj"):
+            by_mod.setdefault(u.module, []).append(u.expert)
+    handles = []
+    for path, es in by_mod.items():
+        if path + ".gate_up_proj" not in paths or path + ".down_proj" not in paths:
+            continue
+        mod = layer.get_submodule(path)
+        handles.append(mod.register_forward_pre_hook(_all_experts_hook(source(path + ".gate_up_proj"),
+                                                                       source(path + ".down_proj"), sorted(es), tls)))
+    return handles
+
+
+def _sample_grads(streamer, ctx, layer, tls, leaves: dict, h, topk, target, denom: int):
+    """One sample's share of a step: its loss (over ``denom``, the step's element count) and the
+    gradient of each installed leaf (None where the sample does not reach it)."""
+    tls.extra = []
+    out, _ = call_layer(streamer, ctx, layer, h, topk)
+    loss = (out - target.to(out.device)).pow(2).sum()
+    for x in tls.extra:
+        loss = loss + x
+    loss = loss / denom
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return float(loss.detach()), grads
+
+
+def _cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
 def _set_param(layer, path: str, p: torch.nn.Parameter) -> None:
     mod, _, name = path.rpartition(".")
     setattr(layer.get_submodule(mod) if mod else layer, name, p)
@@ -208,19 +245,12 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
                     fallbacks.append({"name": name, "reason": f"{n} routed calibration tokens < --min-expert-tokens "
                                                               f"{opt.min_expert_tokens}"})
     tls = threading.local()
-    handles = []
-    if opt.all_experts:
-        by_mod: dict[str, list[int]] = {}
-        for u in units:
-            if u.expert is not None and u.path.endswith("gate_up_proj"):
-                by_mod.setdefault(u.module, []).append(u.expert)
-        for path, es in by_mod.items():
-            gu, d = tuned.get(path + ".gate_up_proj"), tuned.get(path + ".down_proj")
-            if gu is None or d is None:
-                continue
-            mod = layer.get_submodule(path)
-            handles.append(mod.register_forward_pre_hook(_all_experts_hook(gu.wg.reshape(gu.shape),
-                                                                           d.wg.reshape(d.shape), sorted(es), tls)))
+    handles = _all_experts_hooks(layer, units, lambda p: tuned[p].wg.reshape(tuned[p].shape), tls) \
+        if opt.all_experts else []
+    world = distributed.current()
+    if world.size > 1:  # the other ranks build this layer and compute their share of each step (tune_rank)
+        world.broadcast(("autoround", {"layer": i, "units": units, "options": opt, "workers": workers}),
+                        f"layer {i} AutoRound")
     n = len(hidden)
     bs = min(opt.batch_size, n)
     gen = torch.Generator().manual_seed(SEED + i)
@@ -241,23 +271,30 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
             for path, p in leaves.items():
                 _set_param(layer, path, p)
             paths = list(leaves)
+            # the step's samples in contiguous shares, rank 0 the first (distributed.partition): each
+            # sample's gradients are its own whichever rank computes them, summed here in batch order
+            shares = [batch[r.start:r.stop] for r in (distributed.partition(len(batch), world.size, k)
+                                                       for k in range(world.size))]
+            if world.size > 1:
+                world.broadcast(("step", {"fakes": {p: w.detach().cpu() for p, w in fakes.items()}, "denom": denom,
+                                          "samples": [[tuple(_cpu(t) for t in (hidden[s], topk[s], fp_out[s]))
+                                                       for s in share] for share in shares[1:]]}),
+                                f"layer {i} AutoRound step {step}")
 
             def one(s: int):
-                tls.extra = []
-                out, _ = call_layer(streamer, ctx, layer, hidden[s], topk[s])
-                loss = (out - fp_out[s].to(out.device)).pow(2).sum()
-                for x in tls.extra:
-                    loss = loss + x
-                loss = loss / denom
-                grads = torch.autograd.grad(loss, [leaves[p] for p in paths], allow_unused=True)
-                return float(loss.detach()), grads
+                return _sample_grads(streamer, ctx, layer, tls, leaves, hidden[s], topk[s], fp_out[s], denom)
 
+            got = list(in_order(pool, workers, one, shares[0]))
+            if world.size > 1:
+                for o in world.gather(None, f"layer {i} AutoRound step {step}", to=0)[1:]:
+                    got.extend(o)
             total = 0.0
             summed: list = [None] * len(paths)
-            for loss, grads in in_order(pool, workers, one, batch):
+            for loss, grads in got:
                 total += loss
                 for j, g in enumerate(grads):
                     if g is not None:
+                        g = g.to(fakes[paths[j]].device)
                         summed[j] = g if summed[j] is None else summed[j] + g
             live = [j for j in range(len(paths)) if summed[j] is not None]
             if live:
@@ -275,6 +312,8 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
     finally:
         for h in handles:
             h.remove()
+    if world.size > 1:  # (after a failure here the others see this rank's connection close instead)
+        world.broadcast(("end", None), f"layer {i} AutoRound")
     if losses and losses[-1] > DIVERGED * losses[0]:
         raise QuantizeError(f"decoder layer {i}: the AutoRound loss diverged ({losses[0]:.4g} at step 0, "
                             f"{losses[-1]:.4g} at the last step); lower --lr (now {opt.lr:g}) or --iters")
@@ -294,6 +333,44 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
              "last_loss": losses[-1] if losses else None, "best_loss": best_loss if losses else None,
              "best_step": best_step if losses else None}
     return results, train
+
+
+def tune_rank(world, streamer, layer, job: dict, device: str) -> None:
+    """A rank other than 0 of an AutoRound run, for one layer (``tune`` on rank 0 sends ``job``;
+    ``layer``: this rank's build of it on ``device``, the source weights): each step, this rank's
+    share of the samples through the layer with rank 0's quantized weights, their losses and
+    gradients sent back to rank 0 (CPU tensors), which sums every sample's in batch order."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    i, opt, units = job["layer"], job["options"], job["units"]
+    workers = max(1, job["workers"])
+    layer.requires_grad_(False)
+    tls = threading.local()
+    handles = _all_experts_hooks(layer, units, lambda p: layer.get_parameter(p).detach().to(torch.float32), tls) \
+        if opt.all_experts else []
+    ctx = Context(streamer, device)
+    on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="autoround") as pool:
+            while True:
+                kind, step = world.broadcast(None, f"layer {i} AutoRound's next step")
+                if kind == "end":
+                    return
+                leaves = {p: torch.nn.Parameter(w.to(device)) for p, w in step["fakes"].items()}
+                for path, leaf in leaves.items():
+                    _set_param(layer, path, leaf)
+
+                def one(x, leaves=leaves, denom=step["denom"]):
+                    h, topk, target = x
+                    loss, grads = _sample_grads(streamer, ctx, layer, tls, leaves, h, on(topk), target, denom)
+                    return loss, [None if g is None else g.cpu() for g in grads]
+
+                world.gather(list(in_order(pool, workers, one, step["samples"][world.rank - 1])),
+                             f"layer {i} AutoRound step", to=0)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class AutoRound(Method):

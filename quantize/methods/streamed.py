@@ -186,7 +186,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
 
     Several ranks (``quantize.distributed``): this is rank 0; the routed experts are split in
     fixed contiguous ranges (``World.owned``), rank 0 keeping the first. The others get the three
-    captures (``expert_worker``), run their experts' GPTQ and outputs, and send back their codes
+    captures (``expert_rank``), run their experts' GPTQ and outputs, and send back their codes
     and per-expert outputs, which are added here after rank 0's own, in expert order: the same
     additions in the same order as one process, so the same bytes for any number of ranks."""
     from .. import distributed
@@ -287,64 +287,51 @@ class _ListCaptured:
         return Routed(self.hidden[s], self.index[s], self.weights[s])
 
 
-def expert_worker(src, world, method):
-    """A rank other than 0 of a GPTQ run: for each layer rank 0 sends, GPTQ and the outputs of
-    this rank's routed experts (``World.owned``), sent back to rank 0, which writes everything.
-    Returns what rank 0 broadcasts when its pass is done (its result)."""
+def expert_rank(world, streamer, method, job: dict) -> None:
+    """A rank other than 0 of a GPTQ run, for one layer (``gptq_step`` on rank 0 sends ``job``):
+    GPTQ and the outputs of this rank's routed experts (``World.owned``), sent back to rank 0,
+    which writes everything (the loop over jobs: ``methods/ranks.py``)."""
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
     from transformers.activations import ACT2FN
 
     from ..calibrate.experts import contributions
-    from ..calibrate.runner import LayerStreamer
     from .gptq import Hessians
 
-    streamer = LayerStreamer(src, dtype=torch.float32)  # its routed experts only: rank 0 checked the layers
     act_fn = ACT2FN[streamer.config.hidden_act]
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # as rank 0's pass: one torch thread per op, samples side by side
-    try:
-        while True:
-            kind, job = world.broadcast(None, "the next layer's routed experts")
-            if kind == "done":
-                return job
-            i, opt = job["layer"], job["options"]
-            streamer.expert_budget = job["budget"]
-            caps = [_ListCaptured(*c) for c in job["caps"]]
-            by_expert: dict[int, list[Unit]] = {}
-            for u in job["units"]:
-                by_expert.setdefault(u.expert, []).append(u)
-            hooks = Hessians(None, [], opt.all_experts)
-            out = {"groups": [], "fallbacks": [], "contrib": [[[] for _ in range(len(c))] for c in caps]}
-            with ThreadPoolExecutor(max(1, job["workers"]), thread_name_prefix="expert") as pool:
-                # a GPU run: this rank's own GPU (World.device: cuda:LOCAL_RANK under NCCL); what goes back: CPU
-                dev = world.device if str(opt.device).startswith("cuda") else "cpu"
-                fwd = SimpleNamespace(workers=max(1, job["workers"]), device=dev, pool=pool)
-                for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(job["num_experts"])):
-                    gate_up, down = (t.to(dev) for t in streamer.expert_weights(i, g))
-                    us = [u for e in g for u in by_expert.get(e, ())]
-                    res, init = ({}, {})
-                    if us:
-                        res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, caps[0], opt, fwd,
-                                                out["fallbacks"], act_fn, i)
-                        out["groups"].append((g.start, *_tensors(us, res)))
-                    weights = [source_weights, with_results(lambda u: init.get(u.key), by_expert),
-                               with_results(lambda u: res.get(u.key), by_expert)]
-                    for v, (c, w) in enumerate(zip(caps, weights)):
-                        gu, dn = w(g, gate_up, down)
-                        with torch.no_grad():
-                            for s in range(len(c)):
-                                r = c[s]
-                                r.hidden, r.index, r.weights = r.hidden.to(dev), r.index.to(dev), r.weights.to(dev)
-                                out["contrib"][v][s].extend((t.cpu(), h.cpu())
-                                                            for t, h in contributions(r, g, gu, dn, act_fn))
-                    del gate_up, down
-            out["routed"] = hooks.routed
-            world.gather(out, f"layer {i} routed experts", to=0)
-    finally:
-        torch.set_num_threads(old)
-        streamer.close()
+    i, opt = job["layer"], job["options"]
+    streamer.expert_budget = job["budget"]
+    caps = [_ListCaptured(*c) for c in job["caps"]]
+    by_expert: dict[int, list[Unit]] = {}
+    for u in job["units"]:
+        by_expert.setdefault(u.expert, []).append(u)
+    hooks = Hessians(None, [], opt.all_experts)
+    out = {"groups": [], "fallbacks": [], "contrib": [[[] for _ in range(len(c))] for c in caps]}
+    with ThreadPoolExecutor(max(1, job["workers"]), thread_name_prefix="expert") as pool:
+        # a GPU run: this rank's own GPU (World.device: cuda:LOCAL_RANK under NCCL); what goes back: CPU
+        dev = world.device if str(opt.device).startswith("cuda") else "cpu"
+        fwd = SimpleNamespace(workers=max(1, job["workers"]), device=dev, pool=pool)
+        for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(job["num_experts"])):
+            gate_up, down = (t.to(dev) for t in streamer.expert_weights(i, g))
+            us = [u for e in g for u in by_expert.get(e, ())]
+            res, init = ({}, {})
+            if us:
+                res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, caps[0], opt, fwd,
+                                        out["fallbacks"], act_fn, i)
+                out["groups"].append((g.start, *_tensors(us, res)))
+            weights = [source_weights, with_results(lambda u: init.get(u.key), by_expert),
+                       with_results(lambda u: res.get(u.key), by_expert)]
+            for v, (c, w) in enumerate(zip(caps, weights)):
+                gu, dn = w(g, gate_up, down)
+                with torch.no_grad():
+                    for s in range(len(c)):
+                        r = c[s]
+                        r.hidden, r.index, r.weights = r.hidden.to(dev), r.index.to(dev), r.weights.to(dev)
+                        out["contrib"][v][s].extend((t.cpu(), h.cpu()) for t, h in contributions(r, g, gu, dn, act_fn))
+            del gate_up, down
+    out["routed"] = hooks.routed
+    world.gather(out, f"layer {i} routed experts", to=0)
 
 
 def virtual_shapes(streamer, stand) -> dict[str, tuple]:

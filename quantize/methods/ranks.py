@@ -1,0 +1,49 @@
+"""The ranks other than 0 of a data-aware convert (``quantize.distributed``): each waits for what
+rank 0's layer pass sends it and computes its share, and rank 0 writes everything.
+
+- ``("layer", job)``: a GPTQ layer's routed experts, this rank's contiguous range of them
+  (``streamed.expert_rank``);
+- ``("autoround", job)``: an AutoRound layer, built here from the source; then each of its steps'
+  contiguous share of the samples (``autoround.tune_rank``), until rank 0 says ``end``;
+- ``("done", result)``: rank 0's pass is over; its result is this rank's too.
+
+What comes back is combined on rank 0 in rank order, which is item order (experts, samples): the
+same additions as one process, so the same bytes for any number of ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import QuantizeError
+from .autoround import tune_rank
+from .registry import METHODS
+from .runner import _build, open_streamer
+from .streamed import expert_rank
+
+
+def serve(src: Path, world):
+    """This rank's part of the run, until rank 0 is done: returns rank 0's result."""
+    streamer = open_streamer(src)  # rank 0 validated the source and the layers before the first job
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # as rank 0's pass: one torch thread per op, samples side by side
+    try:
+        while True:
+            kind, job = world.broadcast(None, "the next job from rank 0")
+            if kind == "done":
+                return job
+            if kind == "layer":
+                expert_rank(world, streamer, METHODS["gptq"], job)
+            elif kind == "autoround":
+                device = world.device if str(job["options"].device).startswith("cuda") else "cpu"
+                layer = _build(streamer, job["layer"]).to(device)
+                tune_rank(world, streamer, layer, job, device)
+                del layer
+            else:
+                raise QuantizeError(f"rank {world.rank}: rank 0 sent a job this rank does not know ({kind!r}): "
+                                    "every rank must run the same quantize version")
+    finally:
+        torch.set_num_threads(old)
+        streamer.close()
