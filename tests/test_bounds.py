@@ -173,7 +173,7 @@ def test_eval_gate_uses_the_95pct_interval(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     yaml = SimpleNamespace(yaml_path=str(Path(lm_eval.__file__).parent / "tasks/arc/arc_easy.yaml"), kind="TASK")
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda: SimpleNamespace(task_index={"arc_easy": yaml}))
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: SimpleNamespace(task_index={"arc_easy": yaml}))
     for m in ("base", "cand"):
         (tmp_path / m).mkdir()
         (tmp_path / m / "config.json").write_text("{}")
