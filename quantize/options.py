@@ -356,6 +356,8 @@ DATA_AWARE = ("gptq", "autoround")
 ACTORDERS = ("static", "off")
 KV_TARGETS = ("sglang", "vllm", "compressed-tensors")
 KV_CACHE_DTYPES = ("fp8_e4m3", "bf16")
+SERVE_ENGINES = ("vllm", "sglang")  # quantize.engines.serve.ENGINES
+SERVE_KV_DTYPES = ("auto", "fp8_e4m3")  # what --kv-cache-dtype both engines accept with these spellings
 
 
 def _positive(v) -> bool:
@@ -934,6 +936,35 @@ class EvalOptions(Options):
         None, "evaluate the candidate as served by an OpenAI-compatible server (SGLang/vLLM)", recipe=False
     )
     baseline_url: str | None = opt(None, "likewise for the baseline", recipe=False)
+    serve: str | None = opt(
+        None,
+        "launch this engine (vllm or sglang) on each model folder and evaluate through its server: the baseline, "
+        "then the candidate, one at a time on this node",
+        choices=SERVE_ENGINES,
+    )
+    engine_python: Path | None = opt(
+        None,
+        "--serve: python of a venv with the engine (default: $QUANTIZE_VLLM_PYTHON or .venv-vllm/bin/python for "
+        "vllm, $QUANTIZE_SGLANG_PYTHON for sglang)",
+        recipe=False,
+    )
+    tp: int = opt(1, "--serve: tensor-parallel size the engine runs with", check=lambda v: 1 <= v <= MAX_TP,
+                  why=TP_WHY)
+    kv_cache_dtype: str | None = opt(
+        None, "--serve: the engine's KV-cache dtype (default: the engine's own; fp8_e4m3 as the card's launch line)",
+        choices=SERVE_KV_DTYPES,
+    )
+    serve_args: str = opt("", "--serve: more arguments for the engine's launch line, as one quoted string")
+    serve_port: int | None = opt(
+        None, "--serve: loopback port (default: a free one)", check=lambda v: 1 <= v <= 65535,
+        why="must be a TCP port from 1 to 65535",
+    )
+    serve_timeout_s: float = opt(
+        900.0, "--serve: seconds to wait for the engine's health endpoint", check=_positive,
+        why="must be a positive number of seconds",
+    )
+    serve_log: Path | None = opt(None, "--serve: folder for the engines' logs (default: a new temporary folder)",
+                                 recipe=False)
 
 
 @dataclass
@@ -958,6 +989,19 @@ class KLDOptions(Options):
     dtype: str = opt("float32", "dtype the models run in", cli=False, choices=("float32", "bfloat16"))
     out: Path | None = opt(None, "write the report JSON here")
     device: str = opt("cpu", "where the models run: cpu or cuda")
+    serve: str | None = same(EvalOptions, "serve")
+    engine_python: Path | None = same(EvalOptions, "engine_python")
+    tp: int = same(EvalOptions, "tp")
+    kv_cache_dtype: str | None = same(EvalOptions, "kv_cache_dtype")
+    serve_args: str = same(EvalOptions, "serve_args")
+    serve_port: int | None = same(EvalOptions, "serve_port")
+    serve_timeout_s: float = same(EvalOptions, "serve_timeout_s")
+    serve_log: Path | None = same(EvalOptions, "serve_log")
+    top_k: int = opt(
+        20, "log-probabilities per position the served KL estimator reads (--serve: what the engine returns; vLLM "
+        "allows 20 unless launched with a larger --max-logprobs); a local run reports that estimate beside the full "
+        "KL", check=lambda v: 1 <= v <= 1000, why="must be from 1 to 1000",
+    )
 
 
 @dataclass

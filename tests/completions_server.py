@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 
-def _handler(model, tok, name: str):
+def _handler(model, tok, name: str, on_request=None):
     lock = threading.Lock()
 
     class H(BaseHTTPRequestHandler):
@@ -28,6 +28,8 @@ def _handler(model, tok, name: str):
             self.wfile.write(body)
 
         def do_GET(self):
+            if self.path.rstrip("/") == "/health":
+                return self._send(200, {})
             if self.path.rstrip("/") == "/v1/models":
                 return self._send(200, {"object": "list", "data": [{"id": name, "object": "model"}]})
             self._send(404, {"error": "not found"})
@@ -36,6 +38,8 @@ def _handler(model, tok, name: str):
             if self.path.rstrip("/") != "/v1/completions":
                 return self._send(404, {"error": "not found"})
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if on_request is not None:
+                on_request(req)
             prompts = req["prompt"]
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
                 prompts = [prompts]
@@ -43,7 +47,17 @@ def _handler(model, tok, name: str):
             choices = []
             with lock, torch.no_grad():
                 for i, ids in enumerate(prompts):
-                    if req.get("echo"):
+                    if req.get("prompt_logprobs"):  # vLLM's extension: per prompt position, top-k and the token
+                        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+                        rows = [None]
+                        for j in range(1, len(ids)):
+                            vals, idx = lp[j - 1].topk(int(req["prompt_logprobs"]))
+                            row = {str(int(t)): {"logprob": float(v), "rank": r + 1}
+                                   for r, (v, t) in enumerate(zip(vals, idx))}
+                            row.setdefault(str(ids[j]), {"logprob": float(lp[j - 1, ids[j]]), "rank": None})
+                            rows.append(row)
+                        choices.append({"index": i, "text": "", "prompt_logprobs": rows})
+                    elif req.get("echo"):
                         lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
                         nxt = int(lp[-1].argmax())
                         token_lps = [None] + [float(lp[j - 1, ids[j]]) for j in range(1, len(ids))] + [float(lp[-1, nxt])]
@@ -60,6 +74,15 @@ def _handler(model, tok, name: str):
             self._send(200, {"object": "text_completion", "model": name, "choices": choices})
 
     return H
+
+
+def serve_forever(path, host: str, port: int, on_request=None) -> None:
+    """The same server as a process of its own (``tests/fake_engine.py``): until killed."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ThreadingHTTPServer((host, port), _handler(model, tok, "served-model", on_request)).serve_forever()
 
 
 @contextmanager

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +47,12 @@ class KldReport:
     ppl_candidate: float
     ppl_ratio: float
     text: str
+    # "full vocabulary" (local models), or the served estimator ("top-20 lower bound": evaluate/served.py)
+    estimator: str = "full vocabulary"
+    top_k: int | None = None
+    # local models: the served estimator (top_k) on the same log-probabilities, beside the full KL: its bias
+    kld_topk_mean: float | None = None
+    measured: dict = field(default_factory=dict)  # where each model ran (as EvalReport.measured)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -307,6 +313,7 @@ def kld(
     device: str = "cpu",
     emit: Emit = null_emit,
     keep_baseline: str | os.PathLike | None = None,
+    top_k: int = 20,
 ) -> KldReport:
     """``device``: where both models run (cpu, cuda, cuda:N); the statistics are the same.
     ``keep_baseline``: also write the baseline's log-probs there in fp32 (exact; ``kld_table``)."""
@@ -338,9 +345,7 @@ def kld(
     ids = torch.tensor(tok_c(raw)["input_ids"][: tokens + 1])
     if ids.numel() < 2:
         raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
-    n_chunks = max(1, math.ceil((ids.numel() - 1) / chunk))
-    chunks = [ids[i * chunk: min((i + 1) * chunk + 1, ids.numel())] for i in range(n_chunks)]
-    chunks = [c for c in chunks if c.numel() >= 2]
+    chunks = _chunks(ids, chunk)
     run = {"text_sha256": _sha(raw.encode()), "tokens": tokens, "chunk": chunk, "chunks": len(chunks),
            "token_ids_sha": _sha_ids(ids, chunk), "vocab_sha256": vocab_sha(tok_c)}
 
@@ -370,7 +375,9 @@ def kld(
                         w.abort()
                     raise QuantizeError(f"--save-baseline {path}: cannot write ({e.strerror}); choose a path you "
                                         f"can write") from e
-    kl_all, agree, nll_b, nll_c = [], 0, 0.0, 0.0
+    from .served import topk_kl
+
+    kl_all, agree, nll_b, nll_c, topk_sum = [], 0, 0.0, 0.0, 0.0
     n = 0
     emit({"event": "start", "stage": "kld", "total_bytes": len(chunks), "done_bytes": 0})
     try:
@@ -398,6 +405,8 @@ def kld(
             pb = lb.exp()
             kl = (pb * (lb - lc)).sum(-1).clamp_min(0)
             kl_all.append(kl.cpu())
+            for r in range(0, target.numel(), 128):  # in row blocks: a few [rows, vocab] temporaries at a time
+                topk_sum += float(topk_kl(lb[r:r + 128], lc[r:r + 128], target[r:r + 128], top_k).double().sum())
             agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
             nll_b -= float(lb.gather(-1, target.unsqueeze(-1)).sum())
             nll_c -= float(lc.gather(-1, target.unsqueeze(-1)).sum())
@@ -407,7 +416,7 @@ def kld(
         q = lambda p: float(torch.quantile(k, p)) if k.numel() > 1 else float(k[0])  # noqa: E731
         rep = KldReport(str(baseline or baseline_logits), str(candidate), n, chunk, float(k.mean()), q(0.5), q(0.99),
                         q(0.999), float(k.max()), agree / n, _exp(nll_b / n), _exp(nll_c / n),
-                        _exp((nll_c - nll_b) / n), str(text_path))
+                        _exp((nll_c - nll_b) / n), str(text_path), top_k=top_k, kld_topk_mean=topk_sum / n)
         bad = [f for f, v in rep.to_dict().items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
             raise CheckFailed(f"--candidate {cand_path}: {', '.join(bad)} not finite; the candidate fails")
@@ -440,12 +449,14 @@ class KldTable:
 
 
 @takes(KLDOptions)
-def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device,
+def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device, serve,
+              engine_python, tp, kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, top_k,
               emit: Emit = null_emit) -> KldTable:
     """Several candidates of one source, one table: the same text and chunks for all, the baseline
     computed once (kept exactly, fp32, for the others) or read from ``baseline_logits``. One
     candidate gives the same report as ``kld``. ``out``: {"kind": "kld-table", "baseline",
-    "candidates": [report, ...]}."""
+    "candidates": [report, ...]}. ``serve``: every model served by that engine in turn (the
+    baseline once), the top-``top_k`` estimator of ``evaluate/served.py``."""
     import tempfile
 
     from ..checkpoint.output import write_report
@@ -458,6 +469,18 @@ def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline
     if baseline is None and baseline_logits is None:
         raise QuantizeError("--baseline or --baseline-logits is required")
     inputs = _targets(baseline, candidates, text, save_baseline, baseline_logits, out)  # before any work
+    if serve is not None:
+        if baseline is None or save_baseline is not None or baseline_logits is not None:
+            raise QuantizeError(f"--serve {serve}: the baseline is served too (its top-{top_k} log-probs, not a full "
+                                "--save-baseline file); pass --baseline DIR and drop --save-baseline / "
+                                "--baseline-logits")
+        srv = dict(serve=serve, python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype, extra_args=serve_args,
+                   port=serve_port, timeout_s=serve_timeout_s, log_dir=serve_log)
+        table = _served_table(Path(baseline), [Path(c) for c in candidates], text, tokens, chunk, top_k, srv, emit)
+        if out is not None:
+            write_report(out, table.to_dict() if len(table.reports) > 1 else table.reports[0].to_dict(), REPORT_KIND,
+                         inputs)
+        return table
     check_device(device)
     for c in candidates:  # every candidate proven to belong before the first model loads
         _config(Path(c), "candidate model")
@@ -473,7 +496,8 @@ def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline
             reports.append(kld(baseline, cand, text=text, tokens=tokens, chunk=chunk,
                                save_baseline=save_baseline if first else None,
                                baseline_logits=baseline_logits if (first or kept is None) else kept,
-                               dtype=dtype, device=device, emit=emit, keep_baseline=kept if first else None))
+                               dtype=dtype, device=device, emit=emit, keep_baseline=kept if first else None,
+                               top_k=top_k))
     table = KldTable(str(baseline or baseline_logits), reports)
     if out is not None:
         write_report(out, table.to_dict() if len(reports) > 1 else reports[0].to_dict(), REPORT_KIND, inputs)
@@ -540,3 +564,70 @@ def _open_logits(path: Path, run: dict, chunks: list, candidate: Path, baseline:
             raise QuantizeError(f"{what}: chunk.{i} is {ref.dtype}{list(ref.shape)}, this run needs "
                                 f"[{c.numel() - 1}, {vocab}]; {fix}")
     return {"folder": path.parent, "refs": refs, "meta": meta}
+
+
+def _chunks(ids: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """``ids`` in chunks of ``chunk`` predicted tokens (each chunk one token longer: its last
+    token is predicted, not fed), the last one shorter; none under 2 tokens."""
+    n_chunks = max(1, math.ceil((ids.numel() - 1) / chunk))
+    chunks = [ids[i * chunk: min((i + 1) * chunk + 1, ids.numel())] for i in range(n_chunks)]
+    return [c for c in chunks if c.numel() >= 2]
+
+
+def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chunk: int, top_k: int, srv: dict,
+                  emit: Emit) -> KldTable:
+    """``kld_table`` through a launched engine: the baseline served once, then each candidate;
+    per position the estimator of ``evaluate/served.py`` (a lower bound of the full KL)."""
+    from ..engines.serve import Served, engine_of, python_of, run_served
+    from . import served as sv
+
+    python_of(engine_of(srv["serve"]), srv["python"])  # the interpreter, before anything is read
+    for c in candidates:
+        _config(c, "candidate model")
+        same_model(baseline, c)
+        same_tokenizer(baseline, c)
+    mpe = _config(candidates[0], "candidate model").get("max_position_embeddings")
+    if type(mpe) is int and mpe > 0 and chunk + 1 > mpe:
+        raise QuantizeError(f"--chunk {chunk}: longer than the candidate's max_position_embeddings {mpe} "
+                            f"({candidates[0] / 'config.json'}); use --chunk {mpe - 1} or less")
+    text_path, raw = read_text(text)
+    tok = _tokenizer(candidates[0])
+    ids = torch.tensor(tok(raw)["input_ids"][: tokens + 1])
+    if ids.numel() < 2:
+        raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
+    chunks = _chunks(ids, chunk)
+
+    def rows_of(path: Path, role: str):
+        kw = {k: v for k, v in srv.items() if k != "serve"}
+        with Served(srv["serve"], path, role=role, **kw) as s:
+            def score(s):
+                out = []
+                emit({"event": "start", "stage": f"kld {role} (served)", "total_bytes": len(chunks), "done_bytes": 0})
+                for i, c in enumerate(chunks):
+                    out.append(sv.prompt_logprobs(s, c.tolist(), top_k))
+                    emit({"event": "tensor", "name": f"chunk {i}", "done_bytes": i + 1})
+                emit({"event": "done"})
+                return out
+            return run_served(s, score), s.record()
+
+    base_rows, base_where = rows_of(baseline, "baseline")
+    reports = []
+    for cand in candidates:
+        cand_rows, where = rows_of(cand, "candidate")
+        kl, agree, nll_b, nll_c, n = [], 0, 0.0, 0.0, 0
+        for c, rb, rc in zip(chunks, base_rows, cand_rows):
+            for j, (b, q) in enumerate(zip(rb, rc)):
+                t = int(c[j + 1])
+                kl.append(sv.position_kl(b, q))
+                agree += sv.top1(b) == sv.top1(q)
+                nll_b -= b[t]
+                nll_c -= q[t]
+                n += 1
+        k = torch.tensor(kl, dtype=torch.float64)
+        q = lambda p: float(torch.quantile(k, p)) if k.numel() > 1 else float(k[0])  # noqa: E731
+        reports.append(KldReport(str(baseline), str(cand), n, chunk, float(k.mean()), q(0.5), q(0.99), q(0.999),
+                                 float(k.max()), agree / n, _exp(nll_b / n), _exp(nll_c / n),
+                                 _exp((nll_c - nll_b) / n), str(text_path),
+                                 estimator=f"top-{top_k} lower bound (served)", top_k=top_k,
+                                 measured={"baseline": base_where, "candidate": where}))
+    return KldTable(str(baseline), reports)

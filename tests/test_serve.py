@@ -1,0 +1,239 @@
+"""`eval --serve` / `eval-kld --serve`: the tool launches the engine, waits for it, evaluates
+through it and stops its whole process group, also on failure. These use a stand-in launcher
+(tests/fake_engine.py, behind a fake interpreter) for what a real engine cannot be made to show
+on demand: a failed start, a hang, a death mid-run, an old version. The real engine (vLLM's CPU
+build) is tests/test_serve_vllm.py."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'quantize[eval]')")
+
+from quantize.convert import convert  # noqa: E402
+from quantize.engines import serve as sv  # noqa: E402
+from quantize.errors import QuantizeError  # noqa: E402
+from quantize.evaluate.kld import _chunks, kld_table  # noqa: E402
+from quantize.evaluate.run import evaluate  # noqa: E402
+from quantize.evaluate.served import position_kl, sparse  # noqa: E402
+
+from .test_eval import _data  # noqa: E402
+
+FAKE = Path(__file__).with_name("fake_engine.py")
+
+
+def _fake_python(tmp_path: Path, version: str = "0.32.0") -> Path:
+    """An executable standing in for a venv's python: answers the version probe (``-c``), and runs
+    tests/fake_engine.py for ``-m vllm.entrypoints.openai.api_server --model ...``."""
+    p = tmp_path / "fakebin" / "python"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(f'#!/bin/sh\ncase "$1" in -c) echo "{version}"; exit 0;; esac\nshift 2\n'
+                 f'exec {sys.executable} {FAKE} "$@"\n')
+    p.chmod(0o755)
+    return p
+
+
+@pytest.fixture(scope="module")
+def models(tiny, tmp_path_factory):
+    base = tiny("llama", layout="bf16")
+    cand = tmp_path_factory.mktemp("sv") / "g32"
+    convert(base, cand, profile="all-linear")
+    return base, cand
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purpose
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _children(log_dir: Path) -> list[int]:
+    return [int(m) for f in log_dir.glob("*.log") for m in re.findall(r"fake engine: child (\d+)", f.read_text())]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_eval_through_launched_servers_equals_local_and_stops_them(models, tmp_path, monkeypatch):
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    data, logs = _data(tmp_path), tmp_path / "logs"
+    local = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200)
+    rep = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, serve="vllm",
+                   engine_python=_fake_python(tmp_path), serve_log=logs, out=tmp_path / "r.json")
+    assert rep.tasks[0].n == 3
+    assert (rep.tasks[0].baseline, rep.tasks[0].candidate) == (local.tasks[0].baseline, local.tasks[0].candidate)
+    m = json.loads((tmp_path / "r.json").read_text())["measured"]
+    assert m["baseline"]["engine"] == m["candidate"]["engine"] == "vllm" and m["candidate"]["version"] == "0.32.0"
+    assert "-m vllm.entrypoints.openai.api_server --model" in m["candidate"]["launch"]
+    assert str(Path(cand).resolve()) in m["candidate"]["launch"]
+    assert m["baseline"]["model"] == str(Path(base).resolve())
+    assert len(list(logs.glob("vllm-*.log"))) == 2  # one log per server, named in the record
+    for role in ("baseline", "candidate"):
+        port = int(m[role]["launch"].split("--port ")[1].split()[0])
+        assert not _listening(port)  # stopped
+    assert local.measured["candidate"] == {"engine": "transformers", "device": "cpu"}
+
+
+def test_a_server_that_fails_to_start_is_one_line_with_its_log(models, tmp_path, monkeypatch):
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "fail")
+    with pytest.raises(QuantizeError) as e:
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), serve="vllm",
+                 engine_python=_fake_python(tmp_path), serve_log=tmp_path / "logs")
+    msg = str(e.value)
+    assert "\n" not in msg and "exited with status 1 before it answered" in msg
+    assert "ValueError: fake engine refuses this model" in msg and str(tmp_path / "logs") in msg
+
+
+def test_a_server_that_never_answers_is_stopped_at_the_timeout_with_its_children(models, tmp_path, monkeypatch):
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "never")
+    logs = tmp_path / "logs"
+    t0 = time.time()
+    with pytest.raises(QuantizeError, match=r"did not answer http://127\.0\.0\.1:\d+/health within 3 s "
+                                            r"\(--serve-timeout-s\)"):
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), serve="vllm",
+                 engine_python=_fake_python(tmp_path), serve_log=logs, serve_timeout_s=3)
+    assert time.time() - t0 < 3 + sv.GRACE_S + 10
+    kids = _children(logs)
+    assert kids and not any(_alive(k) for k in kids)  # the whole process group, not only the launcher
+
+
+def test_a_server_killed_mid_run_is_one_line_and_leaves_no_process(models, tmp_path, monkeypatch):
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "die")
+    logs = tmp_path / "logs"
+    with pytest.raises(QuantizeError) as e:
+        evaluate(base, cand, tasks="arc_easy", limit=2, data_dir=_data(tmp_path), serve="vllm",
+                 engine_python=_fake_python(tmp_path), serve_log=logs)
+    msg = str(e.value)
+    assert "\n" not in msg and "was killed by signal 9 during the evaluation" in msg and "fake engine: dying" in msg
+    kids = _children(logs)
+    assert kids and not any(_alive(k) for k in kids)
+
+
+def test_engine_missing_old_or_port_taken_is_refused_before_a_launch(models, tmp_path, monkeypatch):
+    base, cand = models
+    kw = dict(tasks="arc_easy", limit=1, data_dir=_data(tmp_path))
+    with pytest.raises(QuantizeError, match=r"has no vllm installed"):
+        evaluate(base, cand, serve="vllm", engine_python=sys.executable, **kw)  # this venv: no vLLM
+    with pytest.raises(QuantizeError, match=r"has vllm 0\.31\.9, older than 0\.32"):
+        evaluate(base, cand, serve="vllm", engine_python=_fake_python(tmp_path / "old", "0.31.9"), **kw)
+    # the oldest accepted passes the version check (and then starts: mode fail here, to stop at once)
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "fail")
+    with pytest.raises(QuantizeError, match=r"exited with status 1"):
+        evaluate(base, cand, serve="vllm", engine_python=_fake_python(tmp_path / "new", "0.32.0"), **kw)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(QuantizeError, match=rf"--serve-port {port}: 127\.0\.0\.1:{port} is in use"):
+            evaluate(base, cand, serve="vllm", engine_python=_fake_python(tmp_path), serve_port=port, **kw)
+    with pytest.raises(QuantizeError, match=r"--serve vllm launches the servers itself; drop --base-url"):
+        evaluate(base, cand, serve="vllm", base_url="http://127.0.0.1:9", **kw)
+    monkeypatch.delenv("QUANTIZE_SGLANG_PYTHON", raising=False)
+    with pytest.raises(QuantizeError, match=r"--serve sglang: no interpreter named; pass --engine-python"):
+        evaluate(base, cand, serve="sglang", **kw)
+
+
+def test_version_parsing():
+    assert sv._parse_version("0.32.0") == (0, 32, 0) >= (0, 32)
+    assert sv._parse_version("0.5.23.post1") == (0, 5, 23)
+    assert sv._parse_version("0.33.0+cpu") == (0, 33, 0)
+    assert sv._parse_version("0.31.99") < (0, 32)
+
+
+def test_cli_failed_launch_is_one_line_exit_2(models, tmp_path):
+    base, cand = models
+    env = {**os.environ, "FAKE_ENGINE_MODE": "fail"}
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval", "--baseline", str(base), "--candidate",
+                        str(cand), "--tasks", "arc_easy", "--limit", "1", "--data-dir", str(_data(tmp_path)),
+                        "--serve", "vllm", "--engine-python", str(_fake_python(tmp_path))],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "exited with status 1 before it answered" in errors[0]
+    assert "Traceback" not in p.stderr
+
+
+# -- KL divergence through the server ---------------------------------------------------------------
+
+
+def test_served_kld_is_the_estimator_on_the_local_log_probs(models, tmp_path, monkeypatch):
+    """The stand-in serves transformers' own log-probs: the served report must be the top-k
+    estimator applied to the local full log-probabilities, position by position."""
+    import torch
+    import transformers
+
+    from quantize.evaluate.kld import _logprobs, read_text
+
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    table = kld_table(base, [cand], text=text, tokens=120, chunk=50, serve="vllm", top_k=5,
+                      engine_python=_fake_python(tmp_path), out=tmp_path / "k.json")
+    rep = table.reports[0]
+    assert rep.estimator == "top-5 lower bound (served)" and rep.top_k == 5
+    assert rep.measured["baseline"]["engine"] == "vllm"
+    tok = transformers.AutoTokenizer.from_pretrained(cand)
+    ids = torch.tensor(tok(read_text(text)[1])["input_ids"][:121])
+    mb = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    mc = transformers.AutoModelForCausalLM.from_pretrained(cand, dtype=torch.float32).eval()
+    est, full = [], []
+    for c in _chunks(ids, 50):
+        lb, lc = _logprobs(mb, c[:-1]), _logprobs(mc, c[:-1])
+        for j in range(c.numel() - 1):
+            t = int(c[j + 1])
+            est.append(position_kl(sparse(lb[j], 5, t), sparse(lc[j], 5, t)))
+        full += (lb.exp() * (lb - lc)).sum(-1).clamp_min(0).tolist()
+    assert rep.tokens == len(est) == 120
+    assert rep.kld_mean == pytest.approx(sum(est) / len(est), rel=1e-6)
+    assert rep.kld_mean <= sum(full) / len(full) * (1 + 1e-6)  # a lower bound of the full-vocabulary KL
+    assert json.loads((tmp_path / "k.json").read_text())["estimator"] == "top-5 lower bound (served)"
+
+
+def test_position_kl_is_a_lower_bound_and_exact_when_everything_is_named():
+    import torch
+
+    torch.manual_seed(0)
+    for _ in range(50):
+        a = torch.log_softmax(torch.randn(40, dtype=torch.float64) * 3, -1)
+        b = torch.log_softmax(torch.randn(40, dtype=torch.float64) * 3, -1)
+        full = float((a.exp() * (a - b)).sum())
+        for k in (1, 3, 10):
+            assert position_kl(sparse(a, k, 7), sparse(b, k, 7)) <= full + 1e-9
+        assert position_kl(sparse(a, 40, 7), sparse(b, 40, 7)) == pytest.approx(full, abs=1e-9)
+    from quantize.evaluate.served import topk_kl
+
+    a2, b2 = torch.log_softmax(torch.randn(6, 40) * 3, -1), torch.log_softmax(torch.randn(6, 40) * 3, -1)
+    t = torch.tensor([0, 5, 9, 39, 2, 7])
+    for k in (1, 4):
+        want = [position_kl(sparse(a2[j], k, int(t[j])), sparse(b2[j], k, int(t[j]))) for j in range(6)]
+        assert topk_kl(a2, b2, t, k).tolist() == pytest.approx(want, rel=1e-4, abs=1e-6)
+    same = sparse(a, 5, 3)
+    assert position_kl(same, same) == 0.0
+    # a near miss: a candidate that moves mass within the bucket it cannot see scores 0 (the bound's blind spot)
+    assert position_kl({0: -0.1, 1: -3.0}, {0: -0.1, 1: -3.0}) == 0.0
+
+
+def test_served_kld_refuses_a_saved_full_baseline(models, tmp_path):
+    base, cand = models
+    with pytest.raises(QuantizeError, match=r"--serve vllm: the baseline is served too"):
+        kld_table(base, [cand], serve="vllm", save_baseline=tmp_path / "b.safetensors")

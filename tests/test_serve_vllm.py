@@ -1,0 +1,109 @@
+"""The real engine, launched by the tool: vLLM's CPU build (`.venv-vllm`, as CI installs it) serves
+SmolLM2-135M BF16 and its INT4 g32 on loopback for `eval --serve vllm` and `eval-kld --serve vllm`.
+Served lm-eval items against the same items scored locally by transformers, served KLD (the top-k
+estimator) against the local full-vocabulary KLD: the differences are the engine's numerics and
+the estimator's bound, each measured here and printed.
+
+vLLM's x86 CPU build serves INT4 weights only with AVX-512 or AMX; on a CPU without them the INT4
+candidate's tests skip, saying so, and the same comparison runs on the INT4 checkpoint's weights
+dequantized to plain floats (the same numbers the INT4 kernels multiply by), which any CPU serves."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'quantize[eval]')")
+
+from quantize.engines.vllm import has_engine  # noqa: E402
+from quantize.evaluate.kld import kld_table  # noqa: E402
+from quantize.evaluate.run import evaluate  # noqa: E402
+
+from .test_engine import SERVES_INT4, smol_w4a16  # noqa: E402,F401 - the fixture
+from .test_serve import _listening  # noqa: E402
+
+needs_engine = pytest.mark.skipif(not has_engine(), reason="no vLLM interpreter (.venv-vllm / QUANTIZE_VLLM_PYTHON)")
+# vLLM's CPU build: fp32 weights as bf16 kernels would run; one sequence at a time; a small KV cache
+SERVE_ARGS = "--dtype float32 --max-model-len 1024 --max-num-seqs 4 --enforce-eager"
+ARC = [("What do plants need to make food?", ["sunlight", "sand", "plastic", "noise"], 0),
+       ("Which of these is a liquid at room temperature?", ["iron", "water", "wood", "stone"], 1),
+       ("What force pulls objects toward the Earth?", ["magnetism", "friction", "gravity", "wind"], 2),
+       ("Which animal is a mammal?", ["shark", "frog", "eagle", "whale"], 3),
+       ("What is the main source of heat for the Earth?", ["the Sun", "the Moon", "volcanoes", "lightning"], 0),
+       ("Which tool measures temperature?", ["ruler", "thermometer", "scale", "compass"], 1),
+       ("What gas do animals breathe out?", ["oxygen", "helium", "carbon dioxide", "hydrogen"], 2),
+       ("Which of these is a renewable resource?", ["coal", "oil", "natural gas", "wind"], 3)]
+
+
+def _arc_data(tmp_path):
+    d = tmp_path / "data" / "arc"
+    d.mkdir(parents=True)
+    rows = [json.dumps({"query": f"Question: {q}\nAnswer:", "choices": c, "gold": g}) for q, c, g in ARC]
+    for t in ("arc_easy", "arc_challenge"):
+        (d / f"{t}.jsonl").write_text("\n".join(rows))
+    return d.parent
+
+
+@pytest.fixture(scope="module")
+def smol_dequantized(smol_w4a16, tmp_path_factory):
+    """The INT4 g32 checkpoint's weights as plain fp32 (config without quantization_config)."""
+    from quantize.engines.vllm import _float_copy
+
+    dst = tmp_path_factory.mktemp("dq") / "smollm2-g32-dequantized"
+    dst.mkdir()
+    _float_copy(Path(smol_w4a16), dst)
+    for f in Path(smol_w4a16).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+@needs_engine
+def test_served_eval_scores_the_items_transformers_scores(smollm2, smol_dequantized, tmp_path):
+    candidate = smol_dequantized  # lm-eval's path through the server; the INT4 kernels: the KLD test below
+    data = _arc_data(tmp_path)
+    local = evaluate(smollm2, candidate, tasks="arc_easy", data_dir=data, resamples=200)
+    served = evaluate(smollm2, candidate, tasks="arc_easy", data_dir=data, resamples=200, serve="vllm",
+                      serve_args=SERVE_ARGS, serve_log=tmp_path / "logs", out=tmp_path / "served.json")
+    lt, st = local.tasks[0], served.tasks[0]
+    assert st.docs == lt.docs and st.n == len(ARC)
+    differ = [(d, a, b) for d, a, b in zip(lt.docs, lt.candidate_items + lt.baseline_items,
+                                           st.candidate_items + st.baseline_items) if a != b]
+    print(f"\nserved vs local arc_easy ({len(ARC)} items): baseline {st.baseline:.1f} vs {lt.baseline:.1f}, candidate "
+          f"{st.candidate:.1f} vs {lt.candidate:.1f}; {len(differ)} item scores differ; start-up "
+          f"{served.measured['baseline']['startup_s']} s / {served.measured['candidate']['startup_s']} s")
+    assert len(differ) <= 1, differ  # fp32 weights on vLLM's CPU kernels vs transformers: at most a near tie flips
+    m = json.loads((tmp_path / "served.json").read_text())["measured"]
+    assert m["candidate"]["engine"] == "vllm" and m["candidate"]["version"]
+    for role in ("baseline", "candidate"):
+        assert not _listening(int(m[role]["launch"].split("--port ")[1].split()[0]))
+
+
+@needs_engine
+def test_served_kld_is_close_to_local_full_vocabulary_kld(smollm2, smol_dequantized, smol_w4a16, tmp_path):
+    """One command, the baseline served once: the dequantized copy, and the INT4 checkpoint itself
+    where this CPU lets vLLM serve INT4 (AVX-512 or AMX; otherwise said in the output)."""
+    cands = [smol_dequantized] + ([smol_w4a16] if SERVES_INT4 else [])
+    if not SERVES_INT4:
+        print("\n(vLLM's x86 CPU build serves INT4 only with AVX-512 or AMX, which this CPU lacks: the INT4 "
+              "checkpoint itself is not served here)")
+    kw = dict(tokens=512, chunk=256)
+    local = kld_table(smollm2, cands, **kw).reports
+    served = kld_table(smollm2, cands, serve="vllm", serve_args=SERVE_ARGS, top_k=20, serve_log=tmp_path / "logs",
+                       **kw).reports
+    assert len(served) == len(local) == len(cands)
+    for cand, lo, sv in zip(cands, local, served):
+        print(f"\nKLD {Path(cand).name} vs BF16, {sv.tokens} tokens: local full {lo.kld_mean:.5f}, local top-20 "
+              f"estimate {lo.kld_topk_mean:.5f}, served top-20 {sv.kld_mean:.5f} (served - local estimate "
+              f"{sv.kld_mean - lo.kld_topk_mean:+.5f}); top-1 {lo.top1_agreement:.4f} vs {sv.top1_agreement:.4f}; "
+              f"PPL {lo.ppl_candidate:.4f} vs {sv.ppl_candidate:.4f}; start-up {sv.measured['candidate']['startup_s']} s")
+        assert sv.tokens == lo.tokens
+        assert sv.estimator == "top-20 lower bound (served)"
+        assert lo.kld_topk_mean <= lo.kld_mean  # the estimator's bias, measured: a lower bound
+        # the engine's numerics (vLLM's CPU kernels vs transformers, fp32 activations): the same estimate within 5 %
+        assert abs(sv.kld_mean - lo.kld_topk_mean) <= 0.05 * lo.kld_topk_mean + 1e-3
+        assert abs(sv.top1_agreement - lo.top1_agreement) <= 0.01
+        assert abs(sv.ppl_candidate / lo.ppl_candidate - 1) <= 0.005
+        assert abs(sv.ppl_baseline / lo.ppl_baseline - 1) <= 0.005
+    assert served[0].measured["baseline"] == served[-1].measured["baseline"]  # the baseline served once
