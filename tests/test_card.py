@@ -114,6 +114,44 @@ def test_eval_kld_and_check_reports_become_tables_and_model_index(folder, tmp_pa
     assert len(ModelCard(again.text).data.eval_results) == 2 and "| 0.01234 |" in again.text
 
 
+def test_smoke_evaluations_are_shown_not_published_and_where_each_figure_was_measured(folder, tmp_path):
+    """A task under SMOKE_ITEMS documents stays in the table, marked, and out of the model-index (99
+    is a smoke test, 100 a measurement); the report's "measured" says where each model ran."""
+    from huggingface_hub import ModelCard
+
+    from quantize.evaluate.kld import KldReport
+    from quantize.evaluate.run import EvalReport, TaskResult
+    from quantize.publish.card import SMOKE_ITEMS
+
+    assert SMOKE_ITEMS == 100
+    served = {"engine": "vllm", "version": "0.33.0", "startup_s": 41.5,
+              "launch": "python -m vllm.entrypoints.openai.api_server --model /m --port 8000 --tensor-parallel-size 8"}
+    tasks = [TaskResult("gsm8k", "exact_match", 99, 61.5, 3.44, 60.0, 3.46, -1.5, -3.5, 0.5, True, False),
+             TaskResult("arc_challenge", "acc_norm", 100, 52.0, 3.5, 51.25, 3.5, -0.75, -2.0, 0.5, True, True)]
+    ev = EvalReport("/models/GLM-5-FP8", str(folder), None, 1.0, tasks,
+                    {"baseline": {"engine": "transformers", "device": "cpu"}, "candidate": served}).to_dict()
+    kld = KldReport("/models/GLM-5-FP8", str(folder), 8192, 512, 0.01234, 0.005, 0.1, 0.3, 1.2, 0.955, 5.1, 5.2,
+                    1.0196, "kld_default.txt", estimator="top-20 lower bound (served)", top_k=20,
+                    measured={"baseline": served, "candidate": served}).to_dict()
+    files = [tmp_path / "ev.json", tmp_path / "kld.json"]
+    for f, rep in zip(files, (ev, kld)):
+        f.write_text(json.dumps(rep))
+    text = card(folder, eval=files, repo_id="my-org/glm-int4").text
+    results = ModelCard(text).data.eval_results
+    assert [r.dataset_type for r in results] == ["allenai/ai2_arc"]  # the 99-document task is not published
+    assert "| gsm8k | exact_match | 99 |" in text and "(*smoke*)" in text.split("| gsm8k |")[1].splitlines()[0]
+    assert "(*smoke*)" not in text.split("| arc_challenge |")[1].splitlines()[0]
+    assert "the baseline on transformers on the evaluating machine (cpu)" in text
+    assert ("the candidate on vllm 0.33.0, launched by `quantize` as `python -m vllm.entrypoints.openai.api_server "
+            "--model /m --port 8000 --tensor-parallel-size 8`") in text
+    assert "Estimator: top-20 lower bound \\(served\\)" in text or "Estimator: top-20 lower bound" in text
+    assert "a lower bound of the full-vocabulary KL" in text
+    bad = dict(ev, measured={"candidate": "vllm"})
+    files[0].write_text(json.dumps(bad))
+    with pytest.raises(QuantizeError, match=r"measured\.candidate is a string, not an object"):
+        card(folder, eval=files[:1])
+
+
 def test_reports_that_are_not_reports_or_of_another_model_are_refused(folder, converted, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')

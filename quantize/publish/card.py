@@ -645,6 +645,13 @@ def tp_figures(folder: Path, index: CheckpointIndex, tps: tuple[int, ...] = (LAU
 
 MAX_REPORTS = 16  # --eval files per card
 MAX_TASKS = 500  # tasks in one eval report (lm-eval's MMLU is 57 subtasks)
+# a task scored on fewer documents is a smoke test: shown in the card's table, marked, and kept out of the
+# Hub's model-index (which would publish it as the model's score)
+SMOKE_ITEMS = 100
+# where a figure was measured (a report's "measured": {role: {...}}): what the card shows of each
+WHERE_KEYS = {"engine": "str", "version": "str?", "launch": "str?", "device": "str?", "url": "str?",
+              "startup_s": "nonneg?"}
+ROLES = ("baseline", "candidate")
 MAX_ROLES = 200  # rows of a check report's summary
 MAX_TEXT = 4096  # characters of one string a report puts in the card
 MAX_FAILURES = 5  # a check report's failures the card quotes
@@ -672,6 +679,9 @@ KLD_KEYS = {
     "chunk": "int?",
     "kld_mean": "nonneg",
     "top1_agreement": "frac",
+    "estimator": "str?",
+    "top_k": "int?",
+    "kld_topk_mean": "nonneg?",
     **{k: "nonneg?" for k in ("kld_median", "kld_p99", "kld_p999", "kld_max", "ppl_baseline", "ppl_candidate")},
 }
 CHECK_KEYS = {"model": "str?", "tp": "int?", "ok": "bool?"}
@@ -754,6 +764,34 @@ def _pick(d: dict, keys: dict, where: str) -> dict:
     return out
 
 
+def _measured(d: dict) -> dict:
+    """A report's ``measured`` (where each model ran), checked: {role: {WHERE_KEYS}}; {} when absent
+    (reports written before it was recorded)."""
+    m = d.get("measured")
+    if m is None:
+        return {}
+    if not isinstance(m, dict):
+        raise _Bad(f"measured is {_json_type(m)}, not an object")
+    return {r: _pick(m[r], WHERE_KEYS, f"measured.{r}.") if isinstance(m[r], dict) else _bad_where(r, m[r])
+            for r in ROLES if r in m}
+
+
+def _bad_where(role: str, v):
+    raise _Bad(f"measured.{role} is {_json_type(v)}, not an object")
+
+
+def where(w: dict | None) -> str:
+    """One model's place of measurement, in the card's words (Markdown-safe)."""
+    if not w:
+        return "not recorded"
+    if w["engine"] == "transformers":
+        return f"transformers on the evaluating machine ({_md(w.get('device') or 'cpu')})"
+    if w["engine"] == "server":
+        return f"a server the user started ({_code(w.get('url') or 'URL not recorded')})"
+    head = _md(f"{w['engine']} {w.get('version') or ''}".strip())
+    return f"{head}, launched by `quantize` as {_code(w['launch'])}" if w.get("launch") else head
+
+
 def report_of(d, what: str, fix: str) -> dict:
     """What the card reads of one report (``d``, parsed JSON), checked key by key: {kind, report}
     with only the keys the card shows. One line naming ``what`` and the key otherwise."""
@@ -763,9 +801,10 @@ def report_of(d, what: str, fix: str) -> dict:
                 raise _Bad(f"{len(d['tasks']):,} tasks, more than the {MAX_TASKS} a card lists")
             rep = _pick(d, EVAL_KEYS, "")
             rep["tasks"] = _pick_each(d["tasks"], TASK_KEYS, "tasks", "task name", "task ")
+            rep["measured"] = _measured(d)
             return {"kind": "eval", "report": rep}
         if isinstance(d, dict) and "kld_mean" in d and "top1_agreement" in d:
-            return {"kind": "kld", "report": _pick(d, KLD_KEYS, "")}
+            return {"kind": "kld", "report": {**_pick(d, KLD_KEYS, ""), "measured": _measured(d)}}
         if isinstance(d, dict) and "verified" in d and "failures" in d and "summary" in d:
             rep = _pick(d, CHECK_KEYS, "")
             if not isinstance(d["failures"], list):
@@ -898,6 +937,7 @@ def _template():
         basename=lambda p: Path(p).name,
         md=_md,
         code=_code,
+        where=where,
         num=lambda v, spec: "—" if v is None else format(v, spec),
         g4=lambda v: format(v, ".4g") if isinstance(v, (int, float)) else "—",
     )
@@ -924,6 +964,8 @@ def _metadata(
             continue
         d = r["report"]
         for task, t in d["tasks"].items():
+            if t["n"] < SMOKE_ITEMS:  # a smoke test: in the card's table, not published as a score
+                continue
             name, dtype, config = TASK_DATASETS.get(task, (_flat(task), _flat(task), None))
             subset = f", {t['n']} items (--limit {d['limit']})" if d.get("limit") else f", {t['n']} items"
             results.append(
@@ -1018,6 +1060,7 @@ def render(
     source_format = plan.get("source_format") or src.get("format")
     src_bytes = sum(int(v.get("bytes", 0)) for v in (src.get("files") or {}).values())
     text = _template().render(
+        smoke_items=SMOKE_ITEMS,
         card_data=data.to_yaml(),
         marker=MARKER_LINE,
         name=name,
