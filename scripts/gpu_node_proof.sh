@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole proof on one 8xH200 node with SGLang: the baseline as the vendor ships it, our candidate,
+# KL divergence and the lm-eval tasks through the engine (launched and stopped by quantize), and a
+# model card that says where each figure was measured.
+#
+#   scripts/gpu_node_proof.sh glm   # GLM-5.2: baseline zai-org/GLM-5.2-FP8 (block FP8), candidate W4A16 experts
+#   scripts/gpu_node_proof.sh kimi  # Kimi K2.6: baseline Moonshot's INT4 release, candidate its FP8 prefill pool
+#
+# NEVER RUN HERE: this project's machines have no GPU. Every command below is one the tool has and
+# tests on CPU miniatures (tests/test_serve.py, tests/test_serve_vllm.py, tests/test_pipeline.py);
+# the figures it prints on a node are the ones a user would ship.
+#
+# Environment: MODELS (default /models) holds the downloads; OUT (default ./proof) the results;
+# SGLANG_PYTHON the python of a venv with sglang>=0.5.23 (default: python3); DATA an eval data folder
+# in the layout of docs/evaluation.md#local-data (default: the Hub); LIMIT documents per task (default:
+# all; under 100 the card marks a task as a smoke test and keeps it out of the model-index).
+set -euo pipefail
+which=${1:?usage: $0 glm|kimi}
+MODELS=${MODELS:-/models}
+OUT=${OUT:-./proof}
+PY=${SGLANG_PYTHON:-python3}
+TASKS=${TASKS:-gsm8k,arc_easy,arc_challenge,mmlu,mmlu_pro}
+mkdir -p "$OUT"
+data=()
+[ -n "${DATA:-}" ] && data=(--data-dir "$DATA")
+limit=()
+[ -n "${LIMIT:-}" ] && limit=(--limit "$LIMIT")
+serve=(--serve sglang --engine-python "$PY" --tp 8 --kv-cache-dtype fp8_e4m3 --serve-log "$OUT/logs")
+
+case "$which" in
+  glm)
+    repo=zai-org/GLM-5.2-FP8
+    base="$MODELS/GLM-5.2-FP8"
+    cand="$OUT/GLM-5.2-W4A16"
+    [ -d "$base" ] || hf download "$repo" --local-dir "$base"          # ~705 GiB
+    quantize plan "$base" --tp 8
+    # routed experts INT4 (GPTQ on 8 ranks; RTN: drop --method/--nproc), the rest as shipped
+    quantize convert "$base" "$cand" --recipe recipes/glm-5.2-w4a16-experts.yaml --method gptq --nproc 8 \
+      --device cuda --base-model "$repo" --resume
+    ;;
+  kimi)
+    repo=moonshotai/Kimi-K2.6
+    base="$MODELS/Kimi-K2.6"
+    cand="$OUT/Kimi-K2.6-FP8"
+    [ -d "$base" ] || hf download "$repo" --local-dir "$base"
+    quantize plan "$base" --tp 8
+    # Moonshot's release is already INT4 (the decode pool serves it as is): the candidate measured
+    # against it is the prefill pool's FP8 block weights
+    quantize convert "$base" "$cand" --scheme fp8-block --profile all-linear --device cuda --base-model "$repo" \
+      --resume
+    ;;
+  *) echo "usage: $0 glm|kimi" >&2; exit 2 ;;
+esac
+
+quantize check "$cand" --tp 8 --json > "$OUT/check.json"
+quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --nproc 8
+# the engine, launched by quantize on each folder in turn (baseline, then candidate), stopped after
+quantize eval-kld --baseline "$base" --candidate "$cand" "${serve[@]}" --top-k 100 --tokens 8192 --out "$OUT/kld.json"
+quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
+  --out "$OUT/eval.json" --markdown "$OUT/eval.md"
+quantize card "$cand" --eval "$OUT/eval.json" --eval "$OUT/kld.json" --eval "$OUT/check.json" --base-model "$repo"
+echo "proof: $OUT (eval.json, kld.json, check.json, kv.json, logs/); card: $cand/README.md"
