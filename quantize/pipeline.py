@@ -67,6 +67,7 @@ STAGES = ("make-source", "convert", "convert-prefill", "calibrate-kv", "shard", 
           "prefill", "push")
 DEFAULT_STAGES = ("convert", "calibrate-kv", "shard", "check", "eval", "card", "push")
 TINY_PREFIX = "tiny:"
+SERVE_KEYS = ("serve", "tp", "kv_cache_dtype", "serve_args", "serve_timeout_s")  # pipeline.eval's engine launch
 
 # pipeline.<section>: the options of the command the stage calls, as that command declares them
 # (quantize/options.py); a recipe default differs from the command line's only where named here
@@ -74,7 +75,9 @@ SECTIONS = {
     "convert": O.recipe_section(O.ConvertOptions),
     "kv": O.recipe_section(O.CalibrateKVOptions),
     "shard": O.recipe_section(O.ShardOptions),
-    "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device")), O.EvalStageOptions),
+    # serve / tp / kv_cache_dtype / serve_args / serve_timeout_s: the stage launches that engine on the source
+    # and on the model in turn (docs/served-eval.md), as `quantize eval --serve` does
+    "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device", *SERVE_KEYS)), O.EvalStageOptions),
     "push": O.recipe_section(O.PushOptions, defaults={"dry_run": True}),
     "pd": O.recipe_section(O.PDOptions, O.PrefillOptions),
     # the prefill pool's own weights (the convert-prefill stage): FP8 block from the source, e.g. Kimi
@@ -537,6 +540,8 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
         markdown=md,
         max_gen_toks=o["eval"]["max_gen_toks"],
         device=o["eval"]["device"],
+        serve_log=p.out / "reports" / "engine-logs" if o["eval"]["serve"] else None,
+        **{k: o["eval"][k] for k in SERVE_KEYS},
     )
     rows = "; ".join(
         f"{t.task} {t.baseline:.1f} -> {t.candidate:.1f} ({t.delta:+.1f}, CI {t.ci_low:+.1f}..{t.ci_high:+.1f}) "

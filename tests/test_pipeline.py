@@ -3,6 +3,8 @@ only the stages it affects; a failed gate stops before push; bad recipes are one
 
 import json
 
+from types import SimpleNamespace
+
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -192,6 +194,8 @@ def test_cli_plan_json_and_ndjson_events(tmp_path):
     (lambda d: d["pipeline"].update(base_model="GLM-5-FP8"), "pipeline.base_model GLM-5-FP8: not a Hub repo id"),
     (lambda d: d["pipeline"].update(base_mdoel="a/b"), "pipeline.base_mdoel: unknown key; did you mean 'base_model'"),
     (lambda d: d["pipeline"]["push"].update(base_model="a/b"), "pipeline.push.base_model: not a key of the push section"),
+    (lambda d: d["pipeline"]["eval"].update(serve="vlm"), "pipeline.eval.serve: vlm: unknown value; did you mean 'vllm'"),
+    (lambda d: d["pipeline"]["eval"].update(serv="vllm"), "pipeline.eval.serv: unknown key; did you mean 'serve'"),
 ])
 def test_bad_recipe_is_one_line(tmp_path, edit, message):
     doc = yaml.safe_load(pipeline.default_recipe().read_text())
@@ -386,3 +390,31 @@ def test_recipe_base_model_is_recorded_and_reaches_the_card_and_a_change_rewrite
     card = (tmp_path / "other" / "run" / "model" / "README.md").read_text()
     assert "base_model:" not in card.split("\n---\n", 1)[0]
     assert "pass --base-model REPO (or `base_model:` in the recipe's pipeline section)" in card
+
+
+def test_the_eval_stage_launches_the_engine_the_recipe_names(tmp_path, monkeypatch):
+    """pipeline.eval.serve (with tp, kv_cache_dtype, serve_args, serve_timeout_s) reaches
+    `quantize eval --serve`, its logs under the run's reports; the stage's options record it."""
+    from quantize.evaluate import run as ev
+
+    doc = yaml.safe_load(pipeline.default_recipe().read_text())
+    doc["pipeline"].update(out=str(tmp_path / "run"), data_dir=None)
+    doc["pipeline"]["eval"] = {"serve": "vllm", "tp": 2, "serve_args": "--max-model-len 512"}
+    r = tmp_path / "r.yaml"
+    r.write_text(yaml.safe_dump(doc))
+    p = pipeline.load_pipeline(r)
+    assert {k: p.opts["eval"][k] for k in pipeline.SERVE_KEYS} == {
+        "serve": "vllm", "tp": 2, "kv_cache_dtype": None, "serve_args": "--max-model-len 512", "serve_timeout_s": 900.0}
+    seen = {}
+
+    def fake(*a, **kw):
+        seen.update(kw)
+        raise QuantizeError("stop here")
+
+    monkeypatch.setattr(ev, "evaluate", fake)
+    (p.out / "reports").mkdir(parents=True)
+    ctx = SimpleNamespace(p=p, path=lambda name: tmp_path / name)
+    with pytest.raises(QuantizeError, match="stop here"):
+        pipeline._run_eval(ctx, False)
+    assert seen["serve"] == "vllm" and seen["tp"] == 2 and seen["serve_args"] == "--max-model-len 512"
+    assert seen["serve_log"] == p.out / "reports" / "engine-logs"
