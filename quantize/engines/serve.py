@@ -11,7 +11,7 @@ the last lines of its log; one that dies during the evaluation is the same line
 (``Served.died``), never an lm-eval traceback.
 
 The engines as data (``ENGINES``): how each is started, where its health and version answer, and
-the minimum version this tool has read (docs/engines.md#served-evaluation).
+the minimum version this tool has read (docs/served-eval.md).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ POLL_S = 0.5
 
 @dataclass(frozen=True)
 class Engine:
-    """How one engine is started and asked (its released source: docs/engines.md#served-evaluation)."""
+    """How one engine is started and asked (its released source: docs/served-eval.md)."""
 
     name: str
     module: tuple[str, ...]  # ``python -m ...`` up to the model
