@@ -911,7 +911,10 @@ class EvalOptions(Options):
     limit: int | None = opt(
         None, "documents per task (the same for both models)", check=lambda v: v >= 1, why="must be at least 1 document"
     )
-    data_dir: Path | None = opt(None, "local copies of the task data, one folder per task (default: the Hub)")
+    data_dir: Path | None = opt(
+        None, "local copies of the task data, one folder per task (default: the Hub; `shipped`: the small subset "
+        "in the repository's eval/data)"
+    )
     max_drop: float = opt(
         1.0,
         "gate: fail a task whose drop exceeds this many points beyond noise",

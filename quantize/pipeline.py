@@ -312,6 +312,13 @@ def _data_identity(data: str | None) -> str | None:
     return None
 
 
+def _eval_data(data_dir) -> str | None:
+    from .evaluate.tasks import data_folder
+
+    d = data_folder(data_dir)
+    return None if d is None else str(d)
+
+
 def _opts_eval(p: Pipeline) -> dict:
     o = p.opts
     return {
@@ -319,7 +326,7 @@ def _opts_eval(p: Pipeline) -> dict:
         "limit": o["limit"],
         "max_drop": o["max_drop"],
         "data_dir": o["data_dir"],
-        "data_id": _data_identity(o["data_dir"]),
+        "data_id": _data_identity(_eval_data(o["data_dir"])),
         **o["eval"],
     }
 
@@ -502,7 +509,7 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
     import importlib.util
 
     p, o = ctx.p, ctx.p.opts
-    dd = o["data_dir"]
+    dd = _eval_data(o["data_dir"])  # `shipped`: the repository's eval/data subset
     skip = o["eval"]["if_no_data"] == "skip"
     if importlib.util.find_spec("lm_eval") is None:
         if skip:

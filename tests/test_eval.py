@@ -75,13 +75,9 @@ def test_unknown_task_suggests_and_missing_data_named(tmp_path):
 
 
 def test_mmlu_local_csv_keeps_answers_as_text(tmp_path):
-    """MMLU CSVs are read all-as-string with NA parsing off ('None' stays 'None')."""
-    from pathlib import Path
-
-    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
-    if not (shared / "mmlu").exists():
-        pytest.skip("../shared/data is not beside this checkout")
-    cfgs, groups = task_configs(["mmlu"], shared)
+    """MMLU CSVs are read all-as-string with NA parsing off ('None' stays 'None'): the subset the
+    repository ships (eval/data, `--data-dir shipped`)."""
+    cfgs, groups = task_configs(["mmlu"], "shipped")
     assert len(groups["mmlu"]) == 57 and all(c["dataset_path"] == "csv" for c in cfgs)
     assert cfgs[0]["dataset_kwargs"]["keep_default_na"] is False
     from lm_eval.api.task import ConfigurableTask
@@ -199,3 +195,20 @@ def test_cuda_device_without_gpu_refused_before_running(models, tmp_path, monkey
         evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), device="cuda")
     with pytest.raises(QuantizeError, match=r"^--device gpu0: unknown; use cpu, cuda or cuda:N$"):
         evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), device="gpu0")
+
+
+def test_the_shipped_subset_serves_every_task():
+    """eval/data holds every supported task's files in the local layout: a bare clone evaluates
+    without the Hub or a copy beside it."""
+    from lm_eval.api.task import ConfigurableTask
+
+    from quantize.evaluate.tasks import SUPPORTED, data_folder
+
+    assert (data_folder("shipped") / "arc" / "arc_easy.jsonl").is_file()
+    cfgs, groups = task_configs(list(SUPPORTED), "shipped")
+    assert {k: len(v) for k, v in groups.items()} == {"gsm8k": 1, "arc_easy": 1, "arc_challenge": 1, "mmlu": 57,
+                                                       "mmlu_pro": 14}
+    by_name = {c["task"]: c for c in cfgs}
+    for name, n in (("gsm8k", 100), ("arc_easy", 100), ("mmlu_pro_math", 10), ("mmlu_anatomy", 5)):
+        docs = list(ConfigurableTask(config=by_name[name]).test_docs())
+        assert len(docs) == n, name

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import QuantizeError
 from ..options import EVAL_TASKS, EvalOptions, takes
-from .tasks import _task_manager, task_configs
+from .tasks import _task_manager, data_folder, task_configs
 
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
 REPORT_KIND, MARKDOWN_KIND = "eval", "eval-markdown"
@@ -178,7 +178,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     from ..checkpoint.output import report_target, write_report
     from .kld import check_device, same_model, same_tokenizer
 
-    inputs = [baseline, candidate, data_dir]
+    inputs = [baseline, candidate, data_folder(data_dir)]
     if out is not None:  # before anything is read or loaded
         report_target(out, REPORT_KIND, inputs, "--out")
     if markdown is not None:

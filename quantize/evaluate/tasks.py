@@ -16,6 +16,9 @@ from pathlib import Path
 from ..errors import QuantizeError
 
 GROUPS = {"mmlu": "mmlu_", "mmlu_pro": "mmlu_pro_"}
+# --data-dir shipped: the small subset in the repository's eval/data (installed as quantize/eval_data;
+# made by scripts/make_eval_subset.py, sources and licences in eval/SOURCES.md)
+SHIPPED = "shipped"
 SUPPORTED = ("gsm8k", "arc_easy", "arc_challenge", "mmlu", "mmlu_pro")
 
 
@@ -23,6 +26,15 @@ SUPPORTED = ("gsm8k", "arc_easy", "arc_challenge", "mmlu", "mmlu_pro")
 # these takes 0.5 s where every task lm-eval ships takes 12-15 s on 2 cores, and keeps look-alike
 # tasks from other folders (mmlu_pro_plus_*, the Llama-3 mmlu_pro_llama_*) out of a group's subjects
 TASK_DIRS = ("gsm8k", "arc", "mmlu", "mmlu_pro")
+
+
+def data_folder(data_dir) -> Path | None:
+    """``--data-dir`` as a folder: None (the Hub), the shipped subset, or the path given."""
+    if data_dir is None:
+        return None
+    if str(data_dir) == SHIPPED:
+        return Path(__file__).resolve().parents[1] / "eval_data" / "data"
+    return Path(data_dir)
 
 
 def _task_manager():
@@ -97,9 +109,9 @@ def task_configs(tasks: list[str], data_dir: str | Path | None,
                  max_gen_toks: int | None = None) -> tuple[list[dict | str], dict[str, list[str]]]:
     """The task list to hand to ``simple_evaluate`` (dicts for local data, names for the Hub)."""
     groups = expand(tasks)
-    if data_dir is None:
+    d = data_folder(data_dir)
+    if d is None:
         return [n for subs in groups.values() for n in subs], groups
-    d = Path(data_dir)
     tm = _task_manager()
     out: list[dict | str] = []
     for t, subs in groups.items():
