@@ -704,13 +704,14 @@ def push_cmd(**options):
 
 
 @command(O.RunOptions, "run", json_help="NDJSON events on stdout (with --plan: one JSON object)")
-def run_cmd(json_out: bool, recipe, out, plan: bool, overwrite: bool):
+def run_cmd(json_out: bool, recipe, out, source, data, data_dir, sets, plan: bool, overwrite: bool):
     """convert -> calibrate-kv -> shard/check -> eval -> card -> push from one recipe, resumable
     stage by stage; a failed check or eval gate stops before push with exit 1."""
     from .pipeline import run
 
     if plan:
-        res = _run(run, recipe, out=out, plan=True, overwrite=overwrite)
+        res = _run(run, recipe, out=out, source=source, data=data, data_dir=data_dir, sets=sets, plan=True,
+                   overwrite=overwrite)
         if json_out:
             typer.echo(json.dumps(res.to_dict(), indent=1))
             return
@@ -774,7 +775,8 @@ def run_cmd(json_out: bool, recipe, out, plan: bool, overwrite: bool):
                 "(the interrupted stage continues, convert with --resume)"
             ) from None
 
-    res = _run(run_interruptible, recipe, out=out, plan=False, overwrite=overwrite, emit=emit)
+    res = _run(run_interruptible, recipe, out=out, source=source, data=data, data_dir=data_dir, sets=sets, plan=False,
+               overwrite=overwrite, emit=emit)
     if json_out:
         typer.echo(json.dumps({"event": "result", **res.to_dict()}))
         return

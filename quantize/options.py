@@ -1204,6 +1204,17 @@ class RunOptions(Options):
         required=False,
     )
     out: Path | None = opt(None, "the run's folder (default: the recipe's pipeline.out)")
+    source: str | None = opt(None, "the source checkpoint folder (or tiny:ARCH) instead of the recipe's pipeline.source")
+    data: str | None = opt(None, "calibration text instead of the recipe's pipeline.data (a file, or hf:NAME)")
+    data_dir: str | None = opt(
+        None, "eval data instead of the recipe's pipeline.data_dir (a folder; `shipped`: the subset in eval/data)"
+    )
+    sets: list[str] | None = opt(
+        None,
+        "KEY=VALUE: any pipeline key, a stage's with its section (convert.group_size=64, eval.serve=sglang, "
+        "limit=200); the value is read as YAML; repeatable",
+        flag="--set",
+    )
     plan: bool = opt(False, "print each stage, what it would do and whether it is done, stale or pending; run nothing")
     overwrite: bool = opt(
         False,

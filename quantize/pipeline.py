@@ -126,6 +126,7 @@ class Pipeline:
     out: Path
     stages: tuple[str, ...]
     opts: dict
+    overrides: dict = field(default_factory=dict)  # the command line's values over the recipe's
 
     @property
     def tiny(self) -> str | None:
@@ -136,9 +137,43 @@ class Pipeline:
         return self.out / "source" if self.tiny else Path(self.source)
 
 
-def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLike | None = None) -> Pipeline:
+def _override(path: Path, pl: dict, source, data, data_dir, sets) -> dict:
+    """The command line's values over the recipe's (``quantize run --source/--data/--data-dir/--set``),
+    written into the pipeline section before it is checked, so they are checked, recorded and
+    fingerprinted as recipe values are. -> what was overridden."""
+    import yaml
+
+    done: dict = {}
+    for key, value in (("source", source), ("data", data), ("data_dir", data_dir)):
+        if value is not None:
+            pl[key] = done[key] = str(value)
+    for item in sets or ():
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts) or len(parts) > 2:
+            raise QuantizeError(f"--set {item!r}: write KEY=VALUE or SECTION.KEY=VALUE (e.g. --set limit=200, --set "
+                                "convert.group_size=64)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise QuantizeError(f"--set {item!r}: the value is not YAML ({str(e).splitlines()[0]})") from None
+        target = pl
+        if len(parts) == 2:
+            if parts[0] not in SECTIONS:
+                raise O.unknown_key(path, "--set ", parts[0], list(SECTIONS), "section")
+            target = pl.get(parts[0]) if isinstance(pl.get(parts[0]), dict) else {}
+            pl[parts[0]] = target
+        target[parts[-1]] = value
+        done[key.strip()] = value
+    return done
+
+
+def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
+                  source: str | None = None, data: str | None = None, data_dir: str | None = None,
+                  sets: list[str] | None = None) -> Pipeline:
     """Read and validate RECIPE's ``pipeline:`` section (and its llm-compressor part) before any
-    work; every mistake is one line naming the key and the fix."""
+    work, with the command line's overrides (``_override``); every mistake is one line naming the
+    key and the fix."""
     from .recipe import load_recipe
 
     path = Path(recipe) if recipe is not None else default_recipe()
@@ -148,6 +183,10 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
             f"{path}: no `pipeline:` section; add one with at least source and out (see "
             "quantize/recipes_default/tiny-glm.yaml)"
         )
+    if isinstance(doc["pipeline"], dict):
+        overrides = _override(path, doc["pipeline"], source, data, data_dir, sets)
+    else:
+        overrides = {}
     modifier = load_recipe(path)  # the llm-compressor part, validated now (it ignores the pipeline section)
     opts = _parse(path, doc["pipeline"])
     try:  # the convert section against the recipe's method, as convert will (e.g. iters 0 beside RTN)
@@ -205,7 +244,8 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
             f"{path}: pipeline.repo is missing and the stages include push; name the Hub repo (namespace/name) or "
             "drop push"
         )
-    return Pipeline(path, src, Path(out if out is not None else opts["out"]).expanduser(), tuple(stages), opts)
+    return Pipeline(path, src, Path(out if out is not None else opts["out"]).expanduser(), tuple(stages), opts,
+                    overrides)
 
 
 # -- identities -------------------------------------------------------------------------------
@@ -1048,14 +1088,14 @@ STAGE_MAKES = {
 
 
 @O.takes(O.RunOptions)
-def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
+def run(recipe, out, source, data, data_dir, sets, plan, overwrite, emit: Emit = null_emit) -> RunResult:
     """``quantize run``: run RECIPE's pipeline (None: the embedded default) into its ``out``
     (``out`` here overrides it), continuing from the run's job record: finished stages whose
     options and inputs are unchanged are kept. ``plan``: say what each stage would do and whether
     it is done, stale or pending, and run nothing. A failed check or eval gate raises
     ``CheckFailed`` (exit 1) before push."""
     t0 = time.time()
-    p = load_pipeline(recipe, out)
+    p = load_pipeline(recipe, out, source, data, data_dir, sets)
     record = read_record(p.out) if p.out.is_dir() else None
     inputs = [p.recipe] + ([p.source_path] if p.tiny is None else [])
     if plan:
@@ -1073,6 +1113,7 @@ def run(recipe, out, plan, overwrite, emit: Emit = null_emit) -> RunResult:
     key = {"recipe": str(p.recipe.resolve()), "source": p.source}
     with Output.open(p.out, "run", inputs, resume=not overwrite, overwrite=overwrite, key=key) as o:
         o.record["key"] = key
+        o.record["overrides"] = p.overrides  # recorded as the recipe's values are (in each stage's options)
         o.record["state"] = "running"
         o.save()
 

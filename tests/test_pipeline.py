@@ -418,3 +418,30 @@ def test_the_eval_stage_launches_the_engine_the_recipe_names(tmp_path, monkeypat
         pipeline._run_eval(ctx, False)
     assert seen["serve"] == "vllm" and seen["tp"] == 2 and seen["serve_args"] == "--max-model-len 512"
     assert seen["serve_log"] == p.out / "reports" / "engine-logs"
+
+
+def test_run_overrides_take_the_place_of_recipe_values_and_are_checked_and_recorded(tmp_path):
+    """--source/--out/--data/--data-dir and --set KEY=VALUE stand in for the recipe's values: they
+    are checked as recipe keys are (did-you-mean included) and reach the stages' recorded options."""
+    p = pipeline.load_pipeline(None, tmp_path / "o", source="tiny:deepseek_v3", data_dir="shipped",
+                               sets=["limit=3", "convert.workers=2", "eval.serve=vllm", "kv.samples=4"])
+    assert p.source == "tiny:deepseek_v3" and p.out == tmp_path / "o"
+    assert p.opts["limit"] == 3 and p.opts["convert"]["workers"] == 2 and p.opts["eval"]["serve"] == "vllm"
+    assert p.opts["kv"]["samples"] == 4 and p.opts["data_dir"] == "shipped"
+    assert p.overrides == {"source": "tiny:deepseek_v3", "data_dir": "shipped", "limit": 3, "convert.workers": 2,
+                           "eval.serve": "vllm", "kv.samples": 4}
+    assert pipeline._opts_eval(p)["limit"] == 3  # what the stage records and fingerprints
+    # the recipe on disk is unchanged
+    assert "limit: 8" in pipeline.default_recipe().read_text()
+    for sets, message in ((["limit"], r"--set 'limit': write KEY=VALUE"),
+                          (["a.b.c=1"], r"--set 'a.b.c=1': write KEY=VALUE or SECTION.KEY=VALUE"),
+                          (["convrt.group_size=64"], r"--set convrt: unknown section; did you mean 'convert'"),
+                          (["convert.group_sise=64"], r"pipeline.convert.group_sise: unknown key; did you mean "
+                                                      r"'group_size'"),
+                          (["limit=[1"], r"--set 'limit=\[1': the value is not YAML"),
+                          (["convert.group_size=64"], r"--group-size 64 conflicts with group_size 32"),
+                          (["convert.workers=0"], r"pipeline\.convert\.workers")):
+        with pytest.raises(QuantizeError, match=message):
+            pipeline.load_pipeline(None, tmp_path / "o", sets=sets)
+    res = CliRunner().invoke(app, ["run", "--out", str(tmp_path / "p"), "--set", "limit=2", "--plan", "--json"])
+    assert res.exit_code == 0, res.output
