@@ -1155,7 +1155,8 @@ class CardOptions(Options):
         "default: those of the last card)",
     )
     repo_id: str | None = opt(
-        None, "the Hub repo (namespace/name) the card is for: its title and launch lines", cli=False
+        None, "the Hub repo (namespace/name) the card is for: its title and launch lines (default: the folder's "
+        "name and path)", flag="--repo",
     )
     base_model: str | None = same(
         ConvertOptions, "base_model", help="the Hub repo (namespace/name) of the base model, for the card's "

@@ -478,3 +478,20 @@ def test_the_fullrange_grid_warns_of_vllms_int8_activation_path_and_minmax_does_
         m["options"].update(observer="minmax")
         m.update(method={"method": "gptq", "grid": "fullrange"})
     assert INT8_WARNING in edited(gptq_fullrange)
+
+
+def test_card_repo_names_the_title_and_launch_lines(folder, tmp_path):
+    """`quantize card DIR --repo ID`: the card's title and launch lines name the Hub repo, not the
+    folder; a malformed id is one line."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "card", str(folder), "--repo", "my-org/GLM-5.2-W4A16"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = (folder / "README.md").read_text()
+    assert "\n# GLM-5.2-W4A16\n" in text and "--model-path my-org/GLM-5.2-W4A16 " in text
+    assert str(folder.resolve()) not in text.split("## Serving")[1]
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "card", str(folder), "--repo", "not a repo"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--repo 'not a repo': not a Hub repo id" in p.stderr

@@ -1226,7 +1226,7 @@ def card(model, eval, repo_id, base_model) -> CardResult:
     reports = [load_report(p, folder) for p in eval] if eval else None
     if repo_id is not None and repo_id_error(repo_id) is not None:
         raise QuantizeError(
-            f"repo id {repo_id!r}: not a Hub repo id; use namespace/name (letters, digits, '-', '_', '.')"
+            f"--repo {repo_id!r}: not a Hub repo id; use namespace/name (letters, digits, '-', '_', '.')"
         )
     with folder_lock(folder):
         return write_card(folder, manifest, reports, repo_id, base_model=base_model)
