@@ -496,6 +496,12 @@ def eval_cmd(json_out: bool, **options):
                 rows,
             )
         )
+        wrote = [str(options[k]) for k in ("out", "markdown") if options[k] is not None]
+        typer.echo(f"{'pass' if rep.passed else 'FAIL'}: {len(rep.tasks)} task(s), gate max drop "
+                   f"{options['max_drop']:g} points; " + (f"wrote {', '.join(wrote)}" if wrote else "no report written "
+                                                           "(--out FILE keeps one)"))
+    if rep.log:
+        typer.echo(f"lm-eval's and transformers' output: {rep.log} (--verbose shows it)", err=True)
     if not rep.passed:  # the gate's exit code: decided here, once, after the report is out
         raise typer.Exit(1)
 
@@ -507,15 +513,24 @@ def eval_kld_cmd(json_out: bool, **options):
     from .evaluate.kld import kld_table
 
     table = _run(kld_table, **options)
+    if table.log:
+        typer.echo(f"transformers' own output: {table.log} (--verbose shows it)", err=True)
     if json_out:
         typer.echo(json.dumps(table.to_dict() if len(table.reports) > 1 else table.reports[0].to_dict(), indent=1))
         return
+    first = table.reports[0]
+    if first.tokens < options["tokens"]:
+        typer.echo(f"note: the text holds {first.tokens:,} tokens to score, fewer than --tokens {options['tokens']:,}; "
+                   "pass a longer --text for more", err=True)
+    tail = f"wrote {options['out']}" if options["out"] is not None else "no report written (--out FILE keeps one)"
     if len(table.reports) == 1:
         rep = table.reports[0]
+        est = (f" ({rep.estimator}; a lower bound of the full KL)" if rep.estimator != "full vocabulary"
+               else f" (full vocabulary; the served top-{rep.top_k} estimate would be {rep.kld_topk_mean:.5f})")
         typer.echo(
-            f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}, median {rep.kld_median:.5f}, p99 {rep.kld_p99:.4f}, "
-            f"p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
-            f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f})"
+            f"{rep.tokens} tokens: KLD mean {rep.kld_mean:.5f}{est}, median {rep.kld_median:.5f}, p99 "
+            f"{rep.kld_p99:.4f}, p99.9 {rep.kld_p999:.4f}, max {rep.kld_max:.4f}; same top-1 {rep.top1_agreement:.2%}; "
+            f"PPL {rep.ppl_baseline:.3f} -> {rep.ppl_candidate:.3f} (x{rep.ppl_ratio:.4f}); {tail}"
         )
         return
     first = table.reports[0]
@@ -540,6 +555,7 @@ def eval_kld_cmd(json_out: bool, **options):
             rows,
         )
     )
+    typer.echo(f"{len(table.reports)} candidates, KL {first.estimator}; {tail}")
 
 
 @command(O.PDOptions, "eval-pd", json_help="print the report as JSON")

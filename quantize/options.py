@@ -968,6 +968,10 @@ class EvalOptions(Options):
     )
     serve_log: Path | None = opt(None, "--serve: folder for the engines' logs (default: a new temporary folder)",
                                  recipe=False)
+    verbose: bool = opt(
+        False, "show lm-eval's and transformers' own output (default: written to a log file named at the end)",
+        record=False,
+    )
 
 
 @dataclass
@@ -1000,6 +1004,7 @@ class KLDOptions(Options):
     serve_port: int | None = same(EvalOptions, "serve_port")
     serve_timeout_s: float = same(EvalOptions, "serve_timeout_s")
     serve_log: Path | None = same(EvalOptions, "serve_log")
+    verbose: bool = same(EvalOptions, "verbose")
     top_k: int = opt(
         100, "log-probabilities per position the served KL estimator reads (--serve: what the engine returns; vLLM "
         "is launched with --max-logprobs to match); a local run reports that estimate beside the full KL",

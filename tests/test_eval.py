@@ -212,3 +212,22 @@ def test_the_shipped_subset_serves_every_task():
     for name, n in (("gsm8k", 100), ("arc_easy", 100), ("mmlu_pro_math", 10), ("mmlu_anatomy", 5)):
         docs = list(ConfigurableTask(config=by_name[name]).test_docs())
         assert len(docs) == n, name
+
+
+def test_quiet_by_default_its_output_in_a_named_log(models, tmp_path):
+    """lm-eval's and transformers' own output (bars, load reports, warnings, git's complaint) goes to
+    a log file the command names in one line; the terminal keeps the table and the verdict."""
+    base, cand = models
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval", "--baseline", str(base), "--candidate", str(cand),
+                        "--tasks", "arc_easy", "--limit", "2", "--data-dir", str(_data(tmp_path))],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lm-eval's and transformers' output: "), p.stderr[-2000:]
+    log = err[0].split(": ", 1)[1].split(" (--verbose")[0]
+    text = open(log).read()
+    assert "Running loglikelihood requests" in text  # what used to be on the terminal
+    assert p.stdout.strip().splitlines()[-1].startswith("pass: 1 task(s)") or "FAIL: 1 task(s)" in p.stdout
+    assert "Loading weights" not in p.stdout + p.stderr
+    rep = evaluate(base, cand, tasks="arc_easy", limit=2, data_dir=_data(tmp_path), resamples=200, verbose=True)
+    assert rep.log is None  # --verbose: nothing captured

@@ -443,6 +443,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class KldTable:
     baseline: str
     reports: list[KldReport]
+    log: str | None = None  # where transformers' and the engines' own output went (not in the report)
 
     def to_dict(self) -> dict:
         return {"kind": "kld-table", "baseline": self.baseline, "candidates": [r.to_dict() for r in self.reports]}
@@ -450,8 +451,29 @@ class KldTable:
 
 @takes(KLDOptions)
 def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device, serve,
-              engine_python, tp, kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, top_k,
+              engine_python, tp, kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, verbose, top_k,
               emit: Emit = null_emit) -> KldTable:
+    """The table of ``_table`` (below), with transformers' own output in a log file unless
+    ``verbose`` (``quantize.quiet``)."""
+    from ..quiet import captured, kept, new_log
+
+    log = None if verbose else new_log("eval-kld")
+    try:
+        with captured(log):
+            table = _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out,
+                           device, serve, engine_python, tp, kv_cache_dtype, serve_args, serve_port, serve_timeout_s,
+                           serve_log, top_k, emit)
+    except QuantizeError as e:
+        log = kept(log)
+        raise type(e)(f"{e} (transformers' output: {log})" if log else str(e)) from e.__cause__
+    log = kept(log)
+    table.log = str(log) if log else None
+    return table
+
+
+def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device, serve,
+           engine_python, tp, kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, top_k,
+           emit: Emit = null_emit) -> KldTable:
     """Several candidates of one source, one table: the same text and chunks for all, the baseline
     computed once (kept exactly, fp32, for the others) or read from ``baseline_logits``. One
     candidate gives the same report as ``kld``. ``out``: {"kind": "kld-table", "baseline",

@@ -63,6 +63,7 @@ class EvalReport:
     # ({"engine": "transformers", ...}), a server given by URL, or one this command launched (its
     # engine, version, launch line and start-up time: quantize.engines.serve.Served.record)
     measured: dict = field(default_factory=dict)
+    log: str | None = None  # where lm-eval's and transformers' own output went (not in the report)
 
     @property
     def passed(self) -> bool:
@@ -170,7 +171,7 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 @takes(EvalOptions)
 def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, device, batch_size,
              resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype, serve_args, serve_port,
-             serve_timeout_s, serve_log) -> EvalReport:
+             serve_timeout_s, serve_log, verbose) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
@@ -210,6 +211,31 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     for url in (base_url, baseline_url):
         if url:
             served_model(url)  # fail fast, before the baseline run
+    from ..quiet import captured, kept, new_log
+
+    log = None if verbose else new_log("eval")
+    try:
+        with captured(log):
+            rb, rc, measured = _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url,
+                                     serve, dict(python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype,
+                                                 extra_args=serve_args, port=serve_port, timeout_s=serve_timeout_s,
+                                                 log_dir=serve_log))
+    except QuantizeError as e:
+        log = kept(log)
+        raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
+    results = _paired(rb, rc, groups, max_drop, resamples)
+    log = kept(log)
+    rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured, str(log) if log else None)
+    if out is not None:
+        write_report(out, rep.to_dict(), REPORT_KIND, inputs)
+    if markdown is not None:
+        write_report(markdown, rep.markdown(), MARKDOWN_KIND, inputs, "--markdown")
+    return rep
+
+
+def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict):
+    """Both models' lm-eval results, one after the other (served: each by its own launched engine),
+    and where each was measured."""
     measured: dict = {}
     runs = []
     for role, path, url in (("baseline", baseline, baseline_url), ("candidate", candidate, base_url)):
@@ -219,12 +245,15 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
             continue
         from ..engines.serve import Served, run_served
 
-        with Served(serve, path, python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype, extra_args=serve_args,
-                    port=serve_port, timeout_s=serve_timeout_s, log_dir=serve_log, role=role) as srv:
-            runs.append(run_served(srv, lambda s, path=path: _run_model(str(path), configs, limit, device,
-                                                                         batch_size, s.url)))
-            measured[role] = srv.record()
-    rb, rc = runs
+        with Served(serve, path, role=role, **srv) as s:
+            runs.append(run_served(s, lambda s, path=path: _run_model(str(path), configs, limit, device, batch_size,
+                                                                       s.url)))
+            measured[role] = s.record()
+    return runs[0], runs[1], measured
+
+
+def _paired(rb: dict, rc: dict, groups: dict, max_drop: float, resamples: int) -> list[TaskResult]:
+    """Per task, the two models' scores of the same documents, paired, with the gate."""
     results = []
     for t, subs in groups.items():
         a_all, b_all, docs, metric = [], [], [], None
@@ -249,12 +278,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
         delta, lo, hi = paired_stats(a, b, resamples)
         results.append(TaskResult(t, metric, n, float(a.mean() * 100), se(a), float(b.mean() * 100), se(b), delta,
                                   lo, hi, hi >= -max_drop, lo >= -max_drop, docs, a_all, b_all))
-    rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured)
-    if out is not None:
-        write_report(out, rep.to_dict(), REPORT_KIND, inputs)
-    if markdown is not None:
-        write_report(markdown, rep.markdown(), MARKDOWN_KIND, inputs, "--markdown")
-    return rep
+    return results
 
 
 def _model_folder(path, served: bool = False) -> None:
