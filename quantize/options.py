@@ -1210,7 +1210,9 @@ class RunOptions(Options):
         required=False,
     )
     out: Path | None = opt(None, "the run's folder (default: the recipe's pipeline.out)")
-    source: str | None = opt(None, "the source checkpoint folder (or tiny:ARCH) instead of the recipe's pipeline.source")
+    source: str | None = opt(
+        None, "the source checkpoint folder (or tiny:ARCH) instead of the recipe's pipeline.source"
+    )
     data: str | None = opt(None, "calibration text instead of the recipe's pipeline.data (a file, or hf:NAME)")
     data_dir: str | None = opt(
         None, "eval data instead of the recipe's pipeline.data_dir (a folder; `shipped`: the subset in eval/data)"
