@@ -376,7 +376,7 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
     try:
         names = [n for n in src.tensors if n.rpartition(".")[2] not in FP8_SCALE_NAMES + ("input_scale",)
                  or n.rpartition(".")[0] + ".weight" not in src.tensors]
-        emit({"event": "start", "stage": "check against source", "total_bytes": len(names), "done_bytes": 0})
+        emit({"event": "start", "stage": "check against source", "total_bytes": len(names), "done_bytes": 0, "unit": "tensors"})
         for i, name in enumerate(names):
             emit({"event": "tensor", "name": name, "done_bytes": i + 1})
             base = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -519,7 +519,7 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
     if not modules and not fp8_out:
         raise QuantizeError(f"{model}: no INT4 (weight_packed) or FP8 tensors to check; is this a quantize convert "
                             "output?")
-    emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0})
+    emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0, "unit": "modules"})
     for i, m in enumerate(modules):
         packed = read_tensor(model, index.tensors[m + ".weight_packed"])
         scale = read_tensor(model, index.tensors[m + ".weight_scale"])
@@ -610,7 +610,7 @@ def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) ->
                     failures.append(f"{sharded / rec['ranks'][r]['file']}: tensor {name} of rank {r} differs from "
                                     f"its slice recomputed from {src_dir}")
         modules = [n[: -len(".weight_packed")] for n in man["tensors"] if n.endswith(".weight_packed")]
-        emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0})
+        emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0, "unit": "modules"})
         for i, m in enumerate(modules):
             rec = man["tensors"][m + ".weight_packed"]
             packed = read_tensor(full.folder, full.tensors[m + ".weight_packed"])

@@ -105,7 +105,7 @@ def _emitter(json_out: bool):
 
     if current().quiet:  # rank 0 shows the run's progress
         return null_emit
-    return JsonEmitter() if json_out else RichEmitter()
+    return JsonEmitter() if json_out else RichEmitter(_console(stderr=True))
 
 
 INTERRUPTED = (
@@ -187,10 +187,20 @@ def _table(title: str, columns, rows):
     return t
 
 
-def _print(*things) -> None:
+def _console(stderr: bool = False):
+    """rich's Console at the terminal's width, or 120 columns in a log (rich's own default there is
+    80, which squeezes the bars and tables)."""
+    import os
+
     from rich.console import Console
 
-    c = Console()
+    stream = sys.stderr if stderr else sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return Console(stderr=stderr, width=None if tty or os.environ.get("COLUMNS") else 120)
+
+
+def _print(*things) -> None:
+    c = _console()
     for t in things:
         c.print(t)
 
@@ -212,8 +222,9 @@ def convert(json_out: bool, **options):
     kept = f"; {res.resumed_shards} shards kept from the interrupted run" if res.resumed_shards else ""
     _print(
         f"[bold green]done[/] {res.out}: {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)} in "
-        f"{res.seconds:.1f} s "
-        f"({res.gbps:.3f} GB/s); {res.tensors_int4} {'FP8 block' if res.plan['options'].get('scheme') else 'INT4'} "
+        f"{res.seconds:.1f} s"
+        + (f" ({res.gbps:.3f} GB/s)" if res.gbps >= 0.0005 else "")  # a run of kept shards read nothing new
+        + f"; {res.tensors_int4} {'FP8 block' if res.plan['options'].get('scheme') else 'INT4'} "
         f"tensors quantized{err}"
         + (f"; {res.passed_through} INT4 tensors passed through bit for bit" if res.passed_through else "")
         + kept
@@ -379,6 +390,10 @@ def check_cmd(json_out: bool, engine: str | None, engine_python, engine_toleranc
             _print("proven: " + "; ".join([files, *proven_parts(v)]))
         for f in rep.failures[:20]:
             typer.echo(f"FAIL {f}", err=True)
+        n = sum(d["tensors"] for d in rep.summary().values())
+        what = f"{options['model']}" + (f" (TP {rep.tp} shards)" if rep.sharded else "")
+        typer.echo(f"check passed: {what}, {n} tensors" if rep.ok else
+                   f"check FAILED: {what}, {len(rep.failures)} failure(s) of {n} tensors (listed above)")
     if not rep.ok:
         raise typer.Exit(1)
 
@@ -731,7 +746,6 @@ def run_cmd(json_out: bool, recipe, out, source, data, data_dir, sets, plan: boo
         if json_out:
             typer.echo(json.dumps(res.to_dict(), indent=1))
             return
-        from rich.console import Console
         from rich.table import Table
 
         t = Table(title=f"quantize run --plan: {res.recipe} -> {res.out}")
@@ -740,18 +754,16 @@ def run_cmd(json_out: bool, recipe, out, source, data, data_dir, sets, plan: boo
         colour = {"done": "green", "skipped": "green", "stale": "yellow", "pending": "cyan", "failed": "red"}
         for s in res.stages:
             t.add_row(s.stage, f"[{colour.get(s.state, 'white')}]{s.state}[/]", s.does, s.why or s.summary)
-        Console().print(t)
+        _console().print(t)
         return
     if json_out:
         from .events import JsonEmitter
 
         emit = JsonEmitter()
     else:
-        from rich.console import Console
-
         from .events import RichEmitter
 
-        console = Console(stderr=True)
+        console = _console(stderr=True)
         inner = RichEmitter(console)
 
         def emit(e: dict) -> None:
@@ -796,7 +808,6 @@ def run_cmd(json_out: bool, recipe, out, source, data, data_dir, sets, plan: boo
     if json_out:
         typer.echo(json.dumps({"event": "result", **res.to_dict()}))
         return
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"quantize run: {res.out} ({res.seconds:.1f} s)")
@@ -804,7 +815,7 @@ def run_cmd(json_out: bool, recipe, out, source, data, data_dir, sets, plan: boo
         t.add_column(c)
     for s in res.stages:
         t.add_row(s.stage, s.state, "-" if s.seconds is None else f"{s.seconds:.1f}", s.summary)
-    Console().print(t)
+    _console().print(t)
 
 
 def main():  # pragma: no cover

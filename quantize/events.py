@@ -35,15 +35,18 @@ class RichEmitter:
         self.task = None
 
     def __call__(self, event: dict) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeRemainingColumn, TransferSpeedColumn)
 
         kind = event.get("event")
         if kind == "start":
+            # the unit counted: bytes (a size and a speed), or tensors / layers / chunks... (a count, named)
+            unit = event.get("unit", "bytes")
+            count = ((DownloadColumn(binary_units=True), TransferSpeedColumn()) if unit == "bytes"
+                     else (MofNCompleteColumn(), TextColumn(unit)))
             self.progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"),
-                console=self.console, transient=False,
+                TextColumn("[bold]{task.description}"), BarColumn(), *count, TimeRemainingColumn(),
+                TextColumn("{task.fields[tensor]}"), console=self.console, transient=False,
             )
             self.progress.start()
             self.task = self.progress.add_task(event.get("stage", "convert"), total=event.get("total_bytes"), tensor="",

@@ -1034,7 +1034,7 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
                 )
             break
         if rec is None:
-            state, why = "pending", "not run yet"
+            state, why = "pending", ""  # the state says it; the run's header shows no reason
         elif rec.get("hash") == h and not upstream and rec.get("state") == "running":
             state, why = "pending", "interrupted: continues" + (" (convert --resume)" if name == "convert" else "")
         elif rec.get("hash") == h and not upstream:

@@ -558,7 +558,8 @@ def _finish(
 
 def _measure(streamer, batch, clip, error_samples, layout, rope_dim, emit):
     tokens = sum(int(x.numel()) for x in batch.ids)
-    emit({"event": "start", "stage": "calibrate-kv", "total_bytes": streamer.num_layers, "done_bytes": 0})
+    emit({"event": "start", "stage": "calibrate-kv", "total_bytes": streamer.num_layers, "done_bytes": 0,
+          "unit": "layers"})
     reports: list[LayerReport] = []
     obs: dict[int, LayerObs] = {}
     handles: list = []

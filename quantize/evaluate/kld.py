@@ -379,7 +379,7 @@ def kld(
 
     kl_all, agree, nll_b, nll_c, topk_sum = [], 0, 0.0, 0.0, 0.0
     n = 0
-    emit({"event": "start", "stage": "kld", "total_bytes": len(chunks), "done_bytes": 0})
+    emit({"event": "start", "stage": "kld", "total_bytes": len(chunks), "done_bytes": 0, "unit": "chunks"})
     try:
         for i, c in enumerate(chunks):
             target = c[1:].to(dev)
@@ -624,7 +624,8 @@ def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chu
         with Served(srv["serve"], path, role=role, logprobs=top_k, **kw) as s:
             def score(s):
                 out = []
-                emit({"event": "start", "stage": f"kld {role} (served)", "total_bytes": len(chunks), "done_bytes": 0})
+                emit({"event": "start", "stage": f"kld {role} (served)", "total_bytes": len(chunks), "done_bytes": 0,
+                      "unit": "chunks"})
                 for i, c in enumerate(chunks):
                     out.append(sv.prompt_logprobs(s, c.tolist(), top_k))
                     emit({"event": "tensor", "name": f"chunk {i}", "done_bytes": i + 1})

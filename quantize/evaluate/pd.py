@@ -310,7 +310,7 @@ def pd_fidelity(
         if r not in by_path:
             by_path[r] = _load(p, torch.float32, dev)
         models[k] = by_path[r]
-    emit({"event": "start", "stage": "pd-fidelity", "total_bytes": len(ROWS) + 1, "done_bytes": 0})
+    emit({"event": "start", "stage": "pd-fidelity", "total_bytes": len(ROWS) + 1, "done_bytes": 0, "unit": "steps"})
     prefills: dict[str, tuple] = {}  # prefill side -> (its prompt cache, its latent tap)
 
     def prefill(side: str):
