@@ -376,7 +376,8 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
     try:
         names = [n for n in src.tensors if n.rpartition(".")[2] not in FP8_SCALE_NAMES + ("input_scale",)
                  or n.rpartition(".")[0] + ".weight" not in src.tensors]
-        emit({"event": "start", "stage": "check against source", "total_bytes": len(names), "done_bytes": 0, "unit": "tensors"})
+        emit({"event": "start", "stage": "check against source", "total_bytes": len(names), "done_bytes": 0,
+              "unit": "tensors"})
         for i, name in enumerate(names):
             emit({"event": "tensor", "name": name, "done_bytes": i + 1})
             base = name[: -len(".weight")] if name.endswith(".weight") else None

@@ -24,8 +24,14 @@ from .test_engine import SERVES_INT4, smol_w4a16  # noqa: E402,F401 - the fixtur
 from .test_serve import _listening  # noqa: E402
 
 needs_engine = pytest.mark.skipif(not has_engine(), reason="no vLLM interpreter (.venv-vllm / QUANTIZE_VLLM_PYTHON)")
-# vLLM's CPU build: fp32 weights as bf16 kernels would run; one sequence at a time; a small KV cache
-SERVE_ARGS = "--dtype float32 --max-model-len 1024 --max-num-seqs 4 --enforce-eager"
+# vLLM's CPU build in fp32, a small KV cache; the engine core and its worker in the server's own process
+# (with VLLM_ENABLE_V1_MULTIPROCESSING=0 below): 35 s to healthy instead of 53 s on 2 cores
+SERVE_ARGS = "--dtype float32 --max-model-len 1024 --max-num-seqs 4 --enforce-eager --distributed-executor-backend uni"
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ARC = [("What do plants need to make food?", ["sunlight", "sand", "plastic", "noise"], 0),
        ("Which of these is a liquid at room temperature?", ["iron", "water", "wood", "stone"], 1),
        ("What force pulls objects toward the Earth?", ["magnetism", "friction", "gravity", "wind"], 2),
