@@ -159,6 +159,7 @@ class Architecture:
         return (
             [(re.compile(p), r) for p, r in self.layer_rules],
             [(re.compile(p), r) for p, r in self.global_rules],
+            {},  # in-layer name -> role, filled as names are seen
         )
 
     def role_of(self, name: str) -> tuple[str, int | None]:
@@ -166,16 +167,17 @@ class Architecture:
         compiled = _COMPILED.get(self.name)
         if compiled is None:
             compiled = _COMPILED[self.name] = self._compiled()
-        layer_rules, global_rules = compiled
+        layer_rules, global_rules, memo = compiled
         rest = name[len(self.prefix) :] if self.prefix and name.startswith(self.prefix) else name
         m = _LAYER_RE.match(rest)
         if m:
             layer, local = int(m.group(1)), m.group(2)
-            module = local.rsplit(".", 1)[0]
-            for rx, role in layer_rules:
-                if rx.fullmatch(local) or rx.fullmatch(module):
-                    return role, layer
-            return "other", layer
+            role = memo.get(local)  # a layer rule sees only the name within the layer: one scan per distinct one
+            if role is None:
+                module = local.rsplit(".", 1)[0]
+                role = next((r for rx, r in layer_rules if rx.fullmatch(local) or rx.fullmatch(module)), "other")
+                memo[local] = role
+            return role, layer
         module = rest.rsplit(".", 1)[0]
         for rx, role in global_rules:
             if rx.fullmatch(rest) or rx.fullmatch(module):

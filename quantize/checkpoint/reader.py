@@ -26,9 +26,9 @@ def fp8_scale_format(weight: TensorRef, scale: TensorRef, block: tuple[int, int]
     ``weight_scale`` is per output row, one per tensor, or a block grid."""
     out, grid = weight.shape[0], block_grid(weight.shape, block)
     shape = tuple(scale.shape)
-    where = Path(folder) / scale.file
     if scale.name.endswith("weight_scale_inv"):
         if shape != grid:
+            where = Path(folder) / scale.file
             raise QuantizeError(f"{where}: {scale.name} has shape {list(shape)}, but a {list(weight.shape)} weight "
                                 f"with {block[0]}x{block[1]} blocks needs {list(grid)} (ceil grid); the checkpoint is "
                                 f"corrupt")
@@ -37,6 +37,7 @@ def fp8_scale_format(weight: TensorRef, scale: TensorRef, block: tuple[int, int]
         return "channel"
     if shape == grid:
         return "block"
+    where = Path(folder) / scale.file
     raise QuantizeError(f"{where}: {scale.name} has shape {list(shape)}, which fits neither a per-channel "
                         f"[{out}, 1] nor a {block[0]}x{block[1]} block scale of {list(weight.shape)}")
 
