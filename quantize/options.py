@@ -972,6 +972,14 @@ class EvalOptions(Options):
         False, "show lm-eval's and transformers' own output (default: written to a log file named at the end)",
         record=False,
     )
+    save_baseline: Path | None = opt(
+        None, "write the baseline's per-document results here, for --baseline-results (its engine stopped, the "
+        "next candidate compared without serving it again)", recipe=False,
+    )
+    baseline_results: Path | None = opt(
+        None, "reuse a --save-baseline file instead of running the baseline (the same tasks, limit, data and "
+        "baseline model, or it is refused)", recipe=False,
+    )
 
 
 @dataclass

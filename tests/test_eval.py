@@ -231,3 +231,36 @@ def test_quiet_by_default_its_output_in_a_named_log(models, tmp_path):
     assert "Loading weights" not in p.stdout + p.stderr
     rep = evaluate(base, cand, tasks="arc_easy", limit=2, data_dir=_data(tmp_path), resamples=200, verbose=True)
     assert rep.log is None  # --verbose: nothing captured
+
+
+def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp_path, monkeypatch):
+    """--save-baseline keeps the baseline's per-document results; --baseline-results compares the next
+    candidate against them without running the baseline again, and only for the same comparison."""
+    import quantize.evaluate.run as run
+
+    base, cand = models
+    data, saved = _data(tmp_path), tmp_path / "base.json"
+    first = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, save_baseline=saved)
+    calls = []
+    real = run._run_model
+    monkeypatch.setattr(run, "_run_model", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
+    again = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, baseline_results=saved)
+    assert calls == [str(cand)]  # the candidate alone ran
+    assert [(t.baseline, t.candidate, t.docs) for t in again.tasks] == [(t.baseline, t.candidate, t.docs)
+                                                                         for t in first.tasks]
+    assert again.measured["baseline"]["reused"] is True
+    for kw, what in ((dict(limit=2), "another --limit"), (dict(tasks="arc_challenge"), "other tasks")):
+        args = {**dict(tasks="arc_easy", limit=3, data_dir=data, resamples=200, baseline_results=saved), **kw}
+        with pytest.raises(QuantizeError, match=f"made for {what} than this run"):
+            evaluate(base, cand, **args)
+    with pytest.raises(QuantizeError, match="made for another baseline model"):
+        evaluate(cand, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=saved)
+    (data / "arc" / "arc_easy.jsonl").write_text((data / "arc" / "arc_easy.jsonl").read_text() + "\n")
+    with pytest.raises(QuantizeError, match="made for other evaluation data"):
+        evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=saved)
+    with pytest.raises(QuantizeError, match="--save-baseline with --baseline-results"):
+        evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=saved, save_baseline=saved)
+    other = tmp_path / "other.json"
+    other.write_text('{"hello": 1}')
+    with pytest.raises(QuantizeError, match="not a file `quantize eval --save-baseline` wrote"):
+        evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=other)

@@ -22,7 +22,8 @@ from ..options import EVAL_TASKS, EvalOptions, takes
 from .tasks import _task_manager, data_folder, task_configs
 
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
-REPORT_KIND, MARKDOWN_KIND = "eval", "eval-markdown"
+REPORT_KIND, MARKDOWN_KIND, BASELINE_KIND = "eval", "eval-markdown", "eval-baseline"
+SAMPLE_KEYS = ("doc_id", "filter", "acc", "acc_norm", "exact_match")  # what the pairing reads of a sample
 
 
 @dataclass
@@ -171,7 +172,7 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 @takes(EvalOptions)
 def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, device, batch_size,
              resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype, serve_args, serve_port,
-             serve_timeout_s, serve_log, verbose) -> EvalReport:
+             serve_timeout_s, serve_log, verbose, save_baseline, baseline_results) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
@@ -179,9 +180,14 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     from ..checkpoint.output import report_target, write_report
     from .kld import check_device, same_model, same_tokenizer
 
-    inputs = [baseline, candidate, data_folder(data_dir)]
+    inputs = [baseline, candidate, data_folder(data_dir), baseline_results]
     if out is not None:  # before anything is read or loaded
         report_target(out, REPORT_KIND, inputs, "--out")
+    if save_baseline is not None:
+        if baseline_results is not None:
+            raise QuantizeError("--save-baseline with --baseline-results: the baseline is read, not run, so there is "
+                                "nothing to save; drop one of them")
+        report_target(save_baseline, BASELINE_KIND, inputs, "--save-baseline")
     if markdown is not None:
         if Path(markdown).is_dir():
             raise QuantizeError(f"--markdown {markdown}: is a folder; name a file inside it, e.g. "
@@ -208,7 +214,9 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if not names:
         raise QuantizeError(f"--tasks {tasks!r}: names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}")
     configs, groups = task_configs(names, data_dir, max_gen_toks)
-    for url in (base_url, baseline_url):
+    ident = _baseline_identity(baseline, names, limit, max_gen_toks, configs)
+    saved = _saved_baseline(baseline_results, ident) if baseline_results is not None else None
+    for url in (base_url, baseline_url if saved is None else None):
         if url:
             served_model(url)  # fail fast, before the baseline run
     from ..quiet import captured, kept, new_log
@@ -219,10 +227,13 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
             rb, rc, measured = _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url,
                                      serve, dict(python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype,
                                                  extra_args=serve_args, port=serve_port, timeout_s=serve_timeout_s,
-                                                 log_dir=serve_log))
+                                                 log_dir=serve_log), saved)
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
+    if save_baseline is not None:
+        write_report(save_baseline, {"identity": ident, "measured": measured["baseline"],
+                                     "samples": _kept_samples(rb)}, BASELINE_KIND, inputs, "--save-baseline")
     results = _paired(rb, rc, groups, max_drop, resamples)
     log = kept(log)
     rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured, str(log) if log else None)
@@ -233,12 +244,61 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     return rep
 
 
-def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict):
+def _kept_samples(res: dict) -> dict:
+    """What the pairing reads of lm-eval's samples (``SAMPLE_KEYS``), per task: a saved baseline."""
+    return {t: [{k: s[k] for k in SAMPLE_KEYS if k in s} for s in samples] for t, samples in res["samples"].items()}
+
+
+def _baseline_identity(baseline, names: list[str], limit, max_gen_toks, configs: list) -> dict:
+    """What a saved baseline's results depend on: the baseline model (config, weights' headers,
+    tokenizer: ``kld.model_identity``), the tasks, limit and generation cap, and the data files
+    (each one's SHA-256; the Hub's dataset names when read from the Hub)."""
+    import hashlib
+
+    from .kld import model_identity
+
+    data = {}
+    for c in configs:
+        if isinstance(c, dict):
+            for split, f in (c.get("dataset_kwargs") or {}).get("data_files", {}).items():
+                data[f"{c['task']}/{split}"] = hashlib.sha256(Path(f).read_bytes()).hexdigest()
+        else:
+            data[str(c)] = "hub"
+    return {"model": model_identity(Path(baseline)), "tasks": names, "limit": limit, "max_gen_toks": max_gen_toks,
+            "data": data}
+
+
+def _saved_baseline(path, ident: dict) -> dict:
+    """A ``--save-baseline`` file, refused in one line unless it was made for this comparison."""
+    from ..parse import load_json
+
+    doc = load_json(path, "saved baseline", kind="report")
+    if (doc.get("written_by") or {}).get("kind") != BASELINE_KIND:
+        raise QuantizeError(f"--baseline-results {path}: not a file `quantize eval --save-baseline` wrote; pass one")
+    have = doc.get("identity") if isinstance(doc.get("identity"), dict) else {}
+    for key, what in (("model", "another baseline model (config, weights or tokenizer)"), ("tasks", "other tasks"),
+                      ("limit", "another --limit"), ("max_gen_toks", "another --max-gen-toks"),
+                      ("data", "other evaluation data")):
+        if have.get(key) != ident[key]:
+            raise QuantizeError(f"--baseline-results {path}: made for {what} than this run; rerun with the same "
+                                f"options, or save the baseline again (--save-baseline)")
+    samples = doc.get("samples")
+    if not isinstance(samples, dict) or not all(isinstance(v, list) for v in samples.values()):
+        raise QuantizeError(f"--baseline-results {path}: its samples are not per-task lists; save the baseline again")
+    return {"samples": samples, "measured": doc.get("measured") or {}}
+
+
+def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
+          saved: dict | None = None):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine),
-    and where each was measured."""
+    and where each was measured; ``saved``: the baseline's, read from a --save-baseline file."""
     measured: dict = {}
     runs = []
     for role, path, url in (("baseline", baseline, baseline_url), ("candidate", candidate, base_url)):
+        if role == "baseline" and saved is not None:
+            runs.append({"samples": saved["samples"]})
+            measured[role] = {"engine": "unknown", **saved["measured"], "reused": True}
+            continue
         if serve is None:
             runs.append(_run_model(str(path), configs, limit, device, batch_size, url))
             measured[role] = {"engine": "server", "url": url} if url else {"engine": "transformers", "device": device}
