@@ -69,21 +69,21 @@ def smol_dequantized(smol_w4a16, tmp_path_factory):
 def test_served_eval_scores_the_items_transformers_scores(smollm2, smol_dequantized, tmp_path):
     candidate = smol_dequantized  # lm-eval's path through the server; the INT4 kernels: the KLD test below
     data = _arc_data(tmp_path)
-    local = evaluate(smollm2, candidate, tasks="arc_easy", data_dir=data, resamples=200)
+    base = tmp_path / "base.json"  # the local baseline's results, reused: only the candidate is served
+    local = evaluate(smollm2, candidate, tasks="arc_easy", data_dir=data, resamples=200, save_baseline=base)
     served = evaluate(smollm2, candidate, tasks="arc_easy", data_dir=data, resamples=200, serve="vllm",
-                      serve_args=SERVE_ARGS, serve_log=tmp_path / "logs", out=tmp_path / "served.json")
+                      serve_args=SERVE_ARGS, serve_log=tmp_path / "logs", out=tmp_path / "served.json",
+                      baseline_results=base)
     lt, st = local.tasks[0], served.tasks[0]
     assert st.docs == lt.docs and st.n == len(ARC)
     differ = [(d, a, b) for d, a, b in zip(lt.docs, lt.candidate_items + lt.baseline_items,
                                            st.candidate_items + st.baseline_items) if a != b]
-    print(f"\nserved vs local arc_easy ({len(ARC)} items): baseline {st.baseline:.1f} vs {lt.baseline:.1f}, candidate "
-          f"{st.candidate:.1f} vs {lt.candidate:.1f}; {len(differ)} item scores differ; start-up "
-          f"{served.measured['baseline']['startup_s']} s / {served.measured['candidate']['startup_s']} s")
+    print(f"\nserved vs local arc_easy ({len(ARC)} items): candidate {st.candidate:.1f} vs {lt.candidate:.1f}; "
+          f"{len(differ)} item scores differ; start-up {served.measured['candidate']['startup_s']} s")
     assert len(differ) <= 1, differ  # fp32 weights on vLLM's CPU kernels vs transformers: at most a near tie flips
     m = json.loads((tmp_path / "served.json").read_text())["measured"]
-    assert m["candidate"]["engine"] == "vllm" and m["candidate"]["version"]
-    for role in ("baseline", "candidate"):
-        assert not _listening(int(m[role]["launch"].split("--port ")[1].split()[0]))
+    assert m["candidate"]["engine"] == "vllm" and m["candidate"]["version"] and m["baseline"]["reused"]
+    assert not _listening(int(m["candidate"]["launch"].split("--port ")[1].split()[0]))
 
 
 @needs_engine
