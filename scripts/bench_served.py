@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SERVE_ARGS = "--dtype float32 --max-model-len 1024 --max-num-seqs 4 --enforce-eager --distributed-executor-backend uni"
+SERVE_ARGS = "--dtype float32 --max-model-len 2048 --max-num-seqs 4 --enforce-eager --distributed-executor-backend uni"
 
 
 def _cpu_serves_int4() -> bool:
