@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("smollm2", type=Path)
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--tasks", default="arc_easy,gsm8k")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in the server's process: faster start
 
@@ -50,7 +51,7 @@ def main() -> None:
             if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
                 shutil.copy(f, cand / f.name)
         print("this CPU lacks AVX-512/AMX: vLLM serves the INT4 weights dequantized to floats")
-    kw = dict(tasks="arc_easy,gsm8k", limit=a.limit, data_dir="shipped", max_gen_toks=128, resamples=1000)
+    kw = dict(tasks=a.tasks, limit=a.limit, data_dir="shipped", max_gen_toks=128, resamples=1000)
     t = time.time()
     local = evaluate(a.smollm2, cand, **kw)
     t_local = time.time() - t
