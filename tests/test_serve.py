@@ -17,14 +17,13 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'quantize[eval]')")
 
-from quantize.convert import convert  # noqa: E402
 from quantize.engines import serve as sv  # noqa: E402
 from quantize.errors import QuantizeError  # noqa: E402
 from quantize.evaluate.kld import _chunks, kld_table  # noqa: E402
 from quantize.evaluate.run import evaluate  # noqa: E402
 from quantize.evaluate.served import position_kl, sparse  # noqa: E402
 
-from .test_eval import _data  # noqa: E402
+from .test_eval import _data, models  # noqa: E402,F401 - the fixture
 
 FAKE = Path(__file__).with_name("fake_engine.py")
 
@@ -38,14 +37,6 @@ def _fake_python(tmp_path: Path, version: str = "0.32.0") -> Path:
                  f'exec {sys.executable} {FAKE} "$@"\n')
     p.chmod(0o755)
     return p
-
-
-@pytest.fixture(scope="module")
-def models(tiny, tmp_path_factory):
-    base = tiny("llama", layout="bf16")
-    cand = tmp_path_factory.mktemp("sv") / "g32"
-    convert(base, cand, profile="all-linear")
-    return base, cand
 
 
 def _alive(pid: int) -> bool:

@@ -57,6 +57,16 @@ class KldReport:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def of(cls, baseline: str, candidate: str, kl: torch.Tensor, agree: int, nll_b: float, nll_c: float, chunk: int,
+           text: str, **extra) -> "KldReport":
+        """The report of per-token KL values ``kl`` (float64), the same-top-1 count and both summed
+        negative log-likelihoods, over ``kl.numel()`` tokens: what a local and a served run both give."""
+        n = kl.numel()
+        q = lambda p: float(torch.quantile(kl, p)) if n > 1 else float(kl[0])  # noqa: E731
+        return cls(baseline, candidate, n, chunk, float(kl.mean()), q(0.5), q(0.99), q(0.999), float(kl.max()),
+                   agree / n, _exp(nll_b / n), _exp(nll_c / n), _exp((nll_c - nll_b) / n), text, **extra)
+
 
 def check_device(device: str) -> torch.device:
     """``--device`` for local models: cpu, or cuda / cuda:N when that GPU is visible; one line otherwise."""
@@ -413,10 +423,8 @@ def kld(
             n += target.numel()
             emit({"event": "tensor", "name": f"chunk {i}", "done_bytes": i + 1})
         k = torch.cat(kl_all).double()
-        q = lambda p: float(torch.quantile(k, p)) if k.numel() > 1 else float(k[0])  # noqa: E731
-        rep = KldReport(str(baseline or baseline_logits), str(candidate), n, chunk, float(k.mean()), q(0.5), q(0.99),
-                        q(0.999), float(k.max()), agree / n, _exp(nll_b / n), _exp(nll_c / n),
-                        _exp((nll_c - nll_b) / n), str(text_path), top_k=top_k, kld_topk_mean=topk_sum / n)
+        rep = KldReport.of(str(baseline or baseline_logits), str(candidate), k, agree, nll_b, nll_c, chunk,
+                           str(text_path), top_k=top_k, kld_topk_mean=topk_sum / n)
         bad = [f for f, v in rep.to_dict().items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
             raise CheckFailed(f"--candidate {cand_path}: {', '.join(bad)} not finite; the candidate fails")
@@ -637,7 +645,7 @@ def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chu
     reports = []
     for cand in candidates:
         cand_rows, where = rows_of(cand, "candidate")
-        kl, agree, nll_b, nll_c, n = [], 0, 0.0, 0.0, 0
+        kl, agree, nll_b, nll_c = [], 0, 0.0, 0.0
         for c, rb, rc in zip(chunks, base_rows, cand_rows):
             for j, (b, q) in enumerate(zip(rb, rc)):
                 t = int(c[j + 1])
@@ -645,12 +653,8 @@ def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chu
                 agree += sv.top1(b) == sv.top1(q)
                 nll_b -= b[t]
                 nll_c -= q[t]
-                n += 1
         k = torch.tensor(kl, dtype=torch.float64)
-        q = lambda p: float(torch.quantile(k, p)) if k.numel() > 1 else float(k[0])  # noqa: E731
-        reports.append(KldReport(str(baseline), str(cand), n, chunk, float(k.mean()), q(0.5), q(0.99), q(0.999),
-                                 float(k.max()), agree / n, _exp(nll_b / n), _exp(nll_c / n),
-                                 _exp((nll_c - nll_b) / n), str(text_path),
-                                 estimator=f"top-{top_k} lower bound (served)", top_k=top_k,
-                                 measured={"baseline": base_where, "candidate": where}))
+        reports.append(KldReport.of(str(baseline), str(cand), k, agree, nll_b, nll_c, chunk, str(text_path),
+                                    estimator=f"top-{top_k} lower bound (served)", top_k=top_k,
+                                    measured={"baseline": base_where, "candidate": where}))
     return KldTable(str(baseline), reports)

@@ -214,7 +214,9 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if not names:
         raise QuantizeError(f"--tasks {tasks!r}: names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}")
     configs, groups = task_configs(names, data_dir, max_gen_toks)
-    ident = _baseline_identity(baseline, names, limit, max_gen_toks, configs)
+    # a saved baseline's identity (every data file hashed): only where one is written or read
+    ident = (_baseline_identity(baseline, names, limit, max_gen_toks, configs)
+             if save_baseline is not None or baseline_results is not None else None)
     saved = _saved_baseline(baseline_results, ident) if baseline_results is not None else None
     for url in (base_url, baseline_url if saved is None else None):
         if url:
