@@ -51,8 +51,26 @@ class _OneLineErrors(typer.core.TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+class _Flags:
+    """--help is a flag: shown without the "<bool>" typer puts after it (its metavar empty)."""
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Group(_Flags, _OneLineErrors):
+    pass
+
+
+class _Command(_Flags, typer.core.TyperCommand):
+    pass
+
+
 app = typer.Typer(
-    cls=_OneLineErrors,
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -82,7 +100,7 @@ def command(
                     "json_out",
                     inspect.Parameter.KEYWORD_ONLY,
                     annotation=bool,
-                    default=typer.Option(False, "--json", help=json_help),
+                    default=typer.Option(False, "--json", help=json_help, metavar=""),
                 )
             )
 
@@ -93,7 +111,7 @@ def command(
 
         cmd.__signature__ = inspect.Signature(params)
         cmd.__doc__, cmd.__name__ = body.__doc__, body.__name__
-        app.command(name)(cmd)
+        app.command(name, cls=_Command)(cmd)
         return body
 
     return deco
@@ -305,11 +323,12 @@ def plan(json_out: bool, **options):
     O.ShardOptions,
     "shard",
     json_help="print the result as JSON",
-    extra=(("merge", bool, typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT")),),
+    extra=(("merge", bool, typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT", metavar="")),),
 )
 def shard_cmd(json_out: bool, merge: bool, **options):
-    """Per-rank weights (model-rank-{r}-part-{p}.safetensors), group-aligned, checked against the
-    serving kernels' shape rules before anything is written; --merge reverses it."""
+    """Split a converted checkpoint by the TP plan into a verification layout (rank-RR/part-PPP.safetensors
+    and shard_manifest.json; not an engine load format), group-aligned, checked against the serving
+    kernels' shape rules before anything is written; --merge restores the folder byte for byte."""
     from . import shard as sh
 
     if merge:
@@ -342,7 +361,7 @@ ENGINE_HELP = (
 )
 def check_cmd(json_out: bool, engine: str | None, engine_python, engine_tolerance, **options):
     """Run the packed INT4 kernels on what was written against references; exit 1 on any failure.
-    With --engine vllm: the checkpoint served by vLLM against transformers (README: 'A real engine')."""
+    With --engine vllm: the checkpoint served by vLLM against transformers (docs/vllm-cpu.md)."""
     _run(O.validate, O.EngineCheckOptions(engine_python=engine_python, engine_tolerance=engine_tolerance))
     if engine is None and (engine_python is not None or engine_tolerance != O.ENGINE_TOLERANCE):
         _refuse("--engine-python/--engine-tolerance are options of --engine vllm; add --engine vllm or drop them")
@@ -602,7 +621,7 @@ def eval_pd_cmd(json_out: bool, **options):
     typer.echo(f"stored: {prep.stored}")
 
 
-@app.command("list-archs")
+@app.command("list-archs", cls=_Command)
 def list_archs():
     """Architectures the registry knows."""
     from .archs import REGISTRY

@@ -337,7 +337,9 @@ def cli_parameters(model: type) -> list[inspect.Parameter]:
         if tp is bool and "/" not in decl and f.default is True:
             decl = f"{decl}/--no-{decl[2:]}"
         text = s.help + (f" (default {s.method_default})" if s.method_default is not None else "")
-        default = typer.Option(None if f.default is MISSING else f.default, decl, help=text or None, metavar=s.metavar)
+        # a flag takes no value: no "<bool>" after it in --help (typer shows one unless the metavar is empty)
+        metavar = "" if _base(th[f.name])[0] is bool and s.metavar is None else s.metavar
+        default = typer.Option(None if f.default is MISSING else f.default, decl, help=text or None, metavar=metavar)
         opts.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=tp))
     return args + opts
 
@@ -1164,8 +1166,8 @@ class CardOptions(Options):
     model: Path | None = opt(None, "a quantize output (convert, or calibrate-kv --out)", argument=True, metavar="DIR")
     eval: list[Path] | None = opt(
         None,
-        "a `quantize eval --out`, `eval-kld --out` or `check --json` report (repeatable; "
-        "default: those of the last card)",
+        "a `quantize eval --out`, `eval-kld --out`, `calibrate-kv --stats-out` or `check --json` report "
+        "(repeatable; default: those of the last card)",
     )
     repo_id: str | None = opt(
         None, "the Hub repo (namespace/name) the card is for: its title and launch lines (default: the folder's "

@@ -624,7 +624,7 @@ def _run_pd_eval(ctx: Ctx, resume: bool) -> dict:
 def _run_card(ctx: Ctx, resume: bool) -> dict:
     from .publish import card as cd
 
-    reports = [ctx.path(a) for a in ("check_report", "eval_report") if a in ctx.art]
+    reports = [ctx.path(a) for a in ("kv_report", "check_report", "eval_report") if a in ctx.art]
     res = cd.card(  # push writes the same card
         ctx.path("model"), eval=reports or None, repo_id=ctx.p.opts["repo"], base_model=ctx.p.opts["base_model"]
     )
@@ -771,7 +771,7 @@ def _does(p: Pipeline, name: str) -> str:
             f"{o['pd']['kv_cache_dtype']}, "
             f"decoded by the model; KLD/top-1 against the source, beside the model alone"
         ),
-        "card": lambda: "write the model card (README.md) from the records and the check/eval reports"
+        "card": lambda: "write the model card (README.md) from the records and the KV, check and eval reports"
         + (f", base_model {o['base_model']}" if o["base_model"] else ""),
         "prefill": lambda: (
             f"write the prefill artifact (card + SGLang PD launch lines pointing at "
@@ -795,7 +795,9 @@ STAGE_TABLE = {
     ),
     "eval": Stage("eval", ("model", "source"), (), _opts_eval, _run_eval),
     "pd-eval": Stage("pd-eval", ("model", "source"), ("prefill_model",), _opts_pd, _run_pd_eval),
-    "card": Stage("card", ("model",), ("check_report", "eval_report"), lambda p: _base_opts(p), _run_card),
+    "card": Stage(
+        "card", ("model",), ("kv_report", "check_report", "eval_report"), lambda p: _base_opts(p), _run_card
+    ),
     "prefill": Stage("prefill", ("source", "model"), ("pd_report", "prefill_model"), _opts_prefill, _run_prefill),
     "push": Stage(
         "push", ("model",), ("card",), lambda p: dict(p.opts["push"]) | {"repo": p.opts["repo"]} | _base_opts(p),

@@ -57,7 +57,7 @@ def test_card_from_a_hub_snapshot_carries_base_model_and_licence(tiny, tmp_path)
     assert "Not measured for this folder" in text and "No evaluation report attached" in text
     # tiny GLM-5 has 4 heads: TP 8 is refused with the reason, the figures and launch lines use TP 4
     assert "TP 8 | does not fit:" in text and "4 attention heads" in text
-    assert f"--model-path {out.resolve()} --tp 4 --kv-cache-dtype fp8_e4m3" in text
+    assert f"--model-path {out.name} --tp 4 --kv-cache-dtype fp8_e4m3" in text and str(out.resolve()) not in text
     assert "--tp 8" not in text
     # the source's card is kept in the record; the folder still proves every file
     assert (out / ".quantize" / "source_README.md").read_text() == SOURCE_CARD
@@ -235,7 +235,8 @@ def test_calibrate_kv_fold_output_card_follows_its_conversion(converted, tmp_pat
     out = tmp_path / "fold"
     calibrate_kv(q, out, fold=True, samples=4, seq_len=48)
     text = card(out).text
-    assert f"Measured by `quantize calibrate-kv` on `{q}` (before the fold below): mla cache, target sglang" in text
+    assert f"Measured by `quantize calibrate-kv` on `{q.name}` (before the fold below): mla cache, target sglang" in text
+    assert str(q) not in text
     assert "Folded factors" in text and "| 0 | x" in text
     assert "group size 32" in text and "observer `minmax`" in text  # from the conversion's manifest
     assert "# convert: a library call" in text and "# calibrate-kv: a library call" in text
@@ -326,7 +327,7 @@ def test_an_explicit_base_model_against_the_cache_snapshot_is_noted_not_refused(
     assert _meta(res.text)["base_model"] == "zai-org/GLM-5"
     note = next(n for n in res.notes if "cache snapshot" in n)
     assert "base_model is `zai-org/GLM-5`" in note and "the Hugging Face cache snapshot of `zai-org/GLM-5-FP8`" in note
-    assert "> Note: " + note in res.text
+    assert "> Note: " + note.replace(str(snap), f"zai-org/GLM-5-FP8@{REV[:12]}") in res.text and str(tmp_path) not in res.text
     # the near miss: the snapshot's own repo given explicitly says nothing
     res = card(out, base_model="zai-org/GLM-5-FP8")
     assert not any("snapshot" in n for n in res.notes) and _meta(res.text)["base_model"] == "zai-org/GLM-5-FP8"
@@ -495,3 +496,61 @@ def test_card_repo_names_the_title_and_launch_lines(folder, tmp_path):
     p = subprocess.run([sys.executable, "-m", "quantize.cli", "card", str(folder), "--repo", "not a repo"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--repo 'not a repo': not a Hub repo id" in p.stderr
+
+
+def test_no_path_of_this_machine_reaches_the_card(folder, tmp_path):
+    """The card goes to the Hub: the source, the commands, the reports' models and the launch lines
+    name folders by what a reader can use (this folder by its name, a cache snapshot by its repo),
+    never by this machine's absolute paths; Hub ids, URLs and ratios are left alone."""
+    from pathlib import Path
+
+    from quantize.publish.card import delocalize
+
+    card(folder)
+    text = (folder / "README.md").read_text()
+    assert str(tmp_path) not in text and str(folder.resolve()) not in text
+    assert "--model-path glm-int4 " in text and "`glm-int4` is this folder; `quantize card --repo ID`" in text
+    here = Path("/work/runs/glm/model")
+    snap = "/home/u/.cache/huggingface/hub/models--zai-org--GLM-5-FP8/snapshots/" + REV
+    got = delocalize(
+        f"source `{snap}`, see /work/runs/glm/model/config.json; run --out /work/runs/glm. "
+        "https://huggingface.co/zai-org/GLM-5-FP8 zai-org/GLM-5-FP8 lr 1/iters, absmax / 7.5; /work/runs/glm/model",
+        here, "GLM-5-W4A16",
+    )
+    assert got == (
+        "source `zai-org/GLM-5-FP8@0123456789ab`, see config.json; run --out glm. "
+        "https://huggingface.co/zai-org/GLM-5-FP8 zai-org/GLM-5-FP8 lr 1/iters, absmax / 7.5; GLM-5-W4A16"
+    )
+
+
+def test_a_calibrate_kv_report_fills_the_kv_section_and_a_bad_one_is_named(folder, tmp_path):
+    """`quantize card DIR --eval kv.json` with a `calibrate-kv --stats-out` report: the card's FP8 KV
+    section shows its verdict and per-layer table (without one it says "Not measured"); a report
+    whose layer holds a wrong type, or too many layers, is one line naming the key."""
+    from quantize.calibrate.kv import calibrate_kv
+    from quantize.publish.card import MAX_LAYERS
+
+    card(folder)
+    assert "Not measured for this folder" in (folder / "README.md").read_text()
+    kv = tmp_path / "kv.json"
+    calibrate_kv(folder, None, samples=2, seq_len=16, stats_out=kv)
+    res = card(folder, eval=[kv])
+    assert [r["kind"] for r in res.reports] == ["kv"]
+    sec = (folder / "README.md").read_text().split("## FP8 KV cache")[1].split("## Checks")[0]
+    assert "Measured by `quantize calibrate-kv` on `glm-int4`: dsa cache, target sglang, 2 samples" in sec
+    assert "GLM-5 DSA: engines write the FP8 cache" in sec and "Not measured" not in sec
+    doc = json.loads(kv.read_text())
+    assert sum(line.startswith(f"| {x['layer']} | ") for x in doc["layers"] for line in sec.splitlines()) == len(doc["layers"])
+    bad = tmp_path / "bad-kv.json"
+    d = json.loads(kv.read_text())
+    d["layers"][1]["amax"] = "big"
+    bad.write_text(json.dumps(d))
+    with pytest.raises(QuantizeError, match=r"--eval .*bad-kv.json: layers\[1\]\.amax is a string, not a finite number"):
+        card(folder, eval=[bad])
+    d["layers"] = [doc["layers"][0]] * (MAX_LAYERS + 1)
+    bad.write_text(json.dumps(d))
+    with pytest.raises(QuantizeError, match=f"{MAX_LAYERS + 1} layers, more than the {MAX_LAYERS}"):
+        card(folder, eval=[bad])
+    d["layers"] = [doc["layers"][0]] * MAX_LAYERS  # the bound itself is accepted
+    bad.write_text(json.dumps(d))
+    assert card(folder, eval=[bad]).reports[0]["kind"] == "kv"

@@ -76,6 +76,12 @@ def test_default_recipe_end_to_end_then_kept_then_only_affected_stages_rerun(tmp
     assert json.loads((out / "reports" / "eval.json").read_text())["tasks"]["arc_easy"]["n"] == 2
     card = (out / "model" / "README.md").read_text()
     assert "quantize-demo/tiny-glm-5.2-W4A16" in card and "arc_easy" in card.lower().replace("-", "_")
+    # the card goes to the Hub: no path of this machine in it; the run's KV report is used; the size is explained
+    assert str(tmp_path) not in card and "/tmp" not in card and "source | `source` |" in card
+    kv = card.split("## FP8 KV cache")[1].split("## Checks")[0]
+    assert "Measured by `quantize calibrate-kv` on `tiny-glm-5.2-W4A16`" in kv and "target sglang" in kv
+    assert "GLM-5 DSA: engines write the FP8 cache" in kv and "| 2 |" in kv and "Not measured" not in kv
+    assert "| why larger than the source |" in card and "`--keep-fp8` keeps them FP8" in card
     push = json.loads((out / "reports" / "push.json").read_text())
     assert push["dry_run"] is True and push["sent_bytes"] == 0 and any(f["path"].endswith(".safetensors") for f in push["files"])
     started = [e["stage"] for e in events if e.get("event") == "stage" and e.get("state") == "start"]

@@ -540,6 +540,11 @@ def _finish(
             "layout": layout.name,
             "clip": clip,
             **meta,
+            # what the engines do with this cache, as this run judged it (what `quantize card --eval` shows)
+            "target": target,
+            "verdict": result.verdict,
+            "unit_scale_safe": result.unit_scale_safe,
+            "engine_scale": result.engine_scale,
             "layers": [r.__dict__ for r in reports],
         }
         write_report(stats_out, doc, STATS_KIND, [model], what="--stats-out")  # the other inputs: checked first

@@ -685,6 +685,13 @@ KLD_KEYS = {
     **{k: "nonneg?" for k in ("kld_median", "kld_p99", "kld_p999", "kld_max", "ppl_baseline", "ppl_candidate")},
 }
 CHECK_KEYS = {"model": "str?", "tp": "int?", "ok": "bool?"}
+# a `quantize calibrate-kv --stats-out` report: the measurement, the verdict, and per layer what the card's table shows
+KV_KEYS = {"model": "str?", "layout": "str", "target": "str?", "samples": "int?", "tokens": "int?",
+           "verdict": "str?", "engine_scale": "str?", "unit_scale_safe": "bool?"}
+KV_LAYER_KEYS = {"layer": "int", "amax": "num?", "percentile": "num?", "overflow_unit": "num?",
+                 "subnormal_unit": "num?", "attn_rel_err_unit": "num?", "attn_rel_err_tiles": "num?",
+                 "at_risk": "bool?", "why": "str?"}
+MAX_LAYERS = 512  # rows of a calibrate-kv report's per-layer table (GLM-5: 79 layers with MTP)
 ROLE_KEYS = {
     "tensors": "int",
     "failed": "int",
@@ -776,6 +783,10 @@ def _measured(d: dict) -> dict:
             for r in ROLES if r in m}
 
 
+def _bad_layer(i: int, v):
+    raise _Bad(f"layers[{i}] is {_json_type(v)}, not an object")
+
+
 def _bad_where(role: str, v):
     raise _Bad(f"measured.{role} is {_json_type(v)}, not an object")
 
@@ -805,6 +816,15 @@ def report_of(d, what: str, fix: str) -> dict:
             return {"kind": "eval", "report": rep}
         if isinstance(d, dict) and "kld_mean" in d and "top1_agreement" in d:
             return {"kind": "kld", "report": {**_pick(d, KLD_KEYS, ""), "measured": _measured(d)}}
+        if isinstance(d, dict) and isinstance(d.get("layers"), list) and "layout" in d and "tokens" in d:
+            rep = _pick(d, KV_KEYS, "")
+            if len(d["layers"]) > MAX_LAYERS:
+                raise _Bad(f"{len(d['layers']):,} layers, more than the {MAX_LAYERS} a card lists")
+            rep["layers"] = [
+                _pick(x, KV_LAYER_KEYS, f"layers[{i}].") if isinstance(x, dict) else _bad_layer(i, x)
+                for i, x in enumerate(d["layers"])
+            ]
+            return {"kind": "kv", "report": rep}
         if isinstance(d, dict) and "verified" in d and "failures" in d and "summary" in d:
             rep = _pick(d, CHECK_KEYS, "")
             if not isinstance(d["failures"], list):
@@ -826,8 +846,8 @@ def report_of(d, what: str, fix: str) -> dict:
     except _Bad as e:
         raise QuantizeError(f"{what}: {e}; {fix}") from None
     raise QuantizeError(
-        f"{what}: neither a `quantize eval --out` report, a `quantize eval-kld --out` report nor "
-        f"`quantize check --json` output; {fix}"
+        f"{what}: neither a `quantize eval --out` report, a `quantize eval-kld --out` report, a "
+        f"`quantize calibrate-kv --stats-out` report nor `quantize check --json` output; {fix}"
     )
 
 
@@ -843,9 +863,13 @@ def load_report(path: str | os.PathLike, folder: Path) -> dict:
         d = load_json(p, "report", kind="report", want=None)
     except QuantizeError as e:
         raise QuantizeError(f"--eval {e}") from None
-    r = report_of(d, f"--eval {p}", "pass the file `quantize eval --out`, `eval-kld --out` or `check --json` wrote")
+    r = report_of(
+        d, f"--eval {p}",
+        "pass the file `quantize eval --out`, `eval-kld --out`, `calibrate-kv --stats-out` or `check --json` wrote",
+    )
     rep = r["report"]
-    _same_model(p, rep.get("model") if r["kind"] == "check" else rep.get("candidate"), folder)
+    if r["kind"] != "kv":  # the KV cache may be measured on the source: the card says on which folder
+        _same_model(p, rep.get("model") if r["kind"] == "check" else rep.get("candidate"), folder)
     return {"file": str(p), **r}
 
 
@@ -909,6 +933,43 @@ def _gib(n: float | None) -> str:
     if n is None:
         return "not recorded"
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
+# an absolute local path in the card's text: "/" then two names or more, not after a word, ":", "/" or "<"
+# (so neither a URL, a Hub id "org/name", an HTML end tag nor a ratio like "1/iters")
+_LOCAL_PATH = re.compile(r"(?<![\w:/.~<\\-])/(?:[\w.@+=~-]+/)+[\w.@+=~-]+/?")
+
+
+def delocalize(text: str, folder: Path, name: str) -> str:
+    """The card goes to the Hub, where this machine's paths mean nothing and say too much: every
+    absolute path in ``text`` becomes what a reader can use. This folder (or a file in it) is the
+    card's ``name`` (or the file's path inside it); a Hugging Face cache snapshot is ``org/name@rev``;
+    any other path its last component (``/models/GLM-5-FP8`` -> ``GLM-5-FP8``)."""
+    here = Path(folder).resolve()
+
+    def shown(m: re.Match) -> str:
+        raw = m.group(0).rstrip("/")
+        tail = raw[len(raw.rstrip(".")):]  # a sentence's full stop after the path
+        raw = raw[: len(raw) - len(tail)]
+        return _shown_path(raw) + tail
+
+    def _shown_path(raw: str) -> str:
+        p = Path(raw)
+        try:
+            real = p.resolve()
+        except (OSError, RuntimeError):
+            real = p
+        for q in (p, real):
+            if q == here:
+                return name
+            if q.is_relative_to(here):
+                return q.relative_to(here).as_posix()
+            snap = hf_snapshot(q)
+            if snap is not None and snap.repo_id:
+                return f"{snap.repo_id}@{snap.revision[:12]}"
+        return p.name or raw
+
+    return _LOCAL_PATH.sub(shown, text)
 
 
 def _cell(v) -> str:
@@ -1099,18 +1160,24 @@ def render(
         bytes_after=sum((folder / f).stat().st_size for f in index.files),
         tpf=tp_figures(folder, index),
         error_summary=rec.get("error_summary") or {},
-        kv_rep=manifest.get("report") if manifest.get("kind") == "calibrate-kv" else None,
+        # this folder's own calibrate-kv record, else the first calibrate-kv report given
+        kv_rep=manifest.get("report") if manifest.get("kind") == "calibrate-kv"
+        else next((r["report"] for r in reports if r["kind"] == "kv"), None),
+        kv_target=manifest.get("target") if manifest.get("kind") == "calibrate-kv"
+        else next((r["report"].get("target") for r in reports if r["kind"] == "kv"), None),
         proven=proven,
         checks=[
             (r["report"], proven_parts(r["report"].get("verified") or {})) for r in reports if r["kind"] == "check"
         ],
         evals=[r["report"] for r in reports if r["kind"] == "eval"],
         klds=[r["report"] for r in reports if r["kind"] == "kld"],
-        model_ref=repo_id or str(folder.resolve()),
+        model_ref=repo_id or name,
+        repo_named=repo_id is not None,
         n_shared=text_cfg.get("n_shared_experts"),
         version=__version__,
         reports=reports,
     )
+    text = delocalize(text, folder, name)
     return CardResult(
         str(folder / README), text, ModelCard(text).data.to_dict(), readme_kind(folder, manifest), reports, notes
     )
