@@ -1064,6 +1064,13 @@ def _git_ref(v: str) -> bool:
     )
 
 
+LICENSE_RE = re.compile(r"[a-z0-9][a-z0-9._+-]{0,63}")  # a Hub licence id: mit, apache-2.0, llama3.1, other
+
+
+def _licence(v) -> bool:
+    return isinstance(v, str) and LICENSE_RE.fullmatch(v) is not None
+
+
 @dataclass
 class PushOptions(Options):
     """``quantize push``."""
@@ -1099,6 +1106,15 @@ class PushOptions(Options):
     base_model: str | None = same(
         ConvertOptions, "base_model", help="the Hub repo (namespace/name) of the base model, for the card "
         "push writes (default: the one the last card, the manifest or the source names)"
+    )
+    license: str | None = opt(
+        None,
+        "the Hub licence id for the card's metadata (mit, apache-2.0, other, ...), where the source's card states "
+        "none or another applies (default: the one the last card was given, else the source card's)",
+        check=_licence,
+        why="must be a Hub licence id: lowercase letters, digits, '.', '-', '+' (e.g. mit, apache-2.0, other)",
+        metavar="ID",
+        recipe=False,  # a recipe sets it once for the card and push stages: pipeline.license
     )
 
 
@@ -1145,6 +1161,9 @@ class PipelineOptions(Options):
         ConvertOptions, "base_model", recipe=True, help="the Hub repo (namespace/name) the source was "
         "downloaded from: recorded by convert and calibrate-kv, the card's base_model"
     )
+    license: str | None = same(
+        PushOptions, "license", recipe=True, help="the Hub licence id the card states (card and push)"
+    )
 
 
 @dataclass
@@ -1177,6 +1196,7 @@ class CardOptions(Options):
         ConvertOptions, "base_model", help="the Hub repo (namespace/name) of the base model, for the card's "
         "base_model (default: the one the last card, the manifest or the source names)"
     )
+    license: str | None = same(PushOptions, "license")
 
 
 @dataclass

@@ -626,7 +626,8 @@ def _run_card(ctx: Ctx, resume: bool) -> dict:
 
     reports = [ctx.path(a) for a in ("kv_report", "check_report", "eval_report") if a in ctx.art]
     res = cd.card(  # push writes the same card
-        ctx.path("model"), eval=reports or None, repo_id=ctx.p.opts["repo"], base_model=ctx.p.opts["base_model"]
+        ctx.path("model"), eval=reports or None, repo_id=ctx.p.opts["repo"], base_model=ctx.p.opts["base_model"],
+        license=ctx.p.opts["license"],
     )
     model = ctx.path("model")
     return {
@@ -677,6 +678,7 @@ def _run_push(ctx: Ctx, resume: bool) -> dict:
         create_pr=o["create_pr"],
         dry_run=o["dry_run"],
         base_model=p.opts["base_model"],
+        license=p.opts["license"],
         emit=ctx.emit,
     )
     (p.out / "reports").mkdir(exist_ok=True)
@@ -712,10 +714,10 @@ def _recipe_method(p: Pipeline) -> str:
 
 
 def _base_opts(p: Pipeline) -> dict:
-    """pipeline.base_model in the card and push stages' options (so a new one rewrites the card),
+    """pipeline.base_model and pipeline.license in the card and push stages' options (so a new one rewrites the card),
     only when set: a run without it keeps the hash its card stage had before the key existed.
     convert and calibrate-kv record it but do not hash it: it does not change what they write."""
-    return {"base_model": p.opts["base_model"]} if p.opts["base_model"] else {}
+    return {k: p.opts[k] for k in ("base_model", "license") if p.opts[k]}
 
 
 def _does(p: Pipeline, name: str) -> str:

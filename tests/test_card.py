@@ -554,3 +554,33 @@ def test_a_calibrate_kv_report_fills_the_kv_section_and_a_bad_one_is_named(folde
     d["layers"] = [doc["layers"][0]] * MAX_LAYERS  # the bound itself is accepted
     bad.write_text(json.dumps(d))
     assert card(folder, eval=[bad]).reports[0]["kind"] == "kv"
+
+
+def test_license_from_the_flag_where_the_source_states_none_and_kept_for_the_next_card(folder, tiny, tmp_path):
+    """`--license ID` (card, push, pipeline.license) sets the card's licence where the source's card
+    states none; it is kept for a card regenerated without it (push); a licence other than the
+    source's is used and said in a note; a malformed id is one line."""
+    from typer.testing import CliRunner
+
+    from quantize.cli import app
+
+    res = card(folder)
+    assert "license" not in _meta(res.text) and any("pass --license ID" in n for n in res.notes)
+    res = card(folder, license="mit")
+    assert _meta(res.text)["license"] == "mit" and not any("licence" in n for n in res.notes)
+    assert _meta(card(folder).text)["license"] == "mit"  # kept in .quantize/card.json
+    cli = CliRunner().invoke(app, ["card", str(folder), "--license", "MIT License"])
+    assert cli.exit_code == 2 and "must be a Hub licence id" in cli.output and cli.output.count("\n") == 1
+    # a source whose card states one: a different --license replaces it (name and link dropped), with a note
+    snap = tmp_path / "hub" / "models--zai-org--GLM-5-FP8" / "snapshots" / REV
+    shutil.copytree(tiny("glm_moe_dsa"), snap, ignore=shutil.ignore_patterns(".quantize", "quantize_manifest.json"))
+    (snap / "README.md").write_text(SOURCE_CARD)
+    out = tmp_path / "lic"
+    convert(snap, out)
+    assert _meta(card(out).text)["license_name"] == "glm-license"
+    res = card(out, license="apache-2.0")
+    meta = _meta(res.text)
+    assert meta["license"] == "apache-2.0" and "license_name" not in meta and "license_link" not in meta
+    assert any("license `apache-2.0` is given with --license; the source's card states `other`" in n for n in res.notes)
+    res = card(out, license="other")  # the source's own: its name and link stay
+    assert _meta(res.text)["license_name"] == "glm-license" and not any("--license" in n for n in res.notes)

@@ -319,14 +319,15 @@ def _on_hub(api, repo_id: str, revision: str, files: list[PushFile], folder: Pat
 
 @takes(PushOptions)
 def push(
-    model, repo_id, private, revision, create_pr, dry_run, message, batch_gib, base_model, emit: Emit = null_emit
+    model, repo_id, private, revision, create_pr, dry_run, message, batch_gib, base_model, license,
+    emit: Emit = null_emit,
 ) -> PushResult:
     """``quantize push``: check ``model`` and upload it to ``repo_id`` (created if missing;
     ``private`` for a new repo), on branch ``revision`` (created from main if missing) or, with
     ``create_pr``, as a pull request; ``dry_run`` checks and lists, needs no token, sends nothing.
     A rerun after an interruption sends only what the Hub does not hold yet. ``base_model``: the
     card's base_model (``card.base_model``'s order: before the one the last card kept, the manifest's
-    or the source's)."""
+    or the source's); ``license``: the card's licence (``card``'s --license)."""
     from .. import __version__
 
     folder = Path(model)
@@ -375,12 +376,12 @@ def push(
         if kind == "user":
             card = "README.md: the card you wrote (or edited), uploaded as it is"
         elif dry_run:
-            text = render(folder, manifest, _stored(folder), repo_id, proven, base_model).text.encode()
+            text = render(folder, manifest, _stored(folder), repo_id, proven, base_model, license).text.encode()
             card = (
                 f"README.md: would be {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
             )
         else:
-            write_card(folder, manifest, None, repo_id, proven, base_model)
+            write_card(folder, manifest, None, repo_id, proven, base_model, license)
             card = f"README.md: {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
         files = _finish_set(folder, files)
         if dry_run and kind != "user":  # the card as it would be written
