@@ -195,7 +195,8 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
         raise QuantizeError(f"{path}: pipeline.convert: {e}; fix the recipe") from None
     if not opts["source"]:
         raise QuantizeError(
-            f"{path}: pipeline.source is missing; name the source checkpoint folder (or tiny:glm_moe_dsa)"
+            f"{path}: pipeline.source is missing; pass --source DIR (the source checkpoint folder, or "
+            "tiny:glm_moe_dsa) or set it in the recipe"
         )
     if out is None and not opts["out"]:
         raise QuantizeError(f"{path}: pipeline.out is missing; name the run's folder (or pass --out)")

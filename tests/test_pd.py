@@ -166,7 +166,12 @@ def test_pd_recipes_parse(name):
 
     from quantize.pipeline import load_pipeline
 
-    p = load_pipeline(Path(__file__).resolve().parents[1] / "recipes" / name)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / name
+    # a shipped recipe names no folder of a machine: the source comes from --source
+    with pytest.raises(QuantizeError, match="pipeline.source is missing; pass --source DIR"):
+        load_pipeline(recipe)
+    p = load_pipeline(recipe, source="/models/release")
+    assert p.opts["source"] == "/models/release"
     assert {"pd-eval", "prefill", "push"} <= set(p.stages) and p.opts["pd"]["kv_cache_dtype"] == "fp8_e4m3"
     assert p.opts["kv"]["fold"] is False and p.opts["push"]["dry_run"] is True
 
