@@ -168,6 +168,16 @@ def _override(path: Path, pl: dict, source, data, data_dir, sets) -> dict:
     return done
 
 
+def _from_command_line(e: QuantizeError, overrides: dict) -> QuantizeError:
+    """A refused value that came from the command line names the option it came from, not the recipe."""
+    msg = str(e)
+    for key in overrides:
+        if f"pipeline.{key} " in msg or f"pipeline.{key}:" in msg:
+            flag = f"--{key.replace('_', '-')}" if key in ("source", "data", "data_dir") else f"--set {key}=..."
+            return QuantizeError(msg.replace("; fix the recipe", f"; fix {flag} on the command line"))
+    return e
+
+
 def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
                   source: str | None = None, data: str | None = None, data_dir: str | None = None,
                   sets: list[str] | None = None) -> Pipeline:
@@ -188,7 +198,10 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
     else:
         overrides = {}
     modifier = load_recipe(path)  # the llm-compressor part, validated now (it ignores the pipeline section)
-    opts = _parse(path, doc["pipeline"])
+    try:
+        opts = _parse(path, doc["pipeline"])
+    except QuantizeError as e:
+        raise _from_command_line(e, overrides) from None
     try:  # the convert section against the recipe's method, as convert will (e.g. iters 0 beside RTN)
         O.ConvertOptions(**opts["convert"]).resolve(modifier)
     except QuantizeError as e:

@@ -80,6 +80,10 @@ def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 
     cfg = {
         "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": HIDDEN,
         "moe_intermediate_size": MOE_I, "num_hidden_layers": layers, "n_routed_experts": per_layer_experts,
+        # what the strict config reader requires (GLM-5's values; the plan reads only the tensors present)
+        "vocab_size": 154880, "num_attention_heads": 64, "num_key_value_heads": 64, "first_k_dense_replace": 0,
+        "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "kv_lora_rank": 512, "q_lora_rank": 2048,
+        "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "n_shared_experts": 1,
         "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                 "weight_block_size": [128, 128]},
     }

@@ -24,7 +24,7 @@ from quantize.errors import QuantizeError
 
 # skip only where neither exists; a QUANTIZE_VLLM_PYTHON that is set but broken fails the tests (CI sets it)
 ENGINE = bool(os.environ.get("QUANTIZE_VLLM_PYTHON")) or V.has_engine()
-needs_engine = pytest.mark.skipif(not ENGINE, reason="no vLLM interpreter: set QUANTIZE_VLLM_PYTHON or create .venv-vllm (README: 'A real engine')")
+needs_engine = pytest.mark.skipif(not ENGINE, reason="no vLLM interpreter: set QUANTIZE_VLLM_PYTHON or create .venv-vllm (docs/vllm-cpu.md)")
 
 
 def _cpu_flags() -> set[str]:
@@ -311,7 +311,7 @@ def test_fp8_kv_cache_runs_with_our_gqa_scales_loaded(smol_w4a16, smol_engine, t
     """calibrate-kv --target vllm on the dense model: vLLM runs with kv_cache_dtype fp8 and holds
     exactly the k_scale/v_scale we wrote (read back from its attention layers); the FP8 cache moves
     the greedy log-probs by less than 1 nat where the tokens agree (measured: max 0.40, mean 0.075
-    over 8 x 32 GSM8K tokens, README)."""
+    over 8 x 32 GSM8K tokens, docs/vllm-cpu.md)."""
     from quantize.calibrate.kv import calibrate_kv
 
     out = tmp_path / "smol-kv"

@@ -446,7 +446,10 @@ def test_run_overrides_take_the_place_of_recipe_values_and_are_checked_and_recor
                                                       r"'group_size'"),
                           (["limit=[1"], r"--set 'limit=\[1': the value is not YAML"),
                           (["convert.group_size=64"], r"--group-size 64 conflicts with group_size 32"),
-                          (["convert.workers=0"], r"pipeline\.convert\.workers")):
+                          (["convert.workers=0"], r"pipeline\.convert\.workers.*; fix --set convert\.workers=\.\.\. on "
+                                                  r"the command line$"),
+                          (["license=Not ok"], r"pipeline\.license Not ok: must be a Hub licence id.*; fix --set "
+                                               r"license=\.\.\. on the command line$")):
         with pytest.raises(QuantizeError, match=message):
             pipeline.load_pipeline(None, tmp_path / "o", sets=sets)
     res = CliRunner().invoke(app, ["run", "--out", str(tmp_path / "p"), "--set", "limit=2", "--plan", "--json"])

