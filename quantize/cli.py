@@ -835,6 +835,19 @@ def run_cmd(json_out: bool, recipe, out, source, data, data_dir, sets, plan: boo
     for s in res.stages:
         t.add_row(s.stage, s.state, "-" if s.seconds is None else f"{s.seconds:.1f}", s.summary)
     _console().print(t)
+    typer.echo(_run_verdict(res))
+
+
+def _run_verdict(res) -> str:
+    """The run's last line: what it did and where its products are."""
+    out = Path(res.out)
+    n = {st: sum(s.state == st for s in res.stages) for st in ("done", "ran", "skipped")}
+    made = [f"{what}: {out / sub}" for what, sub in (("the model and its card", "model"), ("folded model", "model-kv"),
+                                                      ("reports", "reports"), ("prefill artifact", "prefill"))
+            if (out / sub).exists()]
+    skipped = f", {n['skipped']} skipped" if n["skipped"] else ""
+    return (f"quantize run {'passed' if res.ok else 'stopped'} in {res.seconds:.1f} s "
+            f"({n['done'] + n['ran']} stages done{skipped}); " + "; ".join(made))
 
 
 def main():  # pragma: no cover

@@ -454,3 +454,14 @@ def test_run_overrides_take_the_place_of_recipe_values_and_are_checked_and_recor
             pipeline.load_pipeline(None, tmp_path / "o", sets=sets)
     res = CliRunner().invoke(app, ["run", "--out", str(tmp_path / "p"), "--set", "limit=2", "--plan", "--json"])
     assert res.exit_code == 0, res.output
+
+
+def test_cli_run_ends_with_one_verdict_line_naming_what_it_wrote(tmp_path):
+    r = _recipe(tmp_path, stages=["convert"])
+    res = CliRunner().invoke(app, ["run", r])
+    assert res.exit_code == 0, res.output
+    last = res.output.rstrip("\n").splitlines()[-1]
+    out = tmp_path / "run"
+    assert last.startswith("quantize run passed in ") and "(2 stages done)" in last
+    assert f"the model and its card: {out / 'model'}" in last and "reports" not in last  # no reports stage ran
+    assert "Writing model shards" not in res.output  # transformers' save bar is not the tool's output

@@ -141,8 +141,14 @@ def _ondisk_state(model, arch: str) -> dict[str, torch.Tensor]:
     """transformers' save_pretrained reverses its in-memory fusions (per-expert names on disk);
     Kimi K2.5's reverse mapping in transformers 5.17 also renames text ``layers`` to ``blocks`` and
     moves the projector norm, which vendors' files do not: undo those."""
+    from transformers.utils import logging as hf_logging
+
     with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
+        hf_logging.disable_progress_bar()  # its "Writing model shards" bar is noise in the tool's output
+        try:
+            model.save_pretrained(d)
+        finally:
+            hf_logging.enable_progress_bar()
         state: dict[str, torch.Tensor] = {}
         for f in sorted(Path(d).glob("*.safetensors")):
             with safe_open(f, "pt") as fh:
