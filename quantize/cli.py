@@ -323,7 +323,10 @@ def plan(json_out: bool, **options):
     O.ShardOptions,
     "shard",
     json_help="print the result as JSON",
-    extra=(("merge", bool, typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT", metavar="")),),
+    extra=(
+        ("merge", bool,
+         typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT", metavar="")),
+    ),
 )
 def shard_cmd(json_out: bool, merge: bool, **options):
     """Split a converted checkpoint by the TP plan into a verification layout (rank-RR/part-PPP.safetensors
