@@ -951,6 +951,27 @@ def _gib(n: float | None) -> str:
 _LOCAL_PATH = re.compile(r"(?<![\w:/.~<\\-])/(?:[\w.@+=~-]+/)+[\w.@+=~-]+/?")
 
 
+REPORT_PATHS = ("model", "baseline", "candidate")  # a report's fields that name a folder
+
+
+def _absolute_paths(r: dict) -> dict:
+    """A report with its folder fields absolute where they name a folder that exists relative to
+    the current directory, so ``delocalize`` shows them as it shows absolute ones."""
+    rep = r.get("report")
+    if not isinstance(rep, dict):
+        return r
+    fixed = dict(rep)
+    for k in REPORT_PATHS:
+        v = rep.get(k)
+        if isinstance(v, str) and v and not os.path.isabs(v) and "://" not in v:
+            try:
+                if Path(v).exists():
+                    fixed[k] = str(Path(v).resolve())
+            except (OSError, ValueError):
+                pass
+    return {**r, "report": fixed}
+
+
 def delocalize(text: str, folder: Path, name: str) -> str:
     """The card goes to the Hub, where this machine's paths mean nothing and say too much: every
     absolute path in ``text`` becomes what a reader can use. This folder (or a file in it) is the
@@ -1091,7 +1112,8 @@ def render(
     from .. import __version__, archs
     from ..check import proven_parts
 
-    folder = Path(folder)
+    given, folder = Path(folder), Path(folder).resolve()  # the card names paths from here (``delocalize``)
+    reports = [_absolute_paths(r) for r in reports]
     index = CheckpointIndex.open(folder)
     cfg = index.config
     try:
@@ -1180,7 +1202,7 @@ def render(
         tpf=tp_figures(folder, index),
         error_summary=rec.get("error_summary") or {},
         # this folder's own calibrate-kv record, else the first calibrate-kv report given
-        kv_rep=manifest.get("report") if manifest.get("kind") == "calibrate-kv"
+        kv_rep=_absolute_paths({"report": manifest.get("report")})["report"] if manifest.get("kind") == "calibrate-kv"
         else next((r["report"] for r in reports if r["kind"] == "kv"), None),
         kv_target=manifest.get("target") if manifest.get("kind") == "calibrate-kv"
         else next((r["report"].get("target") for r in reports if r["kind"] == "kv"), None),
@@ -1198,7 +1220,7 @@ def render(
     )
     text = delocalize(text, folder, name)
     return CardResult(
-        str(folder / README), text, ModelCard(text).data.to_dict(), readme_kind(folder, manifest), reports, notes
+        str(given / README), text, ModelCard(text).data.to_dict(), readme_kind(folder, manifest), reports, notes
     )
 
 
