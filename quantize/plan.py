@@ -797,6 +797,28 @@ def _sglang_match(name: str, pat: str) -> bool:
     return re.match(pat[3:], name) is not None if pat.startswith("re:") else pat.lower() in name.lower()
 
 
+class _SglangMatcher:
+    """``_sglang_match`` against a list of patterns at once, compiled once: what ``validate_plan``
+    asks of every engine module name (60,000 of them at GLM-5's size). The re: patterns are one
+    alternation, which ``re.match`` tries at the start as it tries each of them (patterns with a
+    back-reference, whose group numbers an alternation would shift, are kept apart)."""
+
+    def __init__(self, patterns):
+        import re
+
+        regs = [p[3:] for p in patterns if p.startswith("re:")]
+        alone = [r for r in regs if re.search(r"\\[1-9]|\(\?P=", r)]
+        joined = [r for r in regs if r not in alone]
+        self.regs = [re.compile(r) for r in alone] + ([re.compile("|".join(f"(?:{r})" for r in joined))] if joined else [])
+        self.subs = [p.lower() for p in patterns if not p.startswith("re:")]
+
+    def __call__(self, name: str) -> bool:
+        if any(r.match(name) for r in self.regs):
+            return True
+        low = name.lower()
+        return any(s in low for s in self.subs)
+
+
 def _ct_match(name: str, pat: str) -> bool:
     from compressed_tensors.utils.match import match_name
 
@@ -806,7 +828,10 @@ def _ct_match(name: str, pat: str) -> bool:
 def _scheme_for(name: str, qc: dict, match) -> str:
     """The config group an engine applies to a Linear called ``name`` ("bf16" if ignored): ignore
     first, then name/regex targets, then the class target "Linear" (compressed-tensors and SGLang
-    both rank a name match above a class match)."""
+    both rank a name match above a class match). ``match``: (name, pattern) -> bool, or a
+    ``_SglangSchemes`` of ``qc``."""
+    if isinstance(match, _SglangSchemes):
+        return match(name)
     if any(match(name, p) for p in qc["ignore"]):
         return "bf16"
     groups = qc["config_groups"]
@@ -817,6 +842,21 @@ def _scheme_for(name: str, qc: dict, match) -> str:
         if "Linear" in grp["targets"]:
             return g
     return "bf16"
+
+
+class _SglangSchemes:
+    """``_scheme_for(name, qc, _sglang_match)`` with every pattern list of ``qc`` compiled once."""
+
+    def __init__(self, qc: dict):
+        self.ignore = _SglangMatcher(qc["ignore"])
+        groups = qc["config_groups"]
+        self.named = [(g, _SglangMatcher([t for t in grp["targets"] if t != "Linear"])) for g, grp in groups.items()]
+        self.linear = next((g for g, grp in groups.items() if "Linear" in grp["targets"]), "bf16")
+
+    def __call__(self, name: str) -> str:
+        if self.ignore(name):
+            return "bf16"
+        return next((g for g, m in self.named if m(name)), self.linear)
 
 
 EXPECT = {"int4": "config_group_0", "pass_int4": "config_group_0", "fp8": "config_group_0",
@@ -884,6 +924,7 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
     # the written config must reproduce the plan's decisions, for compressed-tensors (checkpoint
     # names, exact/regex) and for SGLang (its module names, fused ones included)
     qc = plan.config_view
+    sglang = _SglangSchemes(qc)
     if ct_check:
         check_with_compressed_tensors(plan)
     for j in plan.jobs:
@@ -891,7 +932,7 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
             continue
         want = EXPECT.get(j.kind, "bf16")
         for ename in arch.engine_module_names(j.module, cfg):
-            got = _scheme_for(ename, qc, _sglang_match)
+            got = _scheme_for(ename, qc, sglang)
             if got != want:
                 raise QuantizeError(
                     f"quantization_config puts engine module {ename} (checkpoint {j.module}) in {got}, but the "

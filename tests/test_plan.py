@@ -226,3 +226,26 @@ def test_recipe_conflicting_flags_refused_and_resolved_options_recorded(tiny, tm
     assert p.returncode == 2 and p.stderr.strip() == f"error: --group-size 32 conflicts with group_size 128 in {r128}; drop the flag or edit the recipe"
     p = subprocess.run([sys.executable, "-m", "quantize.cli", "plan", str(src), "--recipe", r128, "--json"], capture_output=True, text=True, check=True)
     assert json.loads(p.stdout)["options"]["group_size"] == 128
+
+
+def test_compiled_sglang_matcher_decides_as_each_pattern_does():
+    """validate_plan's compiled matcher (one alternation of the re: patterns) gives every name the
+    group that SGLang's per-pattern rule gives it: ignore first, then named targets, then "Linear";
+    re: is re.match at the start, a plain pattern a case-insensitive substring, back-references kept."""
+    from quantize.plan import _SglangSchemes, _scheme_for, _sglang_match
+
+    qc = {"ignore": ["lm_head", "re:.*self_attn.*", "re:model\\.layers\\.(\\d)\\.mlp\\.experts\\.\\1\\..*", "MTP",
+                     "re:.*mlp\\.gate$"],
+          "config_groups": {"config_group_0": {"targets": ["Linear"]},
+                            "config_group_1": {"targets": ["re:.*shared_experts.*", "eh_proj"]}}}
+    names = ["lm_head", "model.layers.3.self_attn.q_a_proj", "model.layers.2.mlp.experts.2.down_proj",
+             "model.layers.2.mlp.experts.3.down_proj", "model.mtp.0.proj", "model.layers.1.mlp.gate",
+             "model.layers.1.mlp.gate_up_proj", "model.layers.4.mlp.shared_experts.down_proj", "x.EH_PROJ",
+             "self_attn", "prefix.lm_head_x", "model.layers.1.mlp.experts.1.up_proj"]
+    fast = _SglangSchemes(qc)
+    got = {n: _scheme_for(n, qc, fast) for n in names}
+    assert got == {n: _scheme_for(n, qc, _sglang_match) for n in names}
+    assert got["model.layers.2.mlp.experts.2.down_proj"] == "bf16"  # the back-reference holds
+    assert got["model.layers.2.mlp.experts.3.down_proj"] == "config_group_0"
+    assert got["model.mtp.0.proj"] == "bf16" and got["x.EH_PROJ"] == "config_group_1"  # substrings, any case
+    assert got["model.layers.1.mlp.gate_up_proj"] == "config_group_0"  # "gate$" anchors
