@@ -391,12 +391,13 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
     stats = [s for shard in record["stats"].values() for s in shard]
     rel = [s["rel_err"] for s in stats]
     seconds = time.time() - t0
+    summary = plan.summary()
     res = ConvertResult(
         str(out),
-        plan.summary(),
+        summary,
         seconds,
         total,
-        plan.output_bytes,
+        summary["output_bytes"],
         len(rel),
         sum(rel) / len(rel) if rel else None,
         max(rel) if rel else None,
@@ -409,7 +410,7 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
             "event": "done",
             "seconds": round(seconds, 3),
             "source_bytes": total,
-            "output_bytes": plan.output_bytes,
+            "output_bytes": res.output_bytes,
             "gb_per_s": round(res.gbps, 4),
             "tensors_int4": len(rel),
             "mean_rel_err": res.mean_rel_err,

@@ -147,6 +147,7 @@ class Plan:
         for j in self.jobs:
             roles[j.role][j.kind] += 1
         src_rank, out_rank = self.per_rank_bytes(self.tp)
+        out_bytes = self.output_bytes  # every output header serialised: once (seconds at full size)
         return {
             "source": self.source,
             "architecture": self.arch.name,
@@ -157,14 +158,14 @@ class Plan:
             "roles": {r: dict(c) for r, c in sorted(roles.items())},
             "shards": len(self.shards),
             "source_bytes": self.source_total_bytes,
-            "output_bytes": self.output_bytes,
+            "output_bytes": out_bytes,
             "tp": self.tp,
             "per_rank_source_bytes": src_rank,
             "per_rank_output_bytes": out_rank,
             # total / tp: the usual back-of-envelope figure; per_rank_* above is the largest rank
             # under the TP plan (q_a/kv_a, the DSA indexer, router and norms are replicated)
             "even_split_source_bytes": -(-self.source_total_bytes // self.tp),
-            "even_split_output_bytes": -(-self.output_bytes // self.tp),
+            "even_split_output_bytes": -(-out_bytes // self.tp),
             "ignore": self.config_view["ignore"],
             **(
                 {
@@ -400,6 +401,11 @@ def build_plan(
         config = load_config(folder) if folder.is_dir() else _load_config_file(folder)
         index = None
     where = str(folder / "config.json") if folder.is_dir() else str(folder)
+    # the same rule as ``quantize shard``: attention heads split evenly over the ranks; refused
+    # before the plan is built (seconds at full size)
+    heads = ModelConfig.from_dict(config, where).num_attention_heads
+    if heads % tp:
+        raise _tp_refused(tp, heads, Path(where))
     arch = archs.resolve(config, where)
     source_format, src_qc = detect_source_format(config, arch, where)
     if index is None:
@@ -941,6 +947,14 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
                 )
 
 
+def _tp_refused(tp: int, heads: int, where: Path) -> QuantizeError:
+    fits = [t for t in range(1, heads + 1) if heads % t == 0 and t <= 64]
+    return QuantizeError(
+        f"--tp {tp}: {heads} attention heads in {where} do not split over TP {tp}; use a TP that divides {heads} "
+        f"({', '.join(map(str, fits))})"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 @takes(PlanOptions)
 def plan(source, tp, group_size, profile, keep_fp8, recipe, scheme, requantize, gpu_mem_gib, mem_fraction,
@@ -959,14 +973,5 @@ def plan(source, tp, group_size, profile, keep_fp8, recipe, scheme, requantize, 
         ct_check=False,
         header_only=True,
     )
-    # the same rule as ``quantize shard``: attention heads split evenly over the ranks
-    where = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
-    heads = ModelConfig.from_dict(p.config, where).num_attention_heads
-    if heads % tp:
-        fits = [t for t in range(1, heads + 1) if heads % t == 0 and t <= 64]
-        raise QuantizeError(
-            f"--tp {tp}: {heads} attention heads in {where} do not split over TP {tp}; use a TP that divides {heads} "
-            f"({', '.join(map(str, fits))})"
-        )
     p.kv = kvcache.capacity(p.arch, p.config, p.per_rank_bytes(tp)[1], tp, gpu_mem_gib, mem_fraction, reserve_gib)
     return p

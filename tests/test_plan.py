@@ -29,8 +29,14 @@ def glm5_config_dir(tmp_path_factory):
     return d
 
 
-def test_full_size_glm5_published_figures(glm5_config_dir):
-    s = plan(glm5_config_dir, tp=8, group_size=32, profile="experts").summary()
+@pytest.fixture(scope="module")
+def glm5_tp8(glm5_config_dir):
+    """The full-size GLM-5 plan at TP 8 (group 32, experts: the defaults), made once for the tests that read it."""
+    return plan(glm5_config_dir, tp=8, group_size=32, profile="experts").summary()
+
+
+def test_full_size_glm5_published_figures(glm5_tp8):
+    s = glm5_tp8
     assert abs(s["source_bytes"] / GiB - 705) < 705 * 0.005  # measured 706.0
     assert abs(s["output_bytes"] / GiB - 421) < 421 * 0.005  # measured 422.7
     assert abs(s["even_split_source_bytes"] / GiB - 88) < 1.0
@@ -40,12 +46,12 @@ def test_full_size_glm5_published_figures(glm5_config_dir):
     assert s["roles"]["expert_gate"] == {"int4": 76 * 256}  # 75 MoE layers + the MTP layer
 
 
-def test_mtp_layers_counted(glm5_config_dir, tmp_path):
+def test_mtp_layers_counted(glm5_config_dir, glm5_tp8, tmp_path):
     cfg = json.loads((glm5_config_dir / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 0
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with_mtp = plan(glm5_config_dir).summary()
-    without = plan(tmp_path).summary()
+    with_mtp = glm5_tp8  # source bytes do not depend on the TP
+    without = plan(tmp_path, tp=8).summary()
     assert without["roles"]["expert_gate"]["int4"] == 75 * 256
     assert 10.5 * GiB < with_mtp["source_bytes"] - without["source_bytes"] < 11.5 * GiB  # one MoE layer + eh_proj + head
 
@@ -149,8 +155,8 @@ def test_kv_capacity_kimi_k26_doubles_and_lands_near_published(tmp_path):
     assert s["kv_capacity_inputs"]["mem_fraction"] == 0.85 and s["kv_capacity_inputs"]["gpu_mem_gib"] > 140
 
 
-def test_kv_capacity_glm5_dsa_layout(glm5_config_dir):
-    s = plan(glm5_config_dir, tp=8).summary()
+def test_kv_capacity_glm5_dsa_layout(glm5_tp8):
+    s = glm5_tp8
     # 656 B FP8 row + indexer 128 FP8 + 4 B scale, per layer, 78 layers (the MTP layer's cache only with speculation)
     assert s["kv_bytes_per_token"]["fp8"] == 78 * (656 + 132)
     assert s["kv_bytes_per_token"]["bf16"] == 78 * (576 * 2 + 132)

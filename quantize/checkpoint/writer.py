@@ -32,21 +32,28 @@ class Entry:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
-def header_bytes(entries: list[Entry], metadata: dict[str, str] | None = None) -> bytes:
+def _header(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[bytes, int]:
+    """The safetensors header and the data bytes after it (each entry's size computed once)."""
     header: dict = {}
     if metadata:
         header["__metadata__"] = {k: str(v) for k, v in sorted(metadata.items())}
     off = 0
     for e in entries:
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
-        off += e.nbytes
+        n = e.nbytes
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [off, off + n]}
+        off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    return struct.pack("<Q", len(raw)) + raw, off
+
+
+def header_bytes(entries: list[Entry], metadata: dict[str, str] | None = None) -> bytes:
+    return _header(entries, metadata)[0]
 
 
 def file_size(entries: list[Entry], metadata: dict[str, str] | None = None) -> int:
-    return len(header_bytes(entries, metadata)) + sum(e.nbytes for e in entries)
+    head, data = _header(entries, metadata)
+    return len(head) + data
 
 
 def _disk_full(path: Path, e: OSError) -> QuantizeError:
