@@ -815,7 +815,8 @@ class _SglangMatcher:
         regs = [p[3:] for p in patterns if p.startswith("re:")]
         alone = [r for r in regs if re.search(r"\\[1-9]|\(\?P=", r)]
         joined = [r for r in regs if r not in alone]
-        self.regs = [re.compile(r) for r in alone] + ([re.compile("|".join(f"(?:{r})" for r in joined))] if joined else [])
+        one = [re.compile("|".join(f"(?:{r})" for r in joined))] if joined else []
+        self.regs = [re.compile(r) for r in alone] + one
         self.subs = [p.lower() for p in patterns if not p.startswith("re:")]
 
     def __call__(self, name: str) -> bool:
