@@ -1001,8 +1001,14 @@ class KLDOptions(Options):
     chunk: int = opt(
         512, "context length per chunk", check=lambda v: 2 <= v <= 1 << 20, why="must be from 2 to 1048576 tokens"
     )
-    save_baseline: Path | None = opt(None, "save the baseline's log-probs (fp16 safetensors) for reuse")
-    baseline_logits: Path | None = opt(None, "reuse a --save-baseline file instead of running the baseline")
+    save_baseline: Path | None = opt(
+        None, "save the baseline's log-probs for reuse (fp16 safetensors; with --serve its served top-k, so the next "
+        "candidate is compared without serving the baseline again)"
+    )
+    baseline_logits: Path | None = opt(
+        None, "reuse a --save-baseline file instead of running (or serving) the baseline; it must be of this run's "
+        "text, tokens, chunk and tokenizer (and --top-k, when served)"
+    )
     dtype: str = opt("float32", "dtype the models run in", cli=False, choices=("float32", "bfloat16"))
     out: Path | None = opt(None, "write the report JSON here")
     device: str = opt("cpu", "where the models run: cpu or cuda")

@@ -200,6 +200,43 @@ def test_served_kld_is_the_estimator_on_the_local_log_probs(models, tmp_path, mo
     assert json.loads((tmp_path / "k.json").read_text())["estimator"] == "top-5 lower bound (served)"
 
 
+def test_a_saved_served_baseline_is_reused_for_the_next_candidate_and_refused_for_another_run(models, tmp_path,
+                                                                                               monkeypatch):
+    """`eval-kld --serve --save-baseline F` keeps the served baseline's top-k rows; the next run with
+    `--baseline-logits F` serves only the candidate and gives the same report; a file of another
+    --top-k, --tokens or model, a local baseline file with --serve, and a served one without, are
+    each one line before any engine starts."""
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    kw = dict(text=text, tokens=80, chunk=40, serve="vllm", top_k=5, engine_python=_fake_python(tmp_path))
+    saved = tmp_path / "base-served.safetensors"
+    first = kld_table(base, [cand], save_baseline=saved, serve_log=tmp_path / "l1", **kw).reports[0]
+    logs = tmp_path / "l2"
+    again = kld_table(None, [cand], baseline_logits=saved, serve_log=logs, **kw).reports[0]
+    assert [p.name.split("-")[1] for p in logs.glob("vllm-*.log")] == ["candidate"]  # the baseline is not served
+    for k in ("kld_mean", "kld_max", "top1_agreement", "ppl_baseline", "ppl_candidate", "tokens"):
+        assert getattr(again, k) == getattr(first, k), k
+    assert again.measured["baseline"]["reused"] == str(saved) and again.measured["baseline"]["engine"] == "vllm"
+    assert kld_table(base, [cand], baseline_logits=saved, serve_log=tmp_path / "l3", **kw).reports[0].kld_mean == \
+        first.kld_mean  # --baseline given too: it is the saved one's model
+    never = tmp_path / "never"
+    for change, msg in ((dict(top_k=6), r"saved for --top-k 5 \(this run: 6\)"),
+                        (dict(tokens=60), r"saved for --tokens 80 \(this run: 60\)")):
+        with pytest.raises(QuantizeError, match=msg):
+            kld_table(None, [cand], baseline_logits=saved, serve_log=never, **{**kw, **change})
+    with pytest.raises(QuantizeError, match=r"saved from another model than --baseline .*; .*or drop --baseline"):
+        kld_table(cand, [cand], baseline_logits=saved, serve_log=never, **kw)
+    local = tmp_path / "base-local.safetensors"
+    kld_table(base, [cand], text=text, tokens=80, chunk=40, save_baseline=local)
+    with pytest.raises(QuantizeError, match=r"saved by a local run \(full log-probabilities\)"):
+        kld_table(None, [cand], baseline_logits=local, serve_log=never, **kw)
+    with pytest.raises(QuantizeError, match=r"saved by a served run \(the baseline's top-k only\)"):
+        kld_table(None, [cand], text=text, tokens=80, chunk=40, baseline_logits=saved)
+    assert not never.exists()  # no engine was started for a refused run
+
+
 def test_position_kl_is_a_lower_bound_and_exact_when_everything_is_named():
     import torch
 

@@ -500,13 +500,11 @@ def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_lo
         raise QuantizeError("--baseline or --baseline-logits is required")
     inputs = _targets(baseline, candidates, text, save_baseline, baseline_logits, out)  # before any work
     if serve is not None:
-        if baseline is None or save_baseline is not None or baseline_logits is not None:
-            raise QuantizeError(f"--serve {serve}: the baseline is served too (its top-{top_k} log-probs, not a full "
-                                "--save-baseline file); pass --baseline DIR and drop --save-baseline / "
-                                "--baseline-logits")
         srv = dict(serve=serve, python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype, extra_args=serve_args,
                    port=serve_port, timeout_s=serve_timeout_s, log_dir=serve_log)
-        table = _served_table(Path(baseline), [Path(c) for c in candidates], text, tokens, chunk, top_k, srv, emit)
+        table = _served_table(Path(baseline) if baseline is not None else None, [Path(c) for c in candidates], text,
+                              tokens, chunk, top_k, srv, emit, save_baseline=save_baseline,
+                              baseline_logits=baseline_logits)
         if out is not None:
             write_report(out, table.to_dict() if len(table.reports) > 1 else table.reports[0].to_dict(), REPORT_KIND,
                          inputs)
@@ -556,6 +554,9 @@ def _open_logits(path: Path, run: dict, chunks: list, candidate: Path, baseline:
         raise QuantizeError(f"{what}: not a regular file; pass the file --save-baseline wrote")
     header, _ = read_header(path)
     meta = header.get("__metadata__") or {}
+    if meta.get("format") == SERVED_FORMAT:
+        raise QuantizeError(f"{what}: saved by a served run (the baseline's top-k only); reuse it with the same "
+                            "--serve, or save a local baseline with --save-baseline and no --serve")
     if meta.get("format") != "quantize-kld":
         raise QuantizeError(f"{path}: not a baseline-logits file written by --save-baseline")
     if "identity" not in meta:
@@ -604,18 +605,120 @@ def _chunks(ids: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     return [c for c in chunks if c.numel() >= 2]
 
 
-def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chunk: int, top_k: int, srv: dict,
-                  emit: Emit) -> KldTable:
-    """``kld_table`` through a launched engine: the baseline served once, then each candidate;
-    per position the estimator of ``evaluate/served.py`` (a lower bound of the full KL)."""
+SERVED_FORMAT = "quantize-kld-served"  # a served baseline's top-k log-probs (``save_baseline`` with ``serve``)
+
+
+def _served_baseline_file(path: Path, rows: list, chunks: list, ident: dict, where: dict) -> None:
+    """The served baseline's rows (per position every token the engine named: its top-k and the
+    next token), as safetensors: per chunk ``ids.i`` (int32, -1 where a row has fewer entries) and
+    ``lp.i`` (the engine's log-probs, as float64 so a reused row is the served one exactly),
+    [positions, the longest row], with the run's identity in the metadata; written through the same
+    guards as every report (``report_target`` was checked before anything ran)."""
+    width = max(len(r) for rs in rows for r in rs)
+    entries, tensors = [], []
+    for i, (c, rs) in enumerate(zip(chunks, rows)):
+        n = c.numel() - 1
+        ids = torch.full((n, width), -1, dtype=torch.int32)
+        lps = torch.full((n, width), float("-inf"), dtype=torch.float64)
+        for j, row in enumerate(rs):
+            ids[j, : len(row)] = torch.tensor(list(row.keys()), dtype=torch.int32)
+            lps[j, : len(row)] = torch.tensor(list(row.values()), dtype=torch.float64)
+        entries += [Entry(f"ids.{i}", "I32", (n, width)), Entry(f"lp.{i}", "F64", (n, width))]
+        tensors += [ids, lps]
+    meta = {"format": SERVED_FORMAT, "quantize_kind": BASELINE_KIND, "identity": json.dumps(ident),
+            "measured": json.dumps(where)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        w = StreamWriter(path, entries, meta)
+    except OSError as e:
+        raise QuantizeError(f"--save-baseline {path}: cannot write ({e.strerror}); choose a path you can write") from e
+    try:
+        for e, t in zip(entries, tensors):
+            w.write_tensor(e.name, t)
+        w.finish()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _open_served(path: Path, run: dict, top_k: int, chunks: list, candidate: Path, baseline: Path | None):
+    """A served baseline saved by ``--serve ... --save-baseline``, proven to be this run's (the same
+    text, tokens, chunk, token ids, tokenizer and --top-k, a model of the candidate's kind, the
+    --baseline given if any) -> (rows, where it was measured)."""
+    from ..checkpoint.index import _refs_from_header, read_header
+    from ..parse import json_text
+
+    what = f"--baseline-logits {path}"
+    if not path.is_file():
+        raise QuantizeError(f"{what}: {'no such file' if not path.exists() else 'not a regular file'}; pass the file "
+                            "`eval-kld --serve ... --save-baseline` wrote")
+    header, _ = read_header(path)
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") == "quantize-kld":
+        raise QuantizeError(f"{what}: saved by a local run (full log-probabilities); a served run needs the served "
+                            "baseline's top-k: save it with --serve ... --save-baseline, or drop --serve")
+    if meta.get("format") != SERVED_FORMAT or "identity" not in meta:
+        raise QuantizeError(f"{path}: not a served baseline written by `eval-kld --serve ... --save-baseline`")
+    saved = json_text(meta["identity"], path, "served baseline identity")
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise QuantizeError(f"{what}: its recorded identity is malformed; save it again with --save-baseline")
+    fix = "save the served baseline again with --save-baseline for this run"
+    for key, name in (("text_sha256", "another --text"), ("tokens", f"--tokens {saved.get('tokens')}"),
+                      ("chunk", f"--chunk {saved.get('chunk')}"), ("top_k", f"--top-k {saved.get('top_k')}"),
+                      ("vocab_sha256", "another tokenizer"),
+                      ("token_ids_sha", "another text, token count or chunk size")):
+        mine = top_k if key == "top_k" else run[key]
+        if saved.get(key) != mine:
+            raise QuantizeError(f"{what}: saved for {name} (this run: "
+                                f"{mine if key in ('tokens', 'chunk', 'top_k') else 'differs'}); {fix}")
+    model = saved["model"]
+    cand = _config(candidate, "candidate model")
+    if (model.get("model_type"), model.get("architectures")) != (cand.get("model_type"), cand.get("architectures")):
+        raise QuantizeError(f"{what}: saved from a {_kind(model)} model; --candidate {candidate} is a "
+                            f"{_kind(cand)} one; compare a model with its own quantization")
+    if baseline is not None:
+        now = model_identity(baseline)
+        diff = [k for k in ("model_type", "architectures", "vocab_size", "config_sha256", "weights_sha256",
+                            "tokenizer_files") if model.get(k) != now[k]]
+        if diff:
+            raise QuantizeError(f"{what}: saved from another model than --baseline {baseline} ({diff[0]} differs); "
+                                f"{fix}, or drop --baseline")
+    refs = _refs_from_header(path.parent, path.name)
+    rows = []
+    for i, c in enumerate(chunks):
+        ri, rl = refs.get(f"ids.{i}"), refs.get(f"lp.{i}")
+        shape = (c.numel() - 1, tuple(ri.shape)[1] if ri is not None and len(ri.shape) == 2 else 0)
+        if ri is None or rl is None or not shape[1] or (ri.dtype, tuple(ri.shape), rl.dtype, tuple(rl.shape)) != (
+                "I32", shape, "F64", shape):
+            raise QuantizeError(f"{what}: chunk {i} is missing or not [{shape[0]}, width] int32/float64; {fix}")
+        ids, lps = read_tensor(path.parent, ri), read_tensor(path.parent, rl)
+        chunk_rows = []
+        for j in range(shape[0]):
+            keep = ids[j] >= 0
+            row = dict(zip(ids[j][keep].tolist(), lps[j][keep].tolist()))
+            if int(c[j + 1]) not in row or not all(math.isfinite(v) and v <= 1e-6 for v in row.values()):
+                raise QuantizeError(f"{what}: chunk {i} position {j} lacks the next token or holds a log-probability "
+                                    f"that is not one; the file is corrupt, {fix}")
+            chunk_rows.append(row)
+        rows.append(chunk_rows)
+    where = json_text(meta.get("measured", "{}"), path, "served baseline record")
+    return rows, {**(where if isinstance(where, dict) else {}), "reused": str(path)}
+
+
+def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: int, chunk: int, top_k: int,
+                  srv: dict, emit: Emit, save_baseline=None, baseline_logits=None) -> KldTable:
+    """``kld_table`` through a launched engine: the baseline served once (or its top-k read from
+    ``baseline_logits``, saved by an earlier served run with ``save_baseline``), then each
+    candidate; per position the estimator of ``evaluate/served.py`` (a lower bound of the full KL)."""
     from ..engines.serve import Served, engine_of, python_of, run_served
     from . import served as sv
 
     python_of(engine_of(srv["serve"]), srv["python"])  # the interpreter, before anything is read
     for c in candidates:
         _config(c, "candidate model")
-        same_model(baseline, c)
-        same_tokenizer(baseline, c)
+        if baseline is not None:
+            same_model(baseline, c)
+            same_tokenizer(baseline, c)
     mpe = _config(candidates[0], "candidate model").get("max_position_embeddings")
     if type(mpe) is int and mpe > 0 and chunk + 1 > mpe:
         raise QuantizeError(f"--chunk {chunk}: longer than the candidate's max_position_embeddings {mpe} "
@@ -626,6 +729,10 @@ def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chu
     if ids.numel() < 2:
         raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
     chunks = _chunks(ids, chunk)
+    run = {"text_sha256": _sha(raw.encode()), "tokens": tokens, "chunk": chunk, "token_ids_sha": _sha_ids(ids, chunk),
+           "vocab_sha256": vocab_sha(tok)}
+    if baseline_logits is not None:  # before any engine starts
+        base_rows, base_where = _open_served(Path(baseline_logits), run, top_k, chunks, candidates[0], baseline)
 
     def rows_of(path: Path, role: str):
         kw = {k: v for k, v in srv.items() if k != "serve"}
@@ -641,7 +748,11 @@ def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chu
                 return out
             return run_served(s, score), s.record()
 
-    base_rows, base_where = rows_of(baseline, "baseline")
+    if baseline_logits is None:
+        base_rows, base_where = rows_of(baseline, "baseline")
+        if save_baseline is not None:
+            ident = {**run, "top_k": top_k, "model": model_identity(baseline)}
+            _served_baseline_file(Path(save_baseline), base_rows, chunks, ident, base_where)
     reports = []
     for cand in candidates:
         cand_rows, where = rows_of(cand, "candidate")
@@ -654,7 +765,8 @@ def _served_table(baseline: Path, candidates: list[Path], text, tokens: int, chu
                 nll_b -= b[t]
                 nll_c -= q[t]
         k = torch.tensor(kl, dtype=torch.float64)
-        reports.append(KldReport.of(str(baseline), str(cand), k, agree, nll_b, nll_c, chunk, str(text_path),
+        reports.append(KldReport.of(str(baseline or baseline_logits), str(cand), k, agree, nll_b, nll_c, chunk,
+                                    str(text_path),
                                     estimator=f"top-{top_k} lower bound (served)", top_k=top_k,
                                     measured={"baseline": base_where, "candidate": where}))
-    return KldTable(str(baseline), reports)
+    return KldTable(str(baseline or baseline_logits), reports)
