@@ -584,3 +584,12 @@ def test_license_from_the_flag_where_the_source_states_none_and_kept_for_the_nex
     assert any("license `apache-2.0` is given with --license; the source's card states `other`" in n for n in res.notes)
     res = card(out, license="other")  # the source's own: its name and link stay
     assert _meta(res.text)["license_name"] == "glm-license" and not any("--license" in n for n in res.notes)
+
+
+def test_only_a_checkpoint_larger_than_its_source_says_why(folder, tiny, tmp_path):
+    text = card(folder).text  # the tiny GLM-5: FP8 source, experts INT4, the rest BF16 -> larger
+    assert "| why larger than the source |" in text and "(FP8: 8)" in text
+    out = tmp_path / "bf16-src"
+    convert(tiny("deepseek_v3", layout="bf16"), out)  # a BF16 source: the INT4 checkpoint is smaller
+    text = card(out).text
+    assert "why larger" not in text and "| bytes | source " in text

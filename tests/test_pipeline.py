@@ -82,6 +82,7 @@ def test_default_recipe_end_to_end_then_kept_then_only_affected_stages_rerun(tmp
     assert "Measured by `quantize calibrate-kv` on `tiny-glm-5.2-W4A16`" in kv and "target sglang" in kv
     assert "GLM-5 DSA: engines write the FP8 cache" in kv and "| 2 |" in kv and "Not measured" not in kv
     assert "| why larger than the source |" in card and "`--keep-fp8` keeps them FP8" in card
+    assert "here 63% of the weights" in card and "the checkpoint shrinks" in card
     push = json.loads((out / "reports" / "push.json").read_text())
     assert push["dry_run"] is True and push["sent_bytes"] == 0 and any(f["path"].endswith(".safetensors") for f in push["files"])
     started = [e["stage"] for e in events if e.get("event") == "stage" and e.get("state") == "start"]
