@@ -87,13 +87,9 @@ def test_mmlu_local_csv_keeps_answers_as_text(tmp_path):
     assert len(doc["choices"]) == 4 and isinstance(doc["answer"], int)
 
 
-def test_cli_gate_exit_code(models, tmp_path):
+def test_cli_unknown_task_exits_2(models, tmp_path):
+    """(exit 0 on a pass: test_quiet_by_default...; exit 1 on a failed gate: test_gate_fails_on_a_real_drop...)"""
     base, cand = models
-    p = subprocess.run([sys.executable, "-c", "from quantize.cli import app; app()", "eval", "--baseline", str(base), "--candidate", str(cand),
-                        "--tasks", "arc_easy", "--limit", "2", "--data-dir", str(_data(tmp_path)), "--json"],
-                       capture_output=True, text=True, cwd=tmp_path)
-    doc = json.loads(p.stdout[p.stdout.index("{"):])
-    assert p.returncode == (0 if doc["passed"] else 1)
     p = subprocess.run([sys.executable, "-c", "from quantize.cli import app; app()", "eval", "--baseline", str(base), "--candidate", str(cand),
                         "--tasks", "arcc_easy"], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2 and "unknown task" in p.stderr
@@ -170,17 +166,20 @@ def test_gate_fails_on_a_real_drop_and_cli_exits_1(models, tmp_path):
     picks = {s["doc_id"]: int(np.argmax([ll for ll, _ in s["filtered_resps"]])) for s in _run_model(str(base), configs, None, "cpu", 1)["samples"]["arc_easy"]}
     assert sorted(picks) == list(range(10))
     _arc(data, [picks[i] for i in range(10)])
+    from typer.testing import CliRunner
+
+    from quantize.cli import app
+
     bad = _negated_head(base, tmp_path / "negated")
-    rep = evaluate(base, bad, tasks="arc_easy", data_dir=data, max_drop=1.0, resamples=2000, out=tmp_path / "r.json")
-    t = rep.tasks[0]
-    assert t.n == 10 and t.baseline == 100.0 and t.candidate <= 50.0
-    assert t.ci_high < -1.0 and t.passed is False and t.verdict == "FAIL" and rep.passed is False
+    res = CliRunner().invoke(app, ["eval", "--baseline", str(base), "--candidate", str(bad), "--tasks", "arc_easy",
+                                   "--data-dir", str(data), "--max-drop", "1.0", "--out", str(tmp_path / "r.json"),
+                                   "--json"])
+    assert res.exit_code == 1, res.output[-2000:]
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    t = doc["tasks"]["arc_easy"]
+    assert t["n"] == 10 and t["baseline"] == 100.0 and t["candidate"] <= 50.0
+    assert t["ci_high"] < -1.0 and t["passed"] is False and t["verdict"] == "FAIL" and doc["passed"] is False
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
-    p = subprocess.run([sys.executable, "-m", "quantize.cli", "eval", "--baseline", str(base), "--candidate", str(bad),
-                        "--tasks", "arc_easy", "--data-dir", str(data), "--json"], capture_output=True, text=True, cwd=tmp_path)
-    doc = json.loads(p.stdout[p.stdout.index("{"):])
-    assert doc["passed"] is False and doc["tasks"]["arc_easy"]["verdict"] == "FAIL"
-    assert p.returncode == 1, p.stderr[-2000:]
     # the same items against the baseline itself pass: the failure is the drop, not the data
     assert evaluate(base, base, tasks="arc_easy", data_dir=data, resamples=200).passed
 

@@ -100,9 +100,10 @@ def test_check_catches_flipped_nibble_or_swapped_scale_in_one_rank(what, int4, t
     assert any(m in f and "recombined" in f and "rank 5" in f for f in rep.failures)
     with pytest.raises(QuantizeError, match="rank 5"):
         merge(sh, tmp_path / "merged")
-    p = subprocess.run([sys.executable, "-c", "from quantize.cli import app; app()", "check", str(sh)],
-                       capture_output=True, text=True, cwd=tmp_path)
-    assert p.returncode == 1 and m in p.stderr
+    if what == "nibble":  # the command line's exit and message, once (the library's verdict is the same for both)
+        p = subprocess.run([sys.executable, "-c", "from quantize.cli import app; app()", "check", str(sh)],
+                           capture_output=True, text=True, cwd=tmp_path)
+        assert p.returncode == 1 and m in p.stderr
 
 
 def test_tp_breaking_marlin_rule_refused_before_writing(tiny, tmp_path):
