@@ -650,7 +650,8 @@ def make_tiny(override: list[str] | None, **options):
     from .testing.tiny import parse_overrides
 
     overrides = _run(parse_overrides, override or [])
-    typer.echo(str(_run(run, **options, overrides=overrides or None)))
+    out = _run(run, **options, overrides=overrides or None)
+    typer.echo(f"wrote a tiny {options['arch']} checkpoint ({options['layout']} layout) to {out}")
 
 
 @command(O.DemoOptions, json_help="NDJSON progress events on stdout")
@@ -675,6 +676,8 @@ def demo(json_out: bool, out: Path):
             + f", {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)}{err}",
             err=True,
         )
+    typer.echo(f"demo: wrote {out / 'glm_moe_dsa-w4a16-g32'}, {out / 'kimi_k25-w4a16-g32'} and "
+               f"{out / 'kimi_k25-fp8-block'} (the main job, with every stage: `quantize run`)")
 
 
 def _run_publish(fn, interrupted: str, **kwargs):
@@ -699,9 +702,9 @@ def card_cmd(**options):
     res = _run_publish(
         card, "README.md is the earlier card or the new one, never half of one; rerun the same command", **options
     )
-    typer.echo(f"wrote {res.path}" + (f" ({', '.join(r['kind'] for r in res.reports)} reports)" if res.reports else ""))
     for n in res.notes:
         typer.echo(f"note: {n}", err=True)
+    typer.echo(f"wrote {res.path}" + (f" ({', '.join(r['kind'] for r in res.reports)} reports)" if res.reports else ""))
 
 
 @command(O.PushOptions, "push")
@@ -736,6 +739,12 @@ def push_cmd(**options):
     if res.dry_run:
         for f in res.files:
             typer.echo(f"{f.path:<{w}}  {f.bytes:>14,} B")
+    typer.echo(res.card)
+    if res.not_uploaded:
+        typer.echo(f"not uploaded (the manifest does not prove them): {', '.join(res.not_uploaded)}", err=True)
+    for warning in res.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    if res.dry_run:  # the verdict, last
         typer.echo(
             f"{len(res.files)} files, {res.total_bytes:,} bytes ({_bytes(res.total_bytes)}) would go to "
             f"{repo_id}@{res.revision}"
@@ -749,11 +758,6 @@ def push_cmd(**options):
             f"{len(res.commits)} commit(s); "
             f"{sum(f.status == 'on the Hub already' for f in res.files)} already on the Hub: {where}"
         )
-    typer.echo(res.card)
-    if res.not_uploaded:
-        typer.echo(f"not uploaded (the manifest does not prove them): {', '.join(res.not_uploaded)}", err=True)
-    for w in res.warnings:
-        typer.echo(f"warning: {w}", err=True)
 
 
 @command(O.RunOptions, "run", json_help="NDJSON events on stdout (with --plan: one JSON object)")

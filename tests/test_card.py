@@ -593,3 +593,19 @@ def test_only_a_checkpoint_larger_than_its_source_says_why(folder, tiny, tmp_pat
     convert(tiny("deepseek_v3", layout="bf16"), out)  # a BF16 source: the INT4 checkpoint is smaller
     text = card(out).text
     assert "why larger" not in text and "| bytes | source " in text
+
+
+def test_card_push_and_make_tiny_end_with_their_verdict_line(folder, tmp_path):
+    """Notes and warnings first; the last line says what was written (or would be sent) where."""
+    from typer.testing import CliRunner
+
+    from quantize.cli import app
+
+    last = lambda r: r.output.rstrip("\n").splitlines()[-1]  # noqa: E731
+    r = CliRunner().invoke(app, ["card", str(folder)])
+    assert r.exit_code == 0 and "note: " in r.output and last(r) == f"wrote {folder / 'README.md'}"
+    r = CliRunner().invoke(app, ["push", str(folder), "my-org/GLM-5-W4A16", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert last(r).endswith("would go to my-org/GLM-5-W4A16@main; nothing was sent") and "README.md:" in r.output
+    r = CliRunner().invoke(app, ["make-tiny", "llama", str(tmp_path / "t"), "--layout", "bf16"])
+    assert r.exit_code == 0 and last(r) == f"wrote a tiny llama checkpoint (bf16 layout) to {tmp_path / 't'}"
