@@ -51,6 +51,19 @@ def main() -> None:
             if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
                 shutil.copy(f, cand / f.name)
         print("this CPU lacks AVX-512/AMX: vLLM serves the INT4 weights dequantized to floats")
+    import quantize.evaluate.run as run
+
+    answers: dict = {}  # (served?, model) -> {task: [each document's filtered response]}: generated text compared
+    real_run = run._run_model
+
+    def recording(path, configs, limit, device, batch_size, base_url=None):
+        res = real_run(path, configs, limit, device, batch_size, base_url)
+        answers[(base_url is not None, str(path))] = {
+            t: [repr(x["resps"]) for x in sorted(v, key=lambda x: x["doc_id"])]
+            for t, v in res["samples"].items()}
+        return res
+
+    run._run_model = recording
     kw = dict(tasks=a.tasks, limit=a.limit, data_dir="shipped", max_gen_toks=128, resamples=1000)
     t = time.time()
     local = evaluate(a.smollm2, cand, **kw)
@@ -58,6 +71,12 @@ def main() -> None:
     t = time.time()
     served = evaluate(a.smollm2, cand, serve="vllm", serve_args=SERVE_ARGS, serve_log=tmp / "logs", **kw)
     t_served = time.time() - t
+    for model in (a.smollm2, cand):
+        lo, sv = answers.get((False, str(model)), {}), answers.get((True, str(model)), {})
+        for task in sorted(set(lo) & set(sv)):
+            same = sum(x == y for x, y in zip(lo[task], sv[task]))
+            print(f"{task} {Path(model).name}: {same} of {len(lo[task])} generated responses "
+                  "identical served and local")
     start = [served.measured[r]["startup_s"] for r in ("baseline", "candidate")]
     for lt, st in zip(local.tasks, served.tasks):
         differ = sum(x != y for x, y in zip(lt.baseline_items + lt.candidate_items,
