@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""GPTQ as 1 and as N ranks (gloo on this machine's CPUs) on an expert-heavy MoE: the output's
-bytes compared, the wall times side by side in one run. Not a test.
+"""GPTQ (or AutoRound, --method autoround) as 1 and as N ranks (gloo on this machine's CPUs) on an
+expert-heavy MoE: the output's bytes compared, the wall times side by side in one run. Not a test.
+GPTQ's ranks split the routed experts; AutoRound's split each step's samples.
 
 The fixture is a tiny GLM-5 (glm_moe_dsa) with many wide routed experts, so that the experts'
 GPTQ, which the ranks split, is most of the work (attention, the router and the captures stay on
@@ -8,6 +9,7 @@ rank 0). Each rank runs one torch thread per op; with 2 cores, 2 ranks is the mo
 can show.
 
     python scripts/bench_ranks.py [--ranks 2] [--experts 32] [--moe-intermediate 1024] [--hidden 1024]
+    python scripts/bench_ranks.py --method autoround --iters 20 --experts 8 --hidden 512 --moe-intermediate 512
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main() -> None:
     ap.add_argument("--moe-intermediate", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--method", choices=("gptq", "autoround"), default="gptq")
+    ap.add_argument("--iters", type=int, default=20, help="autoround: steps per layer")
     a = ap.parse_args()
     here = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -47,8 +51,9 @@ def main() -> None:
                 f"moe_intermediate_size={a.moe_intermediate}", "num_hidden_layers=3"]
         subprocess.run([sys.executable, "-m", "quantize.cli", "make-tiny", "glm_moe_dsa", str(src),
                         *sum((["--override", o] for o in over), [])], check=True, env=env, capture_output=True)
-        common = ["--method", "gptq", "--samples", str(a.samples), "--seq-len", str(a.seq_len),
-                  "--min-expert-tokens", "0", "--workers", "1"]
+        common = ["--method", a.method, "--samples", str(a.samples), "--seq-len", str(a.seq_len),
+                  "--min-expert-tokens", "0", "--workers", "1"] + (["--iters", str(a.iters)] if a.method == "autoround"
+                                                                   else [])
         rows = {}
         for n in (1, a.ranks):
             out = Path(d) / f"r{n}"
@@ -62,7 +67,7 @@ def main() -> None:
     print(f"{'ranks':>5s} {'wall s':>8s}  output sha256")
     for n, (t, dg) in rows.items():
         print(f"{n:5d} {t:8.1f}  {dg[:16]}")
-    print(f"byte-identical: {d1 == dn}; wall ratio {a.ranks} ranks / 1 rank: {tn / t1:.2f}")
+    print(f"{a.method}: byte-identical: {d1 == dn}; wall ratio {a.ranks} ranks / 1 rank: {tn / t1:.2f}")
 
 
 if __name__ == "__main__":
