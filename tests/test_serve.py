@@ -223,14 +223,12 @@ def test_a_saved_served_baseline_is_reused_for_the_next_candidate_and_refused_fo
     import torch
     import transformers
 
-    from quantize.evaluate.kld import _open_served, _sha, _sha_ids, read_text, vocab_sha
+    from quantize.evaluate.kld import _open_served, _run_identity, read_text
 
     tok = transformers.AutoTokenizer.from_pretrained(cand)
     raw = read_text(text)[1]
     ids = torch.tensor(tok(raw)["input_ids"][:81])
-    run = {"text_sha256": _sha(raw.encode()), "tokens": 80, "chunk": 40, "token_ids_sha": _sha_ids(ids, 40),
-           "vocab_sha256": vocab_sha(tok)}
-    rows, _ = _open_served(saved, run, 5, _chunks(ids, 40), cand, base)
+    rows, _ = _open_served(saved, _run_identity(raw, 80, 40, ids, tok), 5, _chunks(ids, 40), cand, base)
     assert sum(len(r) for r in rows) == first.tokens
     never = tmp_path / "never"
     for change, msg in ((dict(top_k=6), r"saved for --top-k 5 \(this run: 6\)"),

@@ -356,8 +356,7 @@ def kld(
     if ids.numel() < 2:
         raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
     chunks = _chunks(ids, chunk)
-    run = {"text_sha256": _sha(raw.encode()), "tokens": tokens, "chunk": chunk, "chunks": len(chunks),
-           "token_ids_sha": _sha_ids(ids, chunk), "vocab_sha256": vocab_sha(tok_c)}
+    run = {**_run_identity(raw, tokens, chunk, ids, tok_c), "chunks": len(chunks)}
 
     saved = None
     if baseline_logits is not None:
@@ -538,6 +537,42 @@ def _sha_ids(ids: torch.Tensor, chunk: int) -> str:
     return hashlib.sha256(ids.numpy().tobytes() + str(chunk).encode()).hexdigest()[:32]
 
 
+def _run_identity(raw: str, tokens: int, chunk: int, ids: torch.Tensor, tok) -> dict:
+    """What a saved baseline must have been computed on to serve this run: the text, --tokens,
+    --chunk, the token ids in their chunks and the tokenizer's vocabulary."""
+    return {"text_sha256": _sha(raw.encode()), "tokens": tokens, "chunk": chunk,
+            "token_ids_sha": _sha_ids(ids, chunk), "vocab_sha256": vocab_sha(tok)}
+
+
+# the identity keys a saved baseline is checked on, in order (top_k: a served one's)
+RUN_KEYS = ("text_sha256", "tokens", "chunk", "top_k", "vocab_sha256", "token_ids_sha")
+SHOWN_KEYS = ("tokens", "chunk", "top_k")  # shown with their value when they differ
+
+
+def _same_run(what: str, saved: dict, run: dict, candidate: Path, baseline: Path | None, fix: str) -> None:
+    """A saved baseline's recorded identity against this run (``run``'s keys of ``RUN_KEYS``), the
+    candidate's kind of model and the --baseline given (if any); one line naming what differs."""
+    names = {"text_sha256": "another --text", "tokens": f"--tokens {saved.get('tokens')}",
+             "chunk": f"--chunk {saved.get('chunk')}", "top_k": f"--top-k {saved.get('top_k')}",
+             "vocab_sha256": "another tokenizer", "token_ids_sha": "another text, token count or chunk size"}
+    for key in (k for k in RUN_KEYS if k in run):
+        if saved.get(key) != run[key]:
+            raise QuantizeError(f"{what}: saved for {names[key]} (this run: "
+                                f"{run[key] if key in SHOWN_KEYS else 'differs'}); {fix}")
+    model = saved["model"]
+    cand = _config(candidate, "candidate model")
+    if (model.get("model_type"), model.get("architectures")) != (cand.get("model_type"), cand.get("architectures")):
+        raise QuantizeError(f"{what}: saved from a {_kind(model)} model; --candidate {candidate} is a "
+                            f"{_kind(cand)} one; compare a model with its own quantization")
+    if baseline is not None:
+        now = model_identity(baseline)
+        diff = [k for k in ("model_type", "architectures", "vocab_size", "config_sha256", "weights_sha256",
+                            "tokenizer_files") if model.get(k) != now[k]]
+        if diff:
+            raise QuantizeError(f"{what}: saved from another model than --baseline {baseline} ({diff[0]} differs); "
+                                f"{fix}, or drop --baseline")
+
+
 def _open_logits(path: Path, run: dict, chunks: list, candidate: Path, baseline: Path | None) -> dict:
     """The saved baseline at ``path``, proven to be this run's: the same text, --tokens, --chunk
     and token ids, the candidate's tokenizer and kind of model, the --baseline given (if any), and
@@ -566,24 +601,7 @@ def _open_logits(path: Path, run: dict, chunks: list, candidate: Path, baseline:
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise QuantizeError(f"{what}: its recorded identity is malformed; recompute it with --save-baseline")
     fix = "recompute it with --save-baseline for this run"
-    for key, name in (("text_sha256", "another --text"), ("tokens", f"--tokens {saved.get('tokens')}"),
-                      ("chunk", f"--chunk {saved.get('chunk')}"), ("vocab_sha256", "another tokenizer"),
-                      ("token_ids_sha", "another text, token count or chunk size")):
-        if saved.get(key) != run[key]:
-            raise QuantizeError(f"{what}: saved for {name} (this run: "
-                                f"{run[key] if key in ('tokens', 'chunk') else 'differs'}); {fix}")
-    model = saved["model"]
-    cand = _config(candidate, "candidate model")
-    if (model.get("model_type"), model.get("architectures")) != (cand.get("model_type"), cand.get("architectures")):
-        raise QuantizeError(f"{what}: saved from a {_kind(model)} model; --candidate {candidate} is a "
-                            f"{_kind(cand)} one; compare a model with its own quantization")
-    if baseline is not None:
-        now = model_identity(baseline)
-        diff = [k for k in ("model_type", "architectures", "vocab_size", "config_sha256", "weights_sha256",
-                            "tokenizer_files") if model.get(k) != now[k]]
-        if diff:
-            raise QuantizeError(f"{what}: saved from another model than --baseline {baseline} ({diff[0]} differs); "
-                                f"{fix}, or drop --baseline")
+    _same_run(what, saved, run, candidate, baseline, fix)
     refs = _refs_from_header(path.parent, path.name)
     vocab = saved.get("vocab")
     for i, c in enumerate(chunks):
@@ -663,26 +681,7 @@ def _open_served(path: Path, run: dict, top_k: int, chunks: list, candidate: Pat
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise QuantizeError(f"{what}: its recorded identity is malformed; save it again with --save-baseline")
     fix = "save the served baseline again with --save-baseline for this run"
-    for key, name in (("text_sha256", "another --text"), ("tokens", f"--tokens {saved.get('tokens')}"),
-                      ("chunk", f"--chunk {saved.get('chunk')}"), ("top_k", f"--top-k {saved.get('top_k')}"),
-                      ("vocab_sha256", "another tokenizer"),
-                      ("token_ids_sha", "another text, token count or chunk size")):
-        mine = top_k if key == "top_k" else run[key]
-        if saved.get(key) != mine:
-            raise QuantizeError(f"{what}: saved for {name} (this run: "
-                                f"{mine if key in ('tokens', 'chunk', 'top_k') else 'differs'}); {fix}")
-    model = saved["model"]
-    cand = _config(candidate, "candidate model")
-    if (model.get("model_type"), model.get("architectures")) != (cand.get("model_type"), cand.get("architectures")):
-        raise QuantizeError(f"{what}: saved from a {_kind(model)} model; --candidate {candidate} is a "
-                            f"{_kind(cand)} one; compare a model with its own quantization")
-    if baseline is not None:
-        now = model_identity(baseline)
-        diff = [k for k in ("model_type", "architectures", "vocab_size", "config_sha256", "weights_sha256",
-                            "tokenizer_files") if model.get(k) != now[k]]
-        if diff:
-            raise QuantizeError(f"{what}: saved from another model than --baseline {baseline} ({diff[0]} differs); "
-                                f"{fix}, or drop --baseline")
+    _same_run(what, saved, {**run, "top_k": top_k}, candidate, baseline, fix)
     refs = _refs_from_header(path.parent, path.name)
     rows = []
     for i, c in enumerate(chunks):
@@ -729,8 +728,7 @@ def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: i
     if ids.numel() < 2:
         raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
     chunks = _chunks(ids, chunk)
-    run = {"text_sha256": _sha(raw.encode()), "tokens": tokens, "chunk": chunk, "token_ids_sha": _sha_ids(ids, chunk),
-           "vocab_sha256": vocab_sha(tok)}
+    run = _run_identity(raw, tokens, chunk, ids, tok)
     if baseline_logits is not None:  # before any engine starts
         base_rows, base_where = _open_served(Path(baseline_logits), run, top_k, chunks, candidates[0], baseline)
 
