@@ -835,10 +835,8 @@ def _ct_match(name: str, pat: str) -> bool:
 def _scheme_for(name: str, qc: dict, match) -> str:
     """The config group an engine applies to a Linear called ``name`` ("bf16" if ignored): ignore
     first, then name/regex targets, then the class target "Linear" (compressed-tensors and SGLang
-    both rank a name match above a class match). ``match``: (name, pattern) -> bool, or a
-    ``_SglangSchemes`` of ``qc``."""
-    if isinstance(match, _SglangSchemes):
-        return match(name)
+    both rank a name match above a class match). ``_SglangSchemes(qc)`` gives the same answer for
+    ``_sglang_match`` with the patterns compiled once."""
     if any(match(name, p) for p in qc["ignore"]):
         return "bf16"
     groups = qc["config_groups"]
@@ -939,7 +937,7 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
             continue
         want = EXPECT.get(j.kind, "bf16")
         for ename in arch.engine_module_names(j.module, cfg):
-            got = _scheme_for(ename, qc, sglang)
+            got = sglang(ename)
             if got != want:
                 raise QuantizeError(
                     f"quantization_config puts engine module {ename} (checkpoint {j.module}) in {got}, but the "

@@ -249,7 +249,7 @@ def test_compiled_sglang_matcher_decides_as_each_pattern_does():
              "model.layers.1.mlp.gate_up_proj", "model.layers.4.mlp.shared_experts.down_proj", "x.EH_PROJ",
              "self_attn", "prefix.lm_head_x", "model.layers.1.mlp.experts.1.up_proj"]
     fast = _SglangSchemes(qc)
-    got = {n: _scheme_for(n, qc, fast) for n in names}
+    got = {n: fast(n) for n in names}
     assert got == {n: _scheme_for(n, qc, _sglang_match) for n in names}
     assert got["model.layers.2.mlp.experts.2.down_proj"] == "bf16"  # the back-reference holds
     assert got["model.layers.2.mlp.experts.3.down_proj"] == "config_group_0"
