@@ -52,13 +52,15 @@ class _OneLineErrors(typer.core.TyperGroup):
 
 
 class _Flags:
-    """--help is a flag: shown without the "<bool>" typer puts after it (its metavar empty)."""
+    """A flag takes no value: every flag (--help included) is shown without the "<bool>" typer puts
+    after it (its metavar empty), unless it names one of its own."""
 
-    def get_help_option(self, ctx):
-        opt = super().get_help_option(ctx)
-        if opt is not None:
-            opt.metavar = ""
-        return opt
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+        return params
 
 
 class _Group(_Flags, _OneLineErrors):
@@ -100,7 +102,7 @@ def command(
                     "json_out",
                     inspect.Parameter.KEYWORD_ONLY,
                     annotation=bool,
-                    default=typer.Option(False, "--json", help=json_help, metavar=""),
+                    default=typer.Option(False, "--json", help=json_help),
                 )
             )
 
@@ -323,10 +325,7 @@ def plan(json_out: bool, **options):
     O.ShardOptions,
     "shard",
     json_help="print the result as JSON",
-    extra=(
-        ("merge", bool,
-         typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT", metavar="")),
-    ),
+    extra=(("merge", bool, typer.Option(False, "--merge", help="reassemble MODEL (a sharded folder) into OUT")),),
 )
 def shard_cmd(json_out: bool, merge: bool, **options):
     """Split a converted checkpoint by the TP plan into a verification layout (rank-RR/part-PPP.safetensors

@@ -337,9 +337,7 @@ def cli_parameters(model: type) -> list[inspect.Parameter]:
         if tp is bool and "/" not in decl and f.default is True:
             decl = f"{decl}/--no-{decl[2:]}"
         text = s.help + (f" (default {s.method_default})" if s.method_default is not None else "")
-        # a flag takes no value: no "<bool>" after it in --help (typer shows one unless the metavar is empty)
-        metavar = "" if _base(th[f.name])[0] is bool and s.metavar is None else s.metavar
-        default = typer.Option(None if f.default is MISSING else f.default, decl, help=text or None, metavar=metavar)
+        default = typer.Option(None if f.default is MISSING else f.default, decl, help=text or None, metavar=s.metavar)
         opts.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=tp))
     return args + opts
 

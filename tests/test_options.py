@@ -324,3 +324,17 @@ def test_a_finite_float_near_the_bound_still_passes_the_finiteness_rule():
     O.validate(O.ConvertOptions(memory_budget_gib=1e300))
     with pytest.raises(QuantizeError, match="--memory-budget-gib -0.001"):
         O.validate(O.ConvertOptions(memory_budget_gib=-1e-3))
+
+
+def test_help_shows_flags_as_flags_and_values_with_their_type():
+    """A flag (--resume, --json, --merge, --help) takes no value, so --help shows no "<bool>" after
+    it; an option that takes one keeps its type (--tp <int>)."""
+    import re
+
+    for name in ["", *get_command(app).commands]:
+        out = CliRunner().invoke(app, [name, "--help"] if name else ["--help"], terminal_width=200).output
+        assert "<bool>" not in out, name
+        assert re.search(r"--help\s+Show this message", out), name
+    shard = CliRunner().invoke(app, ["shard", "--help"], terminal_width=200).output
+    assert re.search(r"--tp\s+<int>", shard) and re.search(r"--merge\s+reassemble", shard)
+    assert re.search(r"--resume\s+continue", CliRunner().invoke(app, ["convert", "--help"], terminal_width=200).output)
