@@ -9,7 +9,8 @@ calls; docs/distributed.md is the user's side.
   World of size 1 with no process group, where every collective below returns at once: callers
   write one code path.
 - ``owned(n)`` / ``owner(i, n)``: a fixed contiguous partition of n items (routed experts), a
-  function of (n, size, rank) alone: never of timing.
+  function of (n, size, rank) alone: never of timing. ``samples(n)``: this rank's calibration
+  samples, whole ``sample_shards`` (fixed by n alone: the leaves of every sum over samples).
 - ``gather(obj, what)``, ``broadcast(obj, what)``, ``barrier(what)``: rank order, on a gloo group
   (CPU objects, pickled; see ``World.gather`` for the cost). A peer that died or hangs fails them
   in one line (``QuantizeError`` naming this rank, the collective, ``what`` and the peer) within
@@ -45,7 +46,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 _STEP = "quantize/step/"  # rendezvous-store key per rank: the last collective it entered
 PROBE_S = 2.0  # after a failure, how long the store is asked which ranks never arrived
 # the commands whose library function splits its work across ranks and writes from rank 0 alone
-# (the routed experts: methods/streamed.py, calibrate/runner.py); any other refuses to run as
+# (samples and routed experts: methods/runner.py, methods/streamed.py, calibrate/kv.py); any other refuses to run as
 # several ranks (each would do the whole job into one output)
 RANK_AWARE: set[str] = {"convert", "calibrate-kv"}
 
@@ -58,6 +59,29 @@ def partition(n: int, size: int, rank: int) -> range:
     q, r = divmod(n, size)
     start = rank * q + min(rank, r)
     return range(start, start + q + (rank < r))
+
+
+# The calibration samples' fixed shards: the leaves of every sum over samples that must not depend on
+# the number of ranks (GPTQ's Linear Hessians: each shard's per-sample terms summed in sample order,
+# then the shards' sums in shard order, on one process as on many). A rank holds whole shards, so
+# at most this many ranks split the samples (the others still split the routed experts).
+SAMPLE_SHARDS = 8
+
+
+def sample_shards(n: int) -> list[range]:
+    """The samples ``0..n-1`` in ``min(n, SAMPLE_SHARDS)`` contiguous shards (``partition``)."""
+    k = max(1, min(n, SAMPLE_SHARDS))
+    return [partition(n, k, j) for j in range(k)]
+
+
+def samples_of(n: int, size: int, rank: int) -> range:
+    """Rank ``rank``'s calibration samples of ``n``: the union of its contiguous range of whole
+    ``sample_shards`` (empty past the last shard)."""
+    shards = sample_shards(n)
+    mine = partition(len(shards), size, rank)
+    if not len(mine):
+        return range(n, n)
+    return range(shards[mine.start].start, shards[mine.stop - 1].stop)
 
 
 def owner_of(i: int, n: int, size: int) -> int:
@@ -131,6 +155,10 @@ class World:
 
     def owner(self, i: int, n: int) -> int:
         return owner_of(i, n, self.size)
+
+    def samples(self, n: int) -> range:
+        """This rank's calibration samples of ``n`` (``samples_of``)."""
+        return samples_of(n, self.size, self.rank)
 
     # -- collectives: every rank calls the same ones in the same order ---------------------------
 

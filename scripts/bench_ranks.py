@@ -3,12 +3,14 @@
 expert-heavy MoE: the output's bytes compared, the wall times side by side in one run. Not a test.
 GPTQ's ranks split the routed experts; AutoRound's split each step's samples.
 
-The fixture is a tiny GLM-5 (glm_moe_dsa) with many wide routed experts, so that the experts'
-GPTQ, which the ranks split, is most of the work (attention, the router and the captures stay on
-rank 0). Each rank runs one torch thread per op; with 2 cores, 2 ranks is the most this machine
-can show.
+The fixture is a tiny GLM-5 (glm_moe_dsa), by default with many wide routed experts, so that the
+experts' GPTQ is most of the work; with few narrow experts, long samples and ``--profile
+all-linear`` the attention, its Hessians and the captures are (GPTQ's ranks split those by
+calibration sample). Each rank runs one torch thread per op; with 2 cores, 2 ranks is the most this
+machine can show.
 
     python scripts/bench_ranks.py [--ranks 2] [--experts 32] [--moe-intermediate 1024] [--hidden 1024]
+    python scripts/bench_ranks.py --profile all-linear --experts 4 --moe-intermediate 128 --samples 16 --seq-len 512
     python scripts/bench_ranks.py --method autoround --iters 20 --experts 8 --hidden 512 --moe-intermediate 512
 """
 
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--method", choices=("gptq", "autoround"), default="gptq")
+    ap.add_argument("--profile", default="experts", help="convert's --profile (all-linear: attention too)")
     ap.add_argument("--iters", type=int, default=20, help="autoround: steps per layer")
     a = ap.parse_args()
     here = str(Path(__file__).resolve().parents[1])
@@ -51,9 +54,9 @@ def main() -> None:
                 f"moe_intermediate_size={a.moe_intermediate}", "num_hidden_layers=3"]
         subprocess.run([sys.executable, "-m", "quantize.cli", "make-tiny", "glm_moe_dsa", str(src),
                         *sum((["--override", o] for o in over), [])], check=True, env=env, capture_output=True)
-        common = ["--method", a.method, "--samples", str(a.samples), "--seq-len", str(a.seq_len),
-                  "--min-expert-tokens", "0", "--workers", "1"] + (["--iters", str(a.iters)] if a.method == "autoround"
-                                                                   else [])
+        common = ["--method", a.method, "--profile", a.profile, "--samples", str(a.samples),
+                  "--seq-len", str(a.seq_len), "--min-expert-tokens", "0", "--workers", "1"]
+        common += ["--iters", str(a.iters)] if a.method == "autoround" else []
         rows = {}
         for n in (1, a.ranks):
             out = Path(d) / f"r{n}"

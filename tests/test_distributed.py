@@ -72,6 +72,114 @@ def test_the_partition_of_ten_over_four():
         D.owner_of(10, 10, 4)  # one past the last item
 
 
+@pytest.mark.parametrize("n", [1, 4, 7, 8, 9, 10, 512])
+@pytest.mark.parametrize("size", [1, 2, 3, 8, 9, 16])
+def test_the_sample_split_is_whole_fixed_shards_in_rank_order(n, size):
+    shards = D.sample_shards(n)
+    assert len(shards) == min(n, D.SAMPLE_SHARDS)  # a function of n alone: never of the rank count
+    assert [i for s in shards for i in s] == list(range(n))
+    mine = [D.samples_of(n, size, r) for r in range(size)]
+    assert [i for m in mine for i in m] == list(range(n))  # every sample once, rank order = sample order
+    starts = {s.start for s in shards} | {n}
+    assert all(m.start in starts and m.stop in starts for m in mine)  # whole shards only
+    assert sum(1 for m in mine if len(m)) == min(size, len(shards))  # ranks past the last shard hold none
+
+
+def test_the_sample_split_of_ten_over_two_and_nine_ranks():
+    assert [len(s) for s in D.sample_shards(10)] == [2, 2, 1, 1, 1, 1, 1, 1]
+    assert [list(D.samples_of(10, 2, r)) for r in range(2)] == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    assert [len(D.samples_of(10, 9, r)) for r in range(9)] == [2, 2, 1, 1, 1, 1, 1, 1, 0]
+
+
+class _Rank0:
+    """Rank 0 of two, whose gather returns what rank 1 would send (``peer``)."""
+
+    size, rank, is_writer = 2, 0, True
+
+    def __init__(self, peer):
+        self.peer = peer
+
+    def gather(self, obj, what, to=None):
+        return [obj, self.peer]
+
+
+class _Rank1(_Rank0):
+    rank, is_writer = 1, False
+
+    def __init__(self):
+        self.sent = None
+
+    def gather(self, obj, what, to=None):
+        import copy
+
+        self.sent = copy.deepcopy(obj)  # sent at the call, as torch.distributed pickles it
+        return None
+
+
+def _hooked(samples, terms, own):
+    """A Hessians collector fed the per-sample terms of ``own`` (run-wide indices), as Forward merges them."""
+    from quantize.methods.gptq import Hessians
+
+    h = Hessians(None, [], False, samples)
+    for s in own:
+        h.merge({"H": {"u": terms[s].clone()}, "n": {"u": 1}, "tokens": {"u": 3}}, s)
+    return h
+
+
+@pytest.mark.parametrize("n", [4, 10, 19])
+def test_hessians_split_over_two_ranks_are_one_process_bit_for_bit(n):
+    """Per-sample terms whose sum depends on the order of additions: the shards' sums combined on
+    rank 0 in shard order are one process's, bit for bit; summed in another order they are not."""
+    import torch
+
+    g = torch.Generator().manual_seed(n)
+    terms = [torch.randn(16, 16, generator=g) * 10.0 ** torch.randint(-6, 6, (1,), generator=g).item()
+             for _ in range(n)]
+    one = _hooked(n, terms, range(n))
+    one.combine(None, "test")
+    r1 = _Rank1()
+    h1 = _hooked(n, terms, D.samples_of(n, 2, 1))
+    h1.combine(r1, "test")
+    assert not h1.H and r1.sent["kept"]  # rank 1 sends its shards, keeps nothing
+    h0 = _hooked(n, terms, D.samples_of(n, 2, 0))
+    h0.combine(_Rank0(r1.sent), "test")
+    assert torch.equal(h0.H["u"], one.H["u"]) and h0.n == one.n == {"u": n} and h0.tokens == {"u": 3 * n}
+    flat = terms[0].clone()
+    for t in terms[1:]:
+        flat += t
+    if n > D.SAMPLE_SHARDS:  # the control: one left-to-right sum over samples is another number
+        assert not torch.equal(flat, one.H["u"])
+
+
+def test_a_shard_out_of_order_is_refused():
+    import torch
+
+    terms = [torch.ones(2, 2) for _ in range(4)]
+    r1 = _Rank1()
+    _hooked(4, terms, [3]).combine(r1, "test")  # rank 1 holding shard 3 but not shard 2
+    h0 = _hooked(4, terms, [0, 1])
+    with pytest.raises(QuantizeError, match="sample shard 3 arrived where 2 belongs"):
+        h0.combine(_Rank0(r1.sent), "test")
+
+
+def test_a_rank_that_cannot_see_the_recorded_layers_says_so_in_one_line(tmp_path):
+    """A resumed GPTQ run's other ranks replay rank 0's layer files: on a node without them
+    (OUT not on a shared disk), one line naming the file and the fix; with them, no complaint."""
+    from quantize.methods.runner import LAYERS_DIR, rank_pass
+
+    layers = tmp_path / ".quantize" / LAYERS_DIR
+    layers.mkdir(parents=True)
+    (layers / "0000.safetensors").write_bytes(b"x")
+    job = {"out": str(tmp_path), "first": 2, "device": "cpu",
+           "layers": {"0000": {"file": "0000.safetensors"}, "0001": {"file": None, "parts": [{"file": "0001-e00000.safetensors"}]}}}
+    with pytest.raises(QuantizeError, match=r"rank 1: .*0001-e00000\.safetensors, a layer rank 0 recorded, is not visible "
+                                            r"here; a --resume whose ranks span nodes needs OUT on a disk every node"):
+        rank_pass(tmp_path / "src", job, SimpleNamespace(rank=1, device="cpu"))
+    (layers / "0001-e00000.safetensors").write_bytes(b"x")
+    with pytest.raises(KeyError):  # past the check: the (incomplete) job's pass itself
+        rank_pass(tmp_path / "src", job, SimpleNamespace(rank=1, device="cpu"))
+
+
 # -- a World of one -----------------------------------------------------------------------------
 
 

@@ -89,6 +89,14 @@ class Hist:
         idx = ((torch.log2(nz) - self.LO) * self.BPO).floor().clamp_(0, self.nbins - 1).long()
         self.counts += torch.bincount(idx, minlength=self.nbins).double()
 
+    def merge(self, other: "Hist") -> None:
+        """Another rank's values added in: integer counts (exact in float64) and a max, so the
+        same histogram in any order and for any split of the samples."""
+        self.counts += other.counts
+        self.zeros += other.zeros
+        self.n += other.n
+        self.amax = max(self.amax, other.amax)
+
     def _edge(self, t: float) -> float:
         return (math.log2(t) - self.LO) * self.BPO if t > 0 else -1.0
 
@@ -138,6 +146,10 @@ class LayerObs:
     rope: Hist = field(default_factory=Hist)
     k: Hist = field(default_factory=Hist)
     v: Hist = field(default_factory=Hist)
+
+    def merge(self, other: "LayerObs") -> None:
+        for name in ("row", "latent", "rope", "k", "v"):
+            getattr(self, name).merge(getattr(other, name))
 
 
 def fake_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -287,9 +299,12 @@ def _query_amax(streamer: LayerStreamer, layer, inputs: list[torch.Tensor], rep:
 
 
 def _attn_error(
-    streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layout: AttentionLayout, rope_dim: int, rep: LayerReport
+    streamer: LayerStreamer, layer, inputs: list[torch.Tensor], layout: AttentionLayout, rope_dim: int,
+    rep: LayerReport, world=None, i: int = 0,
 ) -> None:
-    """Relative error of the attention output with the cached row through e4m3, against BF16."""
+    """Relative error of the attention output with the cached row through e4m3, against BF16.
+    ``world``: the samples are split over its ranks (``inputs``: this rank's); the per-sample sums
+    go to rank 0 and are added there in sample order, as one process adds them."""
     attn = layer.self_attn
     norm = layer.input_layernorm
 
@@ -319,15 +334,20 @@ def _attn_error(
     if layout.skips_error(attn):
         return  # e.g. a DSA shared-index layer: its attention needs the previous layer's top-k
     ref = run(None)
-
-    def err(outs):
-        num = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outs, ref))
-        den = sum(float(r.float().pow(2).sum()) for r in ref)
-        return (num / den) ** 0.5 if den else 0.0
-
+    terms: dict[str, list[tuple[float, float]]] = {}
     for mode in layout.error_modes:  # "unit" / "calibrated" (MLA, GQA), "tiles" (DSA's per-128 scales)
         scales = layout.calibrated_scales(rep) if mode == "calibrated" else (1.0, 1.0)
-        setattr(rep, f"attn_rel_err_{mode}", err(run(mode, scales)))
+        terms[mode] = [(float((o.float() - r.float()).pow(2).sum()), float(r.float().pow(2).sum()))
+                       for o, r in zip(run(mode, scales), ref)]
+    if world is not None and world.size > 1:
+        got = world.gather(terms, f"layer {i} attention error", to=0)
+        if got is None:
+            return
+        terms = {mode: [t for part in got for t in part[mode]] for mode in terms}
+    for mode, ts in terms.items():
+        num = sum(a for a, _ in ts)
+        den = sum(b for _, b in ts)
+        setattr(rep, f"attn_rel_err_{mode}", (num / den) ** 0.5 if den else 0.0)
 
 
 def _risk(r: LayerReport, layout: AttentionLayout) -> None:
@@ -415,10 +435,18 @@ def calibrate_kv(
     # config.json (routing included) and the safetensors headers
     streamer = LayerStreamer(model, expert_budget=int(memory_budget_gib * (1 << 30)))
     world = distributed.current()
-    if world.size > 1:  # the routed experts split across ranks (LayerStreamer.routed_outputs); rank 0 does the rest
+    if world.size > 1:  # the samples split across ranks (_observe); rank 0 does the rest
         if not world.is_writer:
             try:
-                return streamer.expert_service(world)
+                while True:
+                    kind, job = world.broadcast(None, "the next job from rank 0")
+                    if kind == "done":
+                        return job
+                    if kind != "measure":
+                        raise QuantizeError(f"rank {world.rank}: rank 0 sent a job this rank does not know ({kind!r}): "
+                                            "every rank must run the same quantize version")
+                    _observe(streamer, job["ids"], job["clip"], job["error_samples"], streamer.arch.layout,
+                             int(streamer.text.get("qk_rope_head_dim", 0) or 0), null_emit, world)
             finally:
                 streamer.close()
         result = _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats_out, stats, chat_template,
@@ -563,8 +591,29 @@ def _finish(
 
 def _measure(streamer, batch, clip, error_samples, layout, rope_dim, emit):
     tokens = sum(int(x.numel()) for x in batch.ids)
-    emit({"event": "start", "stage": "calibrate-kv", "total_bytes": streamer.num_layers, "done_bytes": 0,
-          "unit": "layers"})
+    world = distributed.current()
+    if world.size > 1:  # the other ranks observe their samples (calibrate_kv's loop)
+        world.broadcast(("measure", {"ids": batch.ids, "clip": clip, "error_samples": error_samples}),
+                        "the KV measurement")
+    reports = _observe(streamer, batch.ids, clip, error_samples, layout, rope_dim, emit, world)
+    return reports, {
+        "samples": len(batch.ids),
+        "tokens": tokens,
+        "dropped_short": batch.dropped_short,
+        "data": batch.source,
+    }
+
+
+def _observe(streamer, ids: list, clip, error_samples, layout, rope_dim, emit, world) -> list[LayerReport]:
+    """Every layer's report from the samples ``ids``. Several ranks: each streams its own samples
+    (``World.samples``) through every layer, its routed experts included (no exchange: a sample's
+    output depends on that sample alone); per layer the histograms (integer counts and maxima) and
+    the query maxima are merged on rank 0, which makes the report and sends it to the others for
+    the calibrated error pass, whose per-sample sums rank 0 adds in sample order. The reports are
+    one process's at the same torch threads per process. Returns them on rank 0 (else [])."""
+    split = world.size > 1
+    own = world.samples(len(ids)) if split else range(len(ids))
+    errors = range(own.start, min(own.stop, max(own.start, error_samples)))  # this rank's of the first ones
     reports: list[LayerReport] = []
     obs: dict[int, LayerObs] = {}
     handles: list = []
@@ -579,23 +628,35 @@ def _measure(streamer, batch, clip, error_samples, layout, rope_dim, emit):
     def after(i, layer, inputs):
         while handles:
             handles.pop().remove()
-        rep = _report_layer(i, obs.pop(i), layout, clip)
-        _attn_error(streamer, layer, inputs[:error_samples], layout, rope_dim, rep)
+        seen = obs.pop(i)
+        rep = None
+        if split:
+            got = world.gather(seen, f"layer {i} KV statistics", to=0)
+            if got is not None:
+                for other in got[1:]:
+                    seen.merge(other)
+        if world.is_writer:
+            rep = _report_layer(i, seen, layout, clip)
+        if split:
+            rep = world.broadcast(rep, f"layer {i} KV report")
+        _attn_error(streamer, layer, inputs[: len(errors)], layout, rope_dim, rep, world if split else None, i)
         if layout.absorbed_query:
             _query_amax(streamer, layer, inputs, rep)
+            if split:
+                got = world.gather((rep.q_absorbed_amax, rep.q_pe_amax), f"layer {i} query maxima", to=0)
+                if got is not None:
+                    rep.q_absorbed_amax, rep.q_pe_amax = max(q for q, _ in got), max(p for _, p in got)
         reports.append(rep)
         emit({"event": "tensor", "name": f"layer {i}", "done_bytes": i + 1})
 
+    emit({"event": "start", "stage": "calibrate-kv", "total_bytes": streamer.num_layers, "done_bytes": 0,
+          "unit": "layers"})
     for _ in streamer.stream(
-        batch.ids, cache_for=lambda i: ObservingCache(layout, obs[i], rope_dim), before=before, after=after
+        [ids[s] for s in own], cache_for=lambda i: ObservingCache(layout, obs[i], rope_dim), before=before,
+        after=after,
     ):
         pass
-    return reports, {
-        "samples": len(batch.ids),
-        "tokens": tokens,
-        "dropped_short": batch.dropped_short,
-        "data": batch.source,
-    }
+    return reports if world.is_writer else []
 
 
 def _load_stats(path: Path, fp: str, streamer) -> tuple[list[LayerReport], dict]:

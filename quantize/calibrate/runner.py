@@ -137,52 +137,17 @@ class LayerStreamer:
 
     def routed_outputs(self, i: int, stand: "routed.StandIn", captured: list) -> list[torch.Tensor]:
         """Per sample, the routed experts' output for what ``captured`` recorded (``Routed``),
-        the experts read a group at a time. Several ranks (``quantize.distributed``): this is
-        rank 0, keeping the first range of experts; the others compute theirs (``expert_service``)
-        and their per-expert outputs are added here after rank 0's own, in expert order: the
-        same additions in the same order as one process."""
-        from .. import distributed
-
-        world = distributed.current()
-        if world.size > 1:
-            world.broadcast(("layer", {"layer": i, "captured": captured}), f"layer {i} routed experts")
+        every expert, read a group at a time: a sample's output depends on that sample alone, so
+        ranks that split the samples (calibrate-kv) each run every expert on their own."""
         outs = [torch.zeros_like(r.hidden) for r in captured]
         per = routed.expert_bytes(*self.expert_dims(), self.dtype)
-        for g in self.expert_groups(per, world.owned(stand.num_experts)):  # one process: every expert
+        for g in self.expert_groups(per, range(stand.num_experts)):
             gate_up, down = self.expert_weights(i, g)
             with torch.no_grad():
                 for out, r in zip(outs, captured):
                     routed.accumulate(out, r, g, gate_up, down, stand.act_fn)
             del gate_up, down
-        if world.size > 1:
-            for parts in world.gather(None, f"layer {i} routed experts", to=0)[1:]:  # rank order = expert order
-                for out, per_sample in zip(outs, parts):
-                    for token_idx, h in per_sample:
-                        out.index_add_(0, token_idx, h.to(out.dtype))
         return outs
-
-    def expert_service(self, world):
-        """A rank other than 0: for each layer rank 0 sends, the outputs of this rank's routed
-        experts (``World.owned``) on what rank 0 captured, sent back per expert. Returns what rank
-        0 broadcasts when it is done."""
-        from transformers.activations import ACT2FN
-
-        act_fn = ACT2FN[self.config.hidden_act]
-        n = int(getattr(self.config, "n_routed_experts", 0) or 0)
-        per = routed.expert_bytes(*self.expert_dims(), self.dtype)
-        while True:
-            kind, job = world.broadcast(None, "the next layer's routed experts")
-            if kind == "done":
-                return job
-            i, captured = job["layer"], job["captured"]
-            parts: list[list] = [[] for _ in captured]
-            for g in self.expert_groups(per, world.owned(n)):
-                gate_up, down = self.expert_weights(i, g)
-                with torch.no_grad():
-                    for out, r in zip(parts, captured):
-                        out.extend(routed.contributions(r, g, gate_up, down, act_fn))
-                del gate_up, down
-            world.gather(parts, f"layer {i} routed experts", to=0)
 
     # -- checked before a weight is read ----------------------------------------------------------
     def sources(self, i: int, key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:

@@ -75,7 +75,7 @@ class RouteCounter(Collector):
                     part[(path, e)] = part.get((path, e), 0) + int((idx == e).any(-1).sum())
             self._handles.append(layer.get_submodule(path).register_forward_pre_hook(hook))
 
-    def merge(self, part: dict) -> None:
+    def merge(self, part: dict, sample: int) -> None:  # noqa: ARG002 - counts: any order adds up the same
         for k, v in part.items():
             self.routed[k] += v
 
@@ -382,6 +382,7 @@ class AutoRound(Method):
     name = "autoround"
     source_stream = True
     streams_experts = False  # one loss over the whole layer's output: its experts are trained together
+    splits_samples = False  # rank 0 holds every sample; each step's samples are split (tune_rank)
     report_fields = ("iters", "lr", "batch_size")
     title = ("AutoRound-class tuning: learnable rounding offsets and per-group min/max scale factors trained by "
              "signed gradient descent on each decoder layer's output error (Cheng et al.)")

@@ -62,12 +62,15 @@ class Method(Protocol):
     own hidden states are carried beside the quantized path and given as ``Layer.targets``;
     ``streams_experts``: its statistics are per unit, so a MoE layer's routed experts are read a
     group at a time (``methods/streamed.py``) instead of the whole layer being built;
+    ``splits_samples``: on several ranks every rank runs the layer pass on its own share of the
+    calibration samples (``distributed.samples_of``) instead of rank 0 holding them all;
     ``report_fields``: the options the run report records (after the common ones); ``title``,
     ``loss_target`` and ``card_section``: what the model card says of it."""
 
     name: str
     source_stream: bool
     streams_experts: bool  # a MoE layer's routed experts go a group at a time (methods/streamed.py)
+    splits_samples: bool  # on several ranks, each runs the pass on its own calibration samples
     report_fields: tuple[str, ...]
     title: str
     loss_target: str

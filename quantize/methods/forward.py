@@ -62,7 +62,8 @@ def call_layer(streamer, ctx: Context, layer, h: torch.Tensor, topk):
 class Collector:
     """Statistics gathered by forward hooks while samples run in parallel threads: each thread
     fills its own per-sample part (``begin`` / ``end``), and the parts are merged in sample order
-    (``merge``), so the sums are the same for any number of threads."""
+    (``merge(part, sample)``, ``sample`` the run-wide index of the sample), so the sums are the
+    same for any number of threads."""
 
     def __init__(self):
         self._tls = threading.local()
@@ -97,9 +98,29 @@ class Forward:
     """Every sample of a store through a layer, on the pass's pool, into stores on the pass's
     budget and spill folder: what the runner and a method's layer step both run."""
 
-    def __init__(self, streamer, ctx: Context, pool, workers: int, device: str, budget: Budget, spill: Path):
+    def __init__(self, streamer, ctx: Context, pool, workers: int, device: str, budget: Budget, spill: Path,
+                 samples: range | None = None, total: int | None = None, world=None):
         self.streamer, self.ctx, self.pool, self.workers, self.device = streamer, ctx, pool, workers, device
         self.budget, self.spill = budget, spill
+        # the calibration samples this process's stores hold (run-wide indices) of ``total``, and the
+        # World they are split over (None: this process holds them all)
+        self.samples, self.total, self.world = samples, total, world
+
+    @property
+    def first(self) -> int:
+        return self.samples.start if self.samples is not None else 0
+
+    def errors(self, per_sample: list[tuple[float, float]], what: str) -> tuple[float, float]:
+        """(sum of squared errors, sum of squared references) over every sample of the run, added
+        in sample order from 0.0 (with the samples split: on rank 0, from every rank's, in rank
+        order = sample order; the other ranks get zeros, their reports are not written)."""
+        if self.world is not None and self.world.size > 1:
+            got = self.world.gather(per_sample, what, to=0)
+            per_sample = [e for part in got for e in part] if got is not None else []
+        err, tot = 0.0, 0.0
+        for e, r in per_sample:
+            err, tot = err + e, tot + r
+        return err, tot
 
     def __call__(self, layer, hidden: HiddenStore, topk: list, i: int, what: str,
                  keep: bool = True, ref: HiddenStore | None = None, collector=None,
@@ -112,7 +133,7 @@ class Forward:
         ``stand``: the layer's routed experts stand-in (``calibrate/experts.py``), given each
         sample's experts output from ``replay``."""
         out = HiddenStore(self.budget, self.spill, f"l{i}") if keep else None
-        new_topk, err, tot = [], 0.0, 0.0
+        new_topk, errs = [], []
 
         def one(s: int):
             if collector is not None:
@@ -124,17 +145,17 @@ class Forward:
                 e = _sq(o, ref[s].to(o.device)) if ref is not None else None
             return o, t2, e, collector.end() if collector is not None else None
 
-        for o, t2, e, part in in_order(self.pool, self.workers, one, range(len(hidden))):
+        for s, (o, t2, e, part) in enumerate(in_order(self.pool, self.workers, one, range(len(hidden)))):
             _finite(o, i, what)
             if collector is not None:
-                collector.merge(part)
+                collector.merge(part, self.first + s)
             if e is not None:
-                err, tot = err + e[0], tot + e[1]
+                errs.append(e)
             if out is not None:
                 out.append(o)
             new_topk.append(t2)
         if ref is not None:
-            return out, new_topk, (err, tot)
+            return out, new_topk, self.errors(errs, f"layer {i} error {what}")
         return out, new_topk
 
     def capture(self, layer, stand, hidden: HiddenStore, topk: list, i: int, collector=None) -> "Captured":
@@ -151,10 +172,10 @@ class Forward:
                 call_layer(self.streamer, self.ctx, layer, hidden[s], topk[s])
             return stand.take(), collector.end() if collector is not None else None
 
-        for r, part in in_order(self.pool, self.workers, one, range(len(hidden))):
+        for s, (r, part) in enumerate(in_order(self.pool, self.workers, one, range(len(hidden)))):
             _finite(r.hidden, i, "before the routed experts")
             if collector is not None:
-                collector.merge(part)
+                collector.merge(part, self.first + s)
             cap.append(r)
         return cap
 

@@ -23,12 +23,23 @@ from contextlib import contextmanager
 
 import torch
 
+from ..distributed import owner_of, sample_shards
+from ..errors import QuantizeError
 from ..formats import int4
 from .base import Layer, Method, Step
 from .forward import Collector
 from .units import Result, Unit, rtn
 
 CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
+
+
+def _add_all(acc: dict, terms: dict) -> None:
+    """Each term into ``acc`` (the first one taken as it is, as ``_accumulate`` starts a sum)."""
+    for key, h in terms.items():
+        if key in acc:
+            acc[key] += h
+        else:
+            acc[key] = h
 
 
 def _accumulate(H: dict, n: dict, tokens: dict, key: str, x: torch.Tensor, count: int) -> None:
@@ -47,12 +58,20 @@ def _accumulate(H: dict, n: dict, tokens: dict, key: str, x: torch.Tensor, count
 class Hessians(Collector):
     """Forward pre-hooks that accumulate every unit's Hessian during one calibration forward."""
 
-    def __init__(self, layer: torch.nn.Module, units: list[Unit], all_experts: bool):
+    def __init__(self, layer: torch.nn.Module, units: list[Unit], all_experts: bool, samples: int = 0):
         super().__init__()
         self.layer = layer
         self.units = units
         self.all_experts = all_experts
         self.H: dict[str, torch.Tensor] = {}
+        # the hooked samples' terms: per sample in sample order within each of the run's fixed sample
+        # shards (distributed.sample_shards of ``samples``), then the shards' sums in shard order, the
+        # same additions whichever rank holds which shards (``combine``)
+        self.shards = len(sample_shards(samples)) if samples else 0
+        self.samples = samples
+        self._open: tuple[int, dict] | None = None  # (shard, its sums so far)
+        self._next = 0  # shards already added into H (in order)
+        self.kept: list[tuple[int, dict]] = []  # this rank's shards that follow another rank's
         self.n: dict[str, int] = {}  # divisor: samples (Linear, as llm-compressor) or tokens (experts)
         self.tokens: dict[str, int] = {}  # tokens that fed the statistics
         self.routed: dict[tuple[str, int], int] = {}  # (experts module, e) -> tokens the router sent
@@ -69,16 +88,60 @@ class Hessians(Collector):
             mod = layer.get_submodule(path)
             self._handles.append(mod.register_forward_pre_hook(self._experts_hook(path, mod, us)))
 
-    def merge(self, part: dict) -> None:
-        for key, h in part.get("H", {}).items():
-            if key in self.H:
-                self.H[key] += h
-            else:
-                self.H[key] = h
+    def merge(self, part: dict, sample: int) -> None:
         for name in ("n", "tokens", "routed"):
             acc = getattr(self, name)
             for k, v in part.get(name, {}).items():
                 acc[k] = acc.get(k, 0) + v
+        terms = part.get("H", {})
+        if not terms:
+            return
+        shard = owner_of(sample, self.samples, self.shards) if self.shards else 0
+        if self._open is None or self._open[0] != shard:
+            self._close()
+            self._open = (shard, {})
+        _add_all(self._open[1], terms)
+
+    def _close(self) -> None:
+        """The open shard's sums into H when every shard before it is there, else kept for
+        ``combine`` (a rank whose first shard is not shard 0)."""
+        if self._open is None:
+            return
+        shard, sums = self._open
+        self._open = None
+        if shard == self._next:
+            _add_all(self.H, sums)
+            self._next += 1
+        else:
+            self.kept.append((shard, sums))
+
+    def combine(self, world, what: str) -> None:
+        """The hooked units' Hessians of every rank's samples, on rank 0 (the others' hooked sums
+        are sent and dropped): rank 0's shards are the first, the others' follow in rank order
+        (= shard order), added in that order; the divisors and token counts summed."""
+        self._close()
+        if world is None or world.size == 1:
+            if self.kept:
+                raise RuntimeError(f"{len(self.kept)} shards after a missing one")  # not reachable: shards in order
+            return
+        got = world.gather({"kept": self.kept, "n": self.n, "tokens": self.tokens}, what, to=0)
+        self.kept = []
+        if got is None:
+            self.H.clear()
+            self.n.clear()
+            self.tokens.clear()
+            return
+        for part in got[1:]:
+            for shard, sums in part["kept"]:
+                if shard != self._next:
+                    raise QuantizeError(f"{what}: sample shard {shard} arrived where {self._next} belongs; every "
+                                        "rank must run the same quantize version")
+                _add_all(self.H, sums)
+                self._next += 1
+            for name in ("n", "tokens"):
+                acc = getattr(self, name)
+                for k, v in part[name].items():
+                    acc[k] = acc.get(k, 0) + v
 
     def _add(self, key: str, x: torch.Tensor, count: int) -> None:
         """One sample's ``2 x^T x`` of ``key`` into this thread's part (merged in sample order)."""
@@ -241,6 +304,7 @@ class GPTQ(Method):
     name = "gptq"
     source_stream = False
     streams_experts = True  # statistics per unit: a MoE layer's routed experts go a group at a time
+    splits_samples = True  # on several ranks each runs its own samples (Hessians combined in shard order)
     report_fields = ("damp", "block", "actorder")
     title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
              "model's own layer-by-layer calibration forward")
@@ -248,12 +312,12 @@ class GPTQ(Method):
 
     def layer_step(self, layer: Layer) -> Step:
         x = layer
-        hooks = Hessians(x.module, x.units, x.options.all_experts)
+        hooks = Hessians(x.module, x.units, x.options.all_experts, x.fwd.total or len(x.hidden))
         try:
             ref, _ = x.fwd(x.module, x.hidden, x.topk, x.index, "of the source layer", collector=hooks)
         finally:
             hooks.remove()
-        results = self.results(x, hooks)
+        results = shared_results(self, x, hooks)
         x.put(x.rtn)
         _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
         return Step(results, ref, hooks.routed, e_rtn, tot)
@@ -293,3 +357,15 @@ class GPTQ(Method):
                                                                 "(raise --damp or add samples)"})
             results[u.key] = res
         return results
+
+
+def shared_results(method, x: Layer, hooks: Hessians) -> dict[str, Result]:
+    """``method.results`` for units whose Hessians sum every rank's samples (the Linear units; with
+    the samples split over ranks, ``x.fwd.world``): the Hessians combined on rank 0, which runs the
+    update and sends the results to the others (their ``x.fallbacks`` stay theirs: rank 0 reports)."""
+    world = x.fwd.world
+    hooks.combine(world, f"layer {x.index} Hessians")
+    if world is None or world.size == 1:
+        return method.results(x, hooks)
+    res = method.results(x, hooks) if world.is_writer else None
+    return world.broadcast(res, f"layer {x.index} GPTQ of the Linear units")

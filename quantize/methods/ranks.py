@@ -1,8 +1,9 @@
 """The ranks other than 0 of a data-aware convert (``quantize.distributed``): each waits for what
 rank 0's layer pass sends it and computes its share, and rank 0 writes everything.
 
-- ``("layer", job)``: a GPTQ layer's routed experts, this rank's contiguous range of them
-  (``streamed.expert_rank``);
+- ``("pass", job)``: a GPTQ pass, run here on this rank's calibration samples (``runner.rank_pass``):
+  every layer's captures on its own samples, the Linear units' Hessians sent to rank 0, its
+  contiguous range of each layer's routed experts (``streamed._split_experts``);
 - ``("autoround", job)``: an AutoRound layer, built here from the source; then each of its steps'
   contiguous share of the samples (``autoround.tune_rank``), until rank 0 says ``end``;
 - ``("done", result)``: rank 0's pass is over; its result is this rank's too.
@@ -19,9 +20,7 @@ import torch
 
 from ..errors import QuantizeError
 from .autoround import tune_rank
-from .registry import METHODS
-from .runner import _build, open_streamer
-from .streamed import expert_rank
+from .runner import _build, open_streamer, rank_pass
 
 
 def serve(src: Path, world):
@@ -34,8 +33,8 @@ def serve(src: Path, world):
             kind, job = world.broadcast(None, "the next job from rank 0")
             if kind == "done":
                 return job
-            if kind == "layer":
-                expert_rank(world, streamer, METHODS["gptq"], job)
+            if kind == "pass":
+                rank_pass(src, job, world)
             elif kind == "autoround":
                 device = world.device if str(job["options"].device).startswith("cuda") else "cpu"
                 layer = _build(streamer, job["layer"]).to(device)

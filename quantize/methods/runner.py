@@ -136,15 +136,46 @@ class LayerCache:
 
 
 # ---------------------------------------------------------------------------------------------
+class _RankOutput:
+    """What a rank other than 0 has of rank 0's output (``checkpoint.output.Output``): its folder
+    (the layer files a resumed run replays: the same folder on one node, a shared one across
+    nodes), the layers rank 0 found recorded, and a private spill folder for this rank's own
+    hidden states (made here, removed with ``close``). It writes nothing into the output."""
+
+    def __init__(self, path: str, layers: dict, first: int):
+        import tempfile
+
+        self.path, self.record, self.first = Path(path), {"layers": layers}, first
+        self._tmp = Path(tempfile.mkdtemp(prefix="quantize-rank-hidden-"))
+
+    def scratch(self, name: str) -> Path:
+        return self._tmp / name
+
+    def clear_scratch(self, name: str) -> None:
+        import shutil
+
+        shutil.rmtree(self._tmp / name, ignore_errors=True)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
 class Pass:
     def __init__(self, plan, src: Path, output, calib: Calibration, options, workers: int, device: str,
                  memory_budget: int, emit: Emit):
+        from .. import distributed
+
         self.plan, self.src, self.o, self.calib, self.opt = plan, Path(src), output, calib, options
         self.method = METHODS[options.method_name]
         self.workers, self.device, self.emit = max(1, workers), device, emit
         self.dir = output.path / ".quantize" / LAYERS_DIR
         self.spill = output.scratch(HIDDEN_DIR)
         self.budget = Budget(memory_budget)
+        self.world = distributed.current()
+        # several ranks, each running this pass on its own calibration samples (methods/streamed.py)
+        self.split = self.world.size > 1 and self.method.splits_samples
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _valid(self, key: str) -> bool:
@@ -211,14 +242,24 @@ class Pass:
         outside = [{"name": j.module, "reason": "outside the decoder layers transformers runs (MTP layer or no layer)"}
                    for j in int4_jobs if id(j) not in inside]
         keys = [f"{i:04d}" for i in range(n_layers)]
-        stale = self.o.record.get("layers", {})
-        for k in [k for k in stale if k not in keys or not self._valid(k)]:
-            del stale[k]  # redone below
-        first = next((i for i, k in enumerate(keys) if k not in stale), n_layers)
+        if isinstance(self.o, _RankOutput):
+            first = self.o.first
+        else:
+            stale = self.o.record.get("layers", {})
+            for k in [k for k in stale if k not in keys or not self._valid(k)]:
+                del stale[k]  # redone below
+            first = next((i for i, k in enumerate(keys) if k not in stale), n_layers)
+            if self.split and first < n_layers:  # the other ranks run this pass on their samples
+                job = {"plan": self.plan, "calib": self.calib, "options": self.opt, "workers": self.workers,
+                       "device": self.device, "memory_budget": self.budget.limit, "out": str(self.o.path),
+                       "layers": dict(stale), "first": first}
+                self.world.broadcast(("pass", job), "the layer pass")
         t0 = time.time()
         if first < n_layers:
             self.o.clear_scratch(HIDDEN_DIR)
             self._stream(streamer, jobs_by_layer, first)
+        if not self.world.is_writer:
+            return None
         cache = LayerCache()
         layers = []
         for k in keys:
@@ -231,12 +272,14 @@ class Pass:
         return cache
 
     def _stream(self, streamer, jobs_by_layer, first: int) -> None:
+        n = len(self.calib.ids)
+        own = self.world.samples(n) if self.split else range(n)
         fwd = Forward(streamer, Context(streamer, self.device), self.pool, self.workers, self.device, self.budget,
-                      self.spill)
+                      self.spill, samples=own, total=n, world=self.world if self.split else None)
         hidden = HiddenStore(self.budget, self.spill, "in")
         with torch.no_grad():
-            for ids in self.calib.ids:
-                hidden.append(streamer.embed(ids.unsqueeze(0)).to(torch.float32))
+            for s in own:
+                hidden.append(streamer.embed(self.calib.ids[s].unsqueeze(0)).to(torch.float32))
         topk: list = [None] * len(hidden)
         # a source_stream method's targets (AutoRound's): the source model's own hidden states, carried
         # beside the quantized path (the same store until the first quantized layer)
@@ -298,7 +341,7 @@ class Pass:
         the next layer and its error against the step's reference, recorded with the report. A
         layer whose routed experts are streamed (``stand``) goes through ``methods/streamed.py``."""
         opt = self.opt
-        report: dict = {"layer": i, "method": opt.method, "units": len(units), "samples": len(hidden)}
+        report: dict = {"layer": i, "method": opt.method, "units": len(units), "samples": fwd.total}
         fallbacks = [{"name": n, "reason": r} for n, r in rtn_named]
         if not units:  # nothing INT4 here (e.g. a dense layer under --profile experts): carry through
             if stand is None:
@@ -306,7 +349,8 @@ class Pass:
             else:
                 out, topk = carry(fwd.streamer, fwd, layer, stand, i, hidden, topk, "after the layer")
             report.update(fallbacks=fallbacks, seconds=round(time.time() - t0, 3))
-            self._write(i, {}, report, {})
+            if self.world.is_writer:
+                self._write(i, {}, report, {})
             self.emit({"event": "layer", "layer": i, "units": 0})
             return out, topk
         held = [u for u in units if stand is None or u.expert is None]  # the units the built layer holds
@@ -340,6 +384,10 @@ class Pass:
         if ref is not targets:
             ref.clear()
         numel = hidden.numel
+        if fwd.world is not None:  # every rank's samples
+            numel = sum(fwd.world.gather(numel, f"layer {i} sizes", to=0) or [1])
+        if not self.world.is_writer:
+            return out, new_topk
         tensors = {}
         for u in units:
             if u.key not in results:
@@ -387,3 +435,24 @@ class Pass:
 def run(plan, src, output, calib: Calibration, options, workers: int = 1, device: str = "cpu",
         memory_budget: int = 4 << 30, emit: Emit = null_emit) -> LayerCache:
     return Pass(plan, src, output, calib, options, workers, device, memory_budget, emit).run()
+
+
+def rank_pass(src: Path, job: dict, world) -> None:
+    """A rank other than 0 of a pass whose samples are split (``Method.splits_samples``): rank 0's
+    pass on this rank's samples (``job``: what rank 0's ``Pass`` holds), writing nothing; rank 0
+    writes every layer file and the record."""
+    out = _RankOutput(job["out"], job["layers"], job["first"])
+    for key, rec in sorted(job["layers"].items()):  # the recorded layers this rank replays
+        names = ([rec["file"]] if rec.get("file") else []) + [p["file"] for p in rec.get("parts", [])]
+        missing = [n for n in names if not (out.path / ".quantize" / LAYERS_DIR / n).is_file()]
+        if missing:
+            out.close()
+            raise QuantizeError(f"rank {world.rank}: {out.path / '.quantize' / LAYERS_DIR / missing[0]}, a layer "
+                                "rank 0 recorded, is not visible here; a --resume whose ranks span nodes needs OUT on "
+                                "a disk every node shares (or resume on rank 0's node alone)")
+    device = world.device if str(job["device"]).startswith("cuda") else "cpu"
+    try:
+        Pass(job["plan"], src, out, job["calib"], job["options"], job["workers"], device, job["memory_budget"],
+             null_emit).run()
+    finally:
+        out.close()

@@ -184,22 +184,21 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
     ``GPTQ.layer_step`` gives them for the whole layer. ``x.originals`` and ``x.rtn`` hold the
     Linear units only; ``write_group(first expert, tensors, {module: method})`` stores one group.
 
-    Several ranks (``quantize.distributed``): this is rank 0; the routed experts are split in
-    fixed contiguous ranges (``World.owned``), rank 0 keeping the first. The others get the three
-    captures (``expert_rank``), run their experts' GPTQ and outputs, and send back their codes
-    and per-expert outputs, which are added here after rank 0's own, in expert order: the same
-    additions in the same order as one process, so the same bytes for any number of ranks."""
-    from .. import distributed
-    from .gptq import Hessians
+    Several ranks (``quantize.distributed``; every rank runs this for its own calibration samples,
+    ``fwd.world``): the captures run on each rank's samples, the Linear units' Hessians are
+    combined on rank 0 (``gptq.shared_results``), and the routed experts are split in fixed
+    contiguous ranges (``World.owned``), each rank GPTQ-ing its own from every rank's captures
+    (``_split_experts``)."""
+    from .gptq import Hessians, shared_results
 
     opt, i = x.options, x.index
-    world = distributed.current()
+    world = fwd.world
     linear = [u for u in x.units if u.expert is None]
     by_expert: dict[int, list[Unit]] = {}
     for u in x.units:
         if u.expert is not None:
             by_expert.setdefault(u.expert, []).append(u)
-    hooks = Hessians(layer, linear, opt.all_experts)
+    hooks = Hessians(layer, linear, opt.all_experts, fwd.total or len(x.hidden))
     try:
         cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i, collector=hooks)
     finally:
@@ -211,69 +210,51 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
 
     put(x.rtn)
     cap_r = fwd.capture(layer, stand, x.hidden, x.topk, i)
-    results = method.results(Layer(i, layer, linear, x.originals, x.rtn, x.hidden, x.topk, None, x.fallbacks, opt,
-                                   fwd), hooks)
+    results = shared_results(method, Layer(i, layer, linear, x.originals, x.rtn, x.hidden, x.topk, None, x.fallbacks,
+                                           opt, fwd), hooks)
     for u in linear:
         hooks.H.pop(u.key, None)
     put(results)
     cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
     caps = (cap_s, cap_r, cap_q)
-    if world.size > 1:
-        job = {"layer": i, "options": opt, "workers": fwd.workers, "budget": streamer.expert_budget,
-               "num_experts": stand.num_experts, "units": [u for us in by_expert.values() for u in us],
-               "caps": [(list(c.hidden), c.index, c.weights) for c in caps]}
-        world.broadcast(("layer", job), f"layer {i} routed experts")
-    cur: dict[str, Result] = {}  # this group's results
-    cur_rtn: dict[str, Result] = {}
+    if world is not None and world.size > 1:
+        accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert, x, write_group)
+    else:
+        cur: dict[str, Result] = {}  # this group's results
+        cur_rtn: dict[str, Result] = {}
 
-    def group_step(g, gate_up, down):
-        cur.clear()
-        cur_rtn.clear()
-        us = [u for e in g for u in by_expert.get(e, ())]
-        if not us:
-            return
-        res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, cap_s, opt, fwd, x.fallbacks,
-                                stand.act_fn, i)
-        cur.update(res)
-        cur_rtn.update(init)
-        write_group(g.start, *_tensors(us, res))
+        def group_step(g, gate_up, down):
+            cur.clear()
+            cur_rtn.clear()
+            us = [u for e in g for u in by_expert.get(e, ())]
+            if not us:
+                return
+            res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, cap_s, opt, fwd, x.fallbacks,
+                                    stand.act_fn, i)
+            cur.update(res)
+            cur_rtn.update(init)
+            write_group(g.start, *_tensors(us, res))
 
-    variants = [Variant(cap_s, source_weights), Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
-                Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
-    run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True), before_outputs=group_step,
-               within=world.owned(stand.num_experts))  # one process: every expert
-    cur.clear()
-    cur_rtn.clear()
-    if world.size > 1:
-        got = world.gather(None, f"layer {i} routed experts", to=0)
-        for o in got[1:]:  # rank order = expert order, after rank 0's own
-            for start, tensors, how in o["groups"]:
-                write_group(start, tensors, how)
-            x.fallbacks.extend(o["fallbacks"])
-            for k, n in o["routed"].items():
-                hooks.routed[k] = hooks.routed.get(k, 0) + n
-            for v, per_sample in zip(variants, o["contrib"]):
-                for s, parts in enumerate(per_sample):
-                    a = v.acc[s]
-                    for token_idx, h in parts:
-                        a.index_add_(0, token_idx.to(a.device), h.to(a.device, a.dtype))
-                    v.acc.update(s, a)
-            del o
+        variants = [Variant(cap_s, source_weights),
+                    Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
+                    Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
+        run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True), before_outputs=group_step)
+        accs = [v.acc for v in variants]
     for c in caps:
         c.clear()
     put(None)
-    ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=variants[0].acc)
-    variants[0].acc.clear()
+    ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=accs[0])
+    accs[0].clear()
     put(x.rtn)
     _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
-                             replay=variants[1].acc)
-    variants[1].acc.clear()
+                             replay=accs[1])
+    accs[1].clear()
     put(results)
-    return results, ref, hooks.routed, e_rtn, tot, variants[2].acc
+    return results, ref, hooks.routed, e_rtn, tot, accs[2]
 
 
 class _ListCaptured:
-    """A capture as rank 0 sent it (lists of tensors)."""
+    """A capture of every rank's samples, as the ranks sent theirs (lists of tensors)."""
 
     def __init__(self, hidden, index, weights):
         self.hidden, self.index, self.weights = hidden, index, weights
@@ -287,51 +268,81 @@ class _ListCaptured:
         return Routed(self.hidden[s], self.index[s], self.weights[s])
 
 
-def expert_rank(world, streamer, method, job: dict) -> None:
-    """A rank other than 0 of a GPTQ run, for one layer (``gptq_step`` on rank 0 sends ``job``):
-    GPTQ and the outputs of this rank's routed experts (``World.owned``), sent back to rank 0,
-    which writes everything (the loop over jobs: ``methods/ranks.py``)."""
-    from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
-
-    from transformers.activations import ACT2FN
-
+def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: dict[int, list[Unit]], x: Layer,
+                   write_group) -> list[HiddenStore]:
+    """The routed experts of a streamed GPTQ layer on several ranks, each holding its own samples'
+    captures (``caps``: source, RTN, quantized Linear units). Every rank gets every rank's captures
+    (rank order = sample order), takes its contiguous range of experts a group at a time, their
+    Hessians from the source capture of every sample (the same sums in the same sample order as
+    one process), GPTQ, and each expert's weighted output for the tokens routed to it in the three
+    captures (``contributions``). Those go to the rank holding the sample, which adds them rank
+    by rank, i.e. expert by expert ascending, into zeros: transformers' ``index_add_`` sequence,
+    the same as one process's ``accumulate``. Rank 0 writes every group file and gets every rank's
+    fallbacks and token counts. Returns this rank's samples' three expert-output stores."""
     from ..calibrate.experts import contributions
-    from .gptq import Hessians
+    from ..distributed import samples_of
 
-    act_fn = ACT2FN[streamer.config.hidden_act]
-    i, opt = job["layer"], job["options"]
-    streamer.expert_budget = job["budget"]
-    caps = [_ListCaptured(*c) for c in job["caps"]]
-    by_expert: dict[int, list[Unit]] = {}
-    for u in job["units"]:
-        by_expert.setdefault(u.expert, []).append(u)
-    hooks = Hessians(None, [], opt.all_experts)
-    out = {"groups": [], "fallbacks": [], "contrib": [[[] for _ in range(len(c))] for c in caps]}
-    with ThreadPoolExecutor(max(1, job["workers"]), thread_name_prefix="expert") as pool:
-        # a GPU run: this rank's own GPU (World.device: cuda:LOCAL_RANK under NCCL); what goes back: CPU
-        dev = world.device if str(opt.device).startswith("cuda") else "cpu"
-        fwd = SimpleNamespace(workers=max(1, job["workers"]), device=dev, pool=pool)
-        for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(job["num_experts"])):
-            gate_up, down = (t.to(dev) for t in streamer.expert_weights(i, g))
-            us = [u for e in g for u in by_expert.get(e, ())]
-            res, init = ({}, {})
-            if us:
-                res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, caps[0], opt, fwd,
-                                        out["fallbacks"], act_fn, i)
-                out["groups"].append((g.start, *_tensors(us, res)))
-            weights = [source_weights, with_results(lambda u: init.get(u.key), by_expert),
-                       with_results(lambda u: res.get(u.key), by_expert)]
-            for v, (c, w) in enumerate(zip(caps, weights)):
-                gu, dn = w(g, gate_up, down)
-                with torch.no_grad():
-                    for s in range(len(c)):
-                        r = c[s]
-                        r.hidden, r.index, r.weights = r.hidden.to(dev), r.index.to(dev), r.weights.to(dev)
-                        out["contrib"][v][s].extend((t.cpu(), h.cpu()) for t, h in contributions(r, g, gu, dn, act_fn))
-            del gate_up, down
-    out["routed"] = hooks.routed
-    world.gather(out, f"layer {i} routed experts", to=0)
+    i, opt, dev = x.index, x.options, fwd.device
+    sent = world.gather([(list(c.hidden), c.index, c.weights) for c in caps], f"layer {i} routed experts' inputs")
+    for c in caps:
+        c.clear()
+    full = [_ListCaptured(*([t for part in sent for t in part[v][k]] for k in range(3))) for v in range(3)]
+    del sent
+    n = len(full[0])
+    contrib: list[list[list]] = [[[] for _ in range(n)] for _ in full]  # [variant][sample] -> [(tokens, output)]
+    mine = {"groups": [], "fallbacks": [], "routed": {}}
+    for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(stand.num_experts)):
+        gate_up, down = (t.to(dev) for t in streamer.expert_weights(i, g))
+        us = [u for e in g for u in by_expert.get(e, ())]
+        res, init = ({}, {})
+        if us:
+            res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, full[0], opt, fwd,
+                                    mine["fallbacks"], stand.act_fn, i)
+            if world.is_writer:
+                write_group(g.start, *_tensors(us, res))
+            else:
+                mine["groups"].append((g.start, *_tensors(us, res)))
+        weights = [source_weights, with_results(lambda u: init.get(u.key), by_expert),
+                   with_results(lambda u: res.get(u.key), by_expert)]
+        for v, (c, w) in enumerate(zip(full, weights)):
+            gu, dn = w(g, gate_up, down)
+            with torch.no_grad():
+                for s in range(n):
+                    r = c[s]
+                    r.hidden, r.index, r.weights = r.hidden.to(dev), r.index.to(dev), r.weights.to(dev)
+                    contrib[v][s].extend((t.cpu(), h.cpu()) for t, h in contributions(r, g, gu, dn, stand.act_fn))
+            del gu, dn
+        del gate_up, down
+    mine["routed"] = dict(hooks.routed)
+    accs = [HiddenStore(fwd.budget, fwd.spill, f"a{i}") for _ in full]
+    for o in range(world.size):  # each rank's samples' outputs, from every rank
+        own = samples_of(n, world.size, o)
+        got = world.gather([[contrib[v][s] for s in own] for v in range(len(full))], f"layer {i} routed experts' "
+                           f"outputs for rank {o}", to=o)
+        for v in range(len(full)):
+            for s in own:
+                contrib[v][s] = None  # sent
+        if got is None:
+            continue
+        for v, c in enumerate(full):
+            for k, s in enumerate(own):
+                a = torch.zeros_like(c.hidden[s])
+                for part in got:  # rank order = expert order
+                    for token_idx, h in part[v][k]:
+                        a.index_add_(0, token_idx.to(a.device), h.to(a.device, a.dtype))
+                accs[v].append(a)
+        del got
+    del full, contrib
+    got = world.gather(mine, f"layer {i} routed experts' results", to=0)
+    if got is not None:
+        x.fallbacks.extend(mine["fallbacks"])
+        for o in got[1:]:  # rank order = expert order, after rank 0's own
+            for start, tensors, how in o["groups"]:
+                write_group(start, tensors, how)
+            x.fallbacks.extend(o["fallbacks"])
+            for k, c in o["routed"].items():
+                hooks.routed[k] = hooks.routed.get(k, 0) + c
+    return accs
 
 
 def virtual_shapes(streamer, stand) -> dict[str, tuple]:
