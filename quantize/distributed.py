@@ -63,7 +63,7 @@ def partition(n: int, size: int, rank: int) -> range:
 
 # The calibration samples' fixed shards: the leaves of every sum over samples that must not depend on
 # the number of ranks (GPTQ's Linear Hessians: each shard's per-sample terms summed in sample order,
-# then the shards' sums in shard order, on one process as on many). A rank holds whole shards, so
+# then the shards' sums in one fixed binary tree, ``TreeSum``, on one process as on many). A rank holds whole shards, so
 # at most this many ranks split the samples (the others still split the routed experts).
 SAMPLE_SHARDS = 8
 
@@ -82,6 +82,66 @@ def samples_of(n: int, size: int, rank: int) -> range:
     if not len(mine):
         return range(n, n)
     return range(shards[mine.start].start, shards[mine.stop - 1].stop)
+
+
+def _halves(lo: int, hi: int) -> int:
+    """Where the tree splits node [lo, hi): the left half the longer (``partition`` into 2)."""
+    return lo + (hi - lo + 1) // 2
+
+
+class TreeSum:
+    """A sum over ``leaves`` fixed shards in one fixed binary tree (a node [lo, hi) is its left
+    half [lo, mid) plus its right half [mid, hi), ``add(left, right)``), whichever rank holds which
+    shards: so the same additions, bit for bit, for any number of ranks. Leaves are pushed in order
+    (``leaf``); two complete siblings are added at once, so a process holds at most one partial
+    sum per tree level. A rank that holds a contiguous run of leaves ends with the maximal
+    subtrees inside it (about one per rank when the ranks are a power of two), which ``combine``
+    sends to rank 0 to finish the tree."""
+
+    def __init__(self, leaves: int, add: Callable[[Any, Any], Any]):
+        if leaves < 1:
+            raise ValueError(f"TreeSum({leaves})")
+        self.leaves, self.add = leaves, add
+        self.parent: dict[tuple[int, int], tuple[int, int]] = {}
+        todo = [(0, leaves)]
+        while todo:
+            lo, hi = todo.pop()
+            if hi - lo > 1:
+                mid = _halves(lo, hi)
+                self.parent[(lo, mid)] = self.parent[(mid, hi)] = (lo, hi)
+                todo += [(lo, mid), (mid, hi)]
+        self.stack: list[tuple[tuple[int, int], Any]] = []
+
+    def leaf(self, j: int, value) -> None:
+        self.push((j, j + 1), value)
+
+    def push(self, node: tuple[int, int], value) -> None:
+        if self.stack and self.stack[-1][0][1] != node[0]:
+            raise QuantizeError(f"shard sum: {node} after {self.stack[-1][0]}; every rank must run the same quantize "
+                                "version")
+        self.stack.append((node, value))
+        while len(self.stack) >= 2:
+            (a, va), (b, vb) = self.stack[-2], self.stack[-1]
+            up = self.parent.get(a)
+            if up is None or up != self.parent.get(b) or a[0] != up[0]:
+                break
+            self.stack[-2:] = [(up, self.add(va, vb))]
+
+    def combine(self, world, what: str):
+        """The root on rank 0 (None on the others, after sending theirs): every rank's subtrees,
+        in rank order (= leaf order), pushed after rank 0's."""
+        if world is not None and world.size > 1:
+            got = world.gather(self.stack, what, to=0)
+            self.stack = [] if got is None else self.stack
+            if got is None:
+                return None
+            for part in got[1:]:
+                for node, value in part:
+                    self.push(node, value)
+        if [n for n, _ in self.stack] != [(0, self.leaves)]:
+            raise QuantizeError(f"{what}: the shard sums cover {[n for n, _ in self.stack]}, not the "
+                                f"{self.leaves} shards; every rank must run the same quantize version")
+        return self.stack.pop()[1]
 
 
 def owner_of(i: int, n: int, size: int) -> int:

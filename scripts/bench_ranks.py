@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPTQ (or AutoRound, --method autoround) as 1 and as N ranks (gloo on this machine's CPUs) on an
 expert-heavy MoE: the output's bytes compared, the wall times side by side in one run. Not a test.
-GPTQ's ranks split the routed experts; AutoRound's split each step's samples.
+GPTQ's ranks split the calibration samples and the routed experts; AutoRound's each step's samples.
 
 The fixture is a tiny GLM-5 (glm_moe_dsa), by default with many wide routed experts, so that the
 experts' GPTQ is most of the work; with few narrow experts, long samples and ``--profile

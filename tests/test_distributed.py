@@ -92,27 +92,27 @@ def test_the_sample_split_of_ten_over_two_and_nine_ranks():
 
 
 class _Rank0:
-    """Rank 0 of two, whose gather returns what rank 1 would send (``peer``)."""
+    """Rank 0 of two, whose gathers return what rank 1 sent to each (``peer``: in call order)."""
 
     size, rank, is_writer = 2, 0, True
 
     def __init__(self, peer):
-        self.peer = peer
+        self.peer = list(peer)
 
     def gather(self, obj, what, to=None):
-        return [obj, self.peer]
+        return [obj, self.peer.pop(0)]
 
 
 class _Rank1(_Rank0):
     rank, is_writer = 1, False
 
     def __init__(self):
-        self.sent = None
+        self.sent = []
 
     def gather(self, obj, what, to=None):
         import copy
 
-        self.sent = copy.deepcopy(obj)  # sent at the call, as torch.distributed pickles it
+        self.sent.append(copy.deepcopy(obj))  # sent at the call, as torch.distributed pickles it
         return None
 
 
@@ -126,40 +126,73 @@ def _hooked(samples, terms, own):
     return h
 
 
-@pytest.mark.parametrize("n", [4, 10, 19])
-def test_hessians_split_over_two_ranks_are_one_process_bit_for_bit(n):
-    """Per-sample terms whose sum depends on the order of additions: the shards' sums combined on
-    rank 0 in shard order are one process's, bit for bit; summed in another order they are not."""
+def _terms(n, seed=0):
+    """Per-sample terms whose sum depends on the order of additions (magnitudes 1e-6 to 1e5)."""
     import torch
 
-    g = torch.Generator().manual_seed(n)
-    terms = [torch.randn(16, 16, generator=g) * 10.0 ** torch.randint(-6, 6, (1,), generator=g).item()
-             for _ in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 16, generator=g) * 10.0 ** torch.randint(-6, 6, (1,), generator=g).item()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [4, 10, 19])
+def test_hessians_split_over_two_ranks_are_one_process_bit_for_bit(n):
+    """The shards' sums combined on rank 0 are one process's, bit for bit; rank 1 sends one
+    subtree (the right half of the shards), not each shard."""
+    import torch
+
+    terms = _terms(n, n)
     one = _hooked(n, terms, range(n))
     one.combine(None, "test")
     r1 = _Rank1()
     h1 = _hooked(n, terms, D.samples_of(n, 2, 1))
     h1.combine(r1, "test")
-    assert not h1.H and r1.sent["kept"]  # rank 1 sends its shards, keeps nothing
+    counts, stack = r1.sent
+    assert not h1.H and len(stack) == 1 and stack[0][0] == (len(D.sample_shards(n)) // 2, len(D.sample_shards(n)))
     h0 = _hooked(n, terms, D.samples_of(n, 2, 0))
     h0.combine(_Rank0(r1.sent), "test")
     assert torch.equal(h0.H["u"], one.H["u"]) and h0.n == one.n == {"u": n} and h0.tokens == {"u": 3 * n}
     flat = terms[0].clone()
     for t in terms[1:]:
         flat += t
-    if n > D.SAMPLE_SHARDS:  # the control: one left-to-right sum over samples is another number
-        assert not torch.equal(flat, one.H["u"])
+    assert not torch.equal(flat, one.H["u"])  # the control: one left-to-right sum over samples is another number
 
 
-def test_a_shard_out_of_order_is_refused():
+@pytest.mark.parametrize("leaves", [1, 2, 5, 8])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 8, 9])
+def test_a_tree_sum_is_the_same_for_any_split_of_its_leaves(leaves, size):
+    """Each rank pushes its contiguous leaves and ends with its maximal subtrees; rank 0 pushes
+    the others' in rank order: the root is one process's, bit for bit."""
     import torch
 
-    terms = [torch.ones(2, 2) for _ in range(4)]
-    r1 = _Rank1()
-    _hooked(4, terms, [3]).combine(r1, "test")  # rank 1 holding shard 3 but not shard 2
-    h0 = _hooked(4, terms, [0, 1])
-    with pytest.raises(QuantizeError, match="sample shard 3 arrived where 2 belongs"):
-        h0.combine(_Rank0(r1.sent), "test")
+    vals = _terms(leaves, 100 + leaves)
+    add = lambda a, b: a + b  # noqa: E731
+    one = D.TreeSum(leaves, add)
+    for j in range(leaves):
+        one.leaf(j, vals[j].clone())
+    want = one.combine(None, "test")
+    ranks = []
+    for r in range(size):
+        t = D.TreeSum(leaves, add)
+        for j in D.partition(leaves, size, r):
+            t.leaf(j, vals[j].clone())
+        ranks.append(t)
+    for t in ranks[1:]:
+        for node, v in t.stack:
+            ranks[0].push(node, v)
+    assert torch.equal(ranks[0].combine(None, "test"), want)
+    if size in (2, 4, 8) and leaves == 8:  # ranks a power of two: one subtree each to send
+        assert all(len(t.stack) == 1 for t in ranks[1:])
+
+
+def test_a_tree_sum_refuses_a_gap_or_a_missing_leaf():
+    t = D.TreeSum(4, lambda a, b: a + b)
+    t.leaf(0, 1.0)
+    t.leaf(1, 2.0)
+    with pytest.raises(QuantizeError, match=r"shard sum: \(3, 4\) after \(0, 2\)"):
+        t.leaf(3, 4.0)  # shard 2 missing: a rank that skipped one
+    with pytest.raises(QuantizeError, match=r"cover \[\(0, 2\)\], not the 4 shards"):
+        t.combine(None, "test")
 
 
 def test_a_rank_that_cannot_see_the_recorded_layers_says_so_in_one_line(tmp_path):

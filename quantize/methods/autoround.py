@@ -207,6 +207,34 @@ def _sample_grads(streamer, ctx, layer, tls, leaves: dict, h, topk, target, deno
     return float(loss.detach()), grads
 
 
+def _add_grads(a: list, b: list) -> list:
+    """Two lists of gradients (None where a sample does not reach a leaf) added item by item."""
+    return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
+
+
+def _step_sums(got: list, positions: range, n: int, device):
+    """This rank's samples of a step (``got``: (loss, gradients) per batch position in
+    ``positions``, of ``n``): their losses, and a ``TreeSum`` over the step's fixed shards holding
+    this rank's shard sums (each the shard's gradients added in batch order)."""
+    shards = len(distributed.sample_shards(n))
+    tree = distributed.TreeSum(shards, _add_grads)
+    losses: list[float] = []
+    cur, cur_shard = None, None
+    for q, (loss, grads) in zip(positions, got):
+        losses.append(loss)
+        grads = [None if g is None else g.to(device) for g in grads]
+        shard = distributed.owner_of(q, n, shards)
+        if shard != cur_shard:
+            if cur is not None:
+                tree.leaf(cur_shard, cur)
+            cur, cur_shard = grads, shard
+        else:
+            cur = _add_grads(cur, grads)
+    if cur is not None:
+        tree.leaf(cur_shard, cur)
+    return losses, tree
+
+
 def _cpu(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
@@ -271,31 +299,32 @@ def tune(streamer, ctx, layer, units: list[Unit], originals: dict, hidden, topk:
             for path, p in leaves.items():
                 _set_param(layer, path, p)
             paths = list(leaves)
-            # the step's samples in contiguous shares, rank 0 the first (distributed.partition): each
-            # sample's gradients are its own whichever rank computes them, summed here in batch order
-            shares = [batch[r.start:r.stop] for r in (distributed.partition(len(batch), world.size, k)
-                                                       for k in range(world.size))]
+            # the step's samples in whole fixed shards (distributed.samples_of over the batch positions),
+            # rank 0 the first: each sample's gradients are its own whichever rank computes them, summed
+            # in batch order within a shard and over the shards in one fixed tree (``_step_sums``)
+            shares = [distributed.samples_of(len(batch), world.size, k) for k in range(world.size)]
             if world.size > 1:
                 world.broadcast(("step", {"fakes": {p: w.detach().cpu() for p, w in fakes.items()}, "denom": denom,
-                                          "samples": [[tuple(_cpu(t) for t in (hidden[s], topk[s], fp_out[s]))
-                                                       for s in share] for share in shares[1:]]}),
+                                          "batch": len(batch),
+                                          "samples": [[tuple(_cpu(t) for t in (hidden[batch[q]], topk[batch[q]],
+                                                                               fp_out[batch[q]])) for q in share]
+                                                      for share in shares[1:]]}),
                                 f"layer {i} AutoRound step {step}")
 
             def one(s: int):
                 return _sample_grads(streamer, ctx, layer, tls, leaves, hidden[s], topk[s], fp_out[s], denom)
 
-            got = list(in_order(pool, workers, one, shares[0]))
+            got = list(in_order(pool, workers, one, [batch[q] for q in shares[0]]))
+            per_sample, tree = _step_sums(got, shares[0], len(batch), device)
             if world.size > 1:
                 for o in world.gather(None, f"layer {i} AutoRound step {step}", to=0)[1:]:
-                    got.extend(o)
+                    per_sample += o["losses"]
+                    for node, sums in o["subtrees"]:
+                        tree.push(node, [None if g is None else g.to(device) for g in sums])
+            summed = tree.combine(None, f"layer {i} AutoRound step {step}")
             total = 0.0
-            summed: list = [None] * len(paths)
-            for loss, grads in got:
+            for loss in per_sample:  # batch order
                 total += loss
-                for j, g in enumerate(grads):
-                    if g is not None:
-                        g = g.to(fakes[paths[j]].device)
-                        summed[j] = g if summed[j] is None else summed[j] + g
             live = [j for j in range(len(paths)) if summed[j] is not None]
             if live:
                 torch.autograd.backward([fakes[paths[j]] for j in live], [summed[j] for j in live])
@@ -339,7 +368,9 @@ def tune_rank(world, streamer, layer, job: dict, device: str) -> None:
     """A rank other than 0 of an AutoRound run, for one layer (``tune`` on rank 0 sends ``job``;
     ``layer``: this rank's build of it on ``device``, the source weights): each step, this rank's
     share of the samples through the layer with rank 0's quantized weights, their losses and
-    gradients sent back to rank 0 (CPU tensors), which sums every sample's in batch order."""
+    gradients summed here per shard of the step and up the shards' tree as far as this rank's
+    shards reach (``_step_sums``), those subtrees sent back to rank 0 (CPU tensors), which
+    finishes the tree."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -363,11 +394,13 @@ def tune_rank(world, streamer, layer, job: dict, device: str) -> None:
 
                 def one(x, leaves=leaves, denom=step["denom"]):
                     h, topk, target = x
-                    loss, grads = _sample_grads(streamer, ctx, layer, tls, leaves, h, on(topk), target, denom)
-                    return loss, [None if g is None else g.cpu() for g in grads]
+                    return _sample_grads(streamer, ctx, layer, tls, leaves, h, on(topk), target, denom)
 
-                world.gather(list(in_order(pool, workers, one, step["samples"][world.rank - 1])),
-                             f"layer {i} AutoRound step", to=0)
+                got = list(in_order(pool, workers, one, step["samples"][world.rank - 1]))
+                losses, tree = _step_sums(got, distributed.samples_of(step["batch"], world.size, world.rank),
+                                          step["batch"], device)
+                subtrees = [(node, [None if g is None else g.cpu() for g in sums]) for node, sums in tree.stack]
+                world.gather({"losses": losses, "subtrees": subtrees}, f"layer {i} AutoRound step", to=0)
     finally:
         for h in handles:
             h.remove()

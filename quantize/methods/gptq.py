@@ -23,8 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..distributed import owner_of, sample_shards
-from ..errors import QuantizeError
+from ..distributed import TreeSum, owner_of, sample_shards
 from ..formats import int4
 from .base import Layer, Method, Step
 from .forward import Collector
@@ -40,6 +39,12 @@ def _add_all(acc: dict, terms: dict) -> None:
             acc[key] += h
         else:
             acc[key] = h
+
+
+def _summed(a: dict, b: dict) -> dict:
+    """``b``'s terms added into ``a`` (a tree node of shard sums: its left half plus its right)."""
+    _add_all(a, b)
+    return a
 
 
 def _accumulate(H: dict, n: dict, tokens: dict, key: str, x: torch.Tensor, count: int) -> None:
@@ -65,13 +70,12 @@ class Hessians(Collector):
         self.all_experts = all_experts
         self.H: dict[str, torch.Tensor] = {}
         # the hooked samples' terms: per sample in sample order within each of the run's fixed sample
-        # shards (distributed.sample_shards of ``samples``), then the shards' sums in shard order, the
-        # same additions whichever rank holds which shards (``combine``)
-        self.shards = len(sample_shards(samples)) if samples else 0
+        # shards (distributed.sample_shards of ``samples``), then the shards' sums in one fixed tree
+        # (distributed.TreeSum), the same additions whichever rank holds which shards (``combine``)
+        self.shards = len(sample_shards(samples)) if samples else 1
         self.samples = samples
         self._open: tuple[int, dict] | None = None  # (shard, its sums so far)
-        self._next = 0  # shards already added into H (in order)
-        self.kept: list[tuple[int, dict]] = []  # this rank's shards that follow another rank's
+        self.tree = TreeSum(self.shards, _summed)
         self.n: dict[str, int] = {}  # divisor: samples (Linear, as llm-compressor) or tokens (experts)
         self.tokens: dict[str, int] = {}  # tokens that fed the statistics
         self.routed: dict[tuple[str, int], int] = {}  # (experts module, e) -> tokens the router sent
@@ -96,52 +100,36 @@ class Hessians(Collector):
         terms = part.get("H", {})
         if not terms:
             return
-        shard = owner_of(sample, self.samples, self.shards) if self.shards else 0
+        shard = owner_of(sample, self.samples, self.shards) if self.samples else 0
         if self._open is None or self._open[0] != shard:
             self._close()
             self._open = (shard, {})
         _add_all(self._open[1], terms)
 
     def _close(self) -> None:
-        """The open shard's sums into H when every shard before it is there, else kept for
-        ``combine`` (a rank whose first shard is not shard 0)."""
-        if self._open is None:
-            return
-        shard, sums = self._open
-        self._open = None
-        if shard == self._next:
-            _add_all(self.H, sums)
-            self._next += 1
-        else:
-            self.kept.append((shard, sums))
+        if self._open is not None:
+            self.tree.leaf(*self._open)
+            self._open = None
 
     def combine(self, world, what: str) -> None:
-        """The hooked units' Hessians of every rank's samples, on rank 0 (the others' hooked sums
-        are sent and dropped): rank 0's shards are the first, the others' follow in rank order
-        (= shard order), added in that order; the divisors and token counts summed."""
+        """The hooked units' Hessians of every rank's samples, on rank 0 (the others send their
+        subtrees of shard sums, then drop them): the tree finished in shard order; the divisors
+        and token counts summed. Every rank calls it, for a layer with hooked units."""
         self._close()
-        if world is None or world.size == 1:
-            if self.kept:
-                raise RuntimeError(f"{len(self.kept)} shards after a missing one")  # not reachable: shards in order
-            return
-        got = world.gather({"kept": self.kept, "n": self.n, "tokens": self.tokens}, what, to=0)
-        self.kept = []
-        if got is None:
-            self.H.clear()
+        split = world is not None and world.size > 1
+        counts = world.gather({"n": self.n, "tokens": self.tokens}, f"{what} (counts)", to=0) if split else None
+        root = self.tree.combine(world if split else None, what)
+        self.tree = TreeSum(self.shards, _summed)
+        if split and counts is None:  # not rank 0: its part is sent
             self.n.clear()
             self.tokens.clear()
             return
-        for part in got[1:]:
-            for shard, sums in part["kept"]:
-                if shard != self._next:
-                    raise QuantizeError(f"{what}: sample shard {shard} arrived where {self._next} belongs; every "
-                                        "rank must run the same quantize version")
-                _add_all(self.H, sums)
-                self._next += 1
+        for part in (counts or [])[1:]:
             for name in ("n", "tokens"):
                 acc = getattr(self, name)
                 for k, v in part[name].items():
                     acc[k] = acc.get(k, 0) + v
+        _add_all(self.H, root)
 
     def _add(self, key: str, x: torch.Tensor, count: int) -> None:
         """One sample's ``2 x^T x`` of ``key`` into this thread's part (merged in sample order)."""
@@ -304,7 +292,7 @@ class GPTQ(Method):
     name = "gptq"
     source_stream = False
     streams_experts = True  # statistics per unit: a MoE layer's routed experts go a group at a time
-    splits_samples = True  # on several ranks each runs its own samples (Hessians combined in shard order)
+    splits_samples = True  # on several ranks each runs its own samples (Hessians combined in a fixed shard tree)
     report_fields = ("damp", "block", "actorder")
     title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
              "model's own layer-by-layer calibration forward")
@@ -364,6 +352,8 @@ def shared_results(method, x: Layer, hooks: Hessians) -> dict[str, Result]:
     the samples split over ranks, ``x.fwd.world``): the Hessians combined on rank 0, which runs the
     update and sends the results to the others (their ``x.fallbacks`` stay theirs: rank 0 reports)."""
     world = x.fwd.world
+    if not x.units:  # nothing hooked (e.g. --profile experts: no Linear unit), on every rank alike
+        return {}
     hooks.combine(world, f"layer {x.index} Hessians")
     if world is None or world.size == 1:
         return method.results(x, hooks)
