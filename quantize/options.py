@@ -929,6 +929,11 @@ class EvalOptions(Options):
         check=lambda v: v >= 1,
         why="must be at least 1 token",
     )
+    chat: bool = opt(
+        False,
+        "prompt through the model's chat template (lm-eval's apply_chat_template); a served model through the "
+        "chat-completions endpoint, which scores generation tasks only (GSM8K, MMLU-Pro)",
+    )
     device: str = opt("cpu", "where local models run: cpu or cuda")
     batch_size: int = opt(1, "lm-eval batch size", cli=False, check=lambda v: v >= 1, why="must be at least 1")
     resamples: int = opt(

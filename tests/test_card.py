@@ -152,6 +152,17 @@ def test_smoke_evaluations_are_shown_not_published_and_where_each_figure_was_mea
         card(folder, eval=files[:1])
 
 
+def test_the_card_says_when_prompts_went_through_the_chat_template():
+    from quantize.publish.card import where
+
+    served = {"engine": "vllm", "version": "0.33.0", "launch": "python -m vllm.entrypoints.openai.api_server"}
+    assert where({**served, "prompts": "the model's chat template (chat-completions)"}).endswith(
+        "; prompts: the model's chat template (chat-completions)")
+    assert "prompts" not in where(served)  # without --chat: the task's own prompts, nothing said
+    assert where({"engine": "transformers", "device": "cpu", "prompts": "the model's chat template"}) == (
+        "transformers on the evaluating machine (cpu); prompts: the model's chat template")
+
+
 def test_reports_that_are_not_reports_or_of_another_model_are_refused(folder, converted, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')

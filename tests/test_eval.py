@@ -248,7 +248,8 @@ def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp
     assert [(t.baseline, t.candidate, t.docs) for t in again.tasks] == [(t.baseline, t.candidate, t.docs)
                                                                          for t in first.tasks]
     assert again.measured["baseline"]["reused"] is True
-    for kw, what in ((dict(limit=2), "another --limit"), (dict(tasks="arc_challenge"), "other tasks")):
+    for kw, what in ((dict(limit=2), "another --limit"), (dict(tasks="arc_challenge"), "other tasks"),
+                     (dict(chat=True), r"other prompts \(--chat or not\)")):
         args = {**dict(tasks="arc_easy", limit=3, data_dir=data, resamples=200, baseline_results=saved), **kw}
         with pytest.raises(QuantizeError, match=f"made for {what} than this run"):
             evaluate(base, cand, **args)
@@ -263,3 +264,26 @@ def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp
     other.write_text('{"hello": 1}')
     with pytest.raises(QuantizeError, match="not a file `quantize eval --save-baseline` wrote"):
         evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=other)
+
+
+def test_chat_needs_a_template_and_served_generation_tasks(models, tmp_path):
+    """--chat, before any model runs or server is asked: a folder without a chat template, and a
+    log-likelihood task through a chat-completions server, are each one line; the near misses (the
+    template added; a generation task; the same task run locally) go on."""
+    import shutil
+
+    base, cand = models
+    data = _data(tmp_path)
+    bare = tmp_path / "bare"
+    shutil.copytree(cand, bare)
+    (bare / "chat_template.jinja").unlink()  # the tiny's tokenizer carries one: this copy has none
+    with pytest.raises(QuantizeError, match=r"--chat: .*bare has no chat template \(tokenizer_config.json"):
+        evaluate(base, bare, tasks="gsm8k", limit=1, data_dir=data, chat=True)
+    url = "http://127.0.0.1:9"
+    with pytest.raises(QuantizeError, match=r"--chat: arc_easy scores the log-likelihood of each answer "
+                                            r"\(multiple_choice\), which a chat-completions server does not return"):
+        evaluate(base, cand, tasks="gsm8k,arc_easy", limit=1, data_dir=data, chat=True, base_url=url)
+    with pytest.raises(QuantizeError, match=r"127\.0\.0\.1:9: server not reachable"):  # past the chat checks
+        evaluate(base, cand, tasks="gsm8k", limit=1, data_dir=data, chat=True, base_url=url)
+    rep = evaluate(base, cand, tasks="arc_easy", limit=2, data_dir=data, chat=True, resamples=100)  # local: any task
+    assert rep.tasks[0].n == 2 and rep.measured["candidate"]["prompts"] == "the model's chat template"

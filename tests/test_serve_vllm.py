@@ -113,3 +113,41 @@ def test_served_kld_is_close_to_local_full_vocabulary_kld(smollm2, smol_dequanti
         assert abs(sv.ppl_candidate / lo.ppl_candidate - 1) <= 0.005
         assert abs(sv.ppl_baseline / lo.ppl_baseline - 1) <= 0.005
     assert served[0].measured["baseline"] == served[-1].measured["baseline"]  # the baseline served once
+
+
+# GSM8K-shaped items (its 5-shot prompt samples the train split: at least 6 of them)
+GSM = [{"question": f"Tom has {i} apples and buys {i + 2} more. How many apples does he have?",
+        "answer": f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}"} for i in range(8)]
+
+
+@needs_engine
+def test_served_chat_answers_are_the_answers_transformers_generates(smollm2, tmp_path, monkeypatch):
+    """--chat: the model's chat template applied by transformers here and by vLLM behind its
+    chat-completions endpoint (the baseline saved locally, only the candidate served): the same
+    generated answers, item by item, greedy."""
+    import quantize.evaluate.run as run
+
+    d = tmp_path / "data" / "gsm8k"
+    d.mkdir(parents=True)
+    for split in ("train", "test"):
+        (d / f"{split}.jsonl").write_text("\n".join(json.dumps(x) for x in GSM))
+    got = []
+    real = run._run_model
+    monkeypatch.setattr(run, "_run_model", lambda *a, **k: got.append(real(*a, **k)) or got[-1])
+    common = dict(tasks="gsm8k", limit=2, data_dir=tmp_path / "data", max_gen_toks=48, chat=True, resamples=200)
+    saved = tmp_path / "base.json"
+    local = evaluate(smollm2, smollm2, save_baseline=saved, **common)
+    served = evaluate(smollm2, smollm2, baseline_results=saved, serve="vllm", serve_args=SERVE_ARGS,
+                      serve_log=tmp_path / "logs", **common)
+    answers = [{x["doc_id"]: x["resps"] for x in r["samples"]["gsm8k"]} for r in got]
+    assert len(answers) == 3 and answers[0] == answers[1]  # local baseline, local candidate
+    assert answers[2] == answers[0], (answers[2], answers[0])  # the served candidate
+    assert all(r[0][0].strip() for r in answers[2].values())  # the chat model answered something
+    from quantize.evaluate.tasks import task_configs
+
+    plain = real(str(smollm2), task_configs(["gsm8k"], tmp_path / "data", 48)[0], 2, "cpu", 1)
+    assert {x["doc_id"]: x["resps"] for x in plain["samples"]["gsm8k"]} != answers[0]  # the template matters
+    m = served.measured["candidate"]
+    assert m["prompts"] == "the model's chat template (chat-completions)" and m["engine"] == "vllm"
+    assert local.measured["baseline"]["prompts"] == "the model's chat template"
+    print(f"\nchat: {len(answers[2])} GSM8K answers served = local; start-up {m['startup_s']} s")

@@ -105,12 +105,16 @@ def served_model(url: str, timeout: float = 10.0) -> str:
 
 
 def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int,
-               base_url: str | None = None) -> dict:
+               base_url: str | None = None, chat: bool = False) -> dict:
     import lm_eval
 
     if not (Path(path) / "config.json").exists() and not (Path(path) / "tokenizer.json").exists():
         raise QuantizeError(f"{path}: no config.json; pass a model folder")
-    if base_url:  # the deployment as served: lm-eval's completions backend, the local folder's tokenizer
+    if base_url and chat:  # the server applies the model's chat template (lm-eval's chat backend: messages)
+        name = served_model(base_url)
+        model, args = "local-chat-completions", {"base_url": base_url.rstrip("/") + "/v1/chat/completions",
+                                                  "model": name, "num_concurrent": 1, "max_retries": 2}
+    elif base_url:  # the deployment as served: lm-eval's completions backend, the local folder's tokenizer
         name = served_model(base_url)
         model, args = "local-completions", {"base_url": base_url.rstrip("/") + "/v1/completions", "model": name,
                                              "tokenizer": str(path), "tokenizer_backend": "huggingface",
@@ -121,6 +125,7 @@ def _run_model(path: str, configs: list, limit: int | None, device: str, batch_s
         # our TaskManager (built once per process): lm-eval's own would walk every task YAML again, each call
         return lm_eval.simple_evaluate(model=model, model_args=args, tasks=configs, task_manager=_task_manager(),
                                        limit=limit, log_samples=True, batch_size=batch_size, device=device,
+                                       apply_chat_template=chat,
                                        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     except QuantizeError:
         raise
@@ -170,9 +175,9 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 
 
 @takes(EvalOptions)
-def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, device, batch_size,
-             resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype, serve_args, serve_port,
-             serve_timeout_s, serve_log, verbose, save_baseline, baseline_results) -> EvalReport:
+def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, chat, device,
+             batch_size, resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype, serve_args,
+             serve_port, serve_timeout_s, serve_log, verbose, save_baseline, baseline_results) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
@@ -215,9 +220,12 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
         raise QuantizeError(f"--tasks {tasks!r}: names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}")
     configs, groups = task_configs(names, data_dir, max_gen_toks)
     # a saved baseline's identity (every data file hashed): only where one is written or read
-    ident = (_baseline_identity(baseline, names, limit, max_gen_toks, configs)
+    ident = (_baseline_identity(baseline, names, limit, max_gen_toks, configs, chat)
              if save_baseline is not None or baseline_results is not None else None)
     saved = _saved_baseline(baseline_results, ident) if baseline_results is not None else None
+    if chat:
+        _check_chat(configs, [p for p, run in ((baseline, saved is None), (candidate, True)) if run],
+                    served=bool(serve or base_url or (baseline_url and saved is None)))
     for url in (base_url, baseline_url if saved is None else None):
         if url:
             served_model(url)  # fail fast, before the baseline run
@@ -229,7 +237,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
             rb, rc, measured = _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url,
                                      serve, dict(python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype,
                                                  extra_args=serve_args, port=serve_port, timeout_s=serve_timeout_s,
-                                                 log_dir=serve_log), saved)
+                                                 log_dir=serve_log), saved, chat)
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
@@ -251,7 +259,7 @@ def _kept_samples(res: dict) -> dict:
     return {t: [{k: s[k] for k in SAMPLE_KEYS if k in s} for s in samples] for t, samples in res["samples"].items()}
 
 
-def _baseline_identity(baseline, names: list[str], limit, max_gen_toks, configs: list) -> dict:
+def _baseline_identity(baseline, names: list[str], limit, max_gen_toks, configs: list, chat: bool = False) -> dict:
     """What a saved baseline's results depend on: the baseline model (config, weights' headers,
     tokenizer: ``kld.model_identity``), the tasks, limit and generation cap, and the data files
     (each one's SHA-256; the Hub's dataset names when read from the Hub)."""
@@ -267,7 +275,7 @@ def _baseline_identity(baseline, names: list[str], limit, max_gen_toks, configs:
         else:
             data[str(c)] = "hub"
     return {"model": model_identity(Path(baseline)), "tasks": names, "limit": limit, "max_gen_toks": max_gen_toks,
-            "data": data}
+            "data": data, "chat": chat}
 
 
 def _saved_baseline(path, ident: dict) -> dict:
@@ -280,8 +288,8 @@ def _saved_baseline(path, ident: dict) -> dict:
     have = doc.get("identity") if isinstance(doc.get("identity"), dict) else {}
     for key, what in (("model", "another baseline model (config, weights or tokenizer)"), ("tasks", "other tasks"),
                       ("limit", "another --limit"), ("max_gen_toks", "another --max-gen-toks"),
-                      ("data", "other evaluation data")):
-        if have.get(key) != ident[key]:
+                      ("data", "other evaluation data"), ("chat", "other prompts (--chat or not)")):
+        if have.get(key, False if key == "chat" else None) != ident[key]:
             raise QuantizeError(f"--baseline-results {path}: made for {what} than this run; rerun with the same "
                                 f"options, or save the baseline again (--save-baseline)")
     samples = doc.get("samples")
@@ -291,7 +299,7 @@ def _saved_baseline(path, ident: dict) -> dict:
 
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
-          saved: dict | None = None):
+          saved: dict | None = None, chat: bool = False):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine),
     and where each was measured; ``saved``: the baseline's, read from a --save-baseline file."""
     measured: dict = {}
@@ -301,17 +309,49 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
             runs.append({"samples": saved["samples"]})
             measured[role] = {"engine": "unknown", **saved["measured"], "reused": True}
             continue
+        how = {"prompts": f"the model's chat template{' (chat-completions)' if serve or url else ''}"} if chat else {}
         if serve is None:
-            runs.append(_run_model(str(path), configs, limit, device, batch_size, url))
+            runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat))
             measured[role] = {"engine": "server", "url": url} if url else {"engine": "transformers", "device": device}
+            measured[role].update(how)
             continue
         from ..engines.serve import Served, run_served
 
         with Served(serve, path, role=role, **srv) as s:
             runs.append(run_served(s, lambda s, path=path: _run_model(str(path), configs, limit, device, batch_size,
-                                                                       s.url)))
-            measured[role] = s.record()
+                                                                       s.url, chat)))
+            measured[role] = {**s.record(), **how}
     return runs[0], runs[1], measured
+
+
+def _check_chat(configs: list, folders: list, served: bool) -> None:
+    """``--chat``, before anything runs: every folder that is run has a chat template, and (served)
+    every task generates (chat-completions return text, not the log-likelihood of a given answer)."""
+    from .tasks import output_type
+
+    for f in folders:
+        if not has_chat_template(Path(f)):
+            raise QuantizeError(f"--chat: {f} has no chat template (tokenizer_config.json `chat_template` or "
+                                "chat_template.jinja); drop --chat, or add the model's template")
+    if served:
+        for c in configs:
+            kind = output_type(c)
+            if kind != "generate_until":
+                name = c["task"] if isinstance(c, dict) else c
+                raise QuantizeError(f"--chat: {name} scores the log-likelihood of each answer ({kind}), which a "
+                                    "chat-completions server does not return; evaluate it without --chat (the "
+                                    "completions endpoint), or pass only generation tasks (gsm8k, mmlu_pro)")
+
+
+def has_chat_template(folder: Path) -> bool:
+    """The folder's tokenizer has a chat template (transformers: chat_template.jinja, or the
+    ``chat_template`` of tokenizer_config.json)."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    from ..parse import load_json
+
+    cfg = folder / "tokenizer_config.json"
+    return cfg.is_file() and bool((load_json(cfg, "tokenizer config") or {}).get("chat_template"))
 
 
 def _paired(rb: dict, rc: dict, groups: dict, max_drop: float, resamples: int) -> list[TaskResult]:

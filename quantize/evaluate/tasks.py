@@ -105,6 +105,14 @@ def expand(tasks: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def output_type(cfg: dict | str) -> str:
+    """What lm-eval scores for a task (``generate_until``, ``multiple_choice``, ...): the config's
+    own, or (a Hub task by name) its YAML's."""
+    if isinstance(cfg, dict):
+        return str(cfg.get("output_type", "generate_until"))
+    return str(_yaml(_task_manager(), cfg).get("output_type", "generate_until"))
+
+
 def task_configs(tasks: list[str], data_dir: str | Path | None,
                  max_gen_toks: int | None = None) -> tuple[list[dict | str], dict[str, list[str]]]:
     """The task list to hand to ``simple_evaluate`` (dicts for local data, names for the Hub)."""

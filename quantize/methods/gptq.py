@@ -81,6 +81,7 @@ class Hessians(Collector):
         self.routed: dict[tuple[str, int], int] = {}  # (experts module, e) -> tokens the router sent
         self._handles = []
         linear = [u for u in units if u.expert is None]
+        self._experts = {u.key for u in units if u.expert is not None}
         experts: dict[str, list[Unit]] = {}
         for u in units:
             if u.expert is not None:
@@ -98,6 +99,8 @@ class Hessians(Collector):
             for k, v in part.get(name, {}).items():
                 acc[k] = acc.get(k, 0) + v
         terms = part.get("H", {})
+        routed = {k: terms.pop(k) for k in [k for k in terms if k in self._experts]}
+        _add_all(self.H, routed)  # a whole layer's routed experts: per sample in order, as a streamed group sums them
         if not terms:
             return
         shard = owner_of(sample, self.samples, self.shards) if self.samples else 0
@@ -352,9 +355,10 @@ def shared_results(method, x: Layer, hooks: Hessians) -> dict[str, Result]:
     the samples split over ranks, ``x.fwd.world``): the Hessians combined on rank 0, which runs the
     update and sends the results to the others (their ``x.fallbacks`` stay theirs: rank 0 reports)."""
     world = x.fwd.world
-    if not x.units:  # nothing hooked (e.g. --profile experts: no Linear unit), on every rank alike
+    if not x.units:  # nothing to quantize here (a streamed layer under --profile experts), on every rank alike
         return {}
-    hooks.combine(world, f"layer {x.index} Hessians")
+    if any(u.expert is None for u in x.units):  # Linear units hooked: their Hessians in the shards' tree
+        hooks.combine(world, f"layer {x.index} Hessians")
     if world is None or world.size == 1:
         return method.results(x, hooks)
     res = method.results(x, hooks) if world.is_writer else None

@@ -661,7 +661,7 @@ MAX_TASKS = 500  # tasks in one eval report (lm-eval's MMLU is 57 subtasks)
 SMOKE_ITEMS = 100
 # where a figure was measured (a report's "measured": {role: {...}}): what the card shows of each
 WHERE_KEYS = {"engine": "str", "version": "str?", "launch": "str?", "device": "str?", "url": "str?",
-              "startup_s": "nonneg?"}
+              "startup_s": "nonneg?", "prompts": "str?"}
 ROLES = ("baseline", "candidate")
 MAX_ROLES = 200  # rows of a check report's summary
 MAX_TEXT = 4096  # characters of one string a report puts in the card
@@ -806,12 +806,13 @@ def where(w: dict | None) -> str:
     """One model's place of measurement, in the card's words (Markdown-safe)."""
     if not w:
         return "not recorded"
+    how = f"; prompts: {_md(w['prompts'])}" if w.get("prompts") else ""
     if w["engine"] == "transformers":
-        return f"transformers on the evaluating machine ({_md(w.get('device') or 'cpu')})"
+        return f"transformers on the evaluating machine ({_md(w.get('device') or 'cpu')}){how}"
     if w["engine"] == "server":
-        return f"a server the user started ({_code(w.get('url') or 'URL not recorded')})"
+        return f"a server the user started ({_code(w.get('url') or 'URL not recorded')}){how}"
     head = _md(f"{w['engine']} {w.get('version') or ''}".strip())
-    return f"{head}, launched by `quantize` as {_code(w['launch'])}" if w.get("launch") else head
+    return (f"{head}, launched by `quantize` as {_code(w['launch'])}" if w.get("launch") else head) + how
 
 
 def report_of(d, what: str, fix: str) -> dict:
