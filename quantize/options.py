@@ -890,6 +890,10 @@ class CalibrateKVOptions(Options):
         check=_nonneg,
         why="must be 0 or more GiB (0: one routed expert at a time)",
     )
+    device: str = opt(
+        "cpu", "cpu (default) or cuda: where the layer pass runs (several ranks under NCCL: each its own GPU)",
+        record=False,
+    )
     base_model: str | None = same(ConvertOptions, "base_model")
     nproc: int = same(ConvertOptions, "nproc")
     dist_timeout_s: float = same(ConvertOptions, "dist_timeout_s")
@@ -931,8 +935,8 @@ class EvalOptions(Options):
     )
     chat: bool = opt(
         False,
-        "prompt through the model's chat template (lm-eval's apply_chat_template); a served model through the "
-        "chat-completions endpoint, which scores generation tasks only (GSM8K, MMLU-Pro)",
+        "generation tasks (GSM8K, MMLU-Pro) through the model's chat template (served: the chat-completions "
+        "endpoint); log-likelihood tasks (ARC, MMLU) keep the task's own prompts, which a chat server cannot score",
     )
     device: str = opt("cpu", "where local models run: cpu or cuda")
     batch_size: int = opt(1, "lm-eval batch size", cli=False, check=lambda v: v >= 1, why="must be at least 1")

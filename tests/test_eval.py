@@ -266,11 +266,14 @@ def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp
         evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=other)
 
 
-def test_chat_needs_a_template_and_served_generation_tasks(models, tmp_path):
-    """--chat, before any model runs or server is asked: a folder without a chat template, and a
-    log-likelihood task through a chat-completions server, are each one line; the near misses (the
-    template added; a generation task; the same task run locally) go on."""
+def test_chat_templates_the_generation_tasks_and_keeps_the_log_likelihood_ones(models, tmp_path, monkeypatch):
+    """--chat: a generation task runs through the chat template, a log-likelihood task as written
+    (a chat-completions server cannot score it), both on the same model; a folder without a
+    template is one line before anything runs when a generation task needs it, and goes on when
+    none does (the near miss)."""
     import shutil
+
+    import quantize.evaluate.run as run
 
     base, cand = models
     data = _data(tmp_path)
@@ -278,12 +281,18 @@ def test_chat_needs_a_template_and_served_generation_tasks(models, tmp_path):
     shutil.copytree(cand, bare)
     (bare / "chat_template.jinja").unlink()  # the tiny's tokenizer carries one: this copy has none
     with pytest.raises(QuantizeError, match=r"--chat: .*bare has no chat template \(tokenizer_config.json"):
-        evaluate(base, bare, tasks="gsm8k", limit=1, data_dir=data, chat=True)
-    url = "http://127.0.0.1:9"
-    with pytest.raises(QuantizeError, match=r"--chat: arc_easy scores the log-likelihood of each answer "
-                                            r"\(multiple_choice\), which a chat-completions server does not return"):
-        evaluate(base, cand, tasks="gsm8k,arc_easy", limit=1, data_dir=data, chat=True, base_url=url)
-    with pytest.raises(QuantizeError, match=r"127\.0\.0\.1:9: server not reachable"):  # past the chat checks
-        evaluate(base, cand, tasks="gsm8k", limit=1, data_dir=data, chat=True, base_url=url)
-    rep = evaluate(base, cand, tasks="arc_easy", limit=2, data_dir=data, chat=True, resamples=100)  # local: any task
-    assert rep.tasks[0].n == 2 and rep.measured["candidate"]["prompts"] == "the model's chat template"
+        evaluate(base, bare, tasks="arc_easy,gsm8k", limit=1, data_dir=data, chat=True)
+    calls = []
+    real = run._lm_eval
+    monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a: calls.append(
+        (path, sorted(c["task"] for c in cs), a[-1])) or real(path, cs, *a))
+    rep = evaluate(base, bare, tasks="arc_easy", limit=2, data_dir=data, chat=True, resamples=100)
+    assert rep.tasks[0].n == 2 and calls == [(str(base), ["arc_easy"], False), (str(bare), ["arc_easy"], False)]
+    calls.clear()
+    rep = evaluate(base, cand, tasks="arc_easy,gsm8k", limit=2, data_dir=data, chat=True, max_gen_toks=4,
+                   resamples=100)
+    assert [t.task for t in rep.tasks] == ["arc_easy", "gsm8k"] and all(t.n == 2 for t in rep.tasks)
+    assert calls == [(str(m), t, chat) for m in (base, cand) for t, chat in ((["gsm8k"], True), (["arc_easy"], False))]
+    assert rep.measured["candidate"]["prompts"] == run.CHAT_PROMPTS[False]
+    with pytest.raises(QuantizeError, match=r"127\.0\.0\.1:9: server not reachable"):  # served: the same checks
+        evaluate(base, cand, tasks="gsm8k,arc_easy", limit=1, data_dir=data, chat=True, base_url="http://127.0.0.1:9")

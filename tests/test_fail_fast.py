@@ -133,7 +133,11 @@ CASES = [
          "DeepseekV3DecoderLayer (layer 2) needs [8, 256]; the tensors disagree with config.json",
          _reshape(GATE, (16, 128))),
     Case("gptq: router shape in the header", _gptq, f"{GATE} has shape [16, 128]", _reshape(GATE, (16, 128))),
-]
+] + ([] if __import__("torch").cuda.is_available() else [  # a GPU asked for where there is none
+    Case("kv: --device cuda without a GPU", lambda c: [*_kv(c), "--device", "cuda"],
+         "--device cuda: no CUDA device is available here; use --device cpu (the default)"),
+    Case("kv: --device not a device", lambda c: [*_kv(c), "--device", "gpu0"], "--device gpu0: no CUDA device"),
+])
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -65,24 +65,59 @@ def smol_dequantized(smol_w4a16, tmp_path_factory):
     return dst
 
 
+# GSM8K-shaped items: 8 for the 5-shot prompt (sampled from the train split), 2 scored
+GSM = [{"question": f"Tom has {i} apples and buys {i + 2} more. How many apples does he have?",
+        "answer": f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}"} for i in range(8)]
+
+
+def _gsm_data(root):
+    d = root / "gsm8k"
+    d.mkdir(parents=True)
+    (d / "train.jsonl").write_text("\n".join(json.dumps(x) for x in GSM))
+    (d / "test.jsonl").write_text("\n".join(json.dumps(x) for x in GSM[:2]))
+
+
 @needs_engine
-def test_served_eval_scores_the_items_transformers_scores(smollm2, smol_dequantized, tmp_path):
+def test_served_eval_scores_the_items_transformers_scores(smollm2, smol_dequantized, tmp_path, monkeypatch):
+    """One launch, both endpoints (--chat): ARC's log-likelihoods through completions scored as
+    transformers scores them, GSM8K through the chat template behind chat-completions answered as
+    transformers answers through the same template, item by item, greedy."""
+    import quantize.evaluate.run as run
+    from quantize.evaluate.tasks import task_configs
+
     candidate = smol_dequantized  # lm-eval's path through the server; the INT4 kernels: the KLD test below
     data = _arc_data(tmp_path)
+    _gsm_data(data)
+    calls = []
+    real = run._lm_eval
+    monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a: calls.append((path, a[-2] is not None, a[-1],
+                                                                           real(path, cs, *a))) or calls[-1][-1])
+    common = dict(tasks="arc_easy,gsm8k", data_dir=data, resamples=200, max_gen_toks=48, chat=True)
     base = tmp_path / "base.json"  # the local baseline's results, reused: only the candidate is served
-    local = evaluate(smollm2, candidate, tasks="arc_easy", data_dir=data, resamples=200, save_baseline=base)
-    served = evaluate(smollm2, candidate, tasks="arc_easy", data_dir=data, resamples=200, serve="vllm",
-                      serve_args=SERVE_ARGS, serve_log=tmp_path / "logs", out=tmp_path / "served.json",
-                      baseline_results=base)
+    local = evaluate(smollm2, candidate, save_baseline=base, **common)
+    served = evaluate(smollm2, candidate, serve="vllm", serve_args=SERVE_ARGS, serve_log=tmp_path / "logs",
+                      out=tmp_path / "served.json", baseline_results=base, **common)
+    # the runs: per model, GSM8K through the template, then ARC without it; the last two through the server
+    assert [(p == str(candidate), url, chat) for p, url, chat, _ in calls] == [
+        (False, False, True), (False, False, False), (True, False, True), (True, False, False),
+        (True, True, True), (True, True, False)]
     lt, st = local.tasks[0], served.tasks[0]
-    assert st.docs == lt.docs and st.n == len(ARC)
+    assert lt.task == st.task == "arc_easy" and st.docs == lt.docs and st.n == len(ARC)
     differ = [(d, a, b) for d, a, b in zip(lt.docs, lt.candidate_items + lt.baseline_items,
                                            st.candidate_items + st.baseline_items) if a != b]
+    answers = [{x["doc_id"]: x["resps"] for x in calls[k][-1]["samples"]["gsm8k"]} for k in (2, 4)]
     print(f"\nserved vs local arc_easy ({len(ARC)} items): candidate {st.candidate:.1f} vs {lt.candidate:.1f}; "
-          f"{len(differ)} item scores differ; start-up {served.measured['candidate']['startup_s']} s")
+          f"{len(differ)} item scores differ; gsm8k through the chat template: {len(answers[1])} answers, "
+          f"{sum(answers[0][k] == answers[1][k] for k in answers[0])} identical; "
+          f"start-up {served.measured['candidate']['startup_s']} s")
     assert len(differ) <= 1, differ  # fp32 weights on vLLM's CPU kernels vs transformers: at most a near tie flips
+    assert answers[1] == answers[0] and len(answers[0]) == 2  # served (chat-completions) = local (template)
+    assert all(r[0][0].strip() for r in answers[1].values())  # the chat model answered something
+    plain = real(str(candidate), task_configs(["gsm8k"], data, 48)[0], None, "cpu", 1, None, False)
+    assert {x["doc_id"]: x["resps"] for x in plain["samples"]["gsm8k"]} != answers[0]  # the template matters
     m = json.loads((tmp_path / "served.json").read_text())["measured"]
     assert m["candidate"]["engine"] == "vllm" and m["candidate"]["version"] and m["baseline"]["reused"]
+    assert m["candidate"]["prompts"] == run.CHAT_PROMPTS[True] and m["baseline"]["prompts"] == run.CHAT_PROMPTS[False]
     assert not _listening(int(m["candidate"]["launch"].split("--port ")[1].split()[0]))
 
 
@@ -114,40 +149,3 @@ def test_served_kld_is_close_to_local_full_vocabulary_kld(smollm2, smol_dequanti
         assert abs(sv.ppl_baseline / lo.ppl_baseline - 1) <= 0.005
     assert served[0].measured["baseline"] == served[-1].measured["baseline"]  # the baseline served once
 
-
-# GSM8K-shaped items (its 5-shot prompt samples the train split: at least 6 of them)
-GSM = [{"question": f"Tom has {i} apples and buys {i + 2} more. How many apples does he have?",
-        "answer": f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}"} for i in range(8)]
-
-
-@needs_engine
-def test_served_chat_answers_are_the_answers_transformers_generates(smollm2, tmp_path, monkeypatch):
-    """--chat: the model's chat template applied by transformers here and by vLLM behind its
-    chat-completions endpoint (the baseline saved locally, only the candidate served): the same
-    generated answers, item by item, greedy."""
-    import quantize.evaluate.run as run
-
-    d = tmp_path / "data" / "gsm8k"
-    d.mkdir(parents=True)
-    for split in ("train", "test"):
-        (d / f"{split}.jsonl").write_text("\n".join(json.dumps(x) for x in GSM))
-    got = []
-    real = run._run_model
-    monkeypatch.setattr(run, "_run_model", lambda *a, **k: got.append(real(*a, **k)) or got[-1])
-    common = dict(tasks="gsm8k", limit=2, data_dir=tmp_path / "data", max_gen_toks=48, chat=True, resamples=200)
-    saved = tmp_path / "base.json"
-    local = evaluate(smollm2, smollm2, save_baseline=saved, **common)
-    served = evaluate(smollm2, smollm2, baseline_results=saved, serve="vllm", serve_args=SERVE_ARGS,
-                      serve_log=tmp_path / "logs", **common)
-    answers = [{x["doc_id"]: x["resps"] for x in r["samples"]["gsm8k"]} for r in got]
-    assert len(answers) == 3 and answers[0] == answers[1]  # local baseline, local candidate
-    assert answers[2] == answers[0], (answers[2], answers[0])  # the served candidate
-    assert all(r[0][0].strip() for r in answers[2].values())  # the chat model answered something
-    from quantize.evaluate.tasks import task_configs
-
-    plain = real(str(smollm2), task_configs(["gsm8k"], tmp_path / "data", 48)[0], 2, "cpu", 1)
-    assert {x["doc_id"]: x["resps"] for x in plain["samples"]["gsm8k"]} != answers[0]  # the template matters
-    m = served.measured["candidate"]
-    assert m["prompts"] == "the model's chat template (chat-completions)" and m["engine"] == "vllm"
-    assert local.measured["baseline"]["prompts"] == "the model's chat template"
-    print(f"\nchat: {len(answers[2])} GSM8K answers served = local; start-up {m['startup_s']} s")

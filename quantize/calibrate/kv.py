@@ -87,7 +87,7 @@ class Hist:
         nz = a[a > 0]
         self.zeros += a.numel() - nz.numel()
         idx = ((torch.log2(nz) - self.LO) * self.BPO).floor().clamp_(0, self.nbins - 1).long()
-        self.counts += torch.bincount(idx, minlength=self.nbins).double()
+        self.counts += torch.bincount(idx, minlength=self.nbins).double().cpu()  # kept on the CPU, any device
 
     def merge(self, other: "Hist") -> None:
         """Another rank's values added in: integer counts (exact in float64) and a max, so the
@@ -410,6 +410,7 @@ def calibrate_kv(
     overwrite,
     memory_budget_gib,
     base_model,
+    device,
     nproc,
     dist_timeout_s,  # noqa: ARG001 - the timeout of the World the command line joined (quantize.distributed)
     emit: Emit = null_emit,
@@ -432,9 +433,11 @@ def calibrate_kv(
     # tokenizer, the layer classes against the headers; only then a weight is read or OUT opened
     model = Path(model)  # the options were checked where they are declared (quantize/options.py)
     check_nproc(nproc)  # a library call starts no ranks: it runs in those it is called from
+    world = distributed.current()
+    device = _device(device, world)
     # config.json (routing included) and the safetensors headers
     streamer = LayerStreamer(model, expert_budget=int(memory_budget_gib * (1 << 30)))
-    world = distributed.current()
+    streamer.device = device
     if world.size > 1:  # the samples split across ranks (_observe); rank 0 does the rest
         if not world.is_writer:
             try:
@@ -455,6 +458,15 @@ def calibrate_kv(
         return result
     return _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats_out, stats, chat_template,
                       error_samples, fold, fold_headroom, overwrite, base_model, emit)
+
+
+def _device(device: str, world) -> str:
+    """``--device``: cpu, or a CUDA device that is there (several ranks under NCCL: each rank's own)."""
+    if device == "cpu":
+        return device
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise QuantizeError(f"--device {device}: no CUDA device is available here; use --device cpu (the default)")
+    return world.device if world.backend == "nccl" else device
 
 
 def _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats_out, stats, chat_template,

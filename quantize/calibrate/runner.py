@@ -56,6 +56,7 @@ class LayerStreamer:
             )
         self.reader = WeightReader(self.index)
         self.expert_budget = int(expert_budget)  # bytes of routed expert weights held at once
+        self.device = "cpu"  # where ``stream`` runs the layers (calibrate-kv's --device); weights are read on the CPU
         self.experts_path = self.arch.hf.get("experts")
 
     def _layer_prefix(self, i: int) -> str:
@@ -142,7 +143,7 @@ class LayerStreamer:
         outs = [torch.zeros_like(r.hidden) for r in captured]
         per = routed.expert_bytes(*self.expert_dims(), self.dtype)
         for g in self.expert_groups(per, range(stand.num_experts)):
-            gate_up, down = self.expert_weights(i, g)
+            gate_up, down = (t.to(self.device) for t in self.expert_weights(i, g))
             with torch.no_grad():
                 for out, r in zip(outs, captured):
                     routed.accumulate(out, r, g, gate_up, down, stand.act_fn)
@@ -229,8 +230,8 @@ class LayerStreamer:
 
     # -- forward ---------------------------------------------------------------------------------
     def _context(self, hidden: torch.Tensor):
-        pos = torch.arange(hidden.shape[1]).unsqueeze(0)
-        rotary = getattr(self.modeling, self.prefix + "RotaryEmbedding")(self.config)
+        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        rotary = getattr(self.modeling, self.prefix + "RotaryEmbedding")(self.config).to(hidden.device)
         pe = rotary(hidden, position_ids=pos)
         mask = self.modeling.create_causal_mask(
             config=self.config,
@@ -276,10 +277,10 @@ class LayerStreamer:
         with the routed experts captured (the hooks and ``cache_for`` observe this pass, once), the
         routed experts a group at a time, and every sample again with their output replayed (the
         hooks removed, no cache): the outputs are the whole layer's, bit for bit."""
-        hidden = [self.embed(ids.unsqueeze(0)).to(self.dtype) for ids in samples]
+        hidden = [self.embed(ids.unsqueeze(0)).to(self.dtype).to(self.device) for ids in samples]
         topk: list = [None] * len(hidden)
         for i in range(self.num_layers):
-            layer = self.layer(i, stream_experts=True)
+            layer = self.layer(i, stream_experts=True).to(self.device)
             stand = self.stand_in(layer)
             handles = before(i, layer) if before is not None else None
             if stand is None:

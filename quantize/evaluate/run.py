@@ -24,6 +24,13 @@ from .tasks import _task_manager, data_folder, task_configs
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
 REPORT_KIND, MARKDOWN_KIND, BASELINE_KIND = "eval", "eval-markdown", "eval-baseline"
 SAMPLE_KEYS = ("doc_id", "filter", "acc", "acc_norm", "exact_match")  # what the pairing reads of a sample
+# --chat, as the report and the card say it (by served or not): a chat-completions server returns text, not
+# the log-likelihood of a given answer, so the log-likelihood tasks keep the task's own prompts everywhere
+CHAT_PROMPTS = {
+    False: "generation tasks through the model's chat template; log-likelihood tasks as the task writes them",
+    True: "generation tasks through the model's chat template (chat-completions); log-likelihood tasks as the "
+          "task writes them (completions)",
+}
 
 
 @dataclass
@@ -106,10 +113,26 @@ def served_model(url: str, timeout: float = 10.0) -> str:
 
 def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int,
                base_url: str | None = None, chat: bool = False) -> dict:
-    import lm_eval
-
+    """One model's lm-eval results (``samples`` per task). ``chat``: the generation tasks through
+    the model's chat template, the log-likelihood ones as the task writes them (``CHAT_PROMPTS``):
+    two lm-eval runs on the same model or server, their samples together."""
     if not (Path(path) / "config.json").exists() and not (Path(path) / "tokenizer.json").exists():
         raise QuantizeError(f"{path}: no config.json; pass a model folder")
+    if not chat:
+        return _lm_eval(path, configs, limit, device, batch_size, base_url, False)
+    from .tasks import output_type
+
+    gen = [c for c in configs if output_type(c) == "generate_until"]
+    rest = [c for c in configs if output_type(c) != "generate_until"]
+    runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ) for cs, templ in ((gen, True), (rest, False))
+            if cs]
+    return {"samples": {t: s for r in runs for t, s in r["samples"].items()}}
+
+
+def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_size: int, base_url: str | None,
+             chat: bool) -> dict:
+    import lm_eval
+
     if base_url and chat:  # the server applies the model's chat template (lm-eval's chat backend: messages)
         name = served_model(base_url)
         model, args = "local-chat-completions", {"base_url": base_url.rstrip("/") + "/v1/chat/completions",
@@ -224,8 +247,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
              if save_baseline is not None or baseline_results is not None else None)
     saved = _saved_baseline(baseline_results, ident) if baseline_results is not None else None
     if chat:
-        _check_chat(configs, [p for p, run in ((baseline, saved is None), (candidate, True)) if run],
-                    served=bool(serve or base_url or (baseline_url and saved is None)))
+        _check_chat(configs, [p for p, run in ((baseline, saved is None), (candidate, True)) if run])
     for url in (base_url, baseline_url if saved is None else None):
         if url:
             served_model(url)  # fail fast, before the baseline run
@@ -309,7 +331,7 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
             runs.append({"samples": saved["samples"]})
             measured[role] = {"engine": "unknown", **saved["measured"], "reused": True}
             continue
-        how = {"prompts": f"the model's chat template{' (chat-completions)' if serve or url else ''}"} if chat else {}
+        how = {"prompts": CHAT_PROMPTS[bool(serve or url)]} if chat else {}
         if serve is None:
             runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat))
             measured[role] = {"engine": "server", "url": url} if url else {"engine": "transformers", "device": device}
@@ -324,23 +346,17 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
     return runs[0], runs[1], measured
 
 
-def _check_chat(configs: list, folders: list, served: bool) -> None:
-    """``--chat``, before anything runs: every folder that is run has a chat template, and (served)
-    every task generates (chat-completions return text, not the log-likelihood of a given answer)."""
+def _check_chat(configs: list, folders: list) -> None:
+    """``--chat`` with a generation task, before anything runs: every folder that is run has a chat
+    template."""
     from .tasks import output_type
 
+    if not any(output_type(c) == "generate_until" for c in configs):
+        return
     for f in folders:
         if not has_chat_template(Path(f)):
             raise QuantizeError(f"--chat: {f} has no chat template (tokenizer_config.json `chat_template` or "
                                 "chat_template.jinja); drop --chat, or add the model's template")
-    if served:
-        for c in configs:
-            kind = output_type(c)
-            if kind != "generate_until":
-                name = c["task"] if isinstance(c, dict) else c
-                raise QuantizeError(f"--chat: {name} scores the log-likelihood of each answer ({kind}), which a "
-                                    "chat-completions server does not return; evaluate it without --chat (the "
-                                    "completions endpoint), or pass only generation tasks (gsm8k, mmlu_pro)")
 
 
 def has_chat_template(folder: Path) -> bool:
