@@ -53,11 +53,12 @@ case "$which" in
 esac
 
 quantize check "$cand" --tp 8 --json > "$OUT/check.json"
-quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --nproc 8
+quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --device cuda --nproc 8   # samples split, a GPU per rank
 # the engine, launched by quantize on each folder in turn (baseline, then candidate), stopped after
 quantize eval-kld --baseline "$base" --candidate "$cand" "${serve[@]}" --top-k 100 --tokens 8192 --out "$OUT/kld.json" \
   --save-baseline "$OUT/kld-baseline.safetensors"   # the next candidate: --baseline-logits, the baseline not served again
-quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
+# --chat: GSM8K and MMLU-Pro through the chat template (chat-completions), ARC and MMLU as written
+quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" --chat --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
   --out "$OUT/eval.json" --markdown "$OUT/eval.md" --save-baseline "$OUT/eval-baseline.json"
 quantize card "$cand" --eval "$OUT/eval.json" --eval "$OUT/kld.json" --eval "$OUT/check.json" --eval "$OUT/kv.json" \
   --base-model "$repo"
