@@ -331,7 +331,8 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
         with Output.open(out, "convert", inputs, resume=resume, overwrite=overwrite, key=key) as o:
             if o.resumed:
                 o.check_key(key)
-            workers = max(1, workers or os.cpu_count() or 1)
+            # by default the cores of this node shared by its ranks (the bytes do not depend on the thread count)
+            workers = max(1, workers or (os.cpu_count() or 1) // distributed.current().local_size)
             cache = None
             if calib is not None:
                 from . import methods

@@ -127,17 +127,19 @@ class TreeSum:
                 break
             self.stack[-2:] = [(up, self.add(va, vb))]
 
-    def combine(self, world, what: str):
+    def combine(self, world, what: str, send: Callable = lambda v: v, receive: Callable = lambda v: v):
         """The root on rank 0 (None on the others, after sending theirs): every rank's subtrees,
-        in rank order (= leaf order), pushed after rank 0's."""
+        in rank order (= leaf order), pushed after rank 0's. ``send`` makes a value fit to travel
+        (``gather`` pickles: CPU tensors), ``receive`` undoes it on rank 0 (back to its device)."""
         if world is not None and world.size > 1:
-            got = world.gather(self.stack, what, to=0)
-            self.stack = [] if got is None else self.stack
+            mine = [(node, send(value)) for node, value in self.stack] if world.rank else []
+            got = world.gather(mine, what, to=0)
             if got is None:
+                self.stack = []
                 return None
             for part in got[1:]:
                 for node, value in part:
-                    self.push(node, value)
+                    self.push(node, receive(value))
         if [n for n, _ in self.stack] != [(0, self.leaves)]:
             raise QuantizeError(f"{what}: the shard sums cover {[n for n, _ in self.stack]}, not the "
                                 f"{self.leaves} shards; every rank must run the same quantize version")

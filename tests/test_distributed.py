@@ -206,9 +206,15 @@ def test_a_rank_that_cannot_see_the_recorded_layers_says_so_in_one_line(tmp_path
     job = {"out": str(tmp_path), "first": 2, "device": "cpu",
            "layers": {"0000": {"file": "0000.safetensors"}, "0001": {"file": None, "parts": [{"file": "0001-e00000.safetensors"}]}}}
     with pytest.raises(QuantizeError, match=r"rank 1: .*0001-e00000\.safetensors, a layer rank 0 recorded, is not visible "
-                                            r"here; a --resume whose ranks span nodes needs OUT on a disk every node"):
+                                            r"here \(or not of its recorded size\); a --resume whose ranks span nodes "
+                                            r"needs OUT on a disk every node shares"):
         rank_pass(tmp_path / "src", job, SimpleNamespace(rank=1, device="cpu"))
-    (layers / "0001-e00000.safetensors").write_bytes(b"x")
+    (layers / "0001-e00000.safetensors").write_bytes(b"xy")
+    job["layers"]["0001"]["parts"][0]["bytes"] = 1  # a stale copy: another size than rank 0 recorded
+    with pytest.raises(QuantizeError, match=r"0001-e00000\.safetensors, a layer rank 0 recorded, is not visible here"):
+        rank_pass(tmp_path / "src", job, SimpleNamespace(rank=1, device="cpu"))
+    job["layers"]["0001"]["parts"][0]["bytes"] = 2
+    assert not (tmp_path / ".quantize" / "hidden" / "rank-1").exists()  # its spill folder, removed with the refusal
     with pytest.raises(KeyError):  # past the check: the (incomplete) job's pass itself
         rank_pass(tmp_path / "src", job, SimpleNamespace(rank=1, device="cpu"))
 

@@ -282,6 +282,9 @@ def test_chat_templates_the_generation_tasks_and_keeps_the_log_likelihood_ones(m
     (bare / "chat_template.jinja").unlink()  # the tiny's tokenizer carries one: this copy has none
     with pytest.raises(QuantizeError, match=r"--chat: .*bare has no chat template \(tokenizer_config.json"):
         evaluate(base, bare, tasks="arc_easy,gsm8k", limit=1, data_dir=data, chat=True)
+    (bare / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))  # a processor's, not
+    with pytest.raises(QuantizeError, match=r"bare has no chat template"):  # the tokenizer's: still none
+        evaluate(base, bare, tasks="gsm8k", limit=1, data_dir=data, chat=True)
     calls = []
     real = run._lm_eval
     monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a: calls.append(

@@ -360,14 +360,17 @@ def _check_chat(configs: list, folders: list) -> None:
 
 
 def has_chat_template(folder: Path) -> bool:
-    """The folder's tokenizer has a chat template (transformers: chat_template.jinja, or the
-    ``chat_template`` of tokenizer_config.json)."""
-    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
-        return True
-    from ..parse import load_json
+    """The folder's tokenizer has a chat template, as transformers loads it (chat_template.jinja,
+    additional_chat_templates/, or tokenizer_config.json's ``chat_template``): what lm-eval and the
+    engines render."""
+    import transformers
 
-    cfg = folder / "tokenizer_config.json"
-    return cfg.is_file() and bool((load_json(cfg, "tokenizer config") or {}).get("chat_template"))
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - transformers' own failure, as one line
+        raise QuantizeError(f"--chat: {folder}: transformers cannot load its tokenizer ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:160] if str(e) else ''}); fix the tokenizer files") from e
+    return bool(getattr(tok, "chat_template", None))
 
 
 def _paired(rb: dict, rc: dict, groups: dict, max_drop: float, resamples: int) -> list[TaskResult]:

@@ -41,6 +41,12 @@ def _add_all(acc: dict, terms: dict) -> None:
             acc[key] = h
 
 
+def _on_cpu(sums: dict) -> dict:
+    """Tensors fit to travel between ranks (``World.gather`` pickles; a CUDA tensor would arrive on
+    the sender's GPU)."""
+    return {k: h.cpu() for k, h in sums.items()}
+
+
 def _summed(a: dict, b: dict) -> dict:
     """``b``'s terms added into ``a`` (a tree node of shard sums: its left half plus its right)."""
     _add_all(a, b)
@@ -121,7 +127,9 @@ class Hessians(Collector):
         self._close()
         split = world is not None and world.size > 1
         counts = world.gather({"n": self.n, "tokens": self.tokens}, f"{what} (counts)", to=0) if split else None
-        root = self.tree.combine(world if split else None, what)
+        dev = next((h.device for _, sums in self.tree.stack for h in sums.values()), None)
+        root = self.tree.combine(world if split else None, what, send=_on_cpu,
+                                 receive=lambda sums: {k: h.to(dev) for k, h in sums.items()})
         self.tree = TreeSum(self.shards, _summed)
         if split and counts is None:  # not rank 0: its part is sent
             self.n.clear()
@@ -362,4 +370,6 @@ def shared_results(method, x: Layer, hooks: Hessians) -> dict[str, Result]:
     if world is None or world.size == 1:
         return method.results(x, hooks)
     res = method.results(x, hooks) if world.is_writer else None
+    if res is not None:  # CPU tensors travel (an RTN fallback's are on the layer's device)
+        res = {k: Result(r.codes.cpu(), r.scale.cpu(), r.how) for k, r in res.items()}
     return world.broadcast(res, f"layer {x.index} GPTQ of the Linear units")

@@ -142,11 +142,16 @@ class _RankOutput:
     nodes), the layers rank 0 found recorded, and a private spill folder for this rank's own
     hidden states (made here, removed with ``close``). It writes nothing into the output."""
 
-    def __init__(self, path: str, layers: dict, first: int):
+    def __init__(self, path: str, layers: dict, first: int, rank: int):
         import tempfile
 
         self.path, self.record, self.first = Path(path), {"layers": layers}, first
-        self._tmp = Path(tempfile.mkdtemp(prefix="quantize-rank-hidden-"))
+        record = self.path / ".quantize"
+        if record.is_dir():  # OUT here (one node, or a shared disk): in rank 0's scratch, which a rerun clears
+            self._tmp = record / HIDDEN_DIR / f"rank-{rank}"
+            self._tmp.mkdir(parents=True, exist_ok=True)
+        else:  # another node's disk: a private folder (a rank killed there leaves it behind)
+            self._tmp = Path(tempfile.mkdtemp(prefix="quantize-rank-hidden-"))
 
     def scratch(self, name: str) -> Path:
         return self._tmp / name
@@ -249,6 +254,8 @@ class Pass:
             for k in [k for k in stale if k not in keys or not self._valid(k)]:
                 del stale[k]  # redone below
             first = next((i for i, k in enumerate(keys) if k not in stale), n_layers)
+            if first < n_layers:
+                self.o.clear_scratch(HIDDEN_DIR)  # a killed run's spill, every rank's: before the others make theirs
             if self.split and first < n_layers:  # the other ranks run this pass on their samples
                 job = {"plan": self.plan, "calib": self.calib, "options": self.opt, "workers": self.workers,
                        "device": self.device, "memory_budget": self.budget.limit, "out": str(self.o.path),
@@ -256,7 +263,6 @@ class Pass:
                 self.world.broadcast(("pass", job), "the layer pass")
         t0 = time.time()
         if first < n_layers:
-            self.o.clear_scratch(HIDDEN_DIR)
             self._stream(streamer, jobs_by_layer, first)
         if not self.world.is_writer:
             return None
@@ -441,15 +447,16 @@ def rank_pass(src: Path, job: dict, world) -> None:
     """A rank other than 0 of a pass whose samples are split (``Method.splits_samples``): rank 0's
     pass on this rank's samples (``job``: what rank 0's ``Pass`` holds), writing nothing; rank 0
     writes every layer file and the record."""
-    out = _RankOutput(job["out"], job["layers"], job["first"])
-    for key, rec in sorted(job["layers"].items()):  # the recorded layers this rank replays
-        names = ([rec["file"]] if rec.get("file") else []) + [p["file"] for p in rec.get("parts", [])]
-        missing = [n for n in names if not (out.path / ".quantize" / LAYERS_DIR / n).is_file()]
-        if missing:
-            out.close()
-            raise QuantizeError(f"rank {world.rank}: {out.path / '.quantize' / LAYERS_DIR / missing[0]}, a layer "
-                                "rank 0 recorded, is not visible here; a --resume whose ranks span nodes needs OUT on "
-                                "a disk every node shares (or resume on rank 0's node alone)")
+    out = _RankOutput(job["out"], job["layers"], job["first"], world.rank)
+    layers = out.path / ".quantize" / LAYERS_DIR
+    for key, rec in sorted(job["layers"].items()):  # the recorded layers this rank replays: there, of their size
+        for f in ([rec] if rec.get("file") else []) + list(rec.get("parts", [])):
+            p = layers / f["file"]
+            if not p.is_file() or (f.get("bytes") is not None and p.stat().st_size != f["bytes"]):
+                out.close()
+                raise QuantizeError(f"rank {world.rank}: {p}, a layer rank 0 recorded, is not visible here (or not "
+                                    "of its recorded size); a --resume whose ranks span nodes needs OUT on a disk "
+                                    "every node shares (or resume on rank 0's node alone)")
     device = world.device if str(job["device"]).startswith("cuda") else "cpu"
     try:
         Pass(job["plan"], src, out, job["calib"], job["options"], job["workers"], device, job["memory_budget"],

@@ -300,8 +300,9 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
                                     mine["fallbacks"], stand.act_fn, i)
             if world.is_writer:
                 write_group(g.start, *_tensors(us, res))
-            else:
-                mine["groups"].append((g.start, *_tensors(us, res)))
+            else:  # CPU tensors travel (an RTN fallback's are on this rank's device)
+                tensors, how = _tensors(us, res)
+                mine["groups"].append((g.start, {k: t.cpu() for k, t in tensors.items()}, how))
         weights = [source_weights, with_results(lambda u: init.get(u.key), by_expert),
                    with_results(lambda u: res.get(u.key), by_expert)]
         for v, (c, w) in enumerate(zip(full, weights)):
