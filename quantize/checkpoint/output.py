@@ -467,6 +467,48 @@ def _remove(p: Path) -> None:
         p.unlink()
 
 
+class RankScratch:
+    """The scratch folders of a rank other than 0, for the output rank 0 opened at ``out``:
+    ``OUT/.quantize/<name>/rank-N`` where this node sees OUT's record folder (one node, or a shared
+    disk), so rank 0's ``Output.clear_scratch`` on a rerun clears what a killed rank left; else a
+    private temporary folder. Only its own folders are made, and removed (``clear_scratch``,
+    ``close``); nothing else in OUT is touched."""
+
+    def __init__(self, out: Path, rank: int):
+        import tempfile
+
+        self.rank = rank
+        record = Path(out) / RECORD_DIR
+        self._record = record if record.is_dir() else None
+        self._tmp = None if self._record is not None else tempfile.TemporaryDirectory(prefix="quantize-rank-")
+        self._made: set[Path] = set()
+
+    def scratch(self, name: str) -> Path:
+        if not name or "/" in name or name in (LOCK, RECORD) or name.startswith("."):
+            raise ValueError(f"scratch name {name!r}")
+        p = self._record / name / f"rank-{self.rank}" if self._record is not None else Path(self._tmp.name) / name
+        self._made.add(p)
+        return p
+
+    def clear_scratch(self, name: str) -> None:
+        p = self.scratch(name)
+        try:  # rank 0 may be clearing the same record folder at the end of its run
+            if p.exists() or p.is_symlink():
+                _remove(p)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        for p in list(self._made):
+            try:
+                if p.exists() or p.is_symlink():
+                    _remove(p)
+            except FileNotFoundError:
+                pass
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
 def side_files(src: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
     """The source's side files to copy, checked before any shard is written: a dangling symlink
     or one that leaves both the folder and its Hub cache is named in one line."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.output import sha256_file
+from ..checkpoint.output import RankScratch, sha256_file
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
 from .base import Layer
@@ -136,35 +136,23 @@ class LayerCache:
 
 
 # ---------------------------------------------------------------------------------------------
-class _RankOutput:
+def _layer_files(rec: dict) -> list[dict]:
+    """A recorded layer's files ({file, sha256, bytes}): its own, then its expert groups'."""
+    files = list(rec.get("parts", []))
+    if rec.get("file") is not None:
+        files.insert(0, {"file": rec["file"], "sha256": rec.get("sha256"), "bytes": rec.get("bytes")})
+    return files
+
+
+class _RankOutput(RankScratch):
     """What a rank other than 0 has of rank 0's output (``checkpoint.output.Output``): its folder
     (the layer files a resumed run replays: the same folder on one node, a shared one across
-    nodes), the layers rank 0 found recorded, and a private spill folder for this rank's own
-    hidden states (made here, removed with ``close``). It writes nothing into the output."""
+    nodes), the layers rank 0 found recorded, and this rank's own spill folder (``RankScratch``,
+    removed with ``close``). It writes nothing else there."""
 
     def __init__(self, path: str, layers: dict, first: int, rank: int):
-        import tempfile
-
+        super().__init__(Path(path), rank)
         self.path, self.record, self.first = Path(path), {"layers": layers}, first
-        record = self.path / ".quantize"
-        if record.is_dir():  # OUT here (one node, or a shared disk): in rank 0's scratch, which a rerun clears
-            self._tmp = record / HIDDEN_DIR / f"rank-{rank}"
-            self._tmp.mkdir(parents=True, exist_ok=True)
-        else:  # another node's disk: a private folder (a rank killed there leaves it behind)
-            self._tmp = Path(tempfile.mkdtemp(prefix="quantize-rank-hidden-"))
-
-    def scratch(self, name: str) -> Path:
-        return self._tmp / name
-
-    def clear_scratch(self, name: str) -> None:
-        import shutil
-
-        shutil.rmtree(self._tmp / name, ignore_errors=True)
-
-    def close(self) -> None:
-        import shutil
-
-        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 class Pass:
@@ -187,9 +175,7 @@ class Pass:
         rec = self.o.record.get("layers", {}).get(key)
         if not rec:
             return False
-        files = ([{"file": rec["file"], "sha256": rec.get("sha256"), "bytes": rec.get("bytes")}]
-                 if rec.get("file") is not None else []) + list(rec.get("parts", []))
-        for f in files:
+        for f in _layer_files(rec):
             p = self.dir / f["file"]
             if not (p.is_file() and p.stat().st_size == f["bytes"] and sha256_file(p) == f["sha256"]):
                 return False
@@ -256,11 +242,11 @@ class Pass:
             first = next((i for i, k in enumerate(keys) if k not in stale), n_layers)
             if first < n_layers:
                 self.o.clear_scratch(HIDDEN_DIR)  # a killed run's spill, every rank's: before the others make theirs
-            if self.split and first < n_layers:  # the other ranks run this pass on their samples
-                job = {"plan": self.plan, "calib": self.calib, "options": self.opt, "workers": self.workers,
-                       "device": self.device, "memory_budget": self.budget.limit, "out": str(self.o.path),
-                       "layers": dict(stale), "first": first}
-                self.world.broadcast(("pass", job), "the layer pass")
+                if self.split:  # the other ranks run this pass on their samples
+                    job = {"plan": self.plan, "calib": self.calib, "options": self.opt, "workers": self.workers,
+                           "device": self.device, "memory_budget": self.budget.limit, "out": str(self.o.path),
+                           "layers": dict(stale), "first": first}
+                    self.world.broadcast(("pass", job), "the layer pass")
         t0 = time.time()
         if first < n_layers:
             self._stream(streamer, jobs_by_layer, first)
@@ -450,7 +436,7 @@ def rank_pass(src: Path, job: dict, world) -> None:
     out = _RankOutput(job["out"], job["layers"], job["first"], world.rank)
     layers = out.path / ".quantize" / LAYERS_DIR
     for key, rec in sorted(job["layers"].items()):  # the recorded layers this rank replays: there, of their size
-        for f in ([rec] if rec.get("file") else []) + list(rec.get("parts", [])):
+        for f in _layer_files(rec):
             p = layers / f["file"]
             if not p.is_file() or (f.get("bytes") is not None and p.stat().st_size != f["bytes"]):
                 out.close()
