@@ -92,8 +92,9 @@ def _halves(lo: int, hi: int) -> int:
 class TreeSum:
     """A sum over ``leaves`` fixed shards in one fixed binary tree (a node [lo, hi) is its left
     half [lo, mid) plus its right half [mid, hi), ``add(left, right)``), whichever rank holds which
-    shards: so the same additions, bit for bit, for any number of ranks. Leaves are pushed in order
-    (``leaf``); two complete siblings are added at once, so a process holds at most one partial
+    shards: so the same additions, bit for bit, for any number of ranks. Values go into their leaf
+    in order (``add``: summed within the leaf, the leaf pushed when the next one starts), or whole
+    leaves are pushed (``leaf``); two complete siblings are added at once, so a process holds at most one partial
     sum per tree level. A rank that holds a contiguous run of leaves ends with the maximal
     subtrees inside it (about one per rank when the ranks are a power of two), which ``combine``
     sends to rank 0 to finish the tree."""
@@ -101,7 +102,8 @@ class TreeSum:
     def __init__(self, leaves: int, add: Callable[[Any, Any], Any]):
         if leaves < 1:
             raise ValueError(f"TreeSum({leaves})")
-        self.leaves, self.add = leaves, add
+        self.leaves, self._add = leaves, add
+        self._open: tuple[int, Any] | None = None  # the leaf ``add`` is filling
         self.parent: dict[tuple[int, int], tuple[int, int]] = {}
         todo = [(0, leaves)]
         while todo:
@@ -111,6 +113,22 @@ class TreeSum:
                 self.parent[(lo, mid)] = self.parent[(mid, hi)] = (lo, hi)
                 todo += [(lo, mid), (mid, hi)]
         self.stack: list[tuple[tuple[int, int], Any]] = []
+
+    def add(self, j: int, value) -> None:
+        """``value`` into leaf ``j``: added to the open leaf when that is ``j``, else the open leaf
+        is pushed and ``j`` opened with ``value`` as it is."""
+        if self._open is not None and self._open[0] == j:
+            self._open = (j, self._add(self._open[1], value))
+            return
+        self.close()
+        self._open = (j, value)
+
+    def close(self) -> None:
+        """Push the leaf ``add`` is filling, if any."""
+        if self._open is not None:
+            j, value = self._open
+            self._open = None
+            self.leaf(j, value)
 
     def leaf(self, j: int, value) -> None:
         self.push((j, j + 1), value)
@@ -125,12 +143,13 @@ class TreeSum:
             up = self.parent.get(a)
             if up is None or up != self.parent.get(b) or a[0] != up[0]:
                 break
-            self.stack[-2:] = [(up, self.add(va, vb))]
+            self.stack[-2:] = [(up, self._add(va, vb))]
 
     def combine(self, world, what: str, send: Callable = lambda v: v, receive: Callable = lambda v: v):
         """The root on rank 0 (None on the others, after sending theirs): every rank's subtrees,
         in rank order (= leaf order), pushed after rank 0's. ``send`` makes a value fit to travel
         (``gather`` pickles: CPU tensors), ``receive`` undoes it on rank 0 (back to its device)."""
+        self.close()
         if world is not None and world.size > 1:
             mine = [(node, send(value)) for node, value in self.stack] if world.rank else []
             got = world.gather(mine, what, to=0)
@@ -407,6 +426,19 @@ def owned(n: int) -> range:
 
 def owner(i: int, n: int) -> int:
     return current().owner(i, n)
+
+
+def follow(world: World, jobs: dict[str, Callable]) -> Any:
+    """A rank other than 0: run each job rank 0 broadcasts (``(kind, job)``: ``jobs[kind](job)``)
+    until it sends ``("done", result)``; returns that result. An unknown kind is one line."""
+    while True:
+        kind, job = world.broadcast(None, "the next job from rank 0")
+        if kind == "done":
+            return job
+        if kind not in jobs:
+            raise QuantizeError(f"rank {world.rank}: rank 0 sent a job this rank does not know ({kind!r}): every "
+                                "rank must run the same quantize version")
+        jobs[kind](job)
 
 
 def check_nproc(nproc: int) -> None:

@@ -441,15 +441,8 @@ def calibrate_kv(
     if world.size > 1:  # the samples split across ranks (_observe); rank 0 does the rest
         if not world.is_writer:
             try:
-                while True:
-                    kind, job = world.broadcast(None, "the next job from rank 0")
-                    if kind == "done":
-                        return job
-                    if kind != "measure":
-                        raise QuantizeError(f"rank {world.rank}: rank 0 sent a job this rank does not know ({kind!r}): "
-                                            "every rank must run the same quantize version")
-                    _observe(streamer, job["ids"], job["clip"], job["error_samples"], streamer.arch.layout,
-                             int(streamer.text.get("qk_rope_head_dim", 0) or 0), null_emit, world)
+                return distributed.follow(world, {"measure": lambda job: _observe(
+                    streamer, job["ids"], job["clip"], job["error_samples"], null_emit, world)})
             finally:
                 streamer.close()
         result = _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats_out, stats, chat_template,
@@ -472,7 +465,6 @@ def _device(device: str, world) -> str:
 def _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats_out, stats, chat_template,
                error_samples, fold, fold_headroom, overwrite, base_model, emit) -> KvResult:
     layout = streamer.arch.layout
-    rope_dim = int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     fp = _fingerprint(streamer)
     mode = _mode(model, layout, target, fold, out is not None)
     if stats_out is not None:  # before the long measurement: never inside an input, never over a foreign file
@@ -502,7 +494,7 @@ def _calibrate(streamer, model, out, data, samples, seq_len, target, clip, stats
         if loaded is not None:
             reports, meta = loaded
         else:
-            reports, meta = _measure(streamer, batch, clip, error_samples, layout, rope_dim, emit)
+            reports, meta = _measure(streamer, batch, clip, error_samples, emit)
         result = _finish(
             model,
             output,
@@ -601,13 +593,13 @@ def _finish(
     return result
 
 
-def _measure(streamer, batch, clip, error_samples, layout, rope_dim, emit):
+def _measure(streamer, batch, clip, error_samples, emit):
     tokens = sum(int(x.numel()) for x in batch.ids)
     world = distributed.current()
     if world.size > 1:  # the other ranks observe their samples (calibrate_kv's loop)
         world.broadcast(("measure", {"ids": batch.ids, "clip": clip, "error_samples": error_samples}),
                         "the KV measurement")
-    reports = _observe(streamer, batch.ids, clip, error_samples, layout, rope_dim, emit, world)
+    reports = _observe(streamer, batch.ids, clip, error_samples, emit, world)
     return reports, {
         "samples": len(batch.ids),
         "tokens": tokens,
@@ -616,16 +608,17 @@ def _measure(streamer, batch, clip, error_samples, layout, rope_dim, emit):
     }
 
 
-def _observe(streamer, ids: list, clip, error_samples, layout, rope_dim, emit, world) -> list[LayerReport]:
+def _observe(streamer, ids: list, clip, error_samples, emit, world) -> list[LayerReport]:
     """Every layer's report from the samples ``ids``. Several ranks: each streams its own samples
     (``World.samples``) through every layer, its routed experts included (no exchange: a sample's
     output depends on that sample alone); per layer the histograms (integer counts and maxima) and
     the query maxima are merged on rank 0, which makes the report and sends it to the others for
     the calibrated error pass, whose per-sample sums rank 0 adds in sample order. The reports are
     one process's at the same torch threads per process. Returns them on rank 0 (else [])."""
+    layout, rope_dim = streamer.arch.layout, int(streamer.text.get("qk_rope_head_dim", 0) or 0)
     split = world.size > 1
     own = world.samples(len(ids)) if split else range(len(ids))
-    errors = range(own.start, min(own.stop, max(own.start, error_samples)))  # this rank's of the first ones
+    n_err = max(0, min(own.stop, error_samples) - own.start)  # this rank's of the first error_samples samples
     reports: list[LayerReport] = []
     obs: dict[int, LayerObs] = {}
     handles: list = []
@@ -651,7 +644,7 @@ def _observe(streamer, ids: list, clip, error_samples, layout, rope_dim, emit, w
             rep = _report_layer(i, seen, layout, clip)
         if split:
             rep = world.broadcast(rep, f"layer {i} KV report")
-        _attn_error(streamer, layer, inputs[: len(errors)], layout, rope_dim, rep, world if split else None, i)
+        _attn_error(streamer, layer, inputs[:n_err], layout, rope_dim, rep, world if split else None, i)
         if layout.absorbed_query:
             _query_amax(streamer, layer, inputs, rep)
             if split:

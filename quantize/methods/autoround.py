@@ -219,19 +219,10 @@ def _step_sums(got: list, positions: range, n: int, device):
     shards = len(distributed.sample_shards(n))
     tree = distributed.TreeSum(shards, _add_grads)
     losses: list[float] = []
-    cur, cur_shard = None, None
     for q, (loss, grads) in zip(positions, got):
         losses.append(loss)
-        grads = [None if g is None else g.to(device) for g in grads]
-        shard = distributed.owner_of(q, n, shards)
-        if shard != cur_shard:
-            if cur is not None:
-                tree.leaf(cur_shard, cur)
-            cur, cur_shard = grads, shard
-        else:
-            cur = _add_grads(cur, grads)
-    if cur is not None:
-        tree.leaf(cur_shard, cur)
+        tree.add(distributed.owner_of(q, n, shards), [None if g is None else g.to(device) for g in grads])
+    tree.close()
     return losses, tree
 
 

@@ -32,25 +32,29 @@ from .units import Result, Unit, rtn
 CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
 
 
-def _add_all(acc: dict, terms: dict) -> None:
-    """Each term into ``acc`` (the first one taken as it is, as ``_accumulate`` starts a sum)."""
+def _add_all(acc: dict, terms: dict) -> dict:
+    """Each term into ``acc`` (the first one taken as it is, as ``_accumulate`` starts a sum);
+    returns ``acc`` (a ``TreeSum``'s addition: a node's left half plus its right)."""
     for key, h in terms.items():
         if key in acc:
             acc[key] += h
         else:
             acc[key] = h
+    return acc
+
+
+def _add_counts(acc: object, part: dict, names: tuple[str, ...]) -> None:
+    """``part``'s integer counts (``part[name]``: key -> count) added to ``acc``'s dicts of those names."""
+    for name in names:
+        mine = getattr(acc, name)
+        for k, v in part.get(name, {}).items():
+            mine[k] = mine.get(k, 0) + v
 
 
 def _on_cpu(sums: dict) -> dict:
     """Tensors fit to travel between ranks (``World.gather`` pickles; a CUDA tensor would arrive on
     the sender's GPU)."""
     return {k: h.cpu() for k, h in sums.items()}
-
-
-def _summed(a: dict, b: dict) -> dict:
-    """``b``'s terms added into ``a`` (a tree node of shard sums: its left half plus its right)."""
-    _add_all(a, b)
-    return a
 
 
 def _accumulate(H: dict, n: dict, tokens: dict, key: str, x: torch.Tensor, count: int) -> None:
@@ -80,8 +84,7 @@ class Hessians(Collector):
         # (distributed.TreeSum), the same additions whichever rank holds which shards (``combine``)
         self.shards = len(sample_shards(samples)) if samples else 1
         self.samples = samples
-        self._open: tuple[int, dict] | None = None  # (shard, its sums so far)
-        self.tree = TreeSum(self.shards, _summed)
+        self.tree = TreeSum(self.shards, _add_all)
         self.n: dict[str, int] = {}  # divisor: samples (Linear, as llm-compressor) or tokens (experts)
         self.tokens: dict[str, int] = {}  # tokens that fed the statistics
         self.routed: dict[tuple[str, int], int] = {}  # (experts module, e) -> tokens the router sent
@@ -100,46 +103,31 @@ class Hessians(Collector):
             self._handles.append(mod.register_forward_pre_hook(self._experts_hook(path, mod, us)))
 
     def merge(self, part: dict, sample: int) -> None:
-        for name in ("n", "tokens", "routed"):
-            acc = getattr(self, name)
-            for k, v in part.get(name, {}).items():
-                acc[k] = acc.get(k, 0) + v
+        _add_counts(self, part, ("n", "tokens", "routed"))
         terms = part.get("H", {})
         routed = {k: terms.pop(k) for k in [k for k in terms if k in self._experts]}
         _add_all(self.H, routed)  # a whole layer's routed experts: per sample in order, as a streamed group sums them
         if not terms:
             return
-        shard = owner_of(sample, self.samples, self.shards) if self.samples else 0
-        if self._open is None or self._open[0] != shard:
-            self._close()
-            self._open = (shard, {})
-        _add_all(self._open[1], terms)
-
-    def _close(self) -> None:
-        if self._open is not None:
-            self.tree.leaf(*self._open)
-            self._open = None
+        self.tree.add(owner_of(sample, self.samples, self.shards) if self.samples else 0, terms)
 
     def combine(self, world, what: str) -> None:
         """The hooked units' Hessians of every rank's samples, on rank 0 (the others send their
         subtrees of shard sums, then drop them): the tree finished in shard order; the divisors
         and token counts summed. Every rank calls it, for a layer with hooked units."""
-        self._close()
+        self.tree.close()
         split = world is not None and world.size > 1
         counts = world.gather({"n": self.n, "tokens": self.tokens}, f"{what} (counts)", to=0) if split else None
         dev = next((h.device for _, sums in self.tree.stack for h in sums.values()), None)
         root = self.tree.combine(world if split else None, what, send=_on_cpu,
                                  receive=lambda sums: {k: h.to(dev) for k, h in sums.items()})
-        self.tree = TreeSum(self.shards, _summed)
+        self.tree = TreeSum(self.shards, _add_all)
         if split and counts is None:  # not rank 0: its part is sent
             self.n.clear()
             self.tokens.clear()
             return
         for part in (counts or [])[1:]:
-            for name in ("n", "tokens"):
-                acc = getattr(self, name)
-                for k, v in part[name].items():
-                    acc[k] = acc.get(k, 0) + v
+            _add_counts(self, part, ("n", "tokens"))
         _add_all(self.H, root)
 
     def _add(self, key: str, x: torch.Tensor, count: int) -> None:

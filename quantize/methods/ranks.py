@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import QuantizeError
+from ..distributed import follow
 from .autoround import tune_rank
 from .runner import _build, open_streamer, rank_pass
 
@@ -28,21 +28,12 @@ def serve(src: Path, world):
     streamer = open_streamer(src)  # rank 0 validated the source and the layers before the first job
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # as rank 0's pass: one torch thread per op, samples side by side
+    def autoround(job):
+        device = world.device if str(job["options"].device).startswith("cuda") else "cpu"
+        tune_rank(world, streamer, _build(streamer, job["layer"]).to(device), job, device)
+
     try:
-        while True:
-            kind, job = world.broadcast(None, "the next job from rank 0")
-            if kind == "done":
-                return job
-            if kind == "pass":
-                rank_pass(src, job, world)
-            elif kind == "autoround":
-                device = world.device if str(job["options"].device).startswith("cuda") else "cpu"
-                layer = _build(streamer, job["layer"]).to(device)
-                tune_rank(world, streamer, layer, job, device)
-                del layer
-            else:
-                raise QuantizeError(f"rank {world.rank}: rank 0 sent a job this rank does not know ({kind!r}): "
-                                    "every rank must run the same quantize version")
+        return follow(world, {"pass": lambda job: rank_pass(src, job, world), "autoround": autoround})
     finally:
         torch.set_num_threads(old)
         streamer.close()
