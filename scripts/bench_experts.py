@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Peak memory of calibrate-kv and GPTQ on MoE layers of DeepSeek-V3's real widths, by routed expert count.
+"""Peak memory of calibrate-kv, GPTQ and AutoRound on MoE layers of DeepSeek-V3's real widths, by routed expert
+count (AutoRound also by rank count: each rank trains its own experts).
 
 The fixture is written tensor by tensor (a whole 64-expert model would not fit in memory to be
 built by transformers): DeepSeek-V3's hidden 7168, moe_intermediate 2048, 128 heads, q/kv LoRA
 ranks 1536/512, block FP8 weights as DeepSeek ships them (128x128 ``weight_scale_inv``), router
 8 groups / 4 kept / 8 experts per token, a small vocabulary. Each measured run is its own
 process (peak RSS = its VmHWM; GPTQ with --min-expert-tokens 0, so that every expert of the 32
-calibration tokens runs GPTQ). ``--before PATH`` runs the same command with another checkout of
+calibration tokens runs GPTQ; AutoRound 2 steps of 2 samples, ``autoround-N`` as N ranks on gloo,
+peak RSS the largest rank's). ``--before PATH`` runs the same command with another checkout of
 this tool on PYTHONPATH (e.g. a worktree at an older commit), side by side. Not a test.
 
-    python scripts/bench_experts.py [--experts 16 64] [--layers 2] [--commands calibrate-kv gptq]
+    python scripts/bench_experts.py [--experts 16 64] [--layers 2] [--commands calibrate-kv gptq autoround-1 autoround-2]
                                     [--memory-budget-gib 1] [--before /path/to/old/checkout]
 """
 
@@ -40,6 +42,17 @@ if cmd == "calibrate-kv":
     from quantize.calibrate.kv import calibrate_kv
     kw = {"memory_budget_gib": float(budget)} if budget != "-" else {}
     calibrate_kv(src, samples=2, seq_len=16, target="vllm", **kw)
+elif cmd.startswith("autoround-"):  # as N ranks (torchrun's agent in this process): the largest rank's peak
+    import resource, subprocess
+    args = [sys.executable, "-m", "quantize.cli", "convert", src, out, "--method", "autoround", "--iters", "2",
+            "--batch-size", "2", "--lr", "0.005", "--samples", "2", "--seq-len", "16", "--min-expert-tokens", "0", "--nproc",
+            cmd.split("-")[1]] + (["--memory-budget-gib", budget] if budget != "-" else [])
+    p = subprocess.run(args, capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(p.stderr.strip().splitlines()[-1])
+    ranks = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    print(json.dumps({"seconds": time.time() - t, "peak_rss": ranks}))
+    sys.exit(0)
 else:
     from quantize.convert import convert
     kw = {"memory_budget_gib": float(budget)} if budget != "-" else {}
@@ -66,6 +79,8 @@ def build(out: Path, experts: int, layers: int) -> Path:
             shutil.copy(f, out / f.name)
     cfg = json.loads((base / "config.json").read_text())
     cfg.update(WIDTHS, n_routed_experts=experts, num_hidden_layers=layers)
+    if experts < 2 * WIDTHS["n_group"]:  # (AutoRound's fixtures: fewer experts) one group, all of it kept
+        cfg.update(n_group=1, topk_group=1)
     A = REGISTRY["deepseek_v3"]
     g = torch.Generator().manual_seed(0)
     weight_map, shard, size, n, skip = {}, {}, 0, 0, []
@@ -122,7 +137,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--layers", type=int, default=2, help="MoE decoder layers")
-    ap.add_argument("--commands", nargs="+", default=["calibrate-kv", "gptq"], choices=["calibrate-kv", "gptq"])
+    ap.add_argument("--commands", nargs="+", default=["calibrate-kv", "gptq"],
+                    help="calibrate-kv, gptq, autoround-N (N ranks)")
     ap.add_argument("--memory-budget-gib", default="-", help="passed to both commands ('-': their default)")
     ap.add_argument("--before", help="another checkout of this tool, run side by side (its default budget)")
     ap.add_argument("--work", help="folder for the fixtures (default: a temporary folder; several GB)")

@@ -104,16 +104,18 @@ def test_a_rank_killed_mid_layer_fails_in_one_line_and_resumes_byte_identical(on
 
 
 AR = ["--method", "autoround", "--profile", "all-linear", "--iters", "3", "--batch-size", "3", "--samples", "4",
-      "--seq-len", "24", "--workers", "1", "--memory-budget-gib", "0"]
+      "--seq-len", "24", "--workers", "1", "--memory-budget-gib", "0", "--all-experts"]
 
 
 def test_autoround_on_two_ranks_is_one_process_bit_for_bit(tiny, tmp_path):
-    """Each step's samples split across ranks (3 per step over 2 ranks: 2 and 1), every sample's
-    gradients summed on rank 0 in batch order: one process's codes, scales and losses."""
+    """Each step's samples split across ranks (3 per step over 2 ranks: 2 and 1), each MoE layer's
+    routed experts too (4 each: their inputs to every rank, their outputs, input gradients and
+    --all-experts terms back), the gradients summed in fixed trees: one process's codes, scales
+    and losses."""
     src = tiny("glm_moe_dsa")
     one, two = tmp_path / "one", tmp_path / "two"
     convert(src, one, method="autoround", profile="all-linear", iters=3, batch_size=3, samples=4, seq_len=24,
-            workers=1, memory_budget_gib=0.0)
+            workers=1, memory_budget_gib=0.0, all_experts=True)
     p = _cli("convert", str(src), str(two), *AR, "--nproc", "2")
     assert p.returncode == 0, p.stderr[-2000:]
     assert weights_only(two) == weights_only(one)

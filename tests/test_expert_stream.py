@@ -152,3 +152,110 @@ def test_a_tampered_group_file_redoes_the_layer(gptq_outs, tmp_path):
     redone = [e["layer"] for e in events if e.get("event") == "layer" and not e.get("replayed")]
     assert redone[0] == 1
     assert weights_only(out) == weights_only(outs["one"])
+
+
+# AutoRound on MoE layers: each rank trains its own routed experts (methods/tuning.py), one process included
+AR = dict(method="autoround", profile="all-linear", iters=2, batch_size=3, samples=5, seq_len=24, workers=1,
+          memory_budget_gib=0.0, min_expert_tokens=0)
+
+
+def _step_grads(monkeypatch):
+    """Every step's summed gradients of the Linear units (and, for a layer built whole, of its fused
+    experts), per layer and step, as ``tuning._combine`` hands them to rank 0."""
+    from quantize.methods import tuning
+
+    got = []
+    real = tuning._combine
+
+    def spy(world, t, tree, what):
+        summed = real(world, t, tree, what)
+        got.append((what, dict(zip(t.held, [None if g is None else g.clone() for g in summed]))))
+        return summed
+
+    monkeypatch.setattr(tuning, "_combine", spy)
+    return got
+
+
+@pytest.fixture(scope="module")
+def top4(tiny):
+    """Four experts per token: the order in which the experts' input gradients are added shows in the bits."""
+    return tiny("deepseek_v3", layout="bf16", overrides={"num_experts_per_tok": 4})
+
+
+@pytest.fixture(scope="module")
+def ar_whole(top4, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    try:
+        _whole_layer(mp)
+        grads = _step_grads(mp)
+        out = tmp_path_factory.mktemp("ar") / "whole"
+        convert(top4, out, **AR)
+    finally:
+        mp.undo()
+    return out, grads
+
+
+def _same_linear_grads(whole, ep) -> list[str]:
+    """The steps where a Linear unit's gradient differs between the two runs (any bit)."""
+    assert [w for w, _ in whole] == [w for w, _ in ep] and ep
+    bad = []
+    for (what, gw), (_, ge) in zip(whole, ep):
+        for path, g in ge.items():
+            if (g is None) != (gw[path] is None) or g is not None and not torch.equal(g, gw[path]):
+                bad.append(f"{what}: {path}")
+    return bad
+
+
+def test_autoround_experts_on_their_own_rank_are_the_whole_layer_bit_for_bit(top4, ar_whole, tmp_path, monkeypatch):
+    """The layer built without its routed experts, read one at a time (budget 0), each expert's forward
+    and backward apart: every step's gradients, the codes, scales and losses of the layer built whole."""
+    from quantize.methods import tuning
+
+    whole, whole_grads = ar_whole
+    moe = []
+    real = tuning.Tuning.step
+    monkeypatch.setattr(tuning.Tuning, "step", lambda self, *a: (moe.append(self.own is not None), real(self, *a))[1])
+    grads = _step_grads(monkeypatch)
+    out = tmp_path / "ep"
+    convert(top4, out, **AR)
+    assert any(moe) and not all(moe)  # the MoE layers went expert by expert; the dense layer 0 whole
+    assert _same_linear_grads(whole_grads, grads) == []
+    assert weights_only(out) == weights_only(whole)
+    assert method_layers(out) == method_layers(whole)
+    methods = {t["name"]: t["method"] for t in json.loads((out / "quantize_manifest.json").read_text())["tensors"]}
+    assert methods["model.layers.1.mlp.experts.5.down_proj.weight"] == "autoround"
+
+
+def test_autoround_experts_gradients_added_in_another_order_are_caught(top4, ar_whole, tmp_path, monkeypatch):
+    """A near miss: the experts' input gradients added first expert first (autograd adds the last
+    first) moves the Linear units' gradients by their last bits, and the comparison sees it."""
+    from quantize.methods import tuning
+
+    real = tuning.Tuning._backward
+    monkeypatch.setattr(tuning.Tuning, "_backward",
+                        lambda self, held, parts, leaves: real(self, held, [p[::-1] for p in parts[::-1]], leaves))
+    grads = _step_grads(monkeypatch)
+    convert(top4, tmp_path / "asc", **AR)
+    assert _same_linear_grads(ar_whole[1], grads)
+
+
+def test_a_rank_reads_and_holds_only_its_own_experts(tiny):
+    """Rank 1 of 2 (``World.owned``: experts 4-7 of 8) reads those experts, one at a time within a
+    budget of one, and its training state holds them and no other."""
+    from types import SimpleNamespace
+
+    from quantize.methods.tuning import Owned
+    from quantize.methods.units import Unit
+
+    st = LayerStreamer(tiny("deepseek_v3", layout="bf16"), expert_budget=1)
+    read = []
+    real = st.expert_weights
+    st.expert_weights = lambda i, g: (read.append(list(g)), real(i, g))[1]
+    units = [Unit(f"mlp.experts.{p}", e, [(f"model.layers.1.mlp.experts.{e}.x", 0, 1)], torch.bfloat16)
+             for e in range(8) for p in ("gate_up_proj", "down_proj")]
+    opt = SimpleNamespace(observer="fullrange", group_size=32, all_experts=False, min_expert_tokens=0)
+    own = Owned(st, 1, units, opt, {}, range(4, 8), "cpu")
+    assert read == [[4], [5], [6], [7]]
+    assert {n: tuple(t.shape)[0] for n, t in own.tuned.items()} == {"gate_up_proj": 4, "down_proj": 4}
+    assert sorted(u.expert for u in own.units) == [4, 4, 5, 5, 6, 6, 7, 7]
+    st.close()

@@ -58,10 +58,12 @@ class StandIn(torch.nn.Module):
         self._tls = threading.local()
 
     def capture(self) -> None:
-        self._tls.output, self._tls.routed = None, None
+        self._tls.output, self._tls.routed, self._tls.record = None, None, False
 
-    def replay(self, output: torch.Tensor) -> None:
-        self._tls.output, self._tls.routed = output, None
+    def replay(self, output: torch.Tensor, record: bool = False) -> None:
+        """Return ``output`` as the experts' output; ``record``: also keep what the router handed
+        them, as it is (with its autograd graph: AutoRound's experts backward, ``methods/tuning.py``)."""
+        self._tls.output, self._tls.routed, self._tls.record = output, None, record
 
     def take(self) -> Routed:
         routed = getattr(self._tls, "routed", None)
@@ -76,6 +78,8 @@ class StandIn(torch.nn.Module):
         if out is not None:
             if tuple(out.shape) != tuple(hidden_states.shape):
                 raise QuantizeError(f"expert replay: output {tuple(out.shape)} for input {tuple(hidden_states.shape)}")
+            if getattr(self._tls, "record", False):
+                self._tls.routed = Routed(hidden_states, top_k_index, top_k_weights)
             return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
         self._tls.routed = Routed(hidden_states.detach().clone(), top_k_index.detach().clone(),
                                   top_k_weights.detach().clone())

@@ -60,8 +60,9 @@ class Method(Protocol):
     """A data-aware method. ``name``: its ``--method`` value (and what the manifest records for
     the tensors it made); ``grid``: its default observer; ``source_stream``: the source model's
     own hidden states are carried beside the quantized path and given as ``Layer.targets``;
-    ``streams_experts``: its statistics are per unit, so a MoE layer's routed experts are read a
-    group at a time (``methods/streamed.py``) instead of the whole layer being built;
+    ``streams_experts``: a MoE layer is built without its routed experts, which ``streamed_step``
+    reads a group at a time (GPTQ: ``methods/streamed.py``) or each rank its own (AutoRound:
+    ``methods/tuning.py``) instead of the whole layer being built;
     ``splits_samples``: on several ranks every rank runs the layer pass on its own share of the
     calibration samples (``distributed.samples_of``) instead of rank 0 holding them all;
     ``report_fields``: the options the run report records (after the common ones); ``title``,
@@ -78,6 +79,13 @@ class Method(Protocol):
     def layer_step(self, layer: Layer) -> Step:
         """Statistics hooks, the quantization of ``layer.units``, and the RTN error; leaves the
         layer's weights as it likes (the pass then installs the results)."""
+        ...
+
+    def streamed_step(self, fwd: Forward, module, stand, layer: Layer, write_group) -> tuple[Step, HiddenStore]:
+        """``layer_step`` for a MoE layer built without its routed experts (``stand`` in their place,
+        ``layer.originals``/``rtn`` holding the Linear units only): the experts' results go to
+        ``write_group(first expert, tensors, {module: method})`` a group at a time, and the step
+        gives back the quantized layer's routed outputs per sample (``Forward(..., replay=)``)."""
         ...
 
     def card_section(self, report: dict) -> str:

@@ -309,6 +309,12 @@ class GPTQ(Method):
         _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
         return Step(results, ref, hooks.routed, e_rtn, tot)
 
+    def streamed_step(self, fwd, module, stand, layer: Layer, write_group):
+        from .streamed import gptq_step
+
+        results, ref, routed, e_rtn, tot, acc_q = gptq_step(self, fwd.streamer, fwd, module, stand, layer, write_group)
+        return Step(results, ref, routed, e_rtn, tot), acc_q
+
     def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:
         """GPTQ fixes the RTN scales before its update: they are the source's, bit for bit."""
         d = int4.bitwise_diff(scale, rtn_scale)

@@ -4,8 +4,9 @@ rank 0's layer pass sends it and computes its share, and rank 0 writes everythin
 - ``("pass", job)``: a GPTQ pass, run here on this rank's calibration samples (``runner.rank_pass``):
   every layer's captures on its own samples, the Linear units' Hessians sent to rank 0, its
   contiguous range of each layer's routed experts (``streamed._split_experts``);
-- ``("autoround", job)``: an AutoRound layer, built here from the source; then each of its steps'
-  contiguous share of the samples (``autoround.tune_rank``), until rank 0 says ``end``;
+- ``("autoround", job)``: an AutoRound layer, built here from the source (a MoE layer's dense part,
+  and this rank's routed experts read and trained here), then each of its steps' contiguous share
+  of the batch (``tuning.tune_rank``), until rank 0 says ``end``;
 - ``("done", result)``: rank 0's pass is over; its result is this rank's too.
 
 What comes back is combined on rank 0 in rank order, which is item order (experts, samples): the
@@ -19,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ..distributed import follow
-from .autoround import tune_rank
-from .runner import _build, open_streamer, rank_pass
+from .tuning import tune_rank
+from .runner import open_streamer, rank_pass
 
 
 def serve(src: Path, world):
@@ -29,8 +30,7 @@ def serve(src: Path, world):
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # as rank 0's pass: one torch thread per op, samples side by side
     def autoround(job):
-        device = world.device if str(job["options"].device).startswith("cuda") else "cpu"
-        tune_rank(world, streamer, _build(streamer, job["layer"]).to(device), job, device)
+        tune_rank(world, streamer, job, world.device if str(job["options"].device).startswith("cuda") else "cpu")
 
     try:
         return follow(world, {"pass": lambda job: rank_pass(src, job, world), "autoround": autoround})

@@ -36,7 +36,7 @@ from .base import Layer
 from .forward import Context, Forward, clear
 from .registry import METHODS
 from .store import Budget, HiddenStore
-from .streamed import carry, gptq_step, virtual_shapes
+from .streamed import carry, virtual_shapes
 from .units import dequant, install, join, layer_units, param, rtn, split
 
 LAYERS_DIR = "layers"
@@ -286,7 +286,11 @@ class Pass:
             key = f"{i:04d}"
             fp_next = fp_next_topk = None
             if fp_stream and (units or fp_hidden is not hidden):
-                fp_next, fp_next_topk = fwd(layer, fp_hidden, fp_topk, i, "of the source layer")
+                if stand is None:
+                    fp_next, fp_next_topk = fwd(layer, fp_hidden, fp_topk, i, "of the source layer")
+                else:
+                    fp_next, fp_next_topk = carry(streamer, fwd, layer, stand, i, fp_hidden, fp_topk,
+                                                  "of the source layer")
             if i < first:  # recorded: replay through the same quantized weights
                 out, new_topk = self._replay(fwd, streamer, layer, stand, i, units, hidden, topk)
                 self.emit({"event": "layer", "layer": i, "of": len(jobs_by_layer), "replayed": True})
@@ -368,8 +372,9 @@ class Pass:
                     for name in how:
                         part_modules[name] = entry["file"]
 
-            results, ref, routed, e_rtn, tot, acc_q = gptq_step(self.method, fwd.streamer, fwd, layer,
-                                                                         stand, x, write_group)
+            step, acc_q = self.method.streamed_step(fwd, layer, stand, x, write_group)
+            report.update(step.report)
+            results, ref, routed, e_rtn, tot = step.results, step.ref, step.routed, step.err_rtn, step.ref_sq
             out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref, stand=stand,
                                           replay=acc_q)
             acc_q.clear()

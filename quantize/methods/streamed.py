@@ -55,15 +55,17 @@ def _zeros_like(store: HiddenStore, budget, spill, name: str) -> HiddenStore:
 
 
 def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert: int, before_outputs=None,
-               within: range | None = None) -> None:
-    """The routed experts (those ``within``: this rank's) a group at a time: for each group,
+               within: range | None = None, groups: list[range] | None = None) -> None:
+    """The routed experts (those ``within``: this rank's; or in the given ``groups``) a group at a time: for each group,
     ``before_outputs(group, gate_up, down)`` (a method's statistics and quantization of the
     group), then each variant's outputs accumulated into its ``acc`` (created here, one zero
     tensor per sample)."""
     dev = fwd.device
     for v in variants:
         v.acc = _zeros_like(v.captured.hidden, fwd.budget, fwd.spill, f"a{i}")
-    for g in streamer.expert_groups(per_expert, range(stand.num_experts) if within is None else within):
+    if groups is None:
+        groups = streamer.expert_groups(per_expert, range(stand.num_experts) if within is None else within)
+    for g in groups:
         gate_up, down = streamer.expert_weights(i, g)
         gate_up, down = gate_up.to(dev), down.to(dev)
         if before_outputs is not None:

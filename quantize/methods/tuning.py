@@ -1,0 +1,643 @@
+"""AutoRound on a MoE layer with its routed experts partitioned across ranks (expert parallel),
+for one process as for many: what ``--method autoround`` runs on every layer that has routed
+experts. A layer's dense part (attention, router, shared experts) is built on every rank; its
+routed experts are not (``calibrate/experts.py``: a ``StandIn`` takes their place). Each rank
+owns a contiguous range of the experts (``World.owned``): it reads their source weights a group
+at a time and holds their training state (``Tuned``: the weights, rounding offsets and clip
+factors) and nobody else's, so a rank holds 1/N of the layer's experts.
+
+One training step over the step's batch (rank 0 picks it; each rank computes its contiguous
+share of the batch positions, ``distributed.samples_of``, with the Linear units' quantized
+weights rank 0 sends):
+
+A. **capture**: each share sample through the layer without gradients: what the router hands
+   the experts (the hidden states, the top-k experts and their weights), sent to every rank;
+B. **experts forward** on the owners: per sample, per owned expert with tokens, transformers'
+   eager experts computation on exactly those tokens (``contributions``), with autograd on the
+   expert's own quantized weights (one leaf per expert) and, when the layer has Linear units,
+   on the expert's own copy of its input rows and routing weights; each expert's weighted
+   output goes back to the sample's rank, which adds them per expert in ascending order into
+   zeros (transformers' ``index_add_`` sequence: the layer's forward bit for bit);
+C. **forward again, with gradients**: the stand-in returns that output as a leaf; the loss
+   (squared error against the source model's output of the layer) gives its gradient, sent to
+   the owners;
+D. **experts backward** on the owners: each expert's weight gradient for that sample (added in
+   the fixed shard tree of the batch positions, ``distributed.TreeSum``, all on the owner: no
+   expert gradient travels) and, with Linear units, its input rows' and routing weights'
+   gradients, sent back to the sample's rank;
+E. **the rest of the backward** on the sample's rank: the input rows' gradients added per expert
+   in ascending order, the routing weights' put in place, and the layer's own graph run back
+   from them and from the loss to the Linear units' leaves (summed in the shard tree, finished
+   on rank 0, which steps them).
+
+Rank 0 sums the per-sample losses in batch order and says whether this step is the best so far;
+every rank then steps its own parameters. Every sum has a fixed order whatever the number of
+ranks, so the output is the same bytes for any number of ranks (``tests/test_distributed_gptq.py``).
+It is also the whole layer's autograd bit for bit (the same layer built with its experts, as a
+layer without routed experts is trained here): every gradient, step by step, with up to 4 experts
+per token (``tests/test_expert_stream.py``), the experts' input rows' gradients being added in the
+order autograd adds them (``Tuning._backward``).
+
+``--all-experts``: each trained expert's own output error over every token of the sample is added
+to the loss, its input taken as given (no gradient into the layer below: it trains the expert).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import distributed
+from ..calibrate.experts import expert_bytes
+from ..errors import QuantizeError
+from ..formats import int4
+from .autoround import DIVERGED, SEED, Tuned
+from .base import Step
+from .forward import Context, call_layer, in_order
+from .streamed import Variant, _tensors, per_expert_bytes, run_groups, with_results
+from .units import Result, Unit, dequant, install, rtn
+
+
+def _add_grads(a: list, b: list) -> list:
+    """Two lists of gradients (None where a sample does not reach a leaf) added item by item."""
+    return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
+
+
+def _cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+def _set_param(layer, path: str, p: torch.nn.Parameter) -> None:
+    mod, _, name = path.rpartition(".")
+    setattr(layer.get_submodule(mod) if mod else layer, name, p)
+
+
+def _ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn) -> torch.Tensor:
+    """One routed expert on rows ``x``, as transformers' eager experts forward computes it."""
+    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    return torch.nn.functional.linear(act_fn(gate) * up, down)
+
+
+class Owned:
+    """This rank's routed experts of one layer: per fused parameter (``gate_up_proj``,
+    ``down_proj``) the ``Tuned`` state of the owned range, the experts that train, and each
+    step's per-expert leaves."""
+
+    def __init__(self, streamer, i: int, units: list[Unit], opt, routed: dict, owned: range, device: str):
+        self.range, self.device = owned, device
+        self.units = [u for u in units if u.expert is not None and u.expert in owned]
+        self.paths = sorted({u.path for u in self.units})
+        self.unit: dict[tuple[str, int], Unit] = {(u.path, u.expert): u for u in self.units}
+        fullrange = int4.GRIDS[opt.observer].signed
+        gate_up = down = None
+        if len(owned):  # read a group at a time into one tensor per parameter
+            for g in streamer.expert_groups(expert_bytes(*streamer.expert_dims()), owned):
+                gu, dn = streamer.expert_weights(i, g)
+                if gate_up is None:
+                    gate_up = torch.empty((len(owned), *gu.shape[1:]), dtype=torch.float32, device=device)
+                    down = torch.empty((len(owned), *dn.shape[1:]), dtype=torch.float32, device=device)
+                gate_up[g.start - owned.start: g.stop - owned.start] = gu.to(device, torch.float32)
+                down[g.start - owned.start: g.stop - owned.start] = dn.to(device, torch.float32)
+                del gu, dn
+        src = {"gate_up_proj": gate_up, "down_proj": down}
+        self.tuned: dict[str, Tuned] = {}
+        self.source: dict[str, torch.Tensor] = {}  # the fused parameters without a unit, as read
+        for name, w in src.items():
+            path = next((p for p in self.paths if p.endswith(name)), None)
+            if path is None:
+                self.source[name] = w
+                continue
+            sdt = next(u.scale_dtype for u in self.units if u.path == path)
+            self.tuned[name] = Tuned(path, w, opt.group_size, fullrange, sdt)
+            del w
+        del src, gate_up, down
+        # starved experts keep their RTN initialisation (their updates are masked)
+        self.starved: set[str] = set()
+        for u in self.units:
+            if not opt.all_experts and routed.get((u.module, u.expert), 0) < opt.min_expert_tokens:
+                self.tuned[u.path.rsplit(".", 1)[1]].mask[u.expert - owned.start] = 0
+                self.starved.add(u.key)
+        self.trained_all = {e for e in owned if all((p, e) in self.unit for p in self.paths) and len(self.paths) == 2}
+        self.fakes: dict[str, torch.Tensor] = {}
+        self.leaves: dict[tuple[str, int], torch.Tensor] = {}
+
+    def source_weight(self, name: str, j: int) -> torch.Tensor:
+        t = self.tuned.get(name)
+        return t.wg[j].reshape(t.shape[1:]) if t is not None else self.source[name][j]
+
+    def begin_step(self) -> None:
+        """This step's quantized weights (graph to the trained parameters) and a leaf per expert."""
+        self.fakes = {name: t.fake() for name, t in self.tuned.items()}
+        self.leaves = {(name, e): f[e - self.range.start].detach().requires_grad_(True)
+                       for name, f in self.fakes.items() for e in self.range}
+
+    def weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        j = e - self.range.start
+        return tuple(self.leaves[(n, e)] if n in self.tuned else self.source[n][j] for n in ("gate_up_proj",
+                                                                                           "down_proj"))
+
+    def backward(self, sums: dict[tuple[str, int], torch.Tensor | None]) -> None:
+        """The step's summed gradients of the per-expert leaves back through the grid, once."""
+        outs, grads = [], []
+        for name, f in self.fakes.items():
+            per = [sums.get((name, e)) for e in self.range]
+            if all(g is None for g in per):
+                continue
+            zero = torch.zeros_like(f[0])
+            outs.append(f)
+            grads.append(torch.stack([zero if g is None else g for g in per]))
+        if outs:
+            torch.autograd.backward(outs, grads)
+        self.fakes, self.leaves = {}, {}
+
+    def results(self) -> dict[str, Result]:
+        finals = {name: t.final() for name, t in self.tuned.items()}
+        out = {}
+        for u in self.units:
+            codes, scale = finals[u.path.rsplit(".", 1)[1]]
+            j = u.expert - self.range.start
+            out[u.key] = Result(codes[j].cpu().contiguous(), scale[j].cpu().contiguous(),
+                                "rtn" if u.key in self.starved else "autoround")
+        return out
+
+
+def _rows(index: torch.Tensor, e: int):
+    """Expert ``e``'s (token rows, top-k positions) as transformers' experts forward finds them
+    (``torch.where`` of its routing mask, [K, T]), or None when the router sent it nothing."""
+    mask = index == e
+    if not bool(mask.any()):
+        return None
+    top_k_pos, token_idx = torch.where(mask.t())
+    return token_idx, top_k_pos
+
+
+def _to_each(world, items: list, n: int, what: str):
+    """``items`` (one per batch position of ``n``) sent to the rank computing each position
+    (``samples_of``): on this rank, every rank's items for its own positions, in rank order."""
+    mine = None
+    for o in range(world.size):
+        got = world.gather([items[q] for q in distributed.samples_of(n, world.size, o)], what, to=o)
+        if got is not None:
+            mine = got
+    return mine
+
+
+class Tuning:
+    """One layer's AutoRound on this rank: its build of the layer (a MoE layer's dense part, its
+    routed experts replaced by ``stand``; a layer without routed experts whole), its owned
+    experts, and the phases of a step, which every rank runs in the same order."""
+
+    def __init__(self, world, streamer, ctx, layer, stand, i: int, units: list[Unit], opt, routed: dict,
+                 device: str, pool, workers: int):
+        self.world, self.streamer, self.ctx, self.layer, self.stand = world, streamer, ctx, layer, stand
+        self.i, self.opt, self.device, self.pool, self.workers = i, opt, device, pool, max(1, workers)
+        # the parameters the built layer holds and rank 0 trains (its leaves each step)
+        self.held = list(dict.fromkeys(u.path for u in units if stand is None or u.expert is None))
+        self.grad_in = bool(self.held)  # gradients flow back through the experts' inputs to them
+        layer.requires_grad_(False)
+        self.own = Owned(streamer, i, units, opt, routed, world.owned(stand.num_experts), device) \
+            if stand is not None else None
+        self.best = self._snapshot()
+
+    def _snapshot(self) -> list:
+        return [t.snapshot() for t in self.own.tuned.values()] if self.own is not None else []
+
+    def _whole(self, samples, positions: range, n: int, denom: int, leaves: dict):
+        """A step on a layer built whole: each sample's loss and its gradients of ``leaves``."""
+        lv = list(leaves.values())
+
+        def one(sample):
+            h, topk, target = sample
+            out, _ = call_layer(self.streamer, self.ctx, self.layer, h, topk)
+            loss = (out - target.to(out.device)).pow(2).sum() / denom
+            return float(loss.detach()), torch.autograd.grad(loss, lv, allow_unused=True)
+
+        shards = len(distributed.sample_shards(n))
+        tree = distributed.TreeSum(shards, _add_grads)
+        losses = []
+        for q, (loss, grads) in zip(positions, in_order(self.pool, self.workers, one, samples)):
+            losses.append(loss)
+            tree.add(distributed.owner_of(q, n, shards), list(grads))
+        tree.close()
+        return losses, {}, tree
+
+    # -- A, B: the experts' inputs to every rank, their outputs back --------------------------
+    def _capture(self, sample):
+        h, topk, _ = sample
+        self.stand.capture()
+        with torch.no_grad():
+            call_layer(self.streamer, self.ctx, self.layer, h, topk)
+        r = self.stand.take()
+        return r.hidden.cpu(), r.index.cpu(), r.weights.cpu()
+
+    def _experts_forward(self, r):
+        """Per owned expert the router sent tokens: (expert, rows, positions, its input rows and
+        routing weights as leaves, its weighted output with the graph), and (--all-experts) each
+        trained expert's own squared error over every token (with the graph)."""
+        hidden, index, weights = (t.to(self.device) for t in r)
+        kept, extra = [], []
+        for e in self.own.range:
+            gu, dn = self.own.weights(e)
+            rows = _rows(index, e)
+            if rows is not None:
+                token_idx, pos = rows
+                x = hidden[token_idx].detach().requires_grad_(self.grad_in)
+                w = weights[token_idx, pos].detach().requires_grad_(self.grad_in)
+                kept.append((e, token_idx, pos, x, w, _ffn(x, gu, dn, self.stand.act_fn) * w[:, None]))
+            if self.opt.all_experts and e in self.own.trained_all:
+                j = e - self.own.range.start
+                with torch.no_grad():
+                    ref = _ffn(hidden, self.own.source_weight("gate_up_proj", j),
+                               self.own.source_weight("down_proj", j), self.stand.act_fn)
+                extra.append((e, (_ffn(hidden, gu, dn, self.stand.act_fn) - ref).pow(2).sum()))
+        return kept, extra
+
+    # -- C: the layer with gradients, the experts' output as a leaf --------------------------
+    def _forward(self, sample, cap, parts: list, denom: int):
+        h, topk, target = sample
+        out = torch.zeros(cap[0].shape, dtype=cap[0].dtype, device=self.device)
+        for part in parts:  # rank order = expert order: transformers' index_add_ sequence
+            for token_idx, _, y in part:
+                out.index_add_(0, token_idx.to(self.device), y.to(self.device, out.dtype))
+        out.requires_grad_(True)
+        self.stand.replay(out, record=True)
+        o, _ = call_layer(self.streamer, self.ctx, self.layer, h, topk)
+        r = self.stand.take()
+        if not torch.equal(r.index.cpu(), cap[1]):
+            raise QuantizeError(f"decoder layer {self.i}: the router chose other experts in two passes of the same "
+                                "weights (a nondeterministic kernel); run on the CPU or report it")
+        loss = (o - target.to(o.device)).pow(2).sum() / denom
+        g_out, = torch.autograd.grad(loss, out, retain_graph=self.grad_in)
+        return float(loss.detach()), (loss, r) if self.grad_in else None, g_out.cpu()
+
+    # -- D: the experts' backward on their owner ----------------------------------------------
+    def _experts_backward(self, kept, extra, g_out: torch.Tensor, denom: int):
+        g_out = g_out.to(self.device)
+        outs = [y for *_, y in kept] + [t for _, t in extra]
+        grads = [g_out[token_idx] for _, token_idx, *_ in kept] + [torch.full_like(t, 1.0 / denom) for _, t in extra]
+        keys = list(self.own.leaves)
+        inputs = [self.own.leaves[k] for k in keys]
+        if self.grad_in:
+            inputs += [t for _, _, _, x, w, _ in kept for t in (x, w)]
+        if not outs or not inputs:
+            return {}, []
+        got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+        leaf = dict(zip(keys, got[:len(keys)]))
+        back = []
+        if self.grad_in:
+            rest = got[len(keys):]
+            for k, (_, token_idx, pos, *_) in enumerate(kept):
+                back.append((token_idx.cpu(), pos.cpu(), rest[2 * k].cpu(), rest[2 * k + 1].cpu()))
+        return leaf, back
+
+    # -- E: the rest of the backward, to the Linear units ------------------------------------
+    def _backward(self, held, parts: list, leaves: list):
+        loss, r = held
+        dh = torch.zeros_like(r.hidden)
+        dw = torch.zeros_like(r.weights)
+        # the experts' input rows' gradients added from the LAST expert to the first: the order in which
+        # autograd's engine adds them on a whole layer (transformers' experts take a view of the hidden
+        # states; each expert's backward runs, and delivers its rows to that view, in reverse creation
+        # order), so the Linear units' gradients are the whole layer's bit for bit
+        for part in reversed(parts):  # rank order = expert order
+            for token_idx, pos, dx, dwt in reversed(part):
+                dh.index_add_(0, token_idx.to(dh.device), dx.to(dh.device, dh.dtype))
+                dw[token_idx.to(dw.device), pos.to(dw.device)] = dwt.to(dw.device, dw.dtype)
+        outs, grads = [loss], [None]
+        for t, g in ((r.hidden, dh), (r.weights, dw)):
+            if t.requires_grad:
+                outs.append(t)
+                grads.append(g)
+        return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+    def step(self, samples: list, positions: range, n: int, denom: int, leaves: dict):
+        """One training step's phases on this rank for its ``samples`` (batch ``positions`` of ``n``)
+        with the Linear units' quantized weights installed as ``leaves``: (this rank's per-position
+        losses, the owned experts' --all-experts terms per batch position, the Linear units'
+        gradient tree over the step's shards). The owned experts' gradients are on their
+        parameters when it returns."""
+        if self.stand is None:
+            return self._whole(samples, positions, n, denom, leaves)
+        world, i = self.world, self.i
+        shards = len(distributed.sample_shards(n))
+        caps = list(in_order(self.pool, self.workers, self._capture, samples))
+        every = [c for part in world.gather(caps, f"layer {i} AutoRound experts' inputs") for c in part]
+        del caps
+        self.own.begin_step()
+        fw = list(in_order(self.pool, self.workers, self._experts_forward, every))
+        sent = [[(token_idx.cpu(), pos.cpu(), y.detach().cpu()) for _, token_idx, pos, _, _, y in kept]
+                for kept, _ in fw]
+        parts = _to_each(world, sent, n, f"layer {i} AutoRound experts' outputs")
+        del sent
+        mine = [every[q] for q in positions]
+
+        def forward(k):
+            return self._forward(samples[k], mine[k], [p[k] for p in parts], denom)
+
+        cs = list(in_order(self.pool, self.workers, forward, range(len(positions))))
+        del parts
+        g_all = [g for part in world.gather([c[2] for c in cs], f"layer {i} AutoRound output gradients") for g in part]
+        keys = list(self.own.leaves)
+        tree = distributed.TreeSum(shards, _add_grads) if keys else None
+        backs, extras = [], {}
+
+        def backward(q):
+            kept, extra = fw[q]
+            return self._experts_backward(kept, extra, g_all[q], denom)
+
+        for q, (leaf, back) in enumerate(in_order(self.pool, self.workers, backward, range(n))):
+            if tree is not None:
+                tree.add(distributed.owner_of(q, n, shards), [leaf.get(k) for k in keys])
+            backs.append(back)
+            extras[q] = [(e, float(t.detach())) for e, t in fw[q][1]]
+            fw[q] = None
+        if tree is not None:
+            self.own.backward(dict(zip(keys, tree.combine(None, f"layer {i} AutoRound expert gradients"))))
+        else:
+            self.own.fakes, self.own.leaves = {}, {}
+        del g_all, fw
+        linear_tree = distributed.TreeSum(shards, _add_grads)
+        if self.grad_in:
+            back_parts = _to_each(world, backs, n, f"layer {i} AutoRound experts' input gradients")
+            del backs
+            lv = list(leaves.values())
+
+            def rest(k):
+                return self._backward(cs[k][1], [p[k] for p in back_parts], lv)
+
+            for k, grads in enumerate(in_order(self.pool, self.workers, rest, range(len(positions)))):
+                linear_tree.add(distributed.owner_of(positions[k], n, shards),
+                                [None if g is None else g for g in grads])
+                cs[k] = (cs[k][0], None, None)
+        linear_tree.close()
+        return [c[0] for c in cs], extras, linear_tree
+
+    def update(self, best: bool, lr: float) -> None:
+        """Step the owned experts (snapshot first when rank 0 says this step is the best)."""
+        if self.own is None:
+            return
+        if best:
+            self.best = self._snapshot()
+        for t in self.own.tuned.values():
+            t.step(lr)
+
+    def results(self) -> dict[str, Result]:
+        """The owned experts' results at the best step."""
+        if self.own is None:
+            return {}
+        for t, snap in zip(self.own.tuned.values(), self.best):
+            t.restore(snap)
+        return self.own.results()
+
+
+def _write_groups(streamer, n_experts: int, size: int) -> list[range]:
+    """The groups the experts' results are sent to rank 0 in (each within one rank's range, at
+    most ``--memory-budget-gib`` of source weights and copies): the same list on every rank."""
+    pe = per_expert_bytes(streamer, False)
+    return [g for r in range(size) for g in streamer.expert_groups(pe, distributed.partition(n_experts, size, r))]
+
+
+def _send_results(world, streamer, stand, results: dict[str, Result], by_expert: dict, i: int) -> None:
+    """A rank other than 0: its experts' results to rank 0, a group at a time, as rank 0 asks."""
+    for g in _write_groups(streamer, stand.num_experts, world.size):
+        mine = g.start in world.owned(stand.num_experts)
+        payload = {u.key: results[u.key] for e in g for u in by_expert.get(e, ())} if mine else None
+        world.gather(payload, f"layer {i} AutoRound experts' results", to=0)
+
+
+def _by_expert(units: list[Unit]) -> dict[int, list[Unit]]:
+    out: dict[int, list[Unit]] = {}
+    for u in units:
+        if u.expert is not None:
+            out.setdefault(u.expert, []).append(u)
+    return out
+
+
+def _rtn_weights(by_expert: dict[int, list[Unit]], opt):
+    """A variant's weights (``streamed.Variant``): the group's experts at RTN on the method's grid."""
+
+    def weights(g, gate_up, down):
+        gu, dn = gate_up.clone(), down.clone()
+        for j, e in enumerate(g):
+            for u in by_expert.get(e, ()):
+                target = gu if u.path.endswith("gate_up_proj") else dn
+                target[j].copy_(dequant(rtn(target[j], opt.group_size, opt.observer, u.scale_dtype)).to(target.device))
+        return gu, dn
+
+    return weights
+
+
+def _train(world, tuning: Tuning, x, tuned: dict[str, Tuned], layer) -> dict:
+    """Rank 0's loop over the steps: picks each batch, sends the other ranks their shares with the
+    Linear units' quantized weights, sums the losses, steps the Linear units, and says whether a
+    step is the best so far. Returns the training report."""
+    opt, i, hidden, topk, targets = x.options, x.index, x.hidden, x.topk, x.targets
+    n = len(hidden)
+    bs = min(opt.batch_size, n)
+    gen = torch.Generator().manual_seed(SEED + i)
+    order: list[int] = []
+    losses: list[float] = []
+    best, best_loss, best_step = [t.snapshot() for t in tuned.values()], math.inf, 0
+    for step in range(opt.iters):
+        if len(order) < bs:
+            order += torch.randperm(n, generator=gen).tolist()
+        batch, order = order[:bs], order[bs:]
+        denom = sum(targets[s].numel() for s in batch)
+        fakes = {path: t.fake() for path, t in tuned.items()}
+        leaves = {path: torch.nn.Parameter(w.detach()) for path, w in fakes.items()}
+        for path, p in leaves.items():
+            _set_param(layer, path, p)
+        shares = [distributed.samples_of(len(batch), world.size, k) for k in range(world.size)]
+        if world.size > 1:
+            world.broadcast(("step", {"fakes": {p: w.detach().cpu() for p, w in fakes.items()}, "denom": denom,
+                                      "batch": len(batch),
+                                      "samples": [[tuple(_cpu(t) for t in (hidden[batch[q]], topk[batch[q]],
+                                                                           targets[batch[q]])) for q in share]
+                                                  for share in shares[1:]]}),
+                            f"layer {i} AutoRound step {step}")
+        samples = [(hidden[batch[q]], topk[batch[q]], targets[batch[q]]) for q in shares[0]]
+        mine, extras, ltree = tuning.step(samples, shares[0], len(batch), denom, leaves)
+        summed = _combine(world, tuning, ltree, f"layer {i} AutoRound step {step}")
+        got = world.gather({"losses": mine, "extras": extras}, f"layer {i} AutoRound step {step} losses", to=0)
+        per_q = [v for o in got for v in o["losses"]]  # rank order = batch order
+        total = 0.0
+        for q, loss in enumerate(per_q):
+            extra = 0.0
+            for o in got:  # rank order = expert order
+                for _, t in o["extras"].get(q, ()):
+                    extra += t
+            total += loss + extra / denom
+        if summed is not None:
+            paths = list(leaves)
+            live = [j for j in range(len(paths)) if summed[j] is not None]
+            if live:
+                torch.autograd.backward([fakes[paths[j]] for j in live], [summed[j] for j in live])
+        if not math.isfinite(total):
+            raise QuantizeError(f"decoder layer {i}: the AutoRound loss became {total} at step {step}; lower --lr "
+                                f"(now {opt.lr:g}) or use --method gptq")
+        losses.append(total)
+        is_best = total < best_loss
+        if is_best:
+            best_loss, best_step = total, step
+            best = [t.snapshot() for t in tuned.values()]
+        lr_t = opt.lr * (1 - step / opt.iters)
+        if world.size > 1:
+            world.broadcast(("update", {"best": is_best, "lr": lr_t}), f"layer {i} AutoRound step {step} update")
+        tuning.update(is_best, lr_t)
+        for t in tuned.values():
+            t.step(lr_t)
+    if world.size > 1:
+        world.broadcast(("end", None), f"layer {i} AutoRound")
+    if losses and losses[-1] > DIVERGED * losses[0]:
+        raise QuantizeError(f"decoder layer {i}: the AutoRound loss diverged ({losses[0]:.4g} at step 0, "
+                            f"{losses[-1]:.4g} at the last step); lower --lr (now {opt.lr:g}) or --iters")
+    for path, t in tuned.items():  # the layer's own parameters back (the caller installs the results)
+        _set_param(layer, path, torch.nn.Parameter(t.wg.reshape(t.shape).clone(), requires_grad=False))
+    for t, snap in zip(tuned.values(), best):
+        t.restore(snap)
+    return {"iters": opt.iters, "lr": opt.lr, "batch_size": bs, "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None, "best_loss": best_loss if losses else None,
+            "best_step": best_step if losses else None}
+
+
+def _combine(world, tuning: Tuning, tree, what: str):
+    """The Linear units' gradients of a step: every rank's subtrees finished on rank 0 (None elsewhere,
+    and everywhere when the layer has no Linear unit)."""
+    if not tuning.grad_in:
+        return None
+    dev = tuning.device
+    return tree.combine(world, what, send=lambda v: [None if g is None else g.cpu() for g in v],
+                        receive=lambda v: [None if g is None else g.to(dev) for g in v])
+
+
+def train(fwd, layer, stand, x, routed: dict) -> tuple[dict[str, Result], dict[str, Result], dict]:
+    """Rank 0's AutoRound of layer ``x`` (the built ``layer`` holding the source weights; a MoE
+    layer's routed experts in ``stand``'s place, each rank training its own): the other ranks told
+    to build it, the experts the router starves (below --min-expert-tokens) named in
+    ``x.fallbacks`` and kept at RTN, the steps. Returns (the results of the units the built layer
+    holds, rank 0's own experts' results, the training report)."""
+    opt, i, world = x.options, x.index, distributed.current()
+    fullrange = int4.GRIDS[opt.observer].signed
+    tuned: dict[str, Tuned] = {}
+    held = [u for u in x.units if stand is None or u.expert is None]
+    for u in held:
+        if u.path not in tuned:
+            tuned[u.path] = Tuned(u.path, layer.get_parameter(u.path).detach().clone(), opt.group_size, fullrange,
+                                  u.scale_dtype)
+    starved: set[str] = set()
+    for u in x.units:
+        if u.expert is None or opt.all_experts or u.key in starved:
+            continue
+        c = routed.get((u.module, u.expert), 0)
+        if c < opt.min_expert_tokens:
+            starved.add(u.key)
+            if u.path in tuned:  # a fused parameter of a layer built whole
+                tuned[u.path].mask[u.expert] = 0
+            for name, _, _ in u.names:
+                x.fallbacks.append({"name": name, "reason": f"{c} routed calibration tokens < --min-expert-tokens "
+                                                            f"{opt.min_expert_tokens}"})
+    if world.size > 1:  # the other ranks build this layer and compute their share of each step (tune_rank)
+        world.broadcast(("autoround", {"layer": i, "units": x.units, "options": opt, "routed": routed,
+                                       "workers": fwd.workers, "budget": fwd.streamer.expert_budget,
+                                       "stream": stand is not None}), f"layer {i} AutoRound")
+    tuning = Tuning(world, fwd.streamer, fwd.ctx, layer, stand, i, x.units, opt, routed, fwd.device, fwd.pool,
+                    fwd.workers)
+    report = _train(world, tuning, x, tuned, layer)
+    finals = {path: t.final() for path, t in tuned.items()}
+    results = {}
+    for u in held:
+        codes, scale = finals[u.path]
+        if u.expert is not None:
+            codes, scale = codes[u.expert], scale[u.expert]
+        results[u.key] = Result(codes.cpu().contiguous(), scale.cpu().contiguous(),
+                                "rtn" if u.key in starved else "autoround")
+    return results, tuning.results(), report
+
+
+def stream_step(streamer, fwd, layer, stand, x, write_group):
+    """AutoRound on a MoE layer (module docstring), on rank 0: the RTN layer's error and the
+    routing the quantized path sees (the routed experts a group at a time), the training (every
+    rank its own experts), the experts' results written a group at a time as they arrive, and
+    the quantized layer's routed outputs for the next layer. Returns (``Step``, those outputs)."""
+    opt, i = x.options, x.index
+    world = distributed.current()
+    linear = [u for u in x.units if u.expert is None]
+    by_expert = _by_expert(x.units)
+
+    def put(res):
+        for u in linear:
+            install(layer, u, (x.originals[u.key] if res is None else dequant(res[u.key])).to(fwd.device))
+
+    ref = x.targets
+    put(x.rtn)
+    cap = fwd.capture(layer, stand, x.hidden, x.topk, i)
+    routed = {(u.module, u.expert): 0 for u in x.units if u.expert is not None}
+    for s in range(len(cap)):
+        idx = cap.index[s]
+        for key in routed:
+            routed[key] += int((idx == key[1]).any(-1).sum())
+    v = Variant(cap, _rtn_weights(by_expert, opt))
+    run_groups(streamer, fwd, i, stand, [v], per_expert_bytes(streamer, False))
+    cap.clear()
+    _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
+                             replay=v.acc)
+    v.acc.clear()
+    put(None)
+    results, own, report = train(fwd, layer, stand, x, routed)
+    put(results)
+    cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
+    cur: dict[str, Result] = {}
+
+    def receive(g, gate_up, down):
+        owner = distributed.owner_of(g.start, stand.num_experts, world.size)
+        mine = {u.key: own[u.key] for e in g for u in by_expert.get(e, ())} if owner == 0 else None
+        got = world.gather(mine, f"layer {i} AutoRound experts' results", to=0)
+        cur.clear()
+        cur.update(got[owner])
+        us = [u for e in g for u in by_expert.get(e, ())]
+        if us:
+            write_group(g.start, *_tensors(us, cur))
+
+    vq = Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))
+    run_groups(streamer, fwd, i, stand, [vq], per_expert_bytes(streamer, False), before_outputs=receive,
+               groups=_write_groups(streamer, stand.num_experts, world.size))
+    cap_q.clear()
+    return Step(results, ref, routed, e_rtn, tot, report={"train": report}), vq.acc
+
+
+def tune_rank(world, streamer, job: dict, device: str) -> None:
+    """A rank other than 0 of an AutoRound layer (``train`` sends ``job``): this rank's build of
+    the layer (a MoE layer's dense part and this rank's routed experts), each step's phases for
+    its share of the batch, and its experts' results sent to rank 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .runner import _build
+
+    i, opt = job["layer"], job["options"]
+    streamer.expert_budget = job["budget"]
+    layer = _build(streamer, i, stream_experts=job["stream"]).to(device)
+    stand = streamer.stand_in(layer) if job["stream"] else None
+    ctx = Context(streamer, device)
+    on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    with ThreadPoolExecutor(max(1, job["workers"]), thread_name_prefix="autoround") as pool:
+        tuning = Tuning(world, streamer, ctx, layer, stand, i, job["units"], opt, job["routed"], device, pool,
+                        job["workers"])
+        while True:
+            kind, step = world.broadcast(None, f"layer {i} AutoRound's next step")
+            if kind == "end":
+                break
+            leaves = {p: torch.nn.Parameter(w.to(device)) for p, w in step["fakes"].items()}
+            for path, leaf in leaves.items():
+                _set_param(layer, path, leaf)
+            samples = [(on(h), on(t), on(y)) for h, t, y in step["samples"][world.rank - 1]]
+            n = step["batch"]
+            mine, extras, ltree = tuning.step(samples, distributed.samples_of(n, world.size, world.rank), n,
+                                              step["denom"], leaves)
+            _combine(world, tuning, ltree, f"layer {i} AutoRound step")
+            world.gather({"losses": mine, "extras": extras}, f"layer {i} AutoRound step losses", to=0)
+            _, upd = world.broadcast(None, f"layer {i} AutoRound step update")
+            tuning.update(upd["best"], upd["lr"])
+        own = tuning.results()
+    if stand is not None:
+        _send_results(world, streamer, stand, own, _by_expert(job["units"]), i)
