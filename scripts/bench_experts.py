@@ -11,7 +11,8 @@ calibration tokens runs GPTQ; AutoRound 2 steps of 2 samples, ``autoround-N`` as
 peak RSS the largest rank's). ``--before PATH`` runs the same command with another checkout of
 this tool on PYTHONPATH (e.g. a worktree at an older commit), side by side. Not a test.
 
-    python scripts/bench_experts.py [--experts 16 64] [--layers 2] [--commands calibrate-kv gptq autoround-1 autoround-2]
+    python scripts/bench_experts.py [--experts 16 64] [--layers 2]
+                                    [--commands calibrate-kv gptq autoround-1 autoround-2]
                                     [--memory-budget-gib 1] [--before /path/to/old/checkout]
 """
 
@@ -45,7 +46,8 @@ if cmd == "calibrate-kv":
 elif cmd.startswith("autoround-"):  # as N ranks (torchrun's agent in this process): the largest rank's peak
     import resource, subprocess
     args = [sys.executable, "-m", "quantize.cli", "convert", src, out, "--method", "autoround", "--iters", "2",
-            "--batch-size", "2", "--lr", "0.005", "--samples", "2", "--seq-len", "16", "--min-expert-tokens", "0", "--nproc",
+            "--batch-size", "2", "--lr", "0.005", "--samples", "2", "--seq-len", "16", "--min-expert-tokens", "0",
+            "--nproc",
             cmd.split("-")[1]] + (["--memory-budget-gib", budget] if budget != "-" else [])
     p = subprocess.run(args, capture_output=True, text=True)
     if p.returncode:

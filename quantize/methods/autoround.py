@@ -33,19 +33,14 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import int4
 from .base import Layer, Method, Step
 from .forward import Collector
+from .tuning import CLIP_RANGE, V_RANGE, Tuned, stream_step, train as train_layer  # noqa: F401 - the grid, as trained
 from .units import Unit
 
-V_RANGE = 0.5
-CLIP_RANGE = (0.5, 1.0)
 # what `quantize check --source` proves of an AutoRound tensor: the published clip range, written apart
 # from CLIP_RANGE on purpose, so a CLIP_RANGE loosened by mistake makes the check fail instead of agreeing
 PROVEN_RANGE = (0.5, 1.0)
-# a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
-DIVERGED = 100.0
-SEED = 20240
 
 
 class RouteCounter(Collector):
@@ -80,81 +75,6 @@ class RouteCounter(Collector):
             h.remove()
 
 
-def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    return x + (x.round() - x).detach()
-
-
-class Tuned:
-    """The trainable state of one layer parameter (an nn.Linear weight, or a fused [E, out, in])."""
-
-    def __init__(self, path: str, w0: torch.Tensor, group: int, fullrange: bool, scale_dtype: torch.dtype):
-        self.path, self.group, self.fullrange, self.sdt = path, group, fullrange, scale_dtype
-        *lead, out, k = w0.shape
-        self.shape = w0.shape
-        self.wg = w0.detach().to(torch.float32).reshape(*lead, out, k // group, group)
-        self.wmax = self.wg.amax(-1).clamp(min=0)
-        self.wmin = self.wg.amin(-1).clamp(max=0)
-        # the side RTN's signed extreme takes on a tie (the first element of largest magnitude)
-        ext = self.wg.gather(-1, self.wg.abs().argmax(-1, keepdim=True)).squeeze(-1)
-        self.tie_hi = ext > 0
-        self.V = torch.zeros_like(self.wg, requires_grad=True)
-        self.a = torch.ones_like(self.wmax, requires_grad=True)
-        self.b = torch.ones_like(self.wmax, requires_grad=True)
-        self.mask = torch.ones(lead[0], dtype=torch.float32, device=w0.device) if lead else None  # per expert
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [self.V, self.a, self.b]
-
-    def _extreme(self):
-        hi, lo = self.wmax * self.a, self.wmin * self.b
-        if self.fullrange:
-            pick_hi = torch.where(hi > -lo, True, torch.where(hi < -lo, False, self.tie_hi))
-            return torch.where(pick_hi, hi, lo)
-        return torch.maximum(hi, -lo)
-
-    def _scale(self, e: torch.Tensor) -> torch.Tensor:
-        s = e / int4.QMIN if self.fullrange else e / int4.HALF_RANGE
-        return torch.where(s == 0, torch.full_like(s, torch.finfo(self.sdt).eps), s)
-
-    def fake(self) -> torch.Tensor:
-        s = self._scale(self._extreme()).unsqueeze(-1)
-        q = torch.clamp(_round_ste(self.wg / s + self.V), int4.QMIN, int4.QMAX)
-        return (q * s).reshape(self.shape)
-
-    def final(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes int8 [..., out, in], scale [..., out, G] in the scale dtype): the bf16 scale of the
-        trained range, codes rounded as ``formats.int4`` rounds (quotient in the scale dtype)."""
-        with torch.no_grad():
-            e = self._extreme().to(self.sdt)
-            s = int4._fullrange_scale(e, self.sdt) if self.fullrange else int4._minmax_scale(e, self.sdt)
-            x = (self.wg / s.float().unsqueeze(-1)).to(self.sdt).float() + self.V
-            q = x.round().clamp(int4.QMIN, int4.QMAX).to(torch.int8)
-            return q.reshape(self.shape), s
-
-    def step(self, lr: float) -> None:
-        with torch.no_grad():
-            for p in self.params:
-                if p.grad is None:
-                    continue
-                d = p.grad.sign()
-                if self.mask is not None:
-                    d = d * self.mask.view(-1, *([1] * (p.ndim - 1)))
-                p.sub_(lr * d)
-                p.grad = None
-            self.V.clamp_(-V_RANGE, V_RANGE)
-            self.a.clamp_(*CLIP_RANGE)
-            self.b.clamp_(*CLIP_RANGE)
-
-    def snapshot(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.params]
-
-    def restore(self, snap: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for p, s in zip(self.params, snap):
-                p.copy_(s)
-
-
 class AutoRound(Method):
     """``--method autoround``: the layer's targets are the source model's own outputs of it (the
     full-precision stream), which the quantized layer learns to reproduce from the quantized-path
@@ -171,8 +91,6 @@ class AutoRound(Method):
     loss_target = "the source model's own output of this layer (so it includes the error the layers before it left)"
 
     def layer_step(self, layer: Layer) -> Step:
-        from . import tuning
-
         x = layer
         ref = x.targets
         counter = RouteCounter(x.module, x.units)  # the routing the quantized path sees
@@ -183,12 +101,10 @@ class AutoRound(Method):
         finally:
             counter.remove()
         x.put(x.originals)
-        results, _, train = tuning.train(x.fwd, x.module, None, x, counter.routed)
+        results, _, train = train_layer(x.fwd, x.module, None, x, counter.routed)
         return Step(results, ref, counter.routed, e_rtn, tot, report={"train": train})
 
     def streamed_step(self, fwd, module, stand, layer: Layer, write_group):
-        from .tuning import stream_step
-
         return stream_step(fwd.streamer, fwd, module, stand, layer, write_group)
 
     def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:

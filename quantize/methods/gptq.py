@@ -312,7 +312,8 @@ class GPTQ(Method):
     def streamed_step(self, fwd, module, stand, layer: Layer, write_group):
         from .streamed import gptq_step
 
-        results, ref, routed, e_rtn, tot, acc_q = gptq_step(self, fwd.streamer, fwd, module, stand, layer, write_group)
+        results, ref, routed, e_rtn, tot, acc_q = gptq_step(self, fwd.streamer, fwd, module, stand, layer, write_group,
+                                                            Hessians, shared_results)
         return Step(results, ref, routed, e_rtn, tot), acc_q
 
     def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:

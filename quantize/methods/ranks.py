@@ -21,7 +21,7 @@ import torch
 
 from ..distributed import follow
 from .tuning import tune_rank
-from .runner import open_streamer, rank_pass
+from .runner import _build, open_streamer, rank_pass
 
 
 def serve(src: Path, world):
@@ -30,7 +30,8 @@ def serve(src: Path, world):
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # as rank 0's pass: one torch thread per op, samples side by side
     def autoround(job):
-        tune_rank(world, streamer, job, world.device if str(job["options"].device).startswith("cuda") else "cpu")
+        device = world.device if str(job["options"].device).startswith("cuda") else "cpu"
+        tune_rank(world, streamer, _build(streamer, job["layer"], stream_experts=job["stream"]).to(device), job, device)
 
     try:
         return follow(world, {"pass": lambda job: rank_pass(src, job, world), "autoround": autoround})

@@ -179,7 +179,7 @@ def _tensors(us: list[Unit], res: dict[str, Result]) -> tuple[dict[str, torch.Te
     return tensors, how
 
 
-def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
+def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessians, shared_results):
     """GPTQ on a streamed layer (module docstring): the Linear units' results, the reference
     store, the routed token counts, the RTN error, the reference's squared norm, and the
     quantized layer's routed expert outputs (for ``Forward(..., stand=, replay=)``), as
@@ -190,9 +190,8 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group):
     ``fwd.world``): the captures run on each rank's samples, the Linear units' Hessians are
     combined on rank 0 (``gptq.shared_results``), and the routed experts are split in fixed
     contiguous ranges (``World.owned``), each rank GPTQ-ing its own from every rank's captures
-    (``_split_experts``)."""
-    from .gptq import Hessians, shared_results
-
+    (``_split_experts``). ``Hessians`` and ``shared_results``: the method's statistics hooks and
+    its update of the Linear units (``methods/gptq.py``, which calls this)."""
     opt, i = x.options, x.index
     world = fwd.world
     linear = [u for u in x.units if u.expert is None]

@@ -52,11 +52,92 @@ from .. import distributed
 from ..calibrate.experts import expert_bytes
 from ..errors import QuantizeError
 from ..formats import int4
-from .autoround import DIVERGED, SEED, Tuned
 from .base import Step
 from .forward import Context, call_layer, in_order
 from .streamed import Variant, _tensors, per_expert_bytes, run_groups, with_results
 from .units import Result, Unit, dequant, install, rtn
+
+
+V_RANGE = 0.5
+CLIP_RANGE = (0.5, 1.0)
+# a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
+DIVERGED = 100.0
+SEED = 20240
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    return x + (x.round() - x).detach()
+
+
+class Tuned:
+    """The trainable state of one layer parameter (an nn.Linear weight, or a fused [E, out, in])."""
+
+    def __init__(self, path: str, w0: torch.Tensor, group: int, fullrange: bool, scale_dtype: torch.dtype):
+        self.path, self.group, self.fullrange, self.sdt = path, group, fullrange, scale_dtype
+        *lead, out, k = w0.shape
+        self.shape = w0.shape
+        self.wg = w0.detach().to(torch.float32).reshape(*lead, out, k // group, group)
+        self.wmax = self.wg.amax(-1).clamp(min=0)
+        self.wmin = self.wg.amin(-1).clamp(max=0)
+        # the side RTN's signed extreme takes on a tie (the first element of largest magnitude)
+        ext = self.wg.gather(-1, self.wg.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        self.tie_hi = ext > 0
+        self.V = torch.zeros_like(self.wg, requires_grad=True)
+        self.a = torch.ones_like(self.wmax, requires_grad=True)
+        self.b = torch.ones_like(self.wmax, requires_grad=True)
+        self.mask = torch.ones(lead[0], dtype=torch.float32, device=w0.device) if lead else None  # per expert
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [self.V, self.a, self.b]
+
+    def _extreme(self):
+        hi, lo = self.wmax * self.a, self.wmin * self.b
+        if self.fullrange:
+            pick_hi = torch.where(hi > -lo, True, torch.where(hi < -lo, False, self.tie_hi))
+            return torch.where(pick_hi, hi, lo)
+        return torch.maximum(hi, -lo)
+
+    def _scale(self, e: torch.Tensor) -> torch.Tensor:
+        s = e / int4.QMIN if self.fullrange else e / int4.HALF_RANGE
+        return torch.where(s == 0, torch.full_like(s, torch.finfo(self.sdt).eps), s)
+
+    def fake(self) -> torch.Tensor:
+        s = self._scale(self._extreme()).unsqueeze(-1)
+        q = torch.clamp(_round_ste(self.wg / s + self.V), int4.QMIN, int4.QMAX)
+        return (q * s).reshape(self.shape)
+
+    def final(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int8 [..., out, in], scale [..., out, G] in the scale dtype): the bf16 scale of the
+        trained range, codes rounded as ``formats.int4`` rounds (quotient in the scale dtype)."""
+        with torch.no_grad():
+            e = self._extreme().to(self.sdt)
+            s = int4._fullrange_scale(e, self.sdt) if self.fullrange else int4._minmax_scale(e, self.sdt)
+            x = (self.wg / s.float().unsqueeze(-1)).to(self.sdt).float() + self.V
+            q = x.round().clamp(int4.QMIN, int4.QMAX).to(torch.int8)
+            return q.reshape(self.shape), s
+
+    def step(self, lr: float) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    continue
+                d = p.grad.sign()
+                if self.mask is not None:
+                    d = d * self.mask.view(-1, *([1] * (p.ndim - 1)))
+                p.sub_(lr * d)
+                p.grad = None
+            self.V.clamp_(-V_RANGE, V_RANGE)
+            self.a.clamp_(*CLIP_RANGE)
+            self.b.clamp_(*CLIP_RANGE)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def restore(self, snap: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, s in zip(self.params, snap):
+                p.copy_(s)
 
 
 def _add_grads(a: list, b: list) -> list:
@@ -606,17 +687,15 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
     return Step(results, ref, routed, e_rtn, tot, report={"train": report}), vq.acc
 
 
-def tune_rank(world, streamer, job: dict, device: str) -> None:
+def tune_rank(world, streamer, layer, job: dict, device: str) -> None:
     """A rank other than 0 of an AutoRound layer (``train`` sends ``job``): this rank's build of
     the layer (a MoE layer's dense part and this rank's routed experts), each step's phases for
-    its share of the batch, and its experts' results sent to rank 0."""
+    its share of the batch, and its experts' results sent to rank 0. ``layer``: this rank's build
+    of it on ``device`` (``runner._build(..., stream_experts=job["stream"])``)."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from .runner import _build
 
     i, opt = job["layer"], job["options"]
     streamer.expert_budget = job["budget"]
-    layer = _build(streamer, i, stream_experts=job["stream"]).to(device)
     stand = streamer.stand_in(layer) if job["stream"] else None
     ctx = Context(streamer, device)
     on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
