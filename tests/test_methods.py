@@ -646,9 +646,9 @@ def test_kld_table_of_several_candidates(outs, llama, tmp_path):
 def test_autoround_interrupted_resumes_byte_identical(llama, outs, tmp_path, monkeypatch):
     """AutoRound's targets come from the source model's own hidden states, carried beside the
     quantized path; a resumed run rebuilds both streams by replaying the recorded layers."""
-    from quantize.methods import tuning as A
+    from quantize.methods import autoround as A
 
-    real = A.train
+    real = A.train_layer
     calls = [0]
 
     def dies_in_layer_1(*a, **kw):
@@ -658,11 +658,11 @@ def test_autoround_interrupted_resumes_byte_identical(llama, outs, tmp_path, mon
         return real(*a, **kw)
 
     out = tmp_path / "o"
-    monkeypatch.setattr(A, "train", dies_in_layer_1)
+    monkeypatch.setattr(A, "train_layer", dies_in_layer_1)
     with pytest.raises(KeyboardInterrupt):
         convert(llama, out, profile="all-linear", method="autoround", iters=20, workers=2, **CAL)
     assert sorted(json.loads((out / ".quantize" / "job.json").read_text())["layers"]) == ["0000"]
-    monkeypatch.setattr(A, "train", real)
+    monkeypatch.setattr(A, "train_layer", real)
     convert(llama, out, profile="all-linear", method="autoround", iters=20, workers=1, resume=True, **CAL)
     assert weights_only(out) == weights_only(outs["autoround"])
 
