@@ -119,20 +119,33 @@ def groups(n_experts: int, size: int) -> list[range]:
     return [range(a, min(n_experts, a + size)) for a in range(0, n_experts, size)]
 
 
+def rows(index: torch.Tensor, e: int):
+    """Expert ``e``'s (token rows, top-k positions) as transformers' experts forward finds them
+    (``torch.where`` of its routing mask), or None when the router sent it nothing."""
+    mask = index == e  # [T, K]; transformers' expert_mask[e] is its transpose [K, T]
+    if not bool(mask.any()):
+        return None
+    top_k_pos, token_idx = torch.where(mask.t())
+    return token_idx, top_k_pos
+
+
+def ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn) -> torch.Tensor:
+    """One routed expert on rows ``x``, as transformers' eager experts forward computes it."""
+    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    return torch.nn.functional.linear(act_fn(gate) * up, down)
+
+
 def contributions(r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor, act_fn):
     """Per expert of ``experts`` (ascending; ``gate_up[j]``/``down[j]`` are expert ``experts[j]``)
     that the router sent tokens to: (those tokens' rows, the expert's weighted output for them),
     computed as transformers' eager experts forward computes them."""
     for j, e in enumerate(experts):
-        mask = r.index == e  # [T, K]; transformers' expert_mask[e] is its transpose [K, T]
-        if not bool(mask.any()):
+        found = rows(r.index, e)
+        if found is None:
             continue
-        top_k_pos, token_idx = torch.where(mask.t())
-        current = r.hidden[token_idx]
-        gate, up = torch.nn.functional.linear(current, gate_up[j]).chunk(2, dim=-1)
-        h = act_fn(gate) * up
-        h = torch.nn.functional.linear(h, down[j])
-        yield token_idx, h * r.weights[token_idx, top_k_pos, None]
+        token_idx, top_k_pos = found
+        out = ffn(r.hidden[token_idx], gate_up[j], down[j], act_fn)
+        yield token_idx, out * r.weights[token_idx, top_k_pos, None]
 
 
 def accumulate(out: torch.Tensor, r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor,

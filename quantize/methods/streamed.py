@@ -55,16 +55,16 @@ def _zeros_like(store: HiddenStore, budget, spill, name: str) -> HiddenStore:
 
 
 def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert: int, before_outputs=None,
-               within: range | None = None, groups: list[range] | None = None) -> None:
-    """The routed experts (those ``within``: this rank's; or in the given ``groups``) a group at a time: for each group,
-    ``before_outputs(group, gate_up, down)`` (a method's statistics and quantization of the
+               groups: list[range] | None = None) -> None:
+    """The routed experts (all of the layer's, or the given ``groups``) a group at a time: for each
+    group, ``before_outputs(group, gate_up, down)`` (a method's statistics and quantization of the
     group), then each variant's outputs accumulated into its ``acc`` (created here, one zero
     tensor per sample)."""
     dev = fwd.device
     for v in variants:
         v.acc = _zeros_like(v.captured.hidden, fwd.budget, fwd.spill, f"a{i}")
     if groups is None:
-        groups = streamer.expert_groups(per_expert, range(stand.num_experts) if within is None else within)
+        groups = streamer.expert_groups(per_expert, range(stand.num_experts))
     for g in groups:
         gate_up, down = streamer.expert_weights(i, g)
         gate_up, down = gate_up.to(dev), down.to(dev)
@@ -179,6 +179,13 @@ def _tensors(us: list[Unit], res: dict[str, Result]) -> tuple[dict[str, torch.Te
     return tensors, how
 
 
+def put_linear(layer, linear: list[Unit], originals: dict, res: dict | None, device) -> None:
+    """Install the Linear units of a streamed layer: ``res``'s results (``q * scale``), or the source
+    weights (``res`` None)."""
+    for u in linear:
+        install(layer, u, (originals[u.key] if res is None else dequant(res[u.key])).to(device))
+
+
 def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessians, shared_results):
     """GPTQ on a streamed layer (module docstring): the Linear units' results, the reference
     store, the routed token counts, the RTN error, the reference's squared norm, and the
@@ -206,8 +213,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
         hooks.remove()
 
     def put(res):
-        for u in linear:
-            install(layer, u, (x.originals[u.key] if res is None else dequant(res[u.key])).to(fwd.device))
+        put_linear(layer, linear, x.originals, res, fwd.device)
 
     put(x.rtn)
     cap_r = fwd.capture(layer, stand, x.hidden, x.topk, i)

@@ -13,7 +13,7 @@ weights rank 0 sends):
 A. **capture**: each share sample through the layer without gradients: what the router hands
    the experts (the hidden states, the top-k experts and their weights), sent to every rank;
 B. **experts forward** on the owners: per sample, per owned expert with tokens, transformers'
-   eager experts computation on exactly those tokens (``contributions``), with autograd on the
+   eager experts computation on exactly those tokens (``calibrate.experts.ffn``), with autograd on the
    expert's own quantized weights (one leaf per expert) and, when the layer has Linear units,
    on the expert's own copy of its input rows and routing weights; each expert's weighted
    output goes back to the sample's rank, which adds them per expert in ascending order into
@@ -26,7 +26,7 @@ D. **experts backward** on the owners: each expert's weight gradient for that sa
    expert gradient travels) and, with Linear units, its input rows' and routing weights'
    gradients, sent back to the sample's rank;
 E. **the rest of the backward** on the sample's rank: the input rows' gradients added per expert
-   in ascending order, the routing weights' put in place, and the layer's own graph run back
+   from the last to the first (autograd's order), the routing weights' put in place, and the layer's own graph run back
    from them and from the loss to the Linear units' leaves (summed in the shard tree, finished
    on rank 0, which steps them).
 
@@ -49,13 +49,13 @@ import math
 import torch
 
 from .. import distributed
-from ..calibrate.experts import expert_bytes
+from ..calibrate.experts import expert_bytes, ffn, rows
 from ..errors import QuantizeError
 from ..formats import int4
 from .base import Step
 from .forward import Context, call_layer, in_order
-from .streamed import Variant, _tensors, per_expert_bytes, run_groups, with_results
-from .units import Result, Unit, dequant, install, rtn
+from .streamed import Variant, _tensors, per_expert_bytes, put_linear, run_groups, with_results
+from .units import Result, Unit, dequant, rtn
 
 
 V_RANGE = 0.5
@@ -154,12 +154,6 @@ def _set_param(layer, path: str, p: torch.nn.Parameter) -> None:
     setattr(layer.get_submodule(mod) if mod else layer, name, p)
 
 
-def _ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn) -> torch.Tensor:
-    """One routed expert on rows ``x``, as transformers' eager experts forward computes it."""
-    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
-    return torch.nn.functional.linear(act_fn(gate) * up, down)
-
-
 class Owned:
     """This rank's routed experts of one layer: per fused parameter (``gate_up_proj``,
     ``down_proj``) the ``Tuned`` state of the owned range, the experts that train, and each
@@ -243,16 +237,6 @@ class Owned:
         return out
 
 
-def _rows(index: torch.Tensor, e: int):
-    """Expert ``e``'s (token rows, top-k positions) as transformers' experts forward finds them
-    (``torch.where`` of its routing mask, [K, T]), or None when the router sent it nothing."""
-    mask = index == e
-    if not bool(mask.any()):
-        return None
-    top_k_pos, token_idx = torch.where(mask.t())
-    return token_idx, top_k_pos
-
-
 def _to_each(world, items: list, n: int, what: str):
     """``items`` (one per batch position of ``n``) sent to the rank computing each position
     (``samples_of``): on this rank, every rank's items for its own positions, in rank order."""
@@ -320,18 +304,18 @@ class Tuning:
         kept, extra = [], []
         for e in self.own.range:
             gu, dn = self.own.weights(e)
-            rows = _rows(index, e)
-            if rows is not None:
-                token_idx, pos = rows
+            found = rows(index, e)
+            if found is not None:
+                token_idx, pos = found
                 x = hidden[token_idx].detach().requires_grad_(self.grad_in)
                 w = weights[token_idx, pos].detach().requires_grad_(self.grad_in)
-                kept.append((e, token_idx, pos, x, w, _ffn(x, gu, dn, self.stand.act_fn) * w[:, None]))
+                kept.append((e, token_idx, pos, x, w, ffn(x, gu, dn, self.stand.act_fn) * w[:, None]))
             if self.opt.all_experts and e in self.own.trained_all:
                 j = e - self.own.range.start
                 with torch.no_grad():
-                    ref = _ffn(hidden, self.own.source_weight("gate_up_proj", j),
+                    ref = ffn(hidden, self.own.source_weight("gate_up_proj", j),
                                self.own.source_weight("down_proj", j), self.stand.act_fn)
-                extra.append((e, (_ffn(hidden, gu, dn, self.stand.act_fn) - ref).pow(2).sum()))
+                extra.append((e, (ffn(hidden, gu, dn, self.stand.act_fn) - ref).pow(2).sum()))
         return kept, extra
 
     # -- C: the layer with gradients, the experts' output as a leaf --------------------------
@@ -647,8 +631,7 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
     by_expert = _by_expert(x.units)
 
     def put(res):
-        for u in linear:
-            install(layer, u, (x.originals[u.key] if res is None else dequant(res[u.key])).to(fwd.device))
+        put_linear(layer, linear, x.originals, res, fwd.device)
 
     ref = x.targets
     put(x.rtn)
