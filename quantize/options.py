@@ -938,6 +938,12 @@ class EvalOptions(Options):
         "generation tasks (GSM8K, MMLU-Pro) through the model's chat template (served: the chat-completions "
         "endpoint); log-likelihood tasks (ARC, MMLU) keep the task's own prompts, which a chat server cannot score",
     )
+    thinking: str | None = opt(
+        None,
+        "--chat with a reasoning model (its chat template has a thinking switch, GLM-5.x, Kimi K2.x): off (the "
+        "default there) or on (needs --max-gen-toks 1024 or more; the engine gets its reasoning parser)",
+        choices=("off", "on"),
+    )
     device: str = opt("cpu", "where local models run: cpu or cuda")
     batch_size: int = opt(1, "lm-eval batch size", cli=False, check=lambda v: v >= 1, why="must be at least 1")
     resamples: int = opt(

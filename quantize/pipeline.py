@@ -19,7 +19,7 @@ The recipe is an llm-compressor recipe (``quant_stage`` / ``QuantizationModifier
                 min_expert_tokens, memory_budget_gib}   # method gptq/autoround calibrates on `data`
       kv: {target: sglang, fold: false, samples: 512, seq_len: 2048}
       shard: {tp: 8}
-      eval: {device: cpu, max_gen_toks: null, chat: false, if_no_data: fail}
+      eval: {device: cpu, max_gen_toks: null, chat: false, thinking: null, if_no_data: fail}
       push: {dry_run: true, private: false}
       pd: {prefill_tp: 8, decode_tp: 8, transfer_backend: mooncake, ...}   # the prefill/decode pair
 
@@ -77,7 +77,8 @@ SECTIONS = {
     "shard": O.recipe_section(O.ShardOptions),
     # serve / tp / kv_cache_dtype / serve_args / serve_timeout_s: the stage launches that engine on the source
     # and on the model in turn (docs/served-eval.md), as `quantize eval --serve` does
-    "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device", "chat", *SERVE_KEYS)), O.EvalStageOptions),
+    "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device", "chat", "thinking", *SERVE_KEYS)),
+                             O.EvalStageOptions),
     "push": O.recipe_section(O.PushOptions, defaults={"dry_run": True}),
     "pd": O.recipe_section(O.PDOptions, O.PrefillOptions),
     # the prefill pool's own weights (the convert-prefill stage): FP8 block from the source, e.g. Kimi
@@ -602,6 +603,7 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
         max_gen_toks=o["eval"]["max_gen_toks"],
         device=o["eval"]["device"],
         chat=o["eval"]["chat"],
+        thinking=o["eval"]["thinking"],
         serve_log=p.out / "reports" / "engine-logs" if o["eval"]["serve"] else None,
         **{k: o["eval"][k] for k in SERVE_KEYS},
     )

@@ -13,7 +13,8 @@
 # Environment: MODELS (default /models) holds the downloads; OUT (default ./proof) the results;
 # SGLANG_PYTHON the python of a venv with sglang>=0.5.23 (default: python3); DATA an eval data folder
 # in the layout of docs/evaluation.md#local-data (default: the Hub); LIMIT documents per task (default:
-# all; under 100 the card marks a task as a smoke test and keeps it out of the model-index).
+# all; under 100 the card marks a task as a smoke test and keeps it out of the model-index); THINKING off
+# or on (below).
 set -euo pipefail
 which=${1:?usage: $0 glm|kimi}
 MODELS=${MODELS:-/models}
@@ -25,6 +26,10 @@ data=()
 [ -n "${DATA:-}" ] && data=(--data-dir "$DATA")
 limit=()
 [ -n "${LIMIT:-}" ] && limit=(--limit "$LIMIT")
+# GLM-5.x and Kimi K2.x reason before answering: THINKING=off (default) sets their template's switch off on
+# both models; THINKING=on keeps the trace (SGLang's reasoning parser splits it off) and needs a long cap
+think=(--thinking "${THINKING:-off}")
+[ "${THINKING:-off}" = on ] && think+=(--max-gen-toks "${MAX_GEN_TOKS:-8192}")
 serve=(--serve sglang --engine-python "$PY" --tp 8 --kv-cache-dtype fp8_e4m3 --serve-log "$OUT/logs")
 
 case "$which" in
@@ -58,7 +63,7 @@ quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --device cuda --nproc 8
 quantize eval-kld --baseline "$base" --candidate "$cand" "${serve[@]}" --top-k 100 --tokens 8192 --out "$OUT/kld.json" \
   --save-baseline "$OUT/kld-baseline.safetensors"   # the next candidate: --baseline-logits, the baseline not served again
 # --chat: GSM8K and MMLU-Pro through the chat template (chat-completions), ARC and MMLU as written
-quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" --chat --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
+quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" --chat "${think[@]}" --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
   --out "$OUT/eval.json" --markdown "$OUT/eval.md" --save-baseline "$OUT/eval-baseline.json"
 quantize card "$cand" --eval "$OUT/eval.json" --eval "$OUT/kld.json" --eval "$OUT/check.json" --eval "$OUT/kv.json" \
   --base-model "$repo"

@@ -39,7 +39,9 @@ def _handler(model, tok, name: str, on_request=None):
                 return self._send(404, {"error": "not found"})
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if on_request is not None:
-                on_request(req)
+                answer = on_request(req)
+                if answer is not None:  # (status, body): the stand-in answers that instead
+                    return self._send(*answer)
             prompts = req["prompt"]
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
                 prompts = [prompts]

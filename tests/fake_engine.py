@@ -5,6 +5,8 @@ demand (tests/test_serve.py): started as ``python -m vllm.entrypoints.openai.api
 - ``ok``: serves MODEL as tests/completions_server.py does (with /health);
 - ``fail``: prints a few log lines and exits with status 1 before answering;
 - ``never``: alive but never healthy (a child ``sleep`` beside it, in its process group);
+- ``broken``: healthy, then on each completion request logs an engine's fatal error (its
+  traceback's last line) and answers 500, alive, as vLLM's API server does once its engine core died;
 - ``die``: healthy, then kills itself (SIGKILL) on the first completion request, leaving a child
   ``sleep`` that only a kill of the whole process group stops.
 """
@@ -39,7 +41,15 @@ def main(argv: list[str]) -> int:
         print("fake engine: dying", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    serve_forever(model, host, port, on_request=die if mode == "die" else None)
+    def broken(req):
+        print("(EngineCore pid=1) ERROR [core.py:1512] Traceback (most recent call last):", flush=True)
+        print("(EngineCore pid=1) ERROR [core.py:1512] NotImplementedError: \"cpu_gemm_wna16\" not implemented "
+              "for 'Float'", flush=True)
+        print('INFO:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error', flush=True)
+        return 500, {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root "
+                                          "cause.", "type": "InternalServerError", "code": 500}}
+
+    serve_forever(model, host, port, on_request={"die": die, "broken": broken}.get(mode))
     return 0
 
 

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -288,7 +289,7 @@ def test_chat_templates_the_generation_tasks_and_keeps_the_log_likelihood_ones(m
     calls = []
     real = run._lm_eval
     monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a: calls.append(
-        (path, sorted(c["task"] for c in cs), a[-1])) or real(path, cs, *a))
+        (path, sorted(c["task"] for c in cs), a[4])) or real(path, cs, *a))
     rep = evaluate(base, bare, tasks="arc_easy", limit=2, data_dir=data, chat=True, resamples=100)
     assert rep.tasks[0].n == 2 and calls == [(str(base), ["arc_easy"], False), (str(bare), ["arc_easy"], False)]
     calls.clear()
@@ -299,3 +300,66 @@ def test_chat_templates_the_generation_tasks_and_keeps_the_log_likelihood_ones(m
     assert rep.measured["candidate"]["prompts"] == run.CHAT_PROMPTS[False]
     with pytest.raises(QuantizeError, match=r"127\.0\.0\.1:9: server not reachable"):  # served: the same checks
         evaluate(base, cand, tasks="gsm8k,arc_easy", limit=1, data_dir=data, chat=True, base_url="http://127.0.0.1:9")
+
+
+def _switched(folder: Path, dst: Path, var: str = "enable_thinking") -> Path:
+    """A copy of a model folder (weights linked) whose chat template has a thinking switch: set
+    False, it prefills an empty trace after the assistant's tag, as GLM's templates do."""
+    import shutil
+
+    dst.mkdir(parents=True)
+    for f in Path(folder).iterdir():
+        if f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f.resolve())
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    (dst / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+        f"{{% if {var} is defined and not {var} %}}<think></think>{{% endif %}}")
+    return dst
+
+
+def test_a_thinking_switch_is_set_alike_on_both_models_and_on_needs_room(models, tmp_path, monkeypatch):
+    """A reasoning model's template (a thinking switch) under --chat: off by default, rendered with
+    the switch False for both models (the prefilled empty trace is in every GSM8K prompt), said in the
+    report and part of a saved baseline's identity; on, lm-eval cuts at </think>; refused: on with a
+    cap that cuts a trace (1023 tokens, the near miss of 1024), without --chat, on a template without
+    a switch, and two models whose templates switch differently."""
+    import lm_eval
+
+    import quantize.evaluate.run as run
+
+    base, cand = models
+    b, c = _switched(base, tmp_path / "b"), _switched(cand, tmp_path / "c")
+    data = _data(tmp_path)
+    seen, got = [], []
+    real = lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: seen.append(kw) or got.append(real(**kw)) or got[-1])
+    kw = dict(tasks="gsm8k", limit=1, data_dir=data, chat=True, resamples=100)
+    rep = evaluate(b, c, max_gen_toks=1024, save_baseline=tmp_path / "base.json", **kw)
+    assert [s["model_args"]["chat_template_args"] for s in seen] == [{"enable_thinking": False}] * 2
+    assert all("think_end_token" not in s["model_args"] and s["gen_kwargs"] is None for s in seen)
+    prompts = [json.dumps(x["arguments"]) for r in got for x in r["samples"]["gsm8k"]]
+    assert len(prompts) == 4 and all(p.count("<|assistant|><think></think>") == 1 for p in prompts)  # 2 filters x 2
+    m = rep.measured["candidate"]
+    assert m["thinking"]["mode"] == "off" and m["prompts"].endswith("; thinking off (the template's "
+                                                                   "enable_thinking=False)")
+    with pytest.raises(QuantizeError, match=r"made for another --thinking than this run"):
+        evaluate(b, c, max_gen_toks=1024, thinking="on", baseline_results=tmp_path / "base.json", **kw)
+    seen.clear()
+    rep = evaluate(b, c, max_gen_toks=1024, thinking="on", **kw)
+    assert [(s["model_args"]["chat_template_args"], s["model_args"]["think_end_token"]) for s in seen] == [
+        ({"enable_thinking": True}, "</think>")] * 2
+    assert rep.measured["baseline"]["thinking"]["trace"] == "cut at </think> by lm-eval"
+    for bad, match in [(dict(thinking="on", max_gen_toks=1023), r"--thinking on: --max-gen-toks 1023 cuts a reasoning"),
+                       (dict(thinking="on"), r"--thinking on: the task's own cap \(GSM8K: 256\) cuts"),
+                       (dict(thinking="off", chat=False), r"--thinking off: a chat template's switch, so it needs --chat")]:
+        with pytest.raises(QuantizeError, match=match):
+            evaluate(b, c, **{**kw, **bad})
+    with pytest.raises(QuantizeError, match=r"--thinking off: \S+'s chat template has no thinking switch"):
+        evaluate(base, cand, thinking="off", **kw)
+    k = _switched(cand, tmp_path / "k", var="thinking")
+    with pytest.raises(QuantizeError, match=r"/b's chat template switches thinking with enable_thinking, .*/k's with "
+                                            r"thinking; both models need the same template"):
+        evaluate(b, k, **kw)
+    assert len(seen) == 2  # every refusal before lm-eval ran

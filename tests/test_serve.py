@@ -119,6 +119,54 @@ def test_a_server_killed_mid_run_is_one_line_and_leaves_no_process(models, tmp_p
     assert kids and not any(_alive(k) for k in kids)
 
 
+def test_an_engine_that_answers_500_is_named_by_its_logged_cause_not_a_limit(models, tmp_path, monkeypatch):
+    """vLLM's API server stays up after its engine core died and answers 500: the one line quotes the
+    root cause from the log (seen with vLLM CPU 0.32.0: INT4 weights served in fp32), not the advice to
+    lower --top-k that a refused request (4xx) gets, for eval-kld and for lm-eval's tasks alike."""
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "broken")
+    py, logs = _fake_python(tmp_path), tmp_path / "logs"
+    with pytest.raises(QuantizeError) as e:
+        kld_table(base, [cand], tokens=16, chunk=8, serve="vllm", engine_python=py, serve_log=logs)
+    msg = str(e.value)
+    assert "\n" not in msg and "the engine failed on a prompt of 9 tokens (500 from http://127.0.0.1:" in msg
+    assert "NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'" in msg and "--top-k" not in msg
+    with pytest.raises(QuantizeError) as e:
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), serve="vllm", engine_python=py,
+                 serve_log=logs)
+    msg = str(e.value)
+    assert "\n" not in msg and "the server's log says: NotImplementedError: \"cpu_gemm_wna16\"" in msg
+    assert not any(_listening(int(p.stem.rsplit("-", 1)[1])) for p in logs.glob("vllm-*.log"))
+
+
+def test_thinking_on_launches_the_engine_with_the_familys_reasoning_parser(models, tiny, tmp_path, monkeypatch):
+    """--chat --thinking on: the engine gets the registry's reasoning parser for the model's family
+    (here a Qwen3 config), once, and not when --serve-args names one or thinking is off; the families
+    this tool is for have theirs in both engines."""
+    from quantize.evaluate.thinking import parser_of
+
+    from .test_eval import _switched
+
+    base, cand = models
+    b, c = _switched(base, tmp_path / "b"), _switched(cand, tmp_path / "c")
+    for f in (b, c):
+        cfg = json.loads((f / "config.json").read_text())
+        (f / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "fail")  # the launch line is in the one line's log tail
+    kw = dict(tasks="gsm8k", limit=1, data_dir=_data(tmp_path), chat=True, max_gen_toks=1024, serve="vllm",
+              engine_python=_fake_python(tmp_path), serve_log=tmp_path / "logs")
+    for extra, want in (({"thinking": "on"}, "--reasoning-parser qwen3"),
+                        ({"thinking": "on", "serve_args": "--reasoning-parser=deepseek_r1"}, "--reasoning-parser="),
+                        ({}, None)):
+        with pytest.raises(QuantizeError, match="exited with status 1 before it answered") as e:
+            evaluate(b, c, **kw, **extra)
+        assert str(e.value).count("--reasoning-parser") == (1 if want else 0) and (want or "") in str(e.value)
+    s = sv.Served("vllm", b, python=_fake_python(tmp_path), reasoning_parser="qwen3", extra_args="--reasoning-parser x")
+    assert s.reasoning_parser == "x" and s.launch_line().count("--reasoning-parser") == 1
+    assert (parser_of(tiny("glm_moe_dsa"), "sglang"), parser_of(tiny("kimi_k25"), "sglang"),
+            parser_of(tiny("kimi_k25"), "vllm"), parser_of(Path(base), "vllm")) == ("glm45", "kimi_k2", "kimi_k2", None)
+
+
 def test_engine_missing_old_or_port_taken_is_refused_before_a_launch(models, tmp_path, monkeypatch):
     base, cand = models
     kw = dict(tasks="arc_easy", limit=1, data_dir=_data(tmp_path))

@@ -34,6 +34,7 @@ register(Architecture(
     hf={"module": "glm_moe_dsa", "prefix": "GlmMoeDsa", "mask_kwargs": {"allow_is_causal_skip": False}, "topk": True,
         "experts": "mlp.experts"},
     expected=partial(mla_expected, dsa=True, mtp_embed=False),
+    reasoning_parsers={"glm_moe_dsa": {"sglang": "glm45", "vllm": "glm45"}},
     notes="GLM-5.x: MLA + DSA indexer, dense first layers, MTP layer at num_hidden_layers",
 ))
 
@@ -48,6 +49,8 @@ register(Architecture(
     attention="mla",
     hf={"module": "deepseek_v3", "prefix": "DeepseekV3", "experts": "mlp.experts"},
     expected=partial(mla_expected, dsa=False, mtp_embed=True),
+    reasoning_parsers={"deepseek_v3": {"sglang": "deepseek-v3", "vllm": "deepseek_v3"},
+                       "kimi_k2": {"sglang": "kimi_k2", "vllm": "kimi_k2"}},
     notes="DeepSeek-V3 / Kimi K2: MLA, MTP layer at num_hidden_layers",
 ))
 
@@ -63,6 +66,8 @@ register(Architecture(
     attention="mla",
     hf={"module": "deepseek_v3", "prefix": "DeepseekV3", "experts": "mlp.experts"},
     expected=partial(mla_expected, dsa=False, mtp_embed=True, prefix="language_model."),
+    reasoning_parsers={"kimi_k25": {"sglang": "kimi_k2", "vllm": "kimi_k2"},
+                       "kimi_k2": {"sglang": "kimi_k2", "vllm": "kimi_k2"}},
     notes="Kimi K2.5/K2.6: deepseek_v3 text model under language_model., vision tower",
 ))
 
@@ -78,6 +83,7 @@ register(Architecture(
     hf={"module": "llama", "prefix": "Llama",
         "by_model_type": {"qwen2": ("qwen2", "Qwen2"), "qwen3": ("qwen3", "Qwen3"), "mistral": ("mistral", "Mistral")}},
     expected=gqa_expected,
+    reasoning_parsers={"qwen3": {"sglang": "qwen3", "vllm": "qwen3"}},
     notes="dense GQA decoders (Llama, Qwen2/3, Mistral)",
 ))
 

@@ -134,6 +134,10 @@ class Architecture:
     #  "experts": the routed experts module in a decoder layer (fused gate_up_proj / down_proj),
     #  streamed a group of experts at a time (calibrate/experts.py)}
     hf: dict = field(default_factory=dict)
+    # a reasoning model's parser in each engine, by its text config's model_type: {model_type: {engine:
+    # --reasoning-parser name}} (SGLang 0.5.23 sglang/srt/parser/reasoning_parser_names.py, vLLM 0.32.0
+    # vllm/reasoning/__init__.py); `eval --chat --thinking on` launches the engine with it
+    reasoning_parsers: dict = field(default_factory=dict)
     # tensors from config alone: cfg(text) -> [(name, shape, role)]
     expected: Callable[[dict], list[tuple[str, tuple[int, ...], str]]] | None = None
     notes: str = ""
@@ -146,6 +150,12 @@ class Architecture:
         """(transformers module, class-name prefix) of this text config's layer classes."""
         by_type = self.hf.get("by_model_type", {})
         return by_type.get(text.get("model_type")) or (self.hf["module"], self.hf["prefix"])
+
+    def reasoning_parser(self, cfg: dict, engine: str) -> str | None:
+        """The engine's ``--reasoning-parser`` for this config's model, or None where none is known."""
+        by_type = self.reasoning_parsers.get(self.text_config(cfg).get("model_type")) or self.reasoning_parsers.get(
+            cfg.get("model_type")) or {}
+        return by_type.get(engine)
 
     def text_config(self, cfg: dict) -> dict:
         if self.text_config_key:

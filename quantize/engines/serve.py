@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -35,6 +36,8 @@ HOST = "127.0.0.1"
 GRACE_S = 15.0  # SIGTERM, then this long before SIGKILL
 LOG_TAIL = 6  # log lines in a failure's one line
 POLL_S = 0.5
+# an exception's line in an engine's log, after its own prefix ("(EngineCore pid=1) ERROR ... [core.py:1] ")
+_EXCEPTION = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception|Exit): ")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class Engine:
     env_python: str  # the environment variable naming its interpreter
     env: dict = field(default_factory=dict)  # set for the server unless already set
     logprobs_flag: str | None = None  # the server's cap on log-probs per position, raised for eval-kld's --top-k
+    # splits a reasoning model's trace from its answer (`eval --chat --thinking on`): SGLang
+    # sglang/srt/server_args.py (0.5.23), vLLM vllm/engine/arg_utils.py (0.32.0)
+    reasoning_flag: str = "--reasoning-parser"
 
     def line(self, python: str, model: str, port: int, tp: int, kv_cache_dtype: str | None,
              extra: tuple[str, ...] = ()) -> list[str]:
@@ -161,13 +167,23 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return e.code, b""
 
 
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value ``args`` give ``flag`` (``--flag V`` or ``--flag=V``), or None."""
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+        if a == flag:
+            return args[i + 1] if i + 1 < len(args) else None
+    return None
+
+
 class Served:
     """One engine serving one model folder, for the length of a ``with`` block."""
 
     def __init__(self, engine: str, model: str | os.PathLike, *, python: str | os.PathLike | None = None,
                  tp: int = 1, kv_cache_dtype: str | None = None, extra_args: str = "", port: int | None = None,
                  timeout_s: float = 900.0, log_dir: str | os.PathLike | None = None, role: str = "model",
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, reasoning_parser: str | None = None):
         self.engine = engine_of(engine)
         self.model = Path(model).resolve()
         self.python = python_of(self.engine, python)
@@ -176,6 +192,10 @@ class Served:
         flag = self.engine.logprobs_flag
         if logprobs and flag and not any(a == flag or a.startswith(flag + "=") for a in self.extra):
             self.extra += (flag, str(logprobs))  # eval-kld's --top-k, unless --serve-args set the cap
+        self.reasoning_parser = _flag_value(self.extra, self.engine.reasoning_flag)
+        if reasoning_parser and self.reasoning_parser is None:  # --thinking on, unless --serve-args named one
+            self.extra += (self.engine.reasoning_flag, reasoning_parser)
+            self.reasoning_parser = reasoning_parser
         if port is not None:
             check_port(port)
         self.port = port
@@ -201,7 +221,8 @@ class Served:
         return {"engine": self.engine.name, "version": self.version, "launch": self.launch_line(),
                 "model": str(self.model), "served_name": self.served_name, "tp": self.tp,
                 "kv_cache_dtype": self.kv_cache_dtype, "startup_s": round(self.startup_s, 1),
-                "log": str(self.log) if self.log else None}
+                "log": str(self.log) if self.log else None,
+                **({"reasoning_parser": self.reasoning_parser} if self.reasoning_parser else {})}
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -276,6 +297,19 @@ class Served:
         except (OSError, AttributeError):
             return "no log"
         return " | ".join(x[:240] for x in lines[-n:]) or "the log is empty"
+
+    def cause(self) -> str:
+        """The log's last line that names an exception (``NotImplementedError: ...``, the root cause an
+        engine prints before it answers 500), else its last lines (``tail``)."""
+        try:
+            lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+        except (OSError, AttributeError):
+            return "no log"
+        for x in reversed(lines):
+            m = _EXCEPTION.search(x)
+            if m:
+                return x[m.start():][:300]
+        return self.tail()
 
     def died(self) -> QuantizeError | None:
         """The one line for a server that is no longer running (None while it runs)."""
@@ -354,7 +388,7 @@ def run_served(served: Served, fn):
             raise served.died() from None
         raise QuantizeError(f"--serve {served.engine.name}: evaluating through {served.url} failed "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                            f"the server's log: {served.log}") from e
+                            f"the server's log says: {served.cause()} (log: {served.log})") from e
     finally:
         with lock:
             done.set()

@@ -112,7 +112,7 @@ def served_model(url: str, timeout: float = 10.0) -> str:
 
 
 def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int,
-               base_url: str | None = None, chat: bool = False) -> dict:
+               base_url: str | None = None, chat: bool = False, think=None) -> dict:
     """One model's lm-eval results (``samples`` per task). ``chat``: the generation tasks through
     the model's chat template, the log-likelihood ones as the task writes them (``CHAT_PROMPTS``):
     two lm-eval runs on the same model or server, their samples together."""
@@ -124,13 +124,16 @@ def _run_model(path: str, configs: list, limit: int | None, device: str, batch_s
 
     gen = [c for c in configs if output_type(c) == "generate_until"]
     rest = [c for c in configs if output_type(c) != "generate_until"]
-    runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ) for cs, templ in ((gen, True), (rest, False))
-            if cs]
+    runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ, think if templ else None)
+            for cs, templ in ((gen, True), (rest, False)) if cs]
     return {"samples": {t: s for r in runs for t, s in r["samples"].items()}}
 
 
 def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_size: int, base_url: str | None,
-             chat: bool) -> dict:
+             chat: bool, think=None) -> dict:
+    """``think`` (``evaluate/thinking.py``, chat only): the template's thinking switch, set for a local
+    model through lm-eval's ``chat_template_args``, for a server as each request's
+    ``chat_template_kwargs``; on, lm-eval keeps the text after the trace's end."""
     import lm_eval
 
     if base_url and chat:  # the server applies the model's chat template (lm-eval's chat backend: messages)
@@ -144,11 +147,21 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
                                              "tokenized_requests": True, "num_concurrent": 1, "max_retries": 2}
     else:
         model, args = "hf", {"pretrained": str(path), "dtype": "float32"}
+    gen_kwargs = None
+    if think is not None:
+        from .thinking import THINK_END
+
+        if base_url:
+            gen_kwargs = {"chat_template_kwargs": think.template_kwargs()}
+        else:
+            args["chat_template_args"] = think.template_kwargs()
+        if think.on:
+            args["think_end_token"] = THINK_END
     try:
         # our TaskManager (built once per process): lm-eval's own would walk every task YAML again, each call
         return lm_eval.simple_evaluate(model=model, model_args=args, tasks=configs, task_manager=_task_manager(),
                                        limit=limit, log_samples=True, batch_size=batch_size, device=device,
-                                       apply_chat_template=chat,
+                                       apply_chat_template=chat, gen_kwargs=gen_kwargs,
                                        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     except QuantizeError:
         raise
@@ -198,9 +211,10 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 
 
 @takes(EvalOptions)
-def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, chat, device,
-             batch_size, resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype, serve_args,
-             serve_port, serve_timeout_s, serve_log, verbose, save_baseline, baseline_results) -> EvalReport:
+def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, chat, thinking,
+             device, batch_size, resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype,
+             serve_args, serve_port, serve_timeout_s, serve_log, verbose, save_baseline, baseline_results
+             ) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
@@ -242,12 +256,18 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if not names:
         raise QuantizeError(f"--tasks {tasks!r}: names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}")
     configs, groups = task_configs(names, data_dir, max_gen_toks)
+    from .tasks import output_type
+    from .thinking import resolve as thinking_of
+
+    if chat:
+        _check_chat(configs, [baseline, candidate])
+    # a reasoning model's thinking switch, set alike on both sides (evaluate/thinking.py)
+    think = thinking_of(thinking, chat, any(output_type(c) == "generate_until" for c in configs),
+                        [baseline, candidate], max_gen_toks)
     # a saved baseline's identity (every data file hashed): only where one is written or read
-    ident = (_baseline_identity(baseline, names, limit, max_gen_toks, configs, chat)
+    ident = (_baseline_identity(baseline, names, limit, max_gen_toks, configs, chat, think)
              if save_baseline is not None or baseline_results is not None else None)
     saved = _saved_baseline(baseline_results, ident) if baseline_results is not None else None
-    if chat:
-        _check_chat(configs, [p for p, run in ((baseline, saved is None), (candidate, True)) if run])
     for url in (base_url, baseline_url if saved is None else None):
         if url:
             served_model(url)  # fail fast, before the baseline run
@@ -259,7 +279,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
             rb, rc, measured = _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url,
                                      serve, dict(python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype,
                                                  extra_args=serve_args, port=serve_port, timeout_s=serve_timeout_s,
-                                                 log_dir=serve_log), saved, chat)
+                                                 log_dir=serve_log), saved, chat, think)
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
@@ -281,7 +301,8 @@ def _kept_samples(res: dict) -> dict:
     return {t: [{k: s[k] for k in SAMPLE_KEYS if k in s} for s in samples] for t, samples in res["samples"].items()}
 
 
-def _baseline_identity(baseline, names: list[str], limit, max_gen_toks, configs: list, chat: bool = False) -> dict:
+def _baseline_identity(baseline, names: list[str], limit, max_gen_toks, configs: list, chat: bool = False,
+                       think=None) -> dict:
     """What a saved baseline's results depend on: the baseline model (config, weights' headers,
     tokenizer: ``kld.model_identity``), the tasks, limit and generation cap, and the data files
     (each one's SHA-256; the Hub's dataset names when read from the Hub)."""
@@ -297,7 +318,7 @@ def _baseline_identity(baseline, names: list[str], limit, max_gen_toks, configs:
         else:
             data[str(c)] = "hub"
     return {"model": model_identity(Path(baseline)), "tasks": names, "limit": limit, "max_gen_toks": max_gen_toks,
-            "data": data, "chat": chat}
+            "data": data, "chat": chat, "thinking": think.mode if think else None}
 
 
 def _saved_baseline(path, ident: dict) -> dict:
@@ -310,7 +331,8 @@ def _saved_baseline(path, ident: dict) -> dict:
     have = doc.get("identity") if isinstance(doc.get("identity"), dict) else {}
     for key, what in (("model", "another baseline model (config, weights or tokenizer)"), ("tasks", "other tasks"),
                       ("limit", "another --limit"), ("max_gen_toks", "another --max-gen-toks"),
-                      ("data", "other evaluation data"), ("chat", "other prompts (--chat or not)")):
+                      ("data", "other evaluation data"), ("chat", "other prompts (--chat or not)"),
+                      ("thinking", "another --thinking")):
         if have.get(key, False if key == "chat" else None) != ident[key]:
             raise QuantizeError(f"--baseline-results {path}: made for {what} than this run; rerun with the same "
                                 f"options, or save the baseline again (--save-baseline)")
@@ -321,7 +343,7 @@ def _saved_baseline(path, ident: dict) -> dict:
 
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
-          saved: dict | None = None, chat: bool = False):
+          saved: dict | None = None, chat: bool = False, think=None):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine),
     and where each was measured; ``saved``: the baseline's, read from a --save-baseline file."""
     measured: dict = {}
@@ -333,17 +355,29 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
             continue
         how = {"prompts": CHAT_PROMPTS[bool(serve or url)]} if chat else {}
         if serve is None:
-            runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat))
+            runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat, think))
             measured[role] = {"engine": "server", "url": url} if url else {"engine": "transformers", "device": device}
             measured[role].update(how)
+            if think:
+                _thinking(measured[role], think.record(served=bool(url)))
             continue
         from ..engines.serve import Served, run_served
+        from .thinking import parser_of
 
-        with Served(serve, path, role=role, **srv) as s:
+        parser = parser_of(Path(path), serve) if think and think.on else None
+        with Served(serve, path, role=role, reasoning_parser=parser, **srv) as s:
             runs.append(run_served(s, lambda s, path=path: _run_model(str(path), configs, limit, device, batch_size,
-                                                                       s.url, chat)))
+                                                                       s.url, chat, think)))
             measured[role] = {**s.record(), **how}
+            if think:
+                _thinking(measured[role], think.record(s.reasoning_parser, served=True))
     return runs[0], runs[1], measured
+
+
+def _thinking(where: dict, rec: dict) -> None:
+    """A model's thinking setting in its record, and said in its prompts (what the card shows)."""
+    where["thinking"] = rec
+    where["prompts"] = f"{where['prompts']}; {rec['said']}"
 
 
 def _check_chat(configs: list, folders: list) -> None:

@@ -84,6 +84,10 @@ def prompt_logprobs(served, ids: list[int], k: int, timeout: float = 600.0) -> l
             resp = json.loads(r.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:300]
+        if e.code >= 500:  # the engine failed (vLLM: EngineDeadError), not a limit: its log names the cause
+            raise QuantizeError(f"--serve {served.engine.name}: the engine failed on a prompt of {len(ids)} tokens "
+                                f"({e.code} from {served.url}{api.path}): {served.cause()} (log: {served.log})"
+                                ) from None
         raise QuantizeError(f"--serve {served.engine.name}: {served.url}{api.path} refused a prompt of {len(ids)} "
                             f"tokens with top-{k} log-probs ({e.code}: {' '.join(detail.split())}); lower --top-k "
                             f"or --chunk, or raise the engine's limit with --serve-args") from None
