@@ -502,8 +502,8 @@ def _required(name: str, value) -> None:
 @command(O.EvalOptions, "eval", json_help="print the report as JSON")
 def eval_cmd(json_out: bool, **options):
     """Baseline against candidate: lm-eval tasks on the same items with paired 95% CIs and a gate:
-    exit 1 when a task fails it. (KL divergence: `quantize eval-kld`; the prefill/decode pair:
-    `quantize eval-pd`.)"""
+    exit 1 when a task fails it; --kld-out adds KL divergence from the same runs (several candidates:
+    `quantize eval-kld`; the prefill/decode pair: `quantize eval-pd`.)"""
     from .evaluate.run import evaluate
 
     _required("baseline", options["baseline"])
@@ -532,7 +532,11 @@ def eval_cmd(json_out: bool, **options):
                 rows,
             )
         )
-        wrote = [str(options[k]) for k in ("out", "markdown") if options[k] is not None]
+        if rep.kld is not None:
+            k = rep.kld
+            typer.echo(f"KL divergence {k.kld_mean:.5f} ({k.estimator}, {k.tokens:,} tokens), top-1 agreement "
+                       f"{k.top1_agreement:.4f}, perplexity {k.ppl_baseline:.3f} -> {k.ppl_candidate:.3f}")
+        wrote = [str(options[k]) for k in ("out", "markdown", "kld_out") if options[k] is not None]
         typer.echo(f"{'pass' if rep.passed else 'FAIL'}: {len(rep.tasks)} task(s), gate max drop "
                    f"{options['max_drop']:g} points; " + (f"wrote {', '.join(wrote)}" if wrote else "no report written "
                                                            "(--out FILE keeps one)"))

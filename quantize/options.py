@@ -995,6 +995,21 @@ class EvalOptions(Options):
         None, "reuse a --save-baseline file instead of running the baseline (the same tasks, limit, data and "
         "baseline model, or it is refused)", recipe=False,
     )
+    kld_out: Path | None = opt(
+        None, "also KL divergence and top-1 agreement of the candidate against the baseline (eval-kld's report, "
+        "written here) from the same runs: with --serve in the same launch of each model", recipe=False,
+    )
+    kld_tokens: int = opt(
+        8192, "tokens of text to score", check=lambda v: 2 <= v <= 1 << 24, why="must be from 2 to 16777216 tokens"
+    )
+    kld_chunk: int = opt(
+        512, "context length per chunk", check=lambda v: 2 <= v <= 1 << 20, why="must be from 2 to 1048576 tokens"
+    )
+    kld_top_k: int = opt(
+        100, "log-probabilities per position the served KL estimator reads (--serve: what the engine returns; vLLM "
+        "is launched with --max-logprobs to match); a local run reports that estimate beside the full KL",
+        check=lambda v: 1 <= v <= 1000, why="must be from 1 to 1000",
+    )
 
 
 @dataclass
@@ -1008,12 +1023,8 @@ class KLDOptions(Options):
         None, "a converted model; repeat to compare several in one table", flag="--candidate", recipe=False
     )
     text: Path | None = opt(None, "plain text to score (default: shipped text)")
-    tokens: int = opt(
-        8192, "tokens of text to score", check=lambda v: 2 <= v <= 1 << 24, why="must be from 2 to 16777216 tokens"
-    )
-    chunk: int = opt(
-        512, "context length per chunk", check=lambda v: 2 <= v <= 1 << 20, why="must be from 2 to 1048576 tokens"
-    )
+    tokens: int = same(EvalOptions, "kld_tokens")
+    chunk: int = same(EvalOptions, "kld_chunk")
     save_baseline: Path | None = opt(
         None, "save the baseline's log-probs for reuse (fp16 safetensors; with --serve its served top-k, so the next "
         "candidate is compared without serving the baseline again)"
@@ -1034,11 +1045,7 @@ class KLDOptions(Options):
     serve_timeout_s: float = same(EvalOptions, "serve_timeout_s")
     serve_log: Path | None = same(EvalOptions, "serve_log")
     verbose: bool = same(EvalOptions, "verbose")
-    top_k: int = opt(
-        100, "log-probabilities per position the served KL estimator reads (--serve: what the engine returns; vLLM "
-        "is launched with --max-logprobs to match); a local run reports that estimate beside the full KL",
-        check=lambda v: 1 <= v <= 1000, why="must be from 1 to 1000",
-    )
+    top_k: int = same(EvalOptions, "kld_top_k")
 
 
 @dataclass
@@ -1187,7 +1194,10 @@ class PipelineOptions(Options):
 
 @dataclass
 class EvalStageOptions(Options):
-    """The run's eval stage's own key."""
+    """The run's eval stage's own keys."""
+
+    kld: bool = opt(False, "also KL divergence of the model against the source from the same runs (with serve: the "
+                    "same launch of each model): reports/kld.json, shown in the card")
 
     if_no_data: str = opt(
         "fail",

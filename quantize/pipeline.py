@@ -19,7 +19,7 @@ The recipe is an llm-compressor recipe (``quant_stage`` / ``QuantizationModifier
                 min_expert_tokens, memory_budget_gib}   # method gptq/autoround calibrates on `data`
       kv: {target: sglang, fold: false, samples: 512, seq_len: 2048}
       shard: {tp: 8}
-      eval: {device: cpu, max_gen_toks: null, chat: false, thinking: null, if_no_data: fail}
+      eval: {device: cpu, max_gen_toks: null, chat: false, thinking: null, kld: false, if_no_data: fail}
       push: {dry_run: true, private: false}
       pd: {prefill_tp: 8, decode_tp: 8, transfer_backend: mooncake, ...}   # the prefill/decode pair
 
@@ -591,6 +591,7 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
         )
     (p.out / "reports").mkdir(exist_ok=True)
     out, md = p.out / "reports" / "eval.json", p.out / "reports" / "eval.md"
+    kld_out = p.out / "reports" / "kld.json" if o["eval"]["kld"] else None
     rep = ev.evaluate(
         ctx.path("source"),
         ctx.path("model"),
@@ -604,6 +605,7 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
         device=o["eval"]["device"],
         chat=o["eval"]["chat"],
         thinking=o["eval"]["thinking"],
+        kld_out=kld_out,
         serve_log=p.out / "reports" / "engine-logs" if o["eval"]["serve"] else None,
         **{k: o["eval"][k] for k in SERVE_KEYS},
     )
@@ -612,8 +614,13 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
         f"{t.verdict}"
         for t in rep.tasks
     )
+    if rep.kld is not None:
+        rows += (f"; KL divergence {rep.kld.kld_mean:.4g} ({rep.kld.estimator}), top-1 agreement "
+                 f"{rep.kld.top1_agreement:.4f}")
     res = {
-        "outputs": {"eval_report": {"path": "reports/eval.json", "id": _file_identity(out)}},
+        "outputs": {"eval_report": {"path": "reports/eval.json", "id": _file_identity(out)},
+                    **({"kld_report": {"path": "reports/kld.json", "id": _file_identity(kld_out)}}
+                       if kld_out is not None else {})},
         "summary": rows,
         "result": {"passed": rep.passed},
     }
@@ -641,7 +648,7 @@ def _run_pd_eval(ctx: Ctx, resume: bool) -> dict:
 def _run_card(ctx: Ctx, resume: bool) -> dict:
     from .publish import card as cd
 
-    reports = [ctx.path(a) for a in ("kv_report", "check_report", "eval_report") if a in ctx.art]
+    reports = [ctx.path(a) for a in ("kv_report", "check_report", "eval_report", "kld_report") if a in ctx.art]
     res = cd.card(  # push writes the same card
         ctx.path("model"), eval=reports or None, repo_id=ctx.p.opts["repo"], base_model=ctx.p.opts["base_model"],
         license=ctx.p.opts["license"],
@@ -815,7 +822,8 @@ STAGE_TABLE = {
     "eval": Stage("eval", ("model", "source"), (), _opts_eval, _run_eval),
     "pd-eval": Stage("pd-eval", ("model", "source"), ("prefill_model",), _opts_pd, _run_pd_eval),
     "card": Stage(
-        "card", ("model",), ("kv_report", "check_report", "eval_report"), lambda p: _base_opts(p), _run_card
+        "card", ("model",), ("kv_report", "check_report", "eval_report", "kld_report"), lambda p: _base_opts(p),
+        _run_card
     ),
     "prefill": Stage("prefill", ("source", "model"), ("pd_report", "prefill_model"), _opts_prefill, _run_prefill),
     "push": Stage(
@@ -831,6 +839,7 @@ PRODUCER = {
     "shard": "shard",
     "check_report": "check",
     "eval_report": "eval",
+    "kld_report": "eval (with eval.kld: true)",
     "pd_report": "pd-eval",
     "card": "card",
 }
@@ -1100,7 +1109,7 @@ STAGE_MAKES = {
     "calibrate-kv": ("kv_report", "model"),
     "shard": ("shard",),
     "check": ("check_report",),
-    "eval": ("eval_report",),
+    "eval": ("eval_report", "kld_report"),
     "pd-eval": ("pd_report",),
     "card": ("card",),
     "prefill": ("prefill",),

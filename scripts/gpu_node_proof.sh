@@ -59,11 +59,13 @@ esac
 
 quantize check "$cand" --tp 8 --json > "$OUT/check.json"
 quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --device cuda --nproc 8   # samples split, a GPU per rank
-# the engine, launched by quantize on each folder in turn (baseline, then candidate), stopped after
-quantize eval-kld --baseline "$base" --candidate "$cand" "${serve[@]}" --top-k 100 --tokens 8192 --out "$OUT/kld.json" \
-  --save-baseline "$OUT/kld-baseline.safetensors"   # the next candidate: --baseline-logits, the baseline not served again
-# --chat: GSM8K and MMLU-Pro through the chat template (chat-completions), ARC and MMLU as written
+# the engine, launched by quantize on each folder in turn (baseline, then candidate), once per model for both
+# the tasks and the KL divergence (--kld-out: top-100 served log-probs of 8192 tokens), stopped after.
+# --chat: GSM8K and MMLU-Pro through the chat template (chat-completions), ARC and MMLU as written.
+# The next candidate of the same baseline: --baseline-results "$OUT/eval-baseline.json" for the tasks, and
+# eval-kld --baseline-logits for the KL (its baseline saved by eval-kld --save-baseline), not this run.
 quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" --chat "${think[@]}" --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
+  --kld-out "$OUT/kld.json" --kld-top-k 100 --kld-tokens 8192 \
   --out "$OUT/eval.json" --markdown "$OUT/eval.md" --save-baseline "$OUT/eval-baseline.json"
 quantize card "$cand" --eval "$OUT/eval.json" --eval "$OUT/kld.json" --eval "$OUT/check.json" --eval "$OUT/kv.json" \
   --base-model "$repo"

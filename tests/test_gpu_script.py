@@ -55,12 +55,13 @@ def _unknown(script: Path) -> list[str]:
 
 
 def test_every_command_and_option_in_the_gpu_script_exists():
-    assert {c[1] for c in _commands()} >= {"plan", "convert", "check", "calibrate-kv", "eval-kld", "eval", "card"}
+    assert {c[1] for c in _commands()} >= {"plan", "convert", "check", "calibrate-kv", "eval", "card"}
     assert _unknown(SCRIPT) == []
 
 
 def test_the_check_catches_an_unknown_option_or_command(tmp_path):
     """Near misses: the same check fails on the script with one option misspelt, or one command."""
     bad = tmp_path / "proof.sh"
-    bad.write_text(SCRIPT.read_text().replace("--top-k 100", "--topk 100").replace("quantize card", "quantize cards"))
-    assert _unknown(bad) == ["quantize eval-kld has no --topk", "quantize cards: no such command"]
+    bad.write_text(SCRIPT.read_text().replace("--kld-top-k 100", "--kld-topk 100").replace("quantize card",
+                                                                                          "quantize cards"))
+    assert _unknown(bad) == ["quantize eval has no --kld-topk", "quantize cards: no such command"]

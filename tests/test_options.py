@@ -198,7 +198,7 @@ def test_eval_gate_exit_code_is_decided_once_through_the_cli(monkeypatch, tmp_pa
     def report(passed):
         task = SimpleNamespace(task="arc_easy", n=10, baseline=80.0, baseline_stderr=1.0, candidate=70.0, candidate_stderr=1.0,
                                delta=-10.0, ci_low=-12.0, ci_high=-8.0, passed=passed, conclusive=True)
-        return SimpleNamespace(passed=passed, tasks=[task], to_dict=lambda: {"passed": passed}, log=None)
+        return SimpleNamespace(passed=passed, tasks=[task], to_dict=lambda: {"passed": passed}, log=None, kld=None)
 
     for passed, code in ((False, 1), (True, 0)):
         monkeypatch.setattr(run, "evaluate", lambda *a, _p=passed, **k: report(_p))

@@ -466,3 +466,24 @@ def test_cli_run_ends_with_one_verdict_line_naming_what_it_wrote(tmp_path):
     assert last.startswith("quantize run passed in ") and "(2 stages done)" in last
     assert f"the model and its card: {out / 'model'}" in last and "reports" not in last  # no reports stage ran
     assert "Writing model shards" not in res.output  # transformers' save bar is not the tool's output
+
+
+def test_eval_kld_in_the_recipe_writes_the_kl_report_from_the_same_stage_and_the_card_shows_it(tmp_path):
+    """pipeline.eval.kld: true: the eval stage's one run of each model also gives the KL report
+    (reports/kld.json, eval-kld's kind), recorded as the stage's output and read by the card; a
+    change of it reruns eval and card, nothing upstream."""
+    data = _arc(tmp_path / "data")
+    r = _recipe(tmp_path, data_dir=str(data), limit=2, stages=["convert", "eval", "card"], eval={"kld": True})
+    res = pipeline.run(r)
+    out = tmp_path / "run"
+    assert [s.state for s in res.stages] == ["done"] * 4
+    k = json.loads((out / "reports" / "kld.json").read_text())
+    assert k["written_by"]["kind"] == "kld" and k["estimator"] == "full vocabulary" and k["tokens"] > 100
+    rec = json.loads((out / ".quantize" / "job.json").read_text())["stages"]
+    assert rec["eval"]["outputs"]["kld_report"]["path"] == "reports/kld.json"
+    assert "KL divergence" in next(s.summary for s in res.stages if s.stage == "eval")
+    card = next(p for p in out.rglob("README.md") if p.parent.name != "reports").read_text()
+    assert "Next-token KL divergence" in card and f"{k['kld_mean']:.4f}"[:5] in card
+    r2 = _recipe(tmp_path, "r2.yaml", data_dir=str(data), limit=2, stages=["convert", "eval", "card"])
+    plan = {s.stage: s.state for s in pipeline.run(r2, plan=True).stages}
+    assert plan["convert"] == "done" and plan["eval"] != "done" and plan["card"] != "done"

@@ -167,6 +167,37 @@ def test_thinking_on_launches_the_engine_with_the_familys_reasoning_parser(model
             parser_of(tiny("kimi_k25"), "vllm"), parser_of(Path(base), "vllm")) == ("glm45", "kimi_k2", "kimi_k2", None)
 
 
+def test_eval_kld_out_takes_the_kl_from_the_same_launch_of_each_model(models, tmp_path, monkeypatch):
+    """eval --serve --kld-out: each model launched once for its tasks and its log-probs (vLLM with
+    --max-logprobs to match), the report the one eval-kld --serve writes of the same text; locally,
+    eval-kld's full-vocabulary report; refused before any launch with a user's server, a saved
+    baseline's task results, or the --out file."""
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    py, logs, data = _fake_python(tmp_path), tmp_path / "logs", _data(tmp_path)
+    kw = dict(tasks="arc_easy", limit=2, data_dir=data, resamples=100, kld_tokens=40, kld_chunk=20, kld_top_k=5)
+    rep = evaluate(base, cand, serve="vllm", engine_python=py, serve_log=logs, kld_out=tmp_path / "kld.json", **kw)
+    assert rep.tasks[0].n == 2 and len(list(logs.glob("vllm-*.log"))) == 2  # two launches, tasks and KL in each
+    k = json.loads((tmp_path / "kld.json").read_text())
+    alone = kld_table(base, [cand], tokens=40, chunk=20, top_k=5, serve="vllm", engine_python=py,
+                      serve_log=tmp_path / "alone").reports[0]
+    assert (k["kld_mean"], k["top1_agreement"], k["ppl_candidate"], k["tokens"]) == (
+        alone.kld_mean, alone.top1_agreement, alone.ppl_candidate, 40)
+    assert k["written_by"]["kind"] == "kld" and k["estimator"] == "top-5 lower bound (served)"
+    assert "--max-logprobs 5" in k["measured"]["candidate"]["launch"] == rep.measured["candidate"]["launch"]
+    local = evaluate(base, cand, kld_out=tmp_path / "local.json", **kw)
+    assert local.kld.estimator == "full vocabulary" and local.kld.tokens == 40
+    saved = tmp_path / "base.json"  # refused before it is read
+    for bad, match in ((dict(base_url="http://127.0.0.1:9"), r"--kld-out with --base-url/--baseline-url: .*use "
+                                                              r"--serve ENGINE"),
+                       (dict(baseline_results=saved), r"--kld-out with --baseline-results: the saved baseline holds "
+                                                      r"task results"),
+                       (dict(out=tmp_path / "k2.json"), r"--kld-out \S+k2.json: the same file as --out")):
+        with pytest.raises(QuantizeError, match=match):
+            evaluate(base, cand, serve=None if "base_url" in bad else "vllm", engine_python=py,
+                     kld_out=tmp_path / "k2.json", **kw, **bad)
+
+
 def test_engine_missing_old_or_port_taken_is_refused_before_a_launch(models, tmp_path, monkeypatch):
     base, cand = models
     kw = dict(tasks="arc_easy", limit=1, data_dir=_data(tmp_path))

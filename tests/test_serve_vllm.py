@@ -95,84 +95,86 @@ def _switched(folder: Path, dst: Path) -> Path:
 
 
 @needs_engine
-def test_served_eval_scores_the_items_transformers_scores(smollm2, smol_dequantized, tmp_path, monkeypatch):
-    """One launch, both endpoints (--chat): ARC's log-likelihoods through completions scored as
-    transformers scores them, GSM8K through the chat template behind chat-completions answered as
-    transformers answers through the same template, item by item, greedy. The template has a thinking
-    switch (a reasoning model's): off by default, it reaches vLLM as the request's chat_template_kwargs
-    and renders there as transformers renders it here."""
+def test_served_eval_and_kld_are_what_transformers_gives(smollm2, smol_dequantized, smol_w4a16, tmp_path,
+                                                         monkeypatch):
+    """One launch per model for everything (`eval --serve vllm --chat --kld-out`): ARC's
+    log-likelihoods through completions scored as transformers scores them, GSM8K through the chat
+    template behind chat-completions answered as transformers answers through the same template,
+    item by item, greedy, and the served KL estimate (top-100, from the same launches) against the
+    local one and the local full-vocabulary KL. The template has a thinking switch (a reasoning
+    model's): off by default, it reaches vLLM as the request's chat_template_kwargs and renders there
+    as transformers renders it here. Then, where this CPU lets vLLM serve INT4 (AVX-512 or AMX;
+    otherwise said in the output), the INT4 checkpoint itself: vLLM CPU's INT4 kernel takes 16-bit
+    activations only (fp32: ``NotImplementedError: "cpu_gemm_wna16" not implemented for 'Float'``,
+    0.32.0), so it is served in float16, against the fp32 baseline's served log-probs, saved by the
+    first eval-kld run and not served again."""
     import quantize.evaluate.run as run
     from quantize.evaluate.tasks import task_configs
     from quantize.evaluate.thinking import Thinking
 
-    smollm2 = _switched(smollm2, tmp_path / "base")
-    candidate = _switched(smol_dequantized, tmp_path / "cand")  # lm-eval's path through the server; INT4: below
+    base = _switched(smollm2, tmp_path / "base")
+    candidate = _switched(smol_dequantized, tmp_path / "cand")  # fp32 weights: vLLM's and transformers' numerics
     data = _arc_data(tmp_path)
     _gsm_data(data)
     calls = []
     real = run._lm_eval
     monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a: calls.append((path, a[3] is not None, a[4],
                                                                            real(path, cs, *a))) or calls[-1][-1])
-    common = dict(tasks="arc_easy,gsm8k", data_dir=data, resamples=200, max_gen_toks=48, chat=True)
-    base = tmp_path / "base.json"  # the local baseline's results, reused: only the candidate is served
-    local = evaluate(smollm2, candidate, save_baseline=base, **common)
-    served = evaluate(smollm2, candidate, serve="vllm", serve_args=SERVE_ARGS, serve_log=tmp_path / "logs",
-                      out=tmp_path / "served.json", baseline_results=base, **common)
-    # the runs: per model, GSM8K through the template, then ARC without it; the last two through the server
+    common = dict(tasks="arc_easy,gsm8k", data_dir=data, resamples=200, max_gen_toks=48, chat=True, kld_tokens=512,
+                  kld_chunk=256)
+    local = evaluate(base, candidate, kld_out=tmp_path / "kld-local.json", **common)
+    served = evaluate(base, candidate, serve="vllm", serve_args=SERVE_ARGS, serve_log=tmp_path / "logs",
+                      out=tmp_path / "served.json", kld_out=tmp_path / "kld-served.json", **common)
+    # the runs: per model, GSM8K through the template, then ARC without it; the last four through the servers
     assert [(p == str(candidate), url, chat) for p, url, chat, _ in calls] == [
-        (False, False, True), (False, False, False), (True, False, True), (True, False, False),
-        (True, True, True), (True, True, False)]
+        (m, url, chat) for url in (False, True) for m in (False, True) for chat in (True, False)]
+    assert len(list((tmp_path / "logs").glob("vllm-*.log"))) == 2  # one launch per model, tasks and KL together
     lt, st = local.tasks[0], served.tasks[0]
     assert lt.task == st.task == "arc_easy" and st.docs == lt.docs and st.n == len(ARC)
-    differ = [(d, a, b) for d, a, b in zip(lt.docs, lt.candidate_items + lt.baseline_items,
+    differ = [(d, a, b) for d, a, b in zip(lt.docs * 2, lt.candidate_items + lt.baseline_items,
                                            st.candidate_items + st.baseline_items) if a != b]
-    answers = [{x["doc_id"]: x["resps"] for x in calls[k][-1]["samples"]["gsm8k"]} for k in (2, 4)]
-    print(f"\nserved vs local arc_easy ({len(ARC)} items): candidate {st.candidate:.1f} vs {lt.candidate:.1f}; "
-          f"{len(differ)} item scores differ; gsm8k through the chat template: {len(answers[1])} answers, "
-          f"{sum(answers[0][k] == answers[1][k] for k in answers[0])} identical; "
-          f"start-up {served.measured['candidate']['startup_s']} s")
+    answers = [{x["doc_id"]: x["resps"] for x in calls[k][-1]["samples"]["gsm8k"]} for k in (0, 2, 4, 6)]
+    lk, sk = local.kld, served.kld
+    print(f"\nserved vs local arc_easy ({len(ARC)} items, both models): candidate {st.candidate:.1f} vs "
+          f"{lt.candidate:.1f}; {len(differ)} item scores differ; gsm8k through the chat template: "
+          f"{sum(answers[0][k] == answers[2][k] for k in answers[0]) + sum(answers[1][k] == answers[3][k] for k in answers[1])}"
+          f" of 4 answers identical; KLD vs BF16, {sk.tokens} tokens: local full {lk.kld_mean:.5f}, local top-100 "
+          f"estimate {lk.kld_topk_mean:.5f}, served top-100 {sk.kld_mean:.5f} (served - local estimate "
+          f"{sk.kld_mean - lk.kld_topk_mean:+.5f}); top-1 {lk.top1_agreement:.4f} vs {sk.top1_agreement:.4f}; "
+          f"start-up {served.measured['baseline']['startup_s']} s and {served.measured['candidate']['startup_s']} s")
     assert len(differ) <= 1, differ  # fp32 weights on vLLM's CPU kernels vs transformers: at most a near tie flips
-    assert answers[1] == answers[0] and len(answers[0]) == 2  # served (chat-completions) = local (template)
-    assert all(r[0][0].strip() for r in answers[1].values())  # the chat model answered something
+    assert answers[2:] == answers[:2] and all(len(a) == 2 for a in answers)  # served (chat-completions) = local
+    assert all(r[0][0].strip() for r in answers[3].values())  # the chat model answered something
     gsm = task_configs(["gsm8k"], data, 48)[0]
     plain = real(str(candidate), gsm, None, "cpu", 1, None, False)
-    assert {x["doc_id"]: x["resps"] for x in plain["samples"]["gsm8k"]} != answers[0]  # the template matters
+    assert {x["doc_id"]: x["resps"] for x in plain["samples"]["gsm8k"]} != answers[1]  # the template matters
     on = real(str(candidate), gsm, None, "cpu", 1, None, True, Thinking("on", "enable_thinking"))
-    assert {x["doc_id"]: x["resps"] for x in on["samples"]["gsm8k"]} != answers[0]  # and so does its switch
+    assert {x["doc_id"]: x["resps"] for x in on["samples"]["gsm8k"]} != answers[1]  # and so does its switch
     m = json.loads((tmp_path / "served.json").read_text())["measured"]
-    assert m["candidate"]["engine"] == "vllm" and m["candidate"]["version"] and m["baseline"]["reused"]
+    assert m["candidate"]["engine"] == m["baseline"]["engine"] == "vllm" and m["candidate"]["version"]
     assert m["candidate"]["prompts"].startswith(run.CHAT_PROMPTS[True] + "; thinking off")
-    assert m["baseline"]["prompts"].startswith(run.CHAT_PROMPTS[False] + "; thinking off")
     assert m["candidate"]["thinking"]["mode"] == m["baseline"]["thinking"]["mode"] == "off"
-    assert not _listening(int(m["candidate"]["launch"].split("--port ")[1].split()[0]))
-
-
-@needs_engine
-def test_served_kld_is_close_to_local_full_vocabulary_kld(smollm2, smol_dequantized, smol_w4a16, tmp_path):
-    """One command, the baseline served once: the dequantized copy in fp32; then, where this CPU lets
-    vLLM serve INT4 (AVX-512 or AMX; otherwise said in the output), the INT4 checkpoint itself against
-    that served baseline, saved and not served again. vLLM CPU's INT4 kernel takes 16-bit activations
-    only (fp32: ``NotImplementedError: "cpu_gemm_wna16" not implemented for 'Float'``, 0.32.0), so the
-    INT4 candidate is served in float16."""
-    cands = [smol_dequantized] + ([smol_w4a16] if SERVES_INT4 else [])
-    if not SERVES_INT4:
-        print("\n(vLLM's x86 CPU build serves INT4 only with AVX-512 or AMX, which this CPU lacks: the INT4 "
-              "checkpoint itself is not served here)")
-    kw = dict(tokens=512, chunk=256)
-    local = kld_table(smollm2, cands, **kw).reports
-    saved = tmp_path / "served-baseline.safetensors"
-    served = kld_table(smollm2, cands[:1], serve="vllm", serve_args=SERVE_ARGS, serve_log=tmp_path / "logs",
-                       save_baseline=saved, **kw).reports
+    assert not any(_listening(int(m[r]["launch"].split("--port ")[1].split()[0])) for r in m)
+    assert json.loads((tmp_path / "kld-served.json").read_text())["kld_mean"] == sk.kld_mean
+    pairs = [(candidate, lk, sk)]
     if SERVES_INT4:
-        served += kld_table(None, cands[1:], baseline_logits=saved, serve="vllm", serve_log=tmp_path / "logs",
-                            serve_args=SERVE_ARGS.replace("float32", "float16"), **kw).reports
-    assert len(served) == len(local) == len(cands)
-    for cand, lo, sv in zip(cands, local, served):
-        print(f"\nKLD {Path(cand).name} vs BF16, {sv.tokens} tokens: local full {lo.kld_mean:.5f}, local top-100 "
-              f"estimate {lo.kld_topk_mean:.5f}, served top-100 {sv.kld_mean:.5f} (served - local estimate "
-              f"{sv.kld_mean - lo.kld_topk_mean:+.5f}); top-1 {lo.top1_agreement:.4f} vs {sv.top1_agreement:.4f}; "
-              f"PPL {lo.ppl_candidate:.4f} vs {sv.ppl_candidate:.4f}; start-up {sv.measured['candidate']['startup_s']} s")
-        assert sv.tokens == lo.tokens
+        saved = tmp_path / "served-baseline.safetensors"
+        kw = dict(tokens=512, chunk=256)
+        lo4 = kld_table(smollm2, [smol_w4a16], **kw).reports[0]
+        kld_table(smollm2, [candidate], serve="vllm", serve_args=SERVE_ARGS, save_baseline=saved,
+                  serve_log=tmp_path / "logs", **kw)
+        sv4 = kld_table(None, [smol_w4a16], baseline_logits=saved, serve="vllm", serve_log=tmp_path / "logs",
+                        serve_args=SERVE_ARGS.replace("float32", "float16"), **kw).reports[0]
+        assert sv4.measured["baseline"]["reused"] == str(saved)
+        pairs.append((smol_w4a16, lo4, sv4))
+    else:
+        print("(vLLM's x86 CPU build serves INT4 only with AVX-512 or AMX, which this CPU lacks: the INT4 "
+              "checkpoint itself is not served here)")
+    for cand, lo, sv in pairs:
+        print(f"KLD {Path(cand).name}: served {sv.kld_mean:.5f} vs local top-100 {lo.kld_topk_mean:.5f} "
+              f"(full {lo.kld_mean:.5f}); top-1 {sv.top1_agreement:.4f} vs {lo.top1_agreement:.4f}; PPL "
+              f"{sv.ppl_candidate:.4f} vs {lo.ppl_candidate:.4f}")
+        assert sv.tokens == lo.tokens == 512
         assert sv.estimator == "top-100 lower bound (served)" and "--max-logprobs 100" in sv.measured["candidate"]["launch"]
         assert lo.kld_topk_mean <= lo.kld_mean  # the estimator's bias, measured: a lower bound
         # the engine's numerics (vLLM's CPU kernels vs transformers in fp32; the INT4 kernels in float16
@@ -181,6 +183,3 @@ def test_served_kld_is_close_to_local_full_vocabulary_kld(smollm2, smol_dequanti
         assert abs(sv.top1_agreement - lo.top1_agreement) <= 0.01
         assert abs(sv.ppl_candidate / lo.ppl_candidate - 1) <= 0.005
         assert abs(sv.ppl_baseline / lo.ppl_baseline - 1) <= 0.005
-    if SERVES_INT4:  # the baseline served once: the second run read it from the file the first wrote
-        assert served[-1].measured["baseline"]["reused"] == str(saved)
-        assert served[-1].measured["baseline"]["launch"] == served[0].measured["baseline"]["launch"]

@@ -704,13 +704,63 @@ def _open_served(path: Path, run: dict, top_k: int, chunks: list, candidate: Pat
     return rows, {**(where if isinstance(where, dict) else {}), "reused": str(path)}
 
 
+def served_text(candidate: Path, text, tokens: int, chunk: int) -> tuple[Path, list, dict]:
+    """What a served KL run scores, before any engine starts: (the text's path, its chunks of token
+    ids by ``candidate``'s tokenizer, the run's identity); a chunk longer than the model's context is
+    refused here."""
+    mpe = _config(candidate, "candidate model").get("max_position_embeddings")
+    if type(mpe) is int and mpe > 0 and chunk + 1 > mpe:
+        raise QuantizeError(f"--chunk {chunk}: longer than the candidate's max_position_embeddings {mpe} "
+                            f"({candidate / 'config.json'}); use --chunk {mpe - 1} or less")
+    text_path, raw = read_text(text)
+    tok = _tokenizer(candidate)
+    ids = torch.tensor(tok(raw)["input_ids"][: tokens + 1])
+    if ids.numel() < 2:
+        raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
+    chunks = _chunks(ids, chunk)
+    return text_path, chunks, _run_identity(raw, tokens, chunk, ids, tok)
+
+
+def served_rows(s, chunks: list, top_k: int, role: str, emit: Emit = null_emit) -> list:
+    """Per chunk, per predicted position, the top-``top_k`` (and next-token) log-probs the server
+    ``s`` (a started ``Served``) returns."""
+    from . import served as sv
+
+    out = []
+    emit({"event": "start", "stage": f"kld {role} (served)", "total_bytes": len(chunks), "done_bytes": 0,
+          "unit": "chunks"})
+    for i, c in enumerate(chunks):
+        out.append(sv.prompt_logprobs(s, c.tolist(), top_k))
+        emit({"event": "tensor", "name": f"chunk {i}", "done_bytes": i + 1})
+    emit({"event": "done"})
+    return out
+
+
+def served_report(baseline: str, cand: Path, chunks: list, base_rows: list, cand_rows: list, chunk: int,
+                  text_path: Path, top_k: int, measured: dict) -> KldReport:
+    """The report of two models' served log-probs over the same chunks (the estimator of
+    ``evaluate/served.py``: a lower bound of the full KL)."""
+    from . import served as sv
+
+    kl, agree, nll_b, nll_c = [], 0, 0.0, 0.0
+    for c, rb, rc in zip(chunks, base_rows, cand_rows):
+        for j, (b, q) in enumerate(zip(rb, rc)):
+            t = int(c[j + 1])
+            kl.append(sv.position_kl(b, q))
+            agree += sv.top1(b) == sv.top1(q)
+            nll_b -= b[t]
+            nll_c -= q[t]
+    k = torch.tensor(kl, dtype=torch.float64)
+    return KldReport.of(baseline, str(cand), k, agree, nll_b, nll_c, chunk, str(text_path),
+                        estimator=f"top-{top_k} lower bound (served)", top_k=top_k, measured=measured)
+
+
 def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: int, chunk: int, top_k: int,
                   srv: dict, emit: Emit, save_baseline=None, baseline_logits=None) -> KldTable:
     """``kld_table`` through a launched engine: the baseline served once (or its top-k read from
     ``baseline_logits``, saved by an earlier served run with ``save_baseline``), then each
     candidate; per position the estimator of ``evaluate/served.py`` (a lower bound of the full KL)."""
     from ..engines.serve import Served, engine_of, python_of, run_served
-    from . import served as sv
 
     python_of(engine_of(srv["serve"]), srv["python"])  # the interpreter, before anything is read
     for c in candidates:
@@ -718,33 +768,14 @@ def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: i
         if baseline is not None:
             same_model(baseline, c)
             same_tokenizer(baseline, c)
-    mpe = _config(candidates[0], "candidate model").get("max_position_embeddings")
-    if type(mpe) is int and mpe > 0 and chunk + 1 > mpe:
-        raise QuantizeError(f"--chunk {chunk}: longer than the candidate's max_position_embeddings {mpe} "
-                            f"({candidates[0] / 'config.json'}); use --chunk {mpe - 1} or less")
-    text_path, raw = read_text(text)
-    tok = _tokenizer(candidates[0])
-    ids = torch.tensor(tok(raw)["input_ids"][: tokens + 1])
-    if ids.numel() < 2:
-        raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
-    chunks = _chunks(ids, chunk)
-    run = _run_identity(raw, tokens, chunk, ids, tok)
+    text_path, chunks, run = served_text(candidates[0], text, tokens, chunk)
     if baseline_logits is not None:  # before any engine starts
         base_rows, base_where = _open_served(Path(baseline_logits), run, top_k, chunks, candidates[0], baseline)
 
     def rows_of(path: Path, role: str):
         kw = {k: v for k, v in srv.items() if k != "serve"}
         with Served(srv["serve"], path, role=role, logprobs=top_k, **kw) as s:
-            def score(s):
-                out = []
-                emit({"event": "start", "stage": f"kld {role} (served)", "total_bytes": len(chunks), "done_bytes": 0,
-                      "unit": "chunks"})
-                for i, c in enumerate(chunks):
-                    out.append(sv.prompt_logprobs(s, c.tolist(), top_k))
-                    emit({"event": "tensor", "name": f"chunk {i}", "done_bytes": i + 1})
-                emit({"event": "done"})
-                return out
-            return run_served(s, score), s.record()
+            return run_served(s, lambda s: served_rows(s, chunks, top_k, role, emit)), s.record()
 
     if baseline_logits is None:
         base_rows, base_where = rows_of(baseline, "baseline")
@@ -754,17 +785,6 @@ def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: i
     reports = []
     for cand in candidates:
         cand_rows, where = rows_of(cand, "candidate")
-        kl, agree, nll_b, nll_c = [], 0, 0.0, 0.0
-        for c, rb, rc in zip(chunks, base_rows, cand_rows):
-            for j, (b, q) in enumerate(zip(rb, rc)):
-                t = int(c[j + 1])
-                kl.append(sv.position_kl(b, q))
-                agree += sv.top1(b) == sv.top1(q)
-                nll_b -= b[t]
-                nll_c -= q[t]
-        k = torch.tensor(kl, dtype=torch.float64)
-        reports.append(KldReport.of(str(baseline or baseline_logits), str(cand), k, agree, nll_b, nll_c, chunk,
-                                    str(text_path),
-                                    estimator=f"top-{top_k} lower bound (served)", top_k=top_k,
-                                    measured={"baseline": base_where, "candidate": where}))
+        reports.append(served_report(str(baseline or baseline_logits), cand, chunks, base_rows, cand_rows, chunk,
+                                     text_path, top_k, {"baseline": base_where, "candidate": where}))
     return KldTable(str(baseline or baseline_logits), reports)

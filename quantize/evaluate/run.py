@@ -72,6 +72,7 @@ class EvalReport:
     # engine, version, launch line and start-up time: quantize.engines.serve.Served.record)
     measured: dict = field(default_factory=dict)
     log: str | None = None  # where lm-eval's and transformers' own output went (not in the report)
+    kld: object = None  # --kld-out: the candidate's KldReport (its own report file, not in this one)
 
     @property
     def passed(self) -> bool:
@@ -213,13 +214,16 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 @takes(EvalOptions)
 def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, chat, thinking,
              device, batch_size, resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype,
-             serve_args, serve_port, serve_timeout_s, serve_log, verbose, save_baseline, baseline_results
-             ) -> EvalReport:
+             serve_args, serve_port, serve_timeout_s, serve_log, verbose, save_baseline, baseline_results, kld_out,
+             kld_tokens, kld_chunk, kld_top_k) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
-    the node at a time) and evaluate through it (``quantize.engines.serve``)."""
+    the node at a time) and evaluate through it (``quantize.engines.serve``). ``kld_out``: also the
+    candidate's KL divergence against the baseline (``eval-kld``'s report) from the same runs; served,
+    from the same launch of each model (``_runs``)."""
     from ..checkpoint.output import report_target, write_report
+    from .kld import REPORT_KIND as KLD_KIND
     from .kld import check_device, same_model, same_tokenizer
 
     inputs = [baseline, candidate, data_folder(data_dir), baseline_results]
@@ -237,6 +241,17 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
         report_target(markdown, MARKDOWN_KIND, inputs, "--markdown")
         if out is not None and Path(out).resolve() == Path(markdown).resolve():
             raise QuantizeError(f"--markdown {markdown}: the same file as --out; name two files")
+    if kld_out is not None:
+        if base_url or baseline_url:
+            raise QuantizeError("--kld-out with --base-url/--baseline-url: a server's log-probabilities are asked "
+                                "for in its engine's own way; use --serve ENGINE (or quantize eval-kld)")
+        if baseline_results is not None:
+            raise QuantizeError("--kld-out with --baseline-results: the saved baseline holds task results, not "
+                                "log-probabilities; drop one (eval-kld --baseline-logits reuses a baseline's)")
+        report_target(kld_out, KLD_KIND, inputs, "--kld-out")
+        for other, flag in ((out, "--out"), (markdown, "--markdown")):
+            if other is not None and Path(other).resolve() == Path(kld_out).resolve():
+                raise QuantizeError(f"--kld-out {kld_out}: the same file as {flag}; name two files")
     if serve is not None and (base_url or baseline_url):
         raise QuantizeError(f"--serve {serve} launches the servers itself; drop --base-url / --baseline-url (or "
                             "--serve, to evaluate servers you started)")
@@ -268,6 +283,11 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     ident = (_baseline_identity(baseline, names, limit, max_gen_toks, configs, chat, think)
              if save_baseline is not None or baseline_results is not None else None)
     saved = _saved_baseline(baseline_results, ident) if baseline_results is not None else None
+    kld_plan = None
+    if kld_out is not None and serve is not None:  # the text and its chunks, before any engine starts
+        from .kld import served_text
+
+        kld_plan = (*served_text(Path(candidate), None, kld_tokens, kld_chunk), kld_top_k)
     for url in (base_url, baseline_url if saved is None else None):
         if url:
             served_model(url)  # fail fast, before the baseline run
@@ -276,10 +296,15 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     log = None if verbose else new_log("eval")
     try:
         with captured(log):
-            rb, rc, measured = _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url,
-                                     serve, dict(python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype,
-                                                 extra_args=serve_args, port=serve_port, timeout_s=serve_timeout_s,
-                                                 log_dir=serve_log), saved, chat, think)
+            rb, rc, measured, rows = _runs(baseline, candidate, configs, limit, device, batch_size, base_url,
+                                           baseline_url, serve, dict(python=engine_python, tp=tp,
+                                                                     kv_cache_dtype=kv_cache_dtype,
+                                                                     extra_args=serve_args, port=serve_port,
+                                                                     timeout_s=serve_timeout_s, log_dir=serve_log),
+                                           saved, chat, think, kld_plan)
+            kld_rep = None
+            if kld_out is not None:
+                kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device)
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
@@ -288,7 +313,10 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
                                      "samples": _kept_samples(rb)}, BASELINE_KIND, inputs, "--save-baseline")
     results = _paired(rb, rc, groups, max_drop, resamples)
     log = kept(log)
-    rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured, str(log) if log else None)
+    rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured, str(log) if log else None,
+                     kld_rep)
+    if kld_rep is not None:
+        write_report(kld_out, kld_rep.to_dict(), KLD_KIND, inputs, "--kld-out")
     if out is not None:
         write_report(out, rep.to_dict(), REPORT_KIND, inputs)
     if markdown is not None:
@@ -343,11 +371,13 @@ def _saved_baseline(path, ident: dict) -> dict:
 
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
-          saved: dict | None = None, chat: bool = False, think=None):
+          saved: dict | None = None, chat: bool = False, think=None, kld_plan=None):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine),
-    and where each was measured; ``saved``: the baseline's, read from a --save-baseline file."""
+    where each was measured, and (``kld_plan``: the text's path, chunks, identity and top-k; served
+    only) each model's served log-probs from the same launch, after its tasks; ``saved``: the
+    baseline's results, read from a --save-baseline file."""
     measured: dict = {}
-    runs = []
+    runs, rows = [], {}
     for role, path, url in (("baseline", baseline, baseline_url), ("candidate", candidate, base_url)):
         if role == "baseline" and saved is not None:
             runs.append({"samples": saved["samples"]})
@@ -365,13 +395,34 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
         from .thinking import parser_of
 
         parser = parser_of(Path(path), serve) if think and think.on else None
-        with Served(serve, path, role=role, reasoning_parser=parser, **srv) as s:
-            runs.append(run_served(s, lambda s, path=path: _run_model(str(path), configs, limit, device, batch_size,
-                                                                       s.url, chat, think)))
+        top_k = kld_plan[-1] if kld_plan else None
+
+        def work(s, path=path, role=role):
+            res = _run_model(str(path), configs, limit, device, batch_size, s.url, chat, think)
+            if kld_plan:
+                from .kld import served_rows
+
+                rows[role] = served_rows(s, kld_plan[1], top_k, role)
+            return res
+
+        with Served(serve, path, role=role, reasoning_parser=parser, logprobs=top_k, **srv) as s:
+            runs.append(run_served(s, work))
             measured[role] = {**s.record(), **how}
             if think:
                 _thinking(measured[role], think.record(s.reasoning_parser, served=True))
-    return runs[0], runs[1], measured
+    return runs[0], runs[1], measured, rows
+
+
+def _kld(baseline, candidate, kld_plan, rows: dict, measured: dict, tokens: int, chunk: int, top_k: int, device):
+    """``--kld-out``'s report: from the served rows of both launches, or (local) eval-kld's own run."""
+    from .kld import kld_table, served_report
+
+    if kld_plan is None:
+        return kld_table(baseline, [candidate], tokens=tokens, chunk=chunk, top_k=top_k, device=device,
+                         verbose=True).reports[0]
+    where = {r: {k: v for k, v in measured[r].items() if k not in ("prompts", "thinking")} for r in measured}
+    return served_report(str(baseline), Path(candidate), kld_plan[1], rows["baseline"], rows["candidate"], chunk,
+                         kld_plan[0], top_k, where)
 
 
 def _thinking(where: dict, rec: dict) -> None:
