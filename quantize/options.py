@@ -954,6 +954,11 @@ class EvalOptions(Options):
         None, "evaluate the candidate as served by an OpenAI-compatible server (SGLang/vLLM)", recipe=False
     )
     baseline_url: str | None = opt(None, "likewise for the baseline", recipe=False)
+    concurrency: int = opt(
+        1, "through a server (--serve, --base-url): requests in flight at once (lm-eval's num_concurrent), which the "
+        "engine batches; a GPU node serves 32 or more far faster than one at a time", check=lambda v: 1 <= v <= 1024,
+        why="must be from 1 to 1024 requests",
+    )
     serve: str | None = opt(
         None,
         "launch this engine (vllm or sglang) on each model folder and evaluate through its server: the baseline, "

@@ -67,7 +67,8 @@ STAGES = ("make-source", "convert", "convert-prefill", "calibrate-kv", "shard", 
           "prefill", "push")
 DEFAULT_STAGES = ("convert", "calibrate-kv", "shard", "check", "eval", "card", "push")
 TINY_PREFIX = "tiny:"
-SERVE_KEYS = ("serve", "tp", "kv_cache_dtype", "serve_args", "serve_timeout_s")  # pipeline.eval's engine launch
+# the eval stage's engine launch and its requests in flight
+SERVE_KEYS = ("serve", "tp", "kv_cache_dtype", "serve_args", "serve_timeout_s", "concurrency")
 
 # pipeline.<section>: the options of the command the stage calls, as that command declares them
 # (quantize/options.py); a recipe default differs from the command line's only where named here

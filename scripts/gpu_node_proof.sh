@@ -30,7 +30,7 @@ limit=()
 # both models; THINKING=on keeps the trace (SGLang's reasoning parser splits it off) and needs a long cap
 think=(--thinking "${THINKING:-off}")
 [ "${THINKING:-off}" = on ] && think+=(--max-gen-toks "${MAX_GEN_TOKS:-8192}")
-serve=(--serve sglang --engine-python "$PY" --tp 8 --kv-cache-dtype fp8_e4m3 --serve-log "$OUT/logs")
+serve=(--serve sglang --engine-python "$PY" --tp 8 --kv-cache-dtype fp8_e4m3 --serve-log "$OUT/logs" --concurrency 32)
 
 case "$which" in
   glm)

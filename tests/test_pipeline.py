@@ -406,12 +406,13 @@ def test_the_eval_stage_launches_the_engine_the_recipe_names(tmp_path, monkeypat
 
     doc = yaml.safe_load(pipeline.default_recipe().read_text())
     doc["pipeline"].update(out=str(tmp_path / "run"), data_dir=None)
-    doc["pipeline"]["eval"] = {"serve": "vllm", "tp": 2, "serve_args": "--max-model-len 512"}
+    doc["pipeline"]["eval"] = {"serve": "vllm", "tp": 2, "serve_args": "--max-model-len 512", "concurrency": 32}
     r = tmp_path / "r.yaml"
     r.write_text(yaml.safe_dump(doc))
     p = pipeline.load_pipeline(r)
     assert {k: p.opts["eval"][k] for k in pipeline.SERVE_KEYS} == {
-        "serve": "vllm", "tp": 2, "kv_cache_dtype": None, "serve_args": "--max-model-len 512", "serve_timeout_s": 900.0}
+        "serve": "vllm", "tp": 2, "kv_cache_dtype": None, "serve_args": "--max-model-len 512", "serve_timeout_s": 900.0,
+        "concurrency": 32}
     seen = {}
 
     def fake(*a, **kw):
@@ -424,6 +425,7 @@ def test_the_eval_stage_launches_the_engine_the_recipe_names(tmp_path, monkeypat
     with pytest.raises(QuantizeError, match="stop here"):
         pipeline._run_eval(ctx, False)
     assert seen["serve"] == "vllm" and seen["tp"] == 2 and seen["serve_args"] == "--max-model-len 512"
+    assert seen["concurrency"] == 32
     assert seen["serve_log"] == p.out / "reports" / "engine-logs"
 
 

@@ -61,13 +61,22 @@ def _listening(port: int) -> bool:
 
 
 def test_eval_through_launched_servers_equals_local_and_stops_them(models, tmp_path, monkeypatch):
+    """Served with 4 requests in flight (--concurrency, lm-eval's num_concurrent): the same item
+    scores as the local run."""
+    import lm_eval
+
     base, cand = models
     monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
     data, logs = _data(tmp_path), tmp_path / "logs"
     local = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200)
+    seen, real = [], lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: seen.append(kw["model_args"]) or real(**kw))
     rep = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, serve="vllm",
-                   engine_python=_fake_python(tmp_path), serve_log=logs, out=tmp_path / "r.json")
-    assert rep.tasks[0].n == 3
+                   engine_python=_fake_python(tmp_path), serve_log=logs, out=tmp_path / "r.json", concurrency=4)
+    assert [a["num_concurrent"] for a in seen] == [4, 4]
+    assert rep.tasks[0].n == 3 and rep.tasks[0].docs == local.tasks[0].docs
+    assert (rep.tasks[0].baseline_items, rep.tasks[0].candidate_items) == (local.tasks[0].baseline_items,
+                                                                          local.tasks[0].candidate_items)
     assert (rep.tasks[0].baseline, rep.tasks[0].candidate) == (local.tasks[0].baseline, local.tasks[0].candidate)
     m = json.loads((tmp_path / "r.json").read_text())["measured"]
     assert m["baseline"]["engine"] == m["candidate"]["engine"] == "vllm" and m["candidate"]["version"] == "0.32.0"

@@ -113,25 +113,25 @@ def served_model(url: str, timeout: float = 10.0) -> str:
 
 
 def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int,
-               base_url: str | None = None, chat: bool = False, think=None) -> dict:
+               base_url: str | None = None, chat: bool = False, think=None, concurrency: int = 1) -> dict:
     """One model's lm-eval results (``samples`` per task). ``chat``: the generation tasks through
     the model's chat template, the log-likelihood ones as the task writes them (``CHAT_PROMPTS``):
     two lm-eval runs on the same model or server, their samples together."""
     if not (Path(path) / "config.json").exists() and not (Path(path) / "tokenizer.json").exists():
         raise QuantizeError(f"{path}: no config.json; pass a model folder")
     if not chat:
-        return _lm_eval(path, configs, limit, device, batch_size, base_url, False)
+        return _lm_eval(path, configs, limit, device, batch_size, base_url, False, None, concurrency)
     from .tasks import output_type
 
     gen = [c for c in configs if output_type(c) == "generate_until"]
     rest = [c for c in configs if output_type(c) != "generate_until"]
-    runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ, think if templ else None)
+    runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ, think if templ else None, concurrency)
             for cs, templ in ((gen, True), (rest, False)) if cs]
     return {"samples": {t: s for r in runs for t, s in r["samples"].items()}}
 
 
 def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_size: int, base_url: str | None,
-             chat: bool, think=None) -> dict:
+             chat: bool, think=None, concurrency: int = 1) -> dict:
     """``think`` (``evaluate/thinking.py``, chat only): the template's thinking switch, set for a local
     model through lm-eval's ``chat_template_args``, for a server as each request's
     ``chat_template_kwargs``; on, lm-eval keeps the text after the trace's end."""
@@ -140,12 +140,13 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
     if base_url and chat:  # the server applies the model's chat template (lm-eval's chat backend: messages)
         name = served_model(base_url)
         model, args = "local-chat-completions", {"base_url": base_url.rstrip("/") + "/v1/chat/completions",
-                                                  "model": name, "num_concurrent": 1, "max_retries": 2}
+                                                  "model": name, "num_concurrent": concurrency, "max_retries": 2}
     elif base_url:  # the deployment as served: lm-eval's completions backend, the local folder's tokenizer
         name = served_model(base_url)
         model, args = "local-completions", {"base_url": base_url.rstrip("/") + "/v1/completions", "model": name,
                                              "tokenizer": str(path), "tokenizer_backend": "huggingface",
-                                             "tokenized_requests": True, "num_concurrent": 1, "max_retries": 2}
+                                             "tokenized_requests": True, "num_concurrent": concurrency,
+                                             "max_retries": 2}
     else:
         model, args = "hf", {"pretrained": str(path), "dtype": "float32"}
     gen_kwargs = None
@@ -213,7 +214,7 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 
 @takes(EvalOptions)
 def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, chat, thinking,
-             device, batch_size, resamples, base_url, baseline_url, serve, engine_python, tp, kv_cache_dtype,
+             device, batch_size, resamples, base_url, baseline_url, concurrency, serve, engine_python, tp, kv_cache_dtype,
              serve_args, serve_port, serve_timeout_s, serve_log, verbose, save_baseline, baseline_results, kld_out,
              kld_tokens, kld_chunk, kld_top_k) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
@@ -301,7 +302,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
                                                                      kv_cache_dtype=kv_cache_dtype,
                                                                      extra_args=serve_args, port=serve_port,
                                                                      timeout_s=serve_timeout_s, log_dir=serve_log),
-                                           saved, chat, think, kld_plan)
+                                           saved, chat, think, kld_plan, concurrency)
             kld_rep = None
             if kld_out is not None:
                 kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device)
@@ -371,7 +372,7 @@ def _saved_baseline(path, ident: dict) -> dict:
 
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
-          saved: dict | None = None, chat: bool = False, think=None, kld_plan=None):
+          saved: dict | None = None, chat: bool = False, think=None, kld_plan=None, concurrency: int = 1):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine),
     where each was measured, and (``kld_plan``: the text's path, chunks, identity and top-k; served
     only) each model's served log-probs from the same launch, after its tasks; ``saved``: the
@@ -385,7 +386,7 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
             continue
         how = {"prompts": CHAT_PROMPTS[bool(serve or url)]} if chat else {}
         if serve is None:
-            runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat, think))
+            runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat, think, concurrency))
             measured[role] = {"engine": "server", "url": url} if url else {"engine": "transformers", "device": device}
             measured[role].update(how)
             if think:
@@ -398,7 +399,7 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
         top_k = kld_plan[-1] if kld_plan else None
 
         def work(s, path=path, role=role):
-            res = _run_model(str(path), configs, limit, device, batch_size, s.url, chat, think)
+            res = _run_model(str(path), configs, limit, device, batch_size, s.url, chat, think, concurrency)
             if kld_plan:
                 from .kld import served_rows
 
