@@ -214,9 +214,9 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 
 @takes(EvalOptions)
 def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, chat, thinking,
-             device, batch_size, resamples, base_url, baseline_url, concurrency, serve, engine_python, tp, kv_cache_dtype,
-             serve_args, serve_port, serve_timeout_s, serve_log, verbose, save_baseline, baseline_results, kld_out,
-             kld_tokens, kld_chunk, kld_top_k) -> EvalReport:
+             device, batch_size, resamples, base_url, baseline_url, concurrency, serve, engine_python, tp,
+             kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, verbose, save_baseline,
+             baseline_results, kld_out, kld_tokens, kld_chunk, kld_top_k) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
