@@ -161,15 +161,16 @@ def test_thinking_on_launches_the_engine_with_the_familys_reasoning_parser(model
     for f in (b, c):
         cfg = json.loads((f / "config.json").read_text())
         (f / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
-    monkeypatch.setenv("FAKE_ENGINE_MODE", "fail")  # the launch line is in the one line's log tail
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "fail")  # stops at the baseline's launch, whose line heads its log
     kw = dict(tasks="gsm8k", limit=1, data_dir=_data(tmp_path), chat=True, max_gen_toks=1024, serve="vllm",
-              engine_python=_fake_python(tmp_path), serve_log=tmp_path / "logs")
-    for extra, want in (({"thinking": "on"}, "--reasoning-parser qwen3"),
-                        ({"thinking": "on", "serve_args": "--reasoning-parser=deepseek_r1"}, "--reasoning-parser="),
-                        ({}, None)):
-        with pytest.raises(QuantizeError, match="exited with status 1 before it answered") as e:
-            evaluate(b, c, **kw, **extra)
-        assert str(e.value).count("--reasoning-parser") == (1 if want else 0) and (want or "") in str(e.value)
+              engine_python=_fake_python(tmp_path))
+    for n, (extra, want) in enumerate((({"thinking": "on"}, "--reasoning-parser qwen3"),
+                                       ({"thinking": "on", "serve_args": "--reasoning-parser=deepseek_r1"},
+                                        "--reasoning-parser=deepseek_r1"), ({}, None))):
+        with pytest.raises(QuantizeError, match="exited with status 1 before it answered"):
+            evaluate(b, c, **kw, **extra, serve_log=tmp_path / f"logs{n}")
+        line = next((tmp_path / f"logs{n}").glob("vllm-baseline-*.log")).read_text().splitlines()[0]
+        assert line.count("--reasoning-parser") == (1 if want else 0) and (want or "") in line, line
     s = sv.Served("vllm", b, python=_fake_python(tmp_path), reasoning_parser="qwen3", extra_args="--reasoning-parser x")
     assert s.reasoning_parser == "x" and s.launch_line().count("--reasoning-parser") == 1
     assert (parser_of(tiny("glm_moe_dsa"), "sglang"), parser_of(tiny("kimi_k25"), "sglang"),
