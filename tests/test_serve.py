@@ -61,33 +61,53 @@ def _listening(port: int) -> bool:
 
 
 def test_eval_through_launched_servers_equals_local_and_stops_them(models, tmp_path, monkeypatch):
-    """Served with 4 requests in flight (--concurrency, lm-eval's num_concurrent): the same item
-    scores as the local run."""
+    """Each model launched once for its tasks and its KL log-probs (--kld-out; vLLM with
+    --max-logprobs to match), 4 requests in flight (--concurrency, lm-eval's num_concurrent): the
+    local run's item scores, and the served KL is the local run's top-k estimate (the stand-in serves
+    transformers' own log-probs); both servers stopped after."""
     import lm_eval
 
     base, cand = models
     monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
     data, logs = _data(tmp_path), tmp_path / "logs"
-    local = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200)
+    kw = dict(tasks="arc_easy", limit=3, data_dir=data, resamples=200, kld_tokens=40, kld_chunk=20, kld_top_k=5)
+    local = evaluate(base, cand, kld_out=tmp_path / "kld-local.json", **kw)
     seen, real = [], lm_eval.simple_evaluate
     monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: seen.append(kw["model_args"]) or real(**kw))
-    rep = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, serve="vllm",
-                   engine_python=_fake_python(tmp_path), serve_log=logs, out=tmp_path / "r.json", concurrency=4)
+    rep = evaluate(base, cand, serve="vllm", engine_python=_fake_python(tmp_path), serve_log=logs,
+                   out=tmp_path / "r.json", concurrency=4, kld_out=tmp_path / "kld.json", **kw)
     assert [a["num_concurrent"] for a in seen] == [4, 4]
     assert rep.tasks[0].n == 3 and rep.tasks[0].docs == local.tasks[0].docs
     assert (rep.tasks[0].baseline_items, rep.tasks[0].candidate_items) == (local.tasks[0].baseline_items,
                                                                           local.tasks[0].candidate_items)
     assert (rep.tasks[0].baseline, rep.tasks[0].candidate) == (local.tasks[0].baseline, local.tasks[0].candidate)
+    k = json.loads((tmp_path / "kld.json").read_text())
+    assert k["written_by"]["kind"] == "kld" and k["estimator"] == "top-5 lower bound (served)" and k["tokens"] == 40
+    # the local estimate in fp32 (topk_kl), the served one from float log-probs in float64: equal to 1e-4
+    assert k["kld_mean"] == pytest.approx(local.kld.kld_topk_mean, rel=1e-4) and local.kld.estimator == "full vocabulary"
+    assert k["top1_agreement"] == local.kld.top1_agreement
+    assert k["ppl_candidate"] == pytest.approx(local.kld.ppl_candidate, rel=1e-4)
     m = json.loads((tmp_path / "r.json").read_text())["measured"]
     assert m["baseline"]["engine"] == m["candidate"]["engine"] == "vllm" and m["candidate"]["version"] == "0.32.0"
     assert "-m vllm.entrypoints.openai.api_server --model" in m["candidate"]["launch"]
+    assert "--max-logprobs 5" in m["candidate"]["launch"] == k["measured"]["candidate"]["launch"]
     assert str(Path(cand).resolve()) in m["candidate"]["launch"]
     assert m["baseline"]["model"] == str(Path(base).resolve())
-    assert len(list(logs.glob("vllm-*.log"))) == 2  # one log per server, named in the record
+    assert len(list(logs.glob("vllm-*.log"))) == 2  # one log per server, tasks and KL in each, named in the record
     for role in ("baseline", "candidate"):
         port = int(m[role]["launch"].split("--port ")[1].split()[0])
         assert not _listening(port)  # stopped
     assert local.measured["candidate"] == {"engine": "transformers", "device": "cpu"}
+    # --kld-out refused before any launch: a user's server, a saved baseline's task results, the --out file
+    py = _fake_python(tmp_path)
+    for bad, match in ((dict(base_url="http://127.0.0.1:9"), r"--kld-out with --base-url/--baseline-url: .*use "
+                                                              r"--serve ENGINE"),
+                       (dict(baseline_results=tmp_path / "base.json"), r"--kld-out with --baseline-results: the "
+                                                                       r"saved baseline holds task results"),
+                       (dict(out=tmp_path / "k2.json"), r"--kld-out \S+k2.json: the same file as --out")):
+        with pytest.raises(QuantizeError, match=match):
+            evaluate(base, cand, serve=None if "base_url" in bad else "vllm", engine_python=py,
+                     kld_out=tmp_path / "k2.json", **kw, **bad)
 
 
 def test_a_server_that_fails_to_start_is_one_line_with_its_log(models, tmp_path, monkeypatch):
@@ -140,12 +160,20 @@ def test_an_engine_that_answers_500_is_named_by_its_logged_cause_not_a_limit(mod
     msg = str(e.value)
     assert "\n" not in msg and "the engine failed on a prompt of 9 tokens (500 from http://127.0.0.1:" in msg
     assert "NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'" in msg and "--top-k" not in msg
+    log = next(logs.glob("vllm-*.log"))
+    assert not _listening(int(log.stem.rsplit("-", 1)[1]))
+    # lm-eval's own failure through such a server (after its retries): the same cause, from the same log
+    s = sv.Served("vllm", base, python=py)
+    s.log = log
+
+    def client(s):
+        raise RuntimeError("RetryError[<Future at 0x1 state=finished raised ClientResponseError>]")
+
     with pytest.raises(QuantizeError) as e:
-        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=_data(tmp_path), serve="vllm", engine_python=py,
-                 serve_log=logs)
+        sv.run_served(s, client)
     msg = str(e.value)
-    assert "\n" not in msg and "the server's log says: NotImplementedError: \"cpu_gemm_wna16\"" in msg
-    assert not any(_listening(int(p.stem.rsplit("-", 1)[1])) for p in logs.glob("vllm-*.log"))
+    assert "\n" not in msg and "failed (RuntimeError: RetryError[" in msg
+    assert "the server's log says: NotImplementedError: \"cpu_gemm_wna16\"" in msg and str(log) in msg
 
 
 def test_thinking_on_launches_the_engine_with_the_familys_reasoning_parser(models, tiny, tmp_path, monkeypatch):
@@ -175,37 +203,6 @@ def test_thinking_on_launches_the_engine_with_the_familys_reasoning_parser(model
     assert s.reasoning_parser == "x" and s.launch_line().count("--reasoning-parser") == 1
     assert (parser_of(tiny("glm_moe_dsa"), "sglang"), parser_of(tiny("kimi_k25"), "sglang"),
             parser_of(tiny("kimi_k25"), "vllm"), parser_of(Path(base), "vllm")) == ("glm45", "kimi_k2", "kimi_k2", None)
-
-
-def test_eval_kld_out_takes_the_kl_from_the_same_launch_of_each_model(models, tmp_path, monkeypatch):
-    """eval --serve --kld-out: each model launched once for its tasks and its log-probs (vLLM with
-    --max-logprobs to match), the report the one eval-kld --serve writes of the same text; locally,
-    eval-kld's full-vocabulary report; refused before any launch with a user's server, a saved
-    baseline's task results, or the --out file."""
-    base, cand = models
-    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
-    py, logs, data = _fake_python(tmp_path), tmp_path / "logs", _data(tmp_path)
-    kw = dict(tasks="arc_easy", limit=2, data_dir=data, resamples=100, kld_tokens=40, kld_chunk=20, kld_top_k=5)
-    rep = evaluate(base, cand, serve="vllm", engine_python=py, serve_log=logs, kld_out=tmp_path / "kld.json", **kw)
-    assert rep.tasks[0].n == 2 and len(list(logs.glob("vllm-*.log"))) == 2  # two launches, tasks and KL in each
-    k = json.loads((tmp_path / "kld.json").read_text())
-    alone = kld_table(base, [cand], tokens=40, chunk=20, top_k=5, serve="vllm", engine_python=py,
-                      serve_log=tmp_path / "alone").reports[0]
-    assert (k["kld_mean"], k["top1_agreement"], k["ppl_candidate"], k["tokens"]) == (
-        alone.kld_mean, alone.top1_agreement, alone.ppl_candidate, 40)
-    assert k["written_by"]["kind"] == "kld" and k["estimator"] == "top-5 lower bound (served)"
-    assert "--max-logprobs 5" in k["measured"]["candidate"]["launch"] == rep.measured["candidate"]["launch"]
-    local = evaluate(base, cand, kld_out=tmp_path / "local.json", **kw)
-    assert local.kld.estimator == "full vocabulary" and local.kld.tokens == 40
-    saved = tmp_path / "base.json"  # refused before it is read
-    for bad, match in ((dict(base_url="http://127.0.0.1:9"), r"--kld-out with --base-url/--baseline-url: .*use "
-                                                              r"--serve ENGINE"),
-                       (dict(baseline_results=saved), r"--kld-out with --baseline-results: the saved baseline holds "
-                                                      r"task results"),
-                       (dict(out=tmp_path / "k2.json"), r"--kld-out \S+k2.json: the same file as --out")):
-        with pytest.raises(QuantizeError, match=match):
-            evaluate(base, cand, serve=None if "base_url" in bad else "vllm", engine_python=py,
-                     kld_out=tmp_path / "k2.json", **kw, **bad)
 
 
 def test_engine_missing_old_or_port_taken_is_refused_before_a_launch(models, tmp_path, monkeypatch):
