@@ -42,8 +42,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-served-"))
     int4 = tmp / "g32"
     convert(a.smollm2, int4, profile="all-linear", group_size=32)
-    cand = int4
+    cand, serve_args = int4, SERVE_ARGS.replace("float32", "float16")  # vLLM CPU's INT4 kernel: 16-bit activations
     if not _cpu_serves_int4():
+        serve_args = SERVE_ARGS
         cand = tmp / "g32-dequantized"
         cand.mkdir()
         _float_copy(int4, cand)
@@ -56,11 +57,11 @@ def main() -> None:
     answers: dict = {}  # (served?, model) -> {task: [each document's filtered response]}: generated text compared
     real_run = run._run_model
 
-    def recording(path, configs, limit, device, batch_size, base_url=None):
-        res = real_run(path, configs, limit, device, batch_size, base_url)
-        answers[(base_url is not None, str(path))] = {
+    def recording(path, configs, limit, device, batch_size, base_url=None, *rest):
+        res = real_run(path, configs, limit, device, batch_size, base_url, *rest)
+        answers[(base_url is not None, str(path))] = {  # generation tasks: their text (log-likelihoods: scores)
             t: [repr(x["resps"]) for x in sorted(v, key=lambda x: x["doc_id"])]
-            for t, v in res["samples"].items()}
+            for t, v in res["samples"].items() if v and isinstance(v[0]["resps"][0][0], str)}
         return res
 
     run._run_model = recording
@@ -69,7 +70,7 @@ def main() -> None:
     local = evaluate(a.smollm2, cand, **kw)
     t_local = time.time() - t
     t = time.time()
-    served = evaluate(a.smollm2, cand, serve="vllm", serve_args=SERVE_ARGS, serve_log=tmp / "logs", **kw)
+    served = evaluate(a.smollm2, cand, serve="vllm", serve_args=serve_args, serve_log=tmp / "logs", **kw)
     t_served = time.time() - t
     for model in (a.smollm2, cand):
         lo, sv = answers.get((False, str(model)), {}), answers.get((True, str(model)), {})
@@ -89,13 +90,20 @@ def main() -> None:
     lk = kld_table(a.smollm2, [cand], tokens=a.tokens, chunk=512).reports[0]
     t_lk = time.time() - t
     t = time.time()
-    sk = kld_table(a.smollm2, [cand], tokens=a.tokens, chunk=512, serve="vllm", serve_args=SERVE_ARGS,
+    sk = kld_table(a.smollm2, [cand], tokens=a.tokens, chunk=512, serve="vllm", serve_args=serve_args,
                    serve_log=tmp / "logs").reports[0]
     t_sk = time.time() - t
+    t = time.time()
+    both = evaluate(a.smollm2, cand, serve="vllm", serve_args=serve_args, serve_log=tmp / "logs",
+                    kld_out=tmp / "kld.json", kld_tokens=a.tokens, kld_chunk=512, **kw)
+    t_both = time.time() - t
     print(f"KLD ({lk.tokens} tokens): local full {lk.kld_mean:.5f}, local top-{lk.top_k} estimate "
           f"{lk.kld_topk_mean:.5f}, served top-{sk.top_k} {sk.kld_mean:.5f} (served - local full "
           f"{sk.kld_mean - lk.kld_mean:+.5f}); top-1 {lk.top1_agreement:.4f} / {sk.top1_agreement:.4f}")
     print(f"eval-kld wall: local {t_lk:.1f} s, served {t_sk:.1f} s (x{t_sk / t_lk:.2f})")
+    print(f"served eval --kld-out (one launch per model for both): {t_both:.1f} s against eval then eval-kld "
+          f"{t_served + t_sk:.1f} s (x{t_both / (t_served + t_sk):.2f}); its KL {both.kld.kld_mean:.5f} against "
+          f"eval-kld's {sk.kld_mean:.5f}")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
