@@ -363,3 +363,21 @@ def test_a_thinking_switch_is_set_alike_on_both_models_and_on_needs_room(models,
                                             r"thinking; both models need the same template"):
         evaluate(b, k, **kw)
     assert len(seen) == 2  # every refusal before lm-eval ran
+
+
+def test_a_message_without_content_is_an_empty_answer_not_none():
+    """A reasoning model's trace cut at the cap: the engine's parser puts it all in reasoning_content
+    and the message's content is null. Our chat backend reads it as an empty answer (scored 0), where
+    lm-eval's own returns None, which its answer filters cannot read; text is kept as it is."""
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    import quantize.evaluate.run as run
+
+    out = {"choices": [{"index": 0, "message": {"content": None, "reasoning_content": "Let me think"}}]}
+    text = {"choices": [{"index": 0, "message": {"content": "#### 4"}}]}
+    assert run._chat_backend() == run.CHAT_BACKEND and run._chat_backend() == run.CHAT_BACKEND  # registered once
+    cls = run._CHAT_BACKEND[0]
+    me = cls.__new__(cls)
+    me.think_end_token = None
+    assert LocalChatCompletion.parse_generations(me, out) == [None]  # lm-eval's own
+    assert me.parse_generations(out) == [""] and me.parse_generations([out, text]) == ["", "#### 4"]

@@ -23,6 +23,7 @@ from .tasks import _task_manager, data_folder, task_configs
 
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
 REPORT_KIND, MARKDOWN_KIND, BASELINE_KIND = "eval", "eval-markdown", "eval-baseline"
+CHAT_BACKEND = "quantize-chat-completions"  # lm-eval's local-chat-completions, None content read as "" (below)
 SAMPLE_KEYS = ("doc_id", "filter", "acc", "acc_norm", "exact_match")  # what the pairing reads of a sample
 # --chat, as the report and the card say it (by served or not): a chat-completions server returns text, not
 # the log-likelihood of a given answer, so the log-likelihood tasks keep the task's own prompts everywhere
@@ -139,7 +140,7 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
 
     if base_url and chat:  # the server applies the model's chat template (lm-eval's chat backend: messages)
         name = served_model(base_url)
-        model, args = "local-chat-completions", {"base_url": base_url.rstrip("/") + "/v1/chat/completions",
+        model, args = _chat_backend(), {"base_url": base_url.rstrip("/") + "/v1/chat/completions",
                                                   "model": name, "num_concurrent": concurrency, "max_retries": 2}
     elif base_url:  # the deployment as served: lm-eval's completions backend, the local folder's tokenizer
         name = served_model(base_url)
@@ -181,6 +182,27 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
                                 f"({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "
                                 f"check {', '.join(files[:3]) or 'the data files'}") from e
         raise
+
+
+_CHAT_BACKEND: list = []
+
+
+def _chat_backend() -> str:
+    """lm-eval's ``local-chat-completions``, registered under our name with one change: a message
+    without content is an empty answer, not None. A reasoning model whose trace reaches the cap before
+    ``</think>`` answers so (the engine's reasoning parser puts all of it in ``reasoning_content``), and
+    lm-eval's answer filters cannot read None; empty, the item scores 0 on that model, as it should."""
+    if not _CHAT_BACKEND:
+        from lm_eval.api.registry import register_model
+        from lm_eval.models.openai_completions import LocalChatCompletion
+
+        @register_model(CHAT_BACKEND)
+        class _Chat(LocalChatCompletion):
+            def parse_generations(self, outputs, **kwargs) -> list[str]:
+                return ["" if r is None else r for r in super().parse_generations(outputs, **kwargs)]
+
+        _CHAT_BACKEND.append(_Chat)
+    return CHAT_BACKEND
 
 
 def _per_doc(samples: list[dict], metric: str) -> dict:
