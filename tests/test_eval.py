@@ -302,9 +302,8 @@ def test_chat_templates_the_generation_tasks_and_keeps_the_log_likelihood_ones(m
         evaluate(base, cand, tasks="gsm8k,arc_easy", limit=1, data_dir=data, chat=True, base_url="http://127.0.0.1:9")
 
 
-def _switched(folder: Path, dst: Path, var: str = "enable_thinking") -> Path:
-    """A copy of a model folder (weights linked) whose chat template has a thinking switch: set
-    False, it prefills an empty trace after the assistant's tag, as GLM's templates do."""
+def _linked_copy(folder: Path, dst: Path) -> Path:
+    """A copy of a model folder's files, its weights linked, not copied."""
     import shutil
 
     dst.mkdir(parents=True)
@@ -313,6 +312,13 @@ def _switched(folder: Path, dst: Path, var: str = "enable_thinking") -> Path:
             (dst / f.name).symlink_to(f.resolve())
         elif f.is_file():
             shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _switched(folder: Path, dst: Path, var: str = "enable_thinking") -> Path:
+    """A copy of a model folder (weights linked) whose chat template has a thinking switch: set
+    False, it prefills an empty trace after the assistant's tag, as GLM's templates do."""
+    _linked_copy(folder, dst)
     (dst / "chat_template.jinja").write_text(
         "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
         f"{{% if {var} is defined and not {var} %}}<think></think>{{% endif %}}")
@@ -375,8 +381,10 @@ def test_a_message_without_content_is_an_empty_answer_not_none():
 
     out = {"choices": [{"index": 0, "message": {"content": None, "reasoning_content": "Let me think"}}]}
     text = {"choices": [{"index": 0, "message": {"content": "#### 4"}}]}
-    assert run._chat_backend() == run.CHAT_BACKEND and run._chat_backend() == run.CHAT_BACKEND  # registered once
-    cls = run._CHAT_BACKEND[0]
+    from lm_eval.api.registry import get_model
+
+    cls = run._chat_backend()
+    assert run._chat_backend() is cls and get_model(run.CHAT_BACKEND) is cls  # registered once, under our name
     me = cls.__new__(cls)
     me.think_end_token = None
     assert LocalChatCompletion.parse_generations(me, out) == [None]  # lm-eval's own

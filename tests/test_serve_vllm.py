@@ -21,6 +21,7 @@ from quantize.evaluate.kld import kld_table  # noqa: E402
 from quantize.evaluate.run import evaluate  # noqa: E402
 
 from .test_engine import SERVES_INT4, smol_w4a16  # noqa: E402,F401 - the fixture
+from .test_eval import _linked_copy  # noqa: E402
 from .test_serve import _listening  # noqa: E402
 
 needs_engine = pytest.mark.skipif(not has_engine(), reason="no vLLM interpreter (.venv-vllm / QUANTIZE_VLLM_PYTHON)")
@@ -80,12 +81,7 @@ def _gsm_data(root):
 def _switched(folder: Path, dst: Path) -> Path:
     """A copy of a SmolLM2 folder (weights linked) whose chat template has a reasoning model's thinking
     switch: ``enable_thinking`` False prefills an empty trace after the assistant's tag, as GLM's do."""
-    dst.mkdir(parents=True)
-    for f in Path(folder).iterdir():
-        if f.suffix == ".safetensors":
-            (dst / f.name).symlink_to(f.resolve())
-        else:
-            shutil.copy(f, dst / f.name)
+    _linked_copy(folder, dst)
     t = (dst / "chat_template.jinja").read_text()
     tag = "{{ '<|im_start|>assistant\n' }}"
     assert tag in t

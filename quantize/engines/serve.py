@@ -167,6 +167,10 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return e.code, b""
 
 
+def _has_flag(args: tuple[str, ...], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
     """The value ``args`` give ``flag`` (``--flag V`` or ``--flag=V``), or None."""
     for i, a in enumerate(args):
@@ -190,12 +194,12 @@ class Served:
         self.tp, self.kv_cache_dtype, self.timeout_s, self.role = tp, kv_cache_dtype, timeout_s, role
         self.extra = tuple(shlex.split(extra_args or ""))
         flag = self.engine.logprobs_flag
-        if logprobs and flag and not any(a == flag or a.startswith(flag + "=") for a in self.extra):
+        if logprobs and flag and not _has_flag(self.extra, flag):
             self.extra += (flag, str(logprobs))  # eval-kld's --top-k, unless --serve-args set the cap
-        self.reasoning_parser = _flag_value(self.extra, self.engine.reasoning_flag)
-        if reasoning_parser and self.reasoning_parser is None:  # --thinking on, unless --serve-args named one
-            self.extra += (self.engine.reasoning_flag, reasoning_parser)
-            self.reasoning_parser = reasoning_parser
+        flag = self.engine.reasoning_flag
+        if reasoning_parser and not _has_flag(self.extra, flag):  # --thinking on, unless --serve-args named one
+            self.extra += (flag, reasoning_parser)
+        self.reasoning_parser = _flag_value(self.extra, flag)
         if port is not None:
             check_port(port)
         self.port = port
@@ -290,26 +294,31 @@ class Served:
             raise QuantizeError(f"--serve {self.engine.name}: {self.url}/v1/models answered {status} without a "
                                 f"model (log: {self.log})") from None
 
-    def tail(self, n: int = LOG_TAIL) -> str:
-        """The log's last ``n`` non-empty lines, joined with " | " (one line)."""
+    def _lines(self) -> list[str] | None:
+        """The log's non-empty lines, stripped; None when there is no log to read."""
         try:
-            lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+            return [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
         except (OSError, AttributeError):
+            return None
+
+    def tail(self, n: int = LOG_TAIL, lines: list[str] | None = None) -> str:
+        """The log's last ``n`` non-empty lines, joined with " | " (one line)."""
+        lines = self._lines() if lines is None else lines
+        if lines is None:
             return "no log"
         return " | ".join(x[:240] for x in lines[-n:]) or "the log is empty"
 
     def cause(self) -> str:
         """The log's last line that names an exception (``NotImplementedError: ...``, the root cause an
         engine prints before it answers 500), else its last lines (``tail``)."""
-        try:
-            lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
-        except (OSError, AttributeError):
+        lines = self._lines()
+        if lines is None:
             return "no log"
         for x in reversed(lines):
             m = _EXCEPTION.search(x)
             if m:
                 return x[m.start():][:300]
-        return self.tail()
+        return self.tail(lines=lines)
 
     def died(self) -> QuantizeError | None:
         """The one line for a server that is no longer running (None while it runs)."""

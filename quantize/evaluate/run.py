@@ -11,15 +11,17 @@ size-weighted mean of the subject scores.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import QuantizeError
 from ..options import EVAL_TASKS, EvalOptions, takes
-from .tasks import _task_manager, data_folder, task_configs
+from .tasks import _task_manager, data_folder, output_type, task_configs
 
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
 REPORT_KIND, MARKDOWN_KIND, BASELINE_KIND = "eval", "eval-markdown", "eval-baseline"
@@ -122,8 +124,6 @@ def _run_model(path: str, configs: list, limit: int | None, device: str, batch_s
         raise QuantizeError(f"{path}: no config.json; pass a model folder")
     if not chat:
         return _lm_eval(path, configs, limit, device, batch_size, base_url, False, None, concurrency)
-    from .tasks import output_type
-
     gen = [c for c in configs if output_type(c) == "generate_until"]
     rest = [c for c in configs if output_type(c) != "generate_until"]
     runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ, think if templ else None, concurrency)
@@ -140,7 +140,8 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
 
     if base_url and chat:  # the server applies the model's chat template (lm-eval's chat backend: messages)
         name = served_model(base_url)
-        model, args = _chat_backend(), {"base_url": base_url.rstrip("/") + "/v1/chat/completions",
+        _chat_backend()
+        model, args = CHAT_BACKEND, {"base_url": base_url.rstrip("/") + "/v1/chat/completions",
                                                   "model": name, "num_concurrent": concurrency, "max_retries": 2}
     elif base_url:  # the deployment as served: lm-eval's completions backend, the local folder's tokenizer
         name = served_model(base_url)
@@ -184,25 +185,30 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
         raise
 
 
-_CHAT_BACKEND: list = []
+class KLPlan(NamedTuple):
+    """``--kld-out`` through launched engines: the text, its chunks of token ids, the top-k asked for."""
+
+    text: Path
+    chunks: list
+    top_k: int
 
 
-def _chat_backend() -> str:
+@functools.cache
+def _chat_backend() -> type:
     """lm-eval's ``local-chat-completions``, registered under our name with one change: a message
     without content is an empty answer, not None. A reasoning model whose trace reaches the cap before
     ``</think>`` answers so (the engine's reasoning parser puts all of it in ``reasoning_content``), and
-    lm-eval's answer filters cannot read None; empty, the item scores 0 on that model, as it should."""
-    if not _CHAT_BACKEND:
-        from lm_eval.api.registry import register_model
-        from lm_eval.models.openai_completions import LocalChatCompletion
+    lm-eval's answer filters cannot read None; empty, the item scores 0 on that model, as it should.
+    Registered once per process (``functools.cache``); -> the class."""
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.openai_completions import LocalChatCompletion
 
-        @register_model(CHAT_BACKEND)
-        class _Chat(LocalChatCompletion):
-            def parse_generations(self, outputs, **kwargs) -> list[str]:
-                return ["" if r is None else r for r in super().parse_generations(outputs, **kwargs)]
+    @register_model(CHAT_BACKEND)
+    class _Chat(LocalChatCompletion):
+        def parse_generations(self, outputs, **kwargs) -> list[str]:
+            return ["" if r is None else r for r in super().parse_generations(outputs, **kwargs)]
 
-        _CHAT_BACKEND.append(_Chat)
-    return CHAT_BACKEND
+    return _Chat
 
 
 def _per_doc(samples: list[dict], metric: str) -> dict:
@@ -294,14 +300,11 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if not names:
         raise QuantizeError(f"--tasks {tasks!r}: names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}")
     configs, groups = task_configs(names, data_dir, max_gen_toks)
-    from .tasks import output_type
     from .thinking import resolve as thinking_of
 
-    if chat:
-        _check_chat(configs, [baseline, candidate])
+    toks = _check_chat(configs, [baseline, candidate]) if chat else {}
     # a reasoning model's thinking switch, set alike on both sides (evaluate/thinking.py)
-    think = thinking_of(thinking, chat, any(output_type(c) == "generate_until" for c in configs),
-                        [baseline, candidate], max_gen_toks)
+    think = thinking_of(thinking, chat, toks, max_gen_toks)
     # a saved baseline's identity (every data file hashed): only where one is written or read
     ident = (_baseline_identity(baseline, names, limit, max_gen_toks, configs, chat, think)
              if save_baseline is not None or baseline_results is not None else None)
@@ -310,7 +313,8 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if kld_out is not None and serve is not None:  # the text and its chunks, before any engine starts
         from .kld import served_text
 
-        kld_plan = (*served_text(Path(candidate), None, kld_tokens, kld_chunk), kld_top_k)
+        text_path, chunks, _ = served_text(Path(candidate), None, kld_tokens, kld_chunk)
+        kld_plan = KLPlan(text_path, chunks, kld_top_k)
     for url in (base_url, baseline_url if saved is None else None):
         if url:
             served_model(url)  # fail fast, before the baseline run
@@ -396,8 +400,8 @@ def _saved_baseline(path, ident: dict) -> dict:
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
           saved: dict | None = None, chat: bool = False, think=None, kld_plan=None, concurrency: int = 1):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine),
-    where each was measured, and (``kld_plan``: the text's path, chunks, identity and top-k; served
-    only) each model's served log-probs from the same launch, after its tasks; ``saved``: the
+    where each was measured, and (``kld_plan``, served only) each model's served log-probs from the
+    same launch, after its tasks; ``saved``: the
     baseline's results, read from a --save-baseline file."""
     measured: dict = {}
     runs, rows = [], {}
@@ -418,14 +422,14 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
         from .thinking import parser_of
 
         parser = parser_of(Path(path), serve) if think and think.on else None
-        top_k = kld_plan[-1] if kld_plan else None
+        top_k = kld_plan.top_k if kld_plan else None
 
         def work(s, path=path, role=role):
             res = _run_model(str(path), configs, limit, device, batch_size, s.url, chat, think, concurrency)
             if kld_plan:
                 from .kld import served_rows
 
-                rows[role] = served_rows(s, kld_plan[1], top_k, role)
+                rows[role] = served_rows(s, kld_plan.chunks, top_k, role)
             return res
 
         with Served(serve, path, role=role, reasoning_parser=parser, logprobs=top_k, **srv) as s:
@@ -444,8 +448,8 @@ def _kld(baseline, candidate, kld_plan, rows: dict, measured: dict, tokens: int,
         return kld_table(baseline, [candidate], tokens=tokens, chunk=chunk, top_k=top_k, device=device,
                          verbose=True).reports[0]
     where = {r: {k: v for k, v in measured[r].items() if k not in ("prompts", "thinking")} for r in measured}
-    return served_report(str(baseline), Path(candidate), kld_plan[1], rows["baseline"], rows["candidate"], chunk,
-                         kld_plan[0], top_k, where)
+    return served_report(str(baseline), Path(candidate), kld_plan.chunks, rows["baseline"], rows["candidate"],
+                         chunk, kld_plan.text, top_k, where)
 
 
 def _thinking(where: dict, rec: dict) -> None:
@@ -454,31 +458,30 @@ def _thinking(where: dict, rec: dict) -> None:
     where["prompts"] = f"{where['prompts']}; {rec['said']}"
 
 
-def _check_chat(configs: list, folders: list) -> None:
-    """``--chat`` with a generation task, before anything runs: every folder that is run has a chat
-    template."""
-    from .tasks import output_type
-
+def _check_chat(configs: list, folders: list) -> dict:
+    """``--chat`` with a generation task, before anything runs: every folder has a chat template.
+    -> {folder: its tokenizer} (empty without a generation task), for ``thinking.resolve``."""
     if not any(output_type(c) == "generate_until" for c in configs):
-        return
-    for f in folders:
-        if not has_chat_template(Path(f)):
+        return {}
+    toks = {str(f): chat_tokenizer(Path(f)) for f in folders}
+    for f, tok in toks.items():
+        if not getattr(tok, "chat_template", None):
             raise QuantizeError(f"--chat: {f} has no chat template (tokenizer_config.json `chat_template` or "
                                 "chat_template.jinja); drop --chat, or add the model's template")
+    return toks
 
 
-def has_chat_template(folder: Path) -> bool:
-    """The folder's tokenizer has a chat template, as transformers loads it (chat_template.jinja,
+def chat_tokenizer(folder: Path):
+    """The folder's tokenizer as transformers loads it, with its chat template (chat_template.jinja,
     additional_chat_templates/, or tokenizer_config.json's ``chat_template``): what lm-eval and the
     engines render."""
     import transformers
 
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+        return transformers.AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # noqa: BLE001 - transformers' own failure, as one line
         raise QuantizeError(f"--chat: {folder}: transformers cannot load its tokenizer ({type(e).__name__}: "
                             f"{str(e).splitlines()[0][:160] if str(e) else ''}); fix the tokenizer files") from e
-    return bool(getattr(tok, "chat_template", None))
 
 
 def _paired(rb: dict, rc: dict, groups: dict, max_drop: float, resamples: int) -> list[TaskResult]:

@@ -62,12 +62,10 @@ class Thinking:
         return r
 
 
-def switch_of(folder: Path) -> str | None:
-    """The chat-template variable that turns thinking on and off in ``folder``'s template: the first
-    of ``SWITCHES`` whose True and False render different generation prompts; None if neither does."""
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+def switch_of(tok, folder) -> str | None:
+    """The chat-template variable that turns thinking on and off in the template of ``tok`` (the
+    tokenizer of ``folder``): the first of ``SWITCHES`` whose True and False render different
+    generation prompts; None if neither does."""
     if not getattr(tok, "chat_template", None):
         return None
     for var in SWITCHES:
@@ -82,16 +80,16 @@ def switch_of(folder: Path) -> str | None:
     return None
 
 
-def resolve(thinking: str | None, chat: bool, generates: bool, folders: list, max_gen_toks: int | None
-            ) -> Thinking | None:
+def resolve(thinking: str | None, chat: bool, toks: dict, max_gen_toks: int | None) -> Thinking | None:
     """The thinking setting of this comparison, before anything runs: None where no generation task
-    goes through a chat template that has a switch. ``folders``: the model folders that run."""
+    goes through a chat template that has a switch. ``toks``: {model folder: its tokenizer}, for the
+    generation tasks' chat templates (empty: none goes through one)."""
     if thinking is not None and not chat:
         raise QuantizeError(f"--thinking {thinking}: a chat template's switch, so it needs --chat; add --chat, or "
                             "drop --thinking")
-    if not (chat and generates and folders):
+    if not (chat and toks):
         return None
-    found = {str(f): switch_of(Path(f)) for f in folders}
+    found = {f: switch_of(tok, f) for f, tok in toks.items()}
     if len(set(found.values())) > 1:
         (a, sa), (b, sb) = list(found.items())[:2]
         raise QuantizeError(f"--chat: {a}'s chat template switches thinking with {sa or 'nothing'}, {b}'s with "
