@@ -536,7 +536,11 @@ def eval_cmd(json_out: bool, **options):
             k = rep.kld
             typer.echo(f"KL divergence {k.kld_mean:.5f} ({k.estimator}, {k.tokens:,} tokens), top-1 agreement "
                        f"{k.top1_agreement:.4f}, perplexity {k.ppl_baseline:.3f} -> {k.ppl_candidate:.3f}")
-        wrote = [str(options[k]) for k in ("out", "markdown", "kld_out") if options[k] is not None]
+        wrote = [str(options[k]) for k in ("out", "markdown", "kld_out", "save_baseline") if options[k] is not None]
+        if options["save_baseline"] is not None and options["kld_out"] is not None:
+            from .evaluate.run import kld_baseline_file
+
+            wrote.append(f"{kld_baseline_file(options['save_baseline'])} (the saved baseline's KL side)")
         typer.echo(f"{'pass' if rep.passed else 'FAIL'}: {len(rep.tasks)} task(s), gate max drop "
                    f"{options['max_drop']:g} points; " + (f"wrote {', '.join(wrote)}" if wrote else "no report written "
                                                            "(--out FILE keeps one)"))

@@ -994,11 +994,13 @@ class EvalOptions(Options):
     )
     save_baseline: Path | None = opt(
         None, "write the baseline's per-document results here, for --baseline-results (its engine stopped, the "
-        "next candidate compared without serving it again)", recipe=False,
+        "next candidate compared without serving it again); with --kld-out its log-probs too, beside it in "
+        "NAME.kld.safetensors", recipe=False,
     )
     baseline_results: Path | None = opt(
         None, "reuse a --save-baseline file instead of running the baseline (the same tasks, limit, data and "
-        "baseline model, or it is refused)", recipe=False,
+        "baseline model, or it is refused); with --kld-out, its KL side too (the same text, tokens, chunk, top-k)",
+        recipe=False,
     )
     kld_out: Path | None = opt(
         None, "also KL divergence and top-1 agreement of the candidate against the baseline (eval-kld's report, "

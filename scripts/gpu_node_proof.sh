@@ -62,8 +62,8 @@ quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --device cuda --nproc 8
 # the engine, launched by quantize on each folder in turn (baseline, then candidate), once per model for both
 # the tasks and the KL divergence (--kld-out: top-100 served log-probs of 8192 tokens), stopped after.
 # --chat: GSM8K and MMLU-Pro through the chat template (chat-completions), ARC and MMLU as written.
-# The next candidate of the same baseline: --baseline-results "$OUT/eval-baseline.json" for the tasks, and
-# eval-kld --baseline-logits for the KL (its baseline saved by eval-kld --save-baseline), not this run.
+# The next candidate of the same baseline: --baseline-results "$OUT/eval-baseline.json" (the tasks, and the KL
+# side saved beside it in eval-baseline.kld.safetensors) serves only that candidate.
 quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" --chat "${think[@]}" --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
   --kld-out "$OUT/kld.json" --kld-top-k 100 --kld-tokens 8192 \
   --out "$OUT/eval.json" --markdown "$OUT/eval.md" --save-baseline "$OUT/eval-baseline.json"

@@ -238,17 +238,32 @@ def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp
     candidate against them without running the baseline again, and only for the same comparison."""
     import quantize.evaluate.run as run
 
+    import quantize.evaluate.kld as kld
+
     base, cand = models
     data, saved = _data(tmp_path), tmp_path / "base.json"
-    first = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, save_baseline=saved)
+    kl = dict(kld_tokens=40, kld_chunk=20)
+    first = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, save_baseline=saved,
+                     kld_out=tmp_path / "k1.json", **kl)
+    assert json.loads(saved.read_text())["kld"] == {"file": "base.kld.safetensors", "served": False}
     calls = []
-    real = run._run_model
+    real, real_load = run._run_model, kld._load
     monkeypatch.setattr(run, "_run_model", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
-    again = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, baseline_results=saved)
-    assert calls == [str(cand)]  # the candidate alone ran
+    monkeypatch.setattr(kld, "_load", lambda path, *a, **k: calls.append(str(path)) or real_load(path, *a, **k))
+    again = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, baseline_results=saved,
+                     kld_out=tmp_path / "k2.json", **kl)
+    assert calls == [str(cand), str(cand)]  # the candidate alone ran: its tasks, then its KL (the saved KL side)
     assert [(t.baseline, t.candidate, t.docs) for t in again.tasks] == [(t.baseline, t.candidate, t.docs)
                                                                          for t in first.tasks]
     assert again.measured["baseline"]["reused"] is True
+    # the KL against the saved fp16 log-probs: the fresh run's fp32 ones to fp16's precision
+    assert again.kld.kld_mean == pytest.approx(first.kld.kld_mean, rel=2e-2, abs=1e-4)
+    assert again.kld.top1_agreement == first.kld.top1_agreement and again.kld.tokens == 40
+    with pytest.raises(QuantizeError, match=r"--baseline-results \S+base.json: its KL side: .*saved for --tokens 40 "
+                                            r"\(this run: 30\)"):
+        evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=saved,
+                 kld_out=tmp_path / "k3.json", kld_tokens=30, kld_chunk=20)
+    assert calls == [str(cand), str(cand)]  # refused before anything ran
     for kw, what in ((dict(limit=2), "another --limit"), (dict(tasks="arc_challenge"), "other tasks"),
                      (dict(chat=True), r"other prompts \(--chat or not\)")):
         args = {**dict(tasks="arc_easy", limit=3, data_dir=data, resamples=200, baseline_results=saved), **kw}

@@ -74,8 +74,9 @@ def test_eval_through_launched_servers_equals_local_and_stops_them(models, tmp_p
     local = evaluate(base, cand, kld_out=tmp_path / "kld-local.json", **kw)
     seen, real = [], lm_eval.simple_evaluate
     monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: seen.append(kw["model_args"]) or real(**kw))
+    saved = tmp_path / "base.json"
     rep = evaluate(base, cand, serve="vllm", engine_python=_fake_python(tmp_path), serve_log=logs,
-                   out=tmp_path / "r.json", concurrency=4, kld_out=tmp_path / "kld.json", **kw)
+                   out=tmp_path / "r.json", concurrency=4, kld_out=tmp_path / "kld.json", save_baseline=saved, **kw)
     assert [a["num_concurrent"] for a in seen] == [4, 4]
     assert rep.tasks[0].n == 3 and rep.tasks[0].docs == local.tasks[0].docs
     assert (rep.tasks[0].baseline_items, rep.tasks[0].candidate_items) == (local.tasks[0].baseline_items,
@@ -98,16 +99,45 @@ def test_eval_through_launched_servers_equals_local_and_stops_them(models, tmp_p
         port = int(m[role]["launch"].split("--port ")[1].split()[0])
         assert not _listening(port)  # stopped
     assert local.measured["candidate"] == {"engine": "transformers", "device": "cpu"}
-    # --kld-out refused before any launch: a user's server, a saved baseline's task results, the --out file
-    py = _fake_python(tmp_path)
+    # the next candidate against the saved baseline (its tasks and its KL side, base.kld.safetensors): the
+    # candidate alone served, the same items and the same KL
+    py, logs2 = _fake_python(tmp_path), tmp_path / "logs2"
+    again = evaluate(base, cand, serve="vllm", engine_python=py, serve_log=logs2, baseline_results=saved,
+                     kld_out=tmp_path / "kld2.json", **kw)
+    assert [p.name.split("-")[1] for p in logs2.glob("vllm-*.log")] == ["candidate"]
+    assert again.tasks[0].baseline_items == rep.tasks[0].baseline_items and again.kld.tokens == 40
+    k2 = json.loads((tmp_path / "kld2.json").read_text())
+    for key in ("kld_mean", "kld_max", "top1_agreement", "ppl_baseline", "ppl_candidate"):
+        assert k2[key] == k[key], key
+    assert k2["measured"]["baseline"]["reused"] is True and k2["measured"]["baseline"]["engine"] == "vllm"
+    # a saved baseline reused for another KL run, locally, or without its KL side: one line before any launch
+    never = tmp_path / "never"
+    tasks_only = tmp_path / "tasks-only.json"
+    evaluate(base, cand, save_baseline=tasks_only, **kw)  # local, no --kld-out: the tasks' side alone
+    assert not (tmp_path / "tasks-only.kld.safetensors").exists()
+    for res, bad, match in ((saved, dict(kld_top_k=6), r"--baseline-results \S+base.json: its KL side: .*saved for "
+                                                       r"--top-k 5 \(this run: 6\)"),
+                            (saved, dict(kld_tokens=30), r"its KL side: .*saved for --tokens 40 \(this run: 30\)"),
+                            (saved, dict(serve=None), r"its KL side: .*saved by a served run"),
+                            (tasks_only, {}, r"tasks-only.json: saved without --kld-out, so it holds no KL baseline")):
+        with pytest.raises(QuantizeError, match=match):
+            evaluate(base, cand, **{**kw, "serve": "vllm", "engine_python": py, "serve_log": never,
+                                    "baseline_results": res, "kld_out": tmp_path / "k3.json", **bad})
+    (tmp_path / "base.kld.safetensors").rename(tmp_path / "moved.safetensors")
+    with pytest.raises(QuantizeError, match=r"its KL side \S+base.kld.safetensors is missing; keep the two files"):
+        evaluate(base, cand, **kw, serve="vllm", engine_python=py, serve_log=never, baseline_results=saved,
+                 kld_out=tmp_path / "k3.json")
+    assert not never.exists() and not (tmp_path / "k3.json").exists()
+    # --kld-out refused before any launch: a user's server, the --out file, the saved baseline's KL side
     for bad, match in ((dict(base_url="http://127.0.0.1:9"), r"--kld-out with --base-url/--baseline-url: .*use "
                                                               r"--serve ENGINE"),
-                       (dict(baseline_results=tmp_path / "base.json"), r"--kld-out with --baseline-results: the "
-                                                                       r"saved baseline holds task results"),
-                       (dict(out=tmp_path / "k2.json"), r"--kld-out \S+k2.json: the same file as --out")):
+                       (dict(out=tmp_path / "k2.json"), r"--kld-out \S+k2.json: the same file as --out"),
+                       (dict(save_baseline=tmp_path / "k2.json"), r"--save-baseline \S+k2.json: its KL side \S+"
+                                                                  r"k2.kld.safetensors is the file --kld-out names")):
+        kld_to = tmp_path / ("k2.kld.safetensors" if "save_baseline" in bad else "k2.json")
         with pytest.raises(QuantizeError, match=match):
             evaluate(base, cand, serve=None if "base_url" in bad else "vllm", engine_python=py,
-                     kld_out=tmp_path / "k2.json", **kw, **bad)
+                     kld_out=kld_to, **kw, **bad)
 
 
 def test_a_server_that_fails_to_start_is_one_line_with_its_log(models, tmp_path, monkeypatch):

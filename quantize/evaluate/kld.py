@@ -626,7 +626,7 @@ def _chunks(ids: torch.Tensor, chunk: int) -> list[torch.Tensor]:
 SERVED_FORMAT = "quantize-kld-served"  # a served baseline's top-k log-probs (``save_baseline`` with ``serve``)
 
 
-def _served_baseline_file(path: Path, rows: list, chunks: list, ident: dict, where: dict) -> None:
+def served_baseline_file(path: Path, rows: list, chunks: list, ident: dict, where: dict) -> None:
     """The served baseline's rows (per position every token the engine named: its top-k and the
     next token), as safetensors: per chunk ``ids.i`` (int32, -1 where a row has fewer entries) and
     ``lp.i`` (the engine's log-probs, as float64 so a reused row is the served one exactly),
@@ -704,14 +704,14 @@ def _open_served(path: Path, run: dict, top_k: int, chunks: list, candidate: Pat
     return rows, {**(where if isinstance(where, dict) else {}), "reused": str(path)}
 
 
-def served_text(candidate: Path, text, tokens: int, chunk: int) -> tuple[Path, list, dict]:
+def served_text(candidate: Path, text, tokens: int, chunk: int, served: bool = True) -> tuple[Path, list, dict]:
     """What a served KL run scores, before any engine starts: (the text's path, its chunks of token
     ids by ``candidate``'s tokenizer, the run's identity); a chunk longer than the model's context is
-    refused here."""
+    refused here (served, the whole chunk is the prompt; local, its last token is predicted, not fed)."""
     mpe = _config(candidate, "candidate model").get("max_position_embeddings")
-    if type(mpe) is int and mpe > 0 and chunk + 1 > mpe:
+    if type(mpe) is int and mpe > 0 and chunk + served > mpe:
         raise QuantizeError(f"--chunk {chunk}: longer than the candidate's max_position_embeddings {mpe} "
-                            f"({candidate / 'config.json'}); use --chunk {mpe - 1} or less")
+                            f"({candidate / 'config.json'}); use --chunk {mpe - served} or less")
     text_path, raw = read_text(text)
     tok = _tokenizer(candidate)
     ids = torch.tensor(tok(raw)["input_ids"][: tokens + 1])
@@ -781,7 +781,7 @@ def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: i
         base_rows, base_where = rows_of(baseline, "baseline")
         if save_baseline is not None:
             ident = {**run, "top_k": top_k, "model": model_identity(baseline)}
-            _served_baseline_file(Path(save_baseline), base_rows, chunks, ident, base_where)
+            served_baseline_file(Path(save_baseline), base_rows, chunks, ident, base_where)
     reports = []
     for cand in candidates:
         cand_rows, where = rows_of(cand, "candidate")

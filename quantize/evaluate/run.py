@@ -186,11 +186,14 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
 
 
 class KLPlan(NamedTuple):
-    """``--kld-out`` through launched engines: the text, its chunks of token ids, the top-k asked for."""
+    """``--kld-out`` through launched engines: the text, its chunks of token ids, the top-k asked for,
+    the run's identity (``kld.served_text``) and, from a --baseline-results file, the baseline's rows."""
 
     text: Path
     chunks: list
     top_k: int
+    identity: dict
+    baseline_rows: list | None = None
 
 
 @functools.cache
@@ -274,13 +277,20 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
         if base_url or baseline_url:
             raise QuantizeError("--kld-out with --base-url/--baseline-url: a server's log-probabilities are asked "
                                 "for in its engine's own way; use --serve ENGINE (or quantize eval-kld)")
-        if baseline_results is not None:
-            raise QuantizeError("--kld-out with --baseline-results: the saved baseline holds task results, not "
-                                "log-probabilities; drop one (eval-kld --baseline-logits reuses a baseline's)")
         report_target(kld_out, KLD_KIND, inputs, "--kld-out")
         for other, flag in ((out, "--out"), (markdown, "--markdown")):
             if other is not None and Path(other).resolve() == Path(kld_out).resolve():
                 raise QuantizeError(f"--kld-out {kld_out}: the same file as {flag}; name two files")
+    kld_base = None  # a saved baseline's KL side: the file beside its --save-baseline JSON (kld_baseline_file)
+    if kld_out is not None and save_baseline is not None:
+        from .kld import BASELINE_KIND as KLD_BASELINE_KIND
+
+        kld_base = kld_baseline_file(save_baseline)
+        report_target(kld_base, KLD_BASELINE_KIND, inputs, "--save-baseline (its KL side)")
+        for other, flag in ((out, "--out"), (markdown, "--markdown"), (kld_out, "--kld-out")):
+            if other is not None and Path(other).resolve() == kld_base.resolve():
+                raise QuantizeError(f"--save-baseline {save_baseline}: its KL side {kld_base} is the file {flag} "
+                                    "names; name another file")
     if serve is not None and (base_url or baseline_url):
         raise QuantizeError(f"--serve {serve} launches the servers itself; drop --base-url / --baseline-url (or "
                             "--serve, to evaluate servers you started)")
@@ -308,13 +318,20 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     # a saved baseline's identity (every data file hashed): only where one is written or read
     ident = (_baseline_identity(baseline, names, limit, max_gen_toks, configs, chat, think)
              if save_baseline is not None or baseline_results is not None else None)
-    saved = _saved_baseline(baseline_results, ident) if baseline_results is not None else None
+    saved = (_saved_baseline(baseline_results, ident, kld_out is not None) if baseline_results is not None
+             else None)
+    if saved is not None:
+        kld_base = saved["kld"]
     kld_plan = None
-    if kld_out is not None and serve is not None:  # the text and its chunks, before any engine starts
+    if kld_out is not None and (serve is not None or saved is not None):  # the text's chunks, before anything runs
         from .kld import served_text
 
-        text_path, chunks, _ = served_text(Path(candidate), None, kld_tokens, kld_chunk)
-        kld_plan = KLPlan(text_path, chunks, kld_top_k)
+        text_path, chunks, run_ident = served_text(Path(candidate), None, kld_tokens, kld_chunk, serve is not None)
+        # a saved KL side proven to be this run's (text, chunks, tokenizer, top-k, baseline model) before any work
+        base_rows = (_saved_kl(kld_base, run_ident, kld_top_k, chunks, candidate, baseline, baseline_results,
+                               serve is not None) if saved is not None else None)
+        if serve is not None:
+            kld_plan = KLPlan(text_path, chunks, kld_top_k, run_ident, base_rows)
     for url in (base_url, baseline_url if saved is None else None):
         if url:
             served_model(url)  # fail fast, before the baseline run
@@ -331,13 +348,21 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
                                            saved, chat, think, kld_plan, concurrency)
             kld_rep = None
             if kld_out is not None:
-                kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device)
+                kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device,
+                               kld_base, saved is not None, baseline_results)
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
     if save_baseline is not None:
-        write_report(save_baseline, {"identity": ident, "measured": measured["baseline"],
-                                     "samples": _kept_samples(rb)}, BASELINE_KIND, inputs, "--save-baseline")
+        if kld_plan is not None and kld_base is not None:  # served: the baseline's rows (local: written by eval-kld)
+            from .kld import model_identity, served_baseline_file
+
+            kl_ident = {**kld_plan.identity, "top_k": kld_plan.top_k, "model": model_identity(Path(baseline))}
+            served_baseline_file(kld_base, rows["baseline"], kld_plan.chunks, kl_ident, _kl_where(measured["baseline"]))
+        doc = {"identity": ident, "measured": measured["baseline"], "samples": _kept_samples(rb)}
+        if kld_base is not None:  # the KL side's file, by name: the two are kept (and moved) together
+            doc["kld"] = {"file": kld_base.name, "served": kld_plan is not None}
+        write_report(save_baseline, doc, BASELINE_KIND, inputs, "--save-baseline")
     results = _paired(rb, rc, groups, max_drop, resamples)
     log = kept(log)
     rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured, str(log) if log else None,
@@ -376,8 +401,17 @@ def _baseline_identity(baseline, names: list[str], limit, max_gen_toks, configs:
             "data": data, "chat": chat, "thinking": think.mode if think else None}
 
 
-def _saved_baseline(path, ident: dict) -> dict:
-    """A ``--save-baseline`` file, refused in one line unless it was made for this comparison."""
+def kld_baseline_file(save_baseline) -> Path:
+    """Where ``eval --save-baseline FILE --kld-out ...`` keeps the baseline's KL side, beside FILE:
+    ``base.json`` -> ``base.kld.safetensors`` (eval-kld's --save-baseline format: local, the full
+    log-probabilities in fp16; served, the engine's top-k rows)."""
+    p = Path(save_baseline)
+    return p.with_name((p.stem if p.suffix else p.name) + ".kld.safetensors")
+
+
+def _saved_baseline(path, ident: dict, kld: bool = False) -> dict:
+    """A ``--save-baseline`` file, refused in one line unless it was made for this comparison;
+    ``kld`` (--kld-out): it must have its KL side too (-> its path as ``kld``)."""
     from ..parse import load_json
 
     doc = load_json(path, "saved baseline", kind="report")
@@ -394,7 +428,32 @@ def _saved_baseline(path, ident: dict) -> dict:
     samples = doc.get("samples")
     if not isinstance(samples, dict) or not all(isinstance(v, list) for v in samples.values()):
         raise QuantizeError(f"--baseline-results {path}: its samples are not per-task lists; save the baseline again")
-    return {"samples": samples, "measured": doc.get("measured") or {}}
+    kl_file = None
+    if kld:
+        side = doc.get("kld")
+        name = side.get("file") if isinstance(side, dict) else None
+        if not isinstance(name, str) or Path(name).name != name:
+            raise QuantizeError(f"--baseline-results {path}: saved without --kld-out, so it holds no KL baseline; "
+                                "save the baseline again with --kld-out, or drop --kld-out")
+        kl_file = Path(path).parent / name
+        if not kl_file.is_file():
+            raise QuantizeError(f"--baseline-results {path}: its KL side {kl_file} is missing; keep the two files "
+                                "together, or save the baseline again")
+    return {"samples": samples, "measured": doc.get("measured") or {}, "kld": kl_file}
+
+
+def _saved_kl(kl_file: Path, run: dict, top_k: int, chunks: list, candidate, baseline, results, served: bool):
+    """A saved baseline's KL side, proven to be this run's (``kld._open_served``, ``kld._open_logits``):
+    -> its rows (served), None (local: eval-kld reads the file itself)."""
+    from .kld import _open_logits, _open_served
+
+    try:
+        if served:
+            return _open_served(kl_file, run, top_k, chunks, Path(candidate), Path(baseline))[0]
+        _open_logits(kl_file, run, chunks, Path(candidate), Path(baseline))
+    except QuantizeError as e:
+        raise QuantizeError(f"--baseline-results {results}: its KL side: {e}") from e
+    return None
 
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
@@ -404,7 +463,8 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
     same launch, after its tasks; ``saved``: the
     baseline's results, read from a --save-baseline file."""
     measured: dict = {}
-    runs, rows = [], {}
+    runs = []
+    rows = {"baseline": kld_plan.baseline_rows} if kld_plan and kld_plan.baseline_rows is not None else {}
     for role, path, url in (("baseline", baseline, baseline_url), ("candidate", candidate, base_url)):
         if role == "baseline" and saved is not None:
             runs.append({"samples": saved["samples"]})
@@ -440,16 +500,30 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
     return runs[0], runs[1], measured, rows
 
 
-def _kld(baseline, candidate, kld_plan, rows: dict, measured: dict, tokens: int, chunk: int, top_k: int, device):
-    """``--kld-out``'s report: from the served rows of both launches, or (local) eval-kld's own run."""
+def _kld(baseline, candidate, kld_plan, rows: dict, measured: dict, tokens: int, chunk: int, top_k: int, device,
+         kld_base: Path | None = None, reused: bool = False, results=None):
+    """``--kld-out``'s report: from the served rows of both launches, or (local) eval-kld's own run,
+    which saves the baseline's log-probabilities to ``kld_base`` (--save-baseline) or reads them
+    from it (``reused``: --baseline-results)."""
     from .kld import kld_table, served_report
 
     if kld_plan is None:
-        return kld_table(baseline, [candidate], tokens=tokens, chunk=chunk, top_k=top_k, device=device,
-                         verbose=True).reports[0]
-    where = {r: {k: v for k, v in measured[r].items() if k not in ("prompts", "thinking")} for r in measured}
+        try:
+            return kld_table(baseline, [candidate], tokens=tokens, chunk=chunk, top_k=top_k, device=device,
+                             save_baseline=None if reused else kld_base,
+                             baseline_logits=kld_base if reused else None, verbose=True).reports[0]
+        except QuantizeError as e:
+            if not reused:
+                raise
+            raise type(e)(f"--baseline-results {results}: its KL side: {e}") from e
+    where = {r: _kl_where(measured[r]) for r in measured}
     return served_report(str(baseline), Path(candidate), kld_plan.chunks, rows["baseline"], rows["candidate"],
                          chunk, kld_plan.text, top_k, where)
+
+
+def _kl_where(where: dict) -> dict:
+    """Where a model was measured, as a KL report says it: without the tasks' prompts and thinking."""
+    return {k: v for k, v in where.items() if k not in ("prompts", "thinking")}
 
 
 def _thinking(where: dict, rec: dict) -> None:
