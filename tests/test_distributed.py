@@ -488,3 +488,16 @@ def test_a_rank_aware_command_runs_in_the_world_and_rank_0_alone_prints(monkeypa
     seen.clear()
     assert cli._ranks(O.ConvertOptions, "convert", body, kw) == "ok"
     assert capsys.readouterr().out == "result\n" and seen == [("join", 9.0), (0, False, 2), "leave"]
+
+
+def test_exchange_slices_hold_at_most_the_limit_and_one_item_at_least():
+    from quantize.methods.streamed import exchange_slices
+
+    assert exchange_slices([4, 4, 4, 4], 8) == [range(0, 2), range(2, 4)]
+    assert exchange_slices([4, 4, 4, 4], 7) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]  # one byte short
+    assert exchange_slices([9, 1, 1], 2) == [range(0, 1), range(1, 3)]  # an item over the limit travels alone
+    assert exchange_slices([], 8) == []
+    sizes = [3, 5, 2, 7, 1, 1, 6]
+    cut = exchange_slices(sizes, 8)
+    assert [k for r in cut for k in r] == list(range(len(sizes)))  # every item once, in order
+    assert all(sum(sizes[k] for k in r) <= 8 for r in cut)

@@ -51,10 +51,12 @@ def test_two_ranks_are_one_process_bit_for_bit(one_rank, tmp_path):
     parts = {x["file"] for x in job["layers"]["0001"]["parts"]}
     assert len(parts) == 8  # every expert's group file, rank 1's written by rank 0
     assert "rank" not in p.stdout.lower() or p.stdout.count("done") == 1  # rank 0 alone speaks
-    # the samples split: rank 0 held (here: spilled, budget 0) the hidden states of its 2 samples of 4 only
+    # rank 0 held (here: spilled, budget 0) the hidden states of its 2 samples of 4, and on the same budget
+    # what the exchange brought it: every sample's routed experts' inputs, its experts' outputs (before, those
+    # lay in memory outside the budget, and rank 0 spilled exactly half of one process's bytes)
     spilled = [json.loads((d / "quantize_manifest.json").read_text())["method"]["hidden_bytes_spilled"]
                for d in (one, two)]
-    assert spilled[0] > 0 and spilled[1] * 2 == spilled[0], spilled
+    assert spilled[0] > 0 and spilled[1] * 2 > spilled[0], spilled
 
 
 def _rank_pid(out: Path, rank: int) -> int | None:

@@ -260,43 +260,94 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     return results, ref, hooks.routed, e_rtn, tot, accs[2]
 
 
-class _ListCaptured:
-    """A capture of every rank's samples, as the ranks sent theirs (lists of tensors)."""
+EXCHANGE_BYTES = 256 << 20  # the most of one exchange between ranks in flight at once (less under a small budget)
 
-    def __init__(self, hidden, index, weights):
-        self.hidden, self.index, self.weights = hidden, index, weights
 
-    def __len__(self) -> int:
-        return len(self.hidden)
+def exchange_slices(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive items (by position in ``sizes``, their bytes) in runs of at most ``limit`` bytes,
+    one item at least: what one collective of ``_split_experts`` carries."""
+    out, start, acc = [], 0, 0
+    for k, b in enumerate(sizes):
+        if k > start and acc + b > limit:
+            out.append(range(start, k))
+            start, acc = k, 0
+        acc += b
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
-    def __getitem__(self, s: int):
-        from ..calibrate.experts import Routed
 
-        return Routed(self.hidden[s], self.index[s], self.weights[s])
+def _exchange_limit(fwd) -> int:
+    return max(1, min(EXCHANGE_BYTES, fwd.budget.limit // 8))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _all_captures(world, caps, fwd, i: int, limit: int):
+    """Every rank's samples' captures (``caps``: source, RTN, quantized Linear units) on every rank,
+    in sample order (rank by rank), sent by each rank a slice at a time (at most ``limit`` bytes
+    per collective, one sample at least) into stores on this rank's budget (spilled beyond it).
+    -> (the three captures, each sample's input (shape, dtype), its top-k)."""
+    from .forward import Captured
+
+    full = [Captured(HiddenStore(fwd.budget, fwd.spill, f"x{v}-{i}")) for v in range(len(caps))]
+    shapes, topk = [], []
+    for o in range(world.size):
+        s, held, more = 0, None, True
+        while more:
+            msg = None
+            if world.rank == o:
+                items, n = [], 0
+                while s < len(caps[0]):
+                    r = held or [(c.hidden[s], c.index[s], c.weights[s]) for c in caps]
+                    b = sum(_nbytes(x[0]) for x in r)
+                    held = None
+                    if items and n + b > limit:
+                        held = r  # the next slice's first sample, already read
+                        break
+                    items.append(r)
+                    n += b
+                    s += 1
+                msg = (items, s < len(caps[0]))
+            items, more = world.broadcast(msg, f"layer {i} routed experts' inputs from rank {o}", src=o)
+            for r in items:
+                for v, (hidden, index, weights) in enumerate(r):
+                    full[v].hidden.append(hidden)
+                    full[v].index.append(index)
+                    full[v].weights.append(weights)
+                shapes.append((r[0][0].shape, r[0][0].dtype))
+                topk.append(r[0][1].shape[-1])
+            del items
+    for c in caps:
+        c.clear()
+    return full, shapes, topk
 
 
 def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: dict[int, list[Unit]], x: Layer,
                    write_group) -> list[HiddenStore]:
     """The routed experts of a streamed GPTQ layer on several ranks, each holding its own samples'
     captures (``caps``: source, RTN, quantized Linear units). Every rank gets every rank's captures
-    (rank order = sample order), takes its contiguous range of experts a group at a time, their
-    Hessians from the source capture of every sample (the same sums in the same sample order as
-    one process), GPTQ, and each expert's weighted output for the tokens routed to it in the three
-    captures (``contributions``). Those go to the rank holding the sample, which adds them rank
-    by rank, i.e. expert by expert ascending, into zeros: transformers' ``index_add_`` sequence,
-    the same as one process's ``accumulate``. Rank 0 writes every group file and gets every rank's
-    fallbacks and token counts. Returns this rank's samples' three expert-output stores."""
+    (rank order = sample order; ``_all_captures``), takes its contiguous range of experts a group at
+    a time, their Hessians from the source capture of every sample (the same sums in the same sample
+    order as one process), GPTQ, and each expert's weighted output for the tokens routed to it in the
+    three captures (``contributions``, kept per sample in stores on the budget). Those go to the rank
+    holding the sample, a slice of its samples at a time, which adds them rank by rank, i.e. expert
+    by expert ascending, into zeros: transformers' ``index_add_`` sequence, the same as one
+    process's ``accumulate``. What any collective carries is bounded (``exchange_slices``), and
+    what a rank holds lives on its --memory-budget-gib (disk beyond). Rank 0 writes every group
+    file and gets every rank's fallbacks and token counts. Returns this rank's samples' three
+    expert-output stores."""
     from ..calibrate.experts import contributions
     from ..distributed import samples_of
 
     i, opt, dev = x.index, x.options, fwd.device
-    sent = world.gather([(list(c.hidden), c.index, c.weights) for c in caps], f"layer {i} routed experts' inputs")
-    for c in caps:
-        c.clear()
-    full = [_ListCaptured(*([t for part in sent for t in part[v][k]] for k in range(3))) for v in range(3)]
-    del sent
-    n = len(full[0])
-    contrib: list[list[list]] = [[[] for _ in range(n)] for _ in full]  # [variant][sample] -> [(tokens, output)]
+    limit = _exchange_limit(fwd)
+    full, shapes, topk = _all_captures(world, caps, fwd, i, limit)
+    n, nv = len(full[0]), len(full)
+    outs = [HiddenStore(fwd.budget, fwd.spill, f"o{v}-{i}") for v in range(nv)]  # this rank's experts' outputs
+    where: list[list[list]] = [[[] for _ in range(n)] for _ in range(nv)]  # [v][s] -> [(position, rows, counts)]
     mine = {"groups": [], "fallbacks": [], "routed": {}}
     for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(stand.num_experts)):
         gate_up, down = (t.to(dev) for t in streamer.expert_weights(i, g))
@@ -318,29 +369,43 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
                 for s in range(n):
                     r = c[s]
                     r.hidden, r.index, r.weights = r.hidden.to(dev), r.index.to(dev), r.weights.to(dev)
-                    contrib[v][s].extend((t.cpu(), h.cpu()) for t, h in contributions(r, g, gu, dn, stand.act_fn))
+                    parts = list(contributions(r, g, gu, dn, stand.act_fn))
+                    if parts:  # the group's experts' rows and outputs, one tensor each, split again on arrival
+                        where[v][s].append((len(outs[v]), torch.cat([t for t, _ in parts]).cpu(),
+                                            [t.numel() for t, _ in parts]))
+                        outs[v].append(torch.cat([h for _, h in parts]))
+                    del parts
             del gu, dn
         del gate_up, down
     mine["routed"] = dict(hooks.routed)
-    accs = [HiddenStore(fwd.budget, fwd.spill, f"a{i}") for _ in full]
-    for o in range(world.size):  # each rank's samples' outputs, from every rank
-        own = samples_of(n, world.size, o)
-        got = world.gather([[contrib[v][s] for s in own] for v in range(len(full))], f"layer {i} routed experts' "
-                           f"outputs for rank {o}", to=o)
-        for v in range(len(full)):
-            for s in own:
-                contrib[v][s] = None  # sent
-        if got is None:
-            continue
-        for v, c in enumerate(full):
-            for k, s in enumerate(own):
-                a = torch.zeros_like(c.hidden[s])
-                for part in got:  # rank order = expert order
-                    for token_idx, h in part[v][k]:
-                        a.index_add_(0, token_idx.to(a.device), h.to(a.device, a.dtype))
-                accs[v].append(a)
-        del got
-    del full, contrib
+    accs = [HiddenStore(fwd.budget, fwd.spill, f"a{i}") for _ in range(nv)]
+    for o in range(world.size):  # each rank's samples' outputs, from every rank, a slice of them at a time
+        own = list(samples_of(n, world.size, o))
+        # every rank cuts the same slices: by what the samples' outputs can be at most (top-k rows each)
+        for sl in exchange_slices([nv * topk[s] * _nbytes_of(shapes[s]) for s in own], limit):
+            samples = [own[k] for k in sl]
+            msg = [[[(rows, counts, outs[v][pos]) for pos, rows, counts in where[v][s]] for s in samples]
+                   for v in range(nv)]
+            got = world.gather(msg, f"layer {i} routed experts' outputs for rank {o}", to=o)
+            del msg
+            for v in range(nv):
+                for s in samples:
+                    where[v][s] = None  # sent
+            if got is None:
+                continue
+            for v in range(nv):
+                for k, s in enumerate(samples):
+                    shape, dtype = shapes[s]
+                    a = torch.zeros(shape, dtype=dtype)
+                    for part in got:  # rank order = expert order
+                        for rows, counts, out in part[v][k]:
+                            for t, h in zip(rows.split(counts), out.split(counts)):
+                                a.index_add_(0, t.to(a.device), h.to(a.device, a.dtype))
+                    accs[v].append(a)
+            del got
+    for store in (*outs, *(c.hidden for c in full)):
+        store.clear()
+    del full, where
     got = world.gather(mine, f"layer {i} routed experts' results", to=0)
     if got is not None:
         x.fallbacks.extend(mine["fallbacks"])
@@ -351,6 +416,11 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
             for k, c in o["routed"].items():
                 hooks.routed[k] = hooks.routed.get(k, 0) + c
     return accs
+
+
+def _nbytes_of(shape_dtype) -> int:
+    shape, dtype = shape_dtype
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
 def virtual_shapes(streamer, stand) -> dict[str, tuple]:
