@@ -145,24 +145,39 @@ class TreeSum:
                 break
             self.stack[-2:] = [(up, self._add(va, vb))]
 
-    def combine(self, world, what: str, send: Callable = lambda v: v, receive: Callable = lambda v: v):
-        """The root on rank 0 (None on the others, after sending theirs): every rank's subtrees,
-        in rank order (= leaf order), pushed after rank 0's. ``send`` makes a value fit to travel
-        (``gather`` pickles: CPU tensors), ``receive`` undoes it on rank 0 (back to its device)."""
+    def combine(self, world, what: str, send: Callable = lambda v: v, receive: Callable = lambda v: v, to: int = 0):
+        """The root on rank ``to`` (None on the others, after sending theirs): every rank's
+        subtrees, pushed in rank order (= leaf order), its own where its rank falls. ``send`` makes
+        a value fit to travel (``gather`` pickles: CPU tensors), ``receive`` undoes it on rank
+        ``to`` (back to its device)."""
         self.close()
         if world is not None and world.size > 1:
-            mine = [(node, send(value)) for node, value in self.stack] if world.rank else []
-            got = world.gather(mine, what, to=0)
+            mine = [(node, send(value)) for node, value in self.stack] if world.rank != to else []
+            got = world.gather(mine, what, to=to)
             if got is None:
                 self.stack = []
                 return None
-            for part in got[1:]:
-                for node, value in part:
-                    self.push(node, receive(value))
+            own, self.stack = self.stack, []
+            for r, part in enumerate(got):
+                for node, value in (own if r == to else [(n, receive(v)) for n, v in part]):
+                    self.push(node, value)
         if [n for n, _ in self.stack] != [(0, self.leaves)]:
             raise QuantizeError(f"{what}: the shard sums cover {[n for n, _ in self.stack]}, not the "
                                 f"{self.leaves} shards; every rank must run the same quantize version")
         return self.stack.pop()[1]
+
+
+def balance(costs: list[float], size: int) -> list[int]:
+    """Items of these costs spread over ``size`` ranks, the costliest first, each to the rank with
+    the least so far (the lowest such rank): -> each item's rank. A function of the costs alone, so
+    the same on every rank."""
+    load = [0.0] * size
+    owner = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        owner[k] = r
+        load[r] += costs[k]
+    return owner
 
 
 def owner_of(i: int, n: int, size: int) -> int:

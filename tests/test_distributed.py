@@ -106,14 +106,14 @@ class _Rank0:
 class _Rank1(_Rank0):
     rank, is_writer = 1, False
 
-    def __init__(self):
-        self.sent = []
+    def __init__(self, peer=()):
+        self.sent, self.peer = [], list(peer)
 
     def gather(self, obj, what, to=None):
         import copy
 
         self.sent.append(copy.deepcopy(obj))  # sent at the call, as torch.distributed pickles it
-        return None
+        return [self.peer.pop(0), obj] if to is None else None  # to every rank: rank 0's object, then its own
 
 
 def _hooked(samples, terms, own):
@@ -144,12 +144,13 @@ def test_hessians_split_over_two_ranks_are_one_process_bit_for_bit(n):
     terms = _terms(n, n)
     one = _hooked(n, terms, range(n))
     one.combine(None, "test")
-    r1 = _Rank1()
+    h0 = _hooked(n, terms, D.samples_of(n, 2, 0))
+    r1 = _Rank1([{"n": dict(h0.n), "tokens": dict(h0.tokens)}])
     h1 = _hooked(n, terms, D.samples_of(n, 2, 1))
     h1.combine(r1, "test")
     counts, stack = r1.sent
     assert not h1.H and len(stack) == 1 and stack[0][0] == (len(D.sample_shards(n)) // 2, len(D.sample_shards(n)))
-    h0 = _hooked(n, terms, D.samples_of(n, 2, 0))
+    assert h1.n == one.n  # the divisors and token counts: on every rank (a unit's owner may be any of them)
     h0.combine(_Rank0(r1.sent), "test")
     assert torch.equal(h0.H["u"], one.H["u"]) and h0.n == one.n == {"u": n} and h0.tokens == {"u": 3 * n}
     flat = terms[0].clone()
@@ -501,3 +502,57 @@ def test_exchange_slices_hold_at_most_the_limit_and_one_item_at_least():
     cut = exchange_slices(sizes, 8)
     assert [k for r in cut for k in r] == list(range(len(sizes)))  # every item once, in order
     assert all(sum(sizes[k] for k in r) <= 8 for r in cut)
+
+
+@pytest.mark.parametrize("to", [0, 1, 2])
+def test_a_tree_sum_finished_on_any_rank_is_one_process_s(to):
+    """The root on the rank the units' owner is (``combine(to=)``): every part pushed in rank order,
+    the receiver's own where its rank falls, so one process's sum bit for bit; a receiver that put
+    its own part first (as rank 0 may) gets another number, or a gap."""
+    import torch
+
+    vals = _terms(5, 7)
+    add = lambda a, b: a + b  # noqa: E731
+    one = D.TreeSum(5, add)
+    for j in range(5):
+        one.leaf(j, vals[j].clone())
+    want = one.combine(None, "test")
+
+    def ranks():
+        out = []
+        for r in range(3):
+            t = D.TreeSum(5, add)
+            for j in D.partition(5, 3, r):
+                t.leaf(j, vals[j].clone())
+            out.append(t)
+        return out
+
+    class W:
+        size, rank = 3, to
+
+        def __init__(self, parts):
+            self.parts = parts
+
+        def gather(self, obj, what, to=None):
+            assert obj == [] and to == self.rank  # the receiver sends nothing
+            return self.parts
+
+    ts = ranks()
+    parts = [[] if r == to else list(ts[r].stack) for r in range(3)]
+    assert torch.equal(ts[to].combine(W(parts), "test", to=to), want)
+    if to:
+        ts = ranks()
+        own = list(ts[to].stack)
+        with pytest.raises(QuantizeError, match="shard sum"):
+            ts[to].stack = []
+            for part in [own] + [p for r, p in enumerate(parts) if r != to]:  # its own first: out of leaf order
+                for node, v in part:
+                    ts[to].push(node, v)
+
+
+def test_balance_gives_the_costliest_first_to_the_least_loaded_rank():
+    assert D.balance([1, 9, 4, 4], 2) == [1, 0, 1, 1]
+    assert D.balance([1, 9, 4, 4], 1) == [0, 0, 0, 0]
+    assert D.balance([5, 5], 2) == [0, 1] and D.balance([5, 5], 3) == [0, 1]  # ties: the lowest rank
+    assert D.balance([], 4) == []
+    assert D.balance([3, 3, 2, 2, 2], 2) == [0, 1, 0, 1, 0]  # 7 against 5: not a perfect split, but the same on every rank

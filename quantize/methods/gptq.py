@@ -111,24 +111,32 @@ class Hessians(Collector):
             return
         self.tree.add(owner_of(sample, self.samples, self.shards) if self.samples else 0, terms)
 
-    def combine(self, world, what: str) -> None:
-        """The hooked units' Hessians of every rank's samples, on rank 0 (the others send their
-        subtrees of shard sums, then drop them): the tree finished in shard order; the divisors
-        and token counts summed. Every rank calls it, for a layer with hooked units."""
+    def combine(self, world, what: str, owners: dict[str, int] | None = None) -> None:
+        """The hooked units' Hessians of every rank's samples, each on its owner (``owners``: unit
+        key -> rank; default rank 0), which the others send their subtrees of its shard sums, then
+        drop them: the tree finished in shard order; the divisors and token counts summed on every
+        rank, in rank order. Every rank calls it, for a layer with hooked units."""
         self.tree.close()
         split = world is not None and world.size > 1
-        counts = world.gather({"n": self.n, "tokens": self.tokens}, f"{what} (counts)", to=0) if split else None
-        dev = next((h.device for _, sums in self.tree.stack for h in sums.values()), None)
-        root = self.tree.combine(world if split else None, what, send=_on_cpu,
-                                 receive=lambda sums: {k: h.to(dev) for k, h in sums.items()})
-        self.tree = TreeSum(self.shards, _add_all)
-        if split and counts is None:  # not rank 0: its part is sent
-            self.n.clear()
-            self.tokens.clear()
+        if not split:
+            _add_all(self.H, self.tree.combine(None, what))
+            self.tree = TreeSum(self.shards, _add_all)
             return
-        for part in (counts or [])[1:]:
+        counts = world.gather({"n": self.n, "tokens": self.tokens}, f"{what} (counts)")
+        self.n, self.tokens = {}, {}
+        for part in counts:
             _add_counts(self, part, ("n", "tokens"))
-        _add_all(self.H, root)
+        owners = owners or {}
+        dev = next((h.device for _, sums in self.tree.stack for h in sums.values()), None)
+        stack = self.tree.stack
+        for o in sorted(set(owners.values()) | {0}):  # the same ranks on every rank (a rank may hold no sample)
+            tree = TreeSum(self.shards, _add_all)
+            tree.stack = [(node, {k: h for k, h in sums.items() if owners.get(k, 0) == o}) for node, sums in stack]
+            root = tree.combine(world, f"{what} for rank {o}" if o else what, send=_on_cpu,
+                                receive=lambda sums: {k: h.to(dev) for k, h in sums.items()}, to=o)
+            if root is not None:
+                _add_all(self.H, root)
+        self.tree = TreeSum(self.shards, _add_all)
 
     def _add(self, key: str, x: torch.Tensor, count: int) -> None:
         """One sample's ``2 x^T x`` of ``key`` into this thread's part (merged in sample order)."""
@@ -332,39 +340,64 @@ class GPTQ(Method):
         opt = x.options
         results: dict[str, Result] = {}
         items = []
+        why: dict[str, str] = {}  # unit key -> why it stays at RTN; named in the units' order below
         for u in x.units:
             n = hooks.tokens.get(u.key, 0)
             h = hooks.normalized(u.key)
             if u.expert is not None and n < opt.min_expert_tokens or h is None:
                 results[u.key] = rtn(x.originals[u.key], opt.group_size, opt.observer, u.scale_dtype)
-                for name, _, _ in u.names:
-                    why = f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"
-                    x.fallbacks.append({"name": name, "reason": why})
+                why[u.key] = f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"
                 continue
             items.append((u, x.originals[u.key], h))
         done = quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, x.fwd.workers)
         for (u, _, _), (res, failed, _loss) in zip(items, done):
             if failed:
                 res = Result(res.codes, res.scale, "rtn")
-                for name, _, _ in u.names:
-                    x.fallbacks.append({"name": name, "reason": "Hessian not positive definite after dampening "
-                                                                "(raise --damp or add samples)"})
+                why[u.key] = "Hessian not positive definite after dampening (raise --damp or add samples)"
             results[u.key] = res
-        return results
+        for u in x.units:
+            if u.key in why:
+                x.fallbacks.extend({"name": name, "reason": why[u.key]} for name, _, _ in u.names)
+        return {u.key: results[u.key] for u in x.units}
+
+
+def gptq_cost(w: torch.Tensor) -> float:
+    """What one unit's GPTQ costs, about: its update (rows x columns^2) and its Hessian's
+    factorisation (columns^3)."""
+    rows, cols = w.shape[0], w.shape[-1]
+    return float(rows * cols * cols + cols ** 3)
 
 
 def shared_results(method, x: Layer, hooks: Hessians) -> dict[str, Result]:
     """``method.results`` for units whose Hessians sum every rank's samples (the Linear units; with
-    the samples split over ranks, ``x.fwd.world``): the Hessians combined on rank 0, which runs the
-    update and sends the results to the others (their ``x.fallbacks`` stay theirs: rank 0 reports)."""
+    the samples split over ranks, ``x.fwd.world``): the units spread over the ranks by their cost
+    (``distributed.balance``), each unit's Hessian combined on its rank, which runs its update;
+    every rank then gets every result. The fallbacks go to rank 0, which reports them in the units'
+    order, as one process does."""
+    from dataclasses import replace
+
+    from ..distributed import balance
+
     world = x.fwd.world
     if not x.units:  # nothing to quantize here (a streamed layer under --profile experts), on every rank alike
         return {}
-    if any(u.expert is None for u in x.units):  # Linear units hooked: their Hessians in the shards' tree
-        hooks.combine(world, f"layer {x.index} Hessians")
-    if world is None or world.size == 1:
+    split = world is not None and world.size > 1
+    linear = [u for u in x.units if u.expert is None]
+    owners = {}
+    if split:  # a routed expert here (a whole layer's, one process's path) stays with rank 0
+        owners = dict(zip([u.key for u in linear], balance([gptq_cost(x.originals[u.key]) for u in linear],
+                                                           world.size)))
+    if linear:  # Linear units hooked: their Hessians in the shards' tree
+        hooks.combine(world, f"layer {x.index} Hessians", owners)
+    if not split:
         return method.results(x, hooks)
-    res = method.results(x, hooks) if world.is_writer else None
-    if res is not None:  # CPU tensors travel (an RTN fallback's are on the layer's device)
-        res = {k: Result(r.codes.cpu(), r.scale.cpu(), r.how) for k, r in res.items()}
-    return world.broadcast(res, f"layer {x.index} GPTQ of the Linear units")
+    mine = [u for u in x.units if owners.get(u.key, 0) == world.rank]
+    fallbacks: list[dict] = []
+    res = method.results(replace(x, units=mine, fallbacks=fallbacks), hooks) if mine else {}
+    # CPU tensors travel (an RTN fallback's are on the layer's device)
+    res = {k: Result(r.codes.cpu(), r.scale.cpu(), r.how) for k, r in res.items()}
+    got = world.gather((res, fallbacks), f"layer {x.index} GPTQ of the Linear units")
+    if world.is_writer:
+        order = {name: k for k, u in enumerate(x.units) for name, _, _ in u.names}
+        x.fallbacks.extend(sorted((f for _, fb in got for f in fb), key=lambda f: order.get(f["name"], -1)))
+    return {u.key: got[owners.get(u.key, 0)][0][u.key] for u in x.units}
