@@ -290,3 +290,33 @@ def test_run_preflight_near_misses(dsv3, tmp_path, reads):
         _run_recipe(stages)(ctx)
         pipeline._calibration_preflight(pipeline.load_pipeline(ctx.tmp / "r.yaml"))
     assert reads == []
+
+
+def test_autoround_whose_expert_state_cannot_fit_is_refused_before_a_read(dsv3, tmp_path, reads, monkeypatch):
+    """AutoRound holds a rank's share of a MoE layer's routed experts' training state whole
+    (tuning.state_bytes); where the memory free for it is less, one line before a weight is read,
+    naming what it needs; with exactly enough, the check passes."""
+    import psutil
+
+    from quantize.distributed import World
+    from quantize.methods import tuning
+
+    st = LayerStreamer(dsv3)
+    h, i = st.expert_dims()
+    need = tuning.state_bytes(h, i, 8)  # the tiny DeepSeek-V3: 8 routed experts, all on the one rank
+    assert need == 12 * 8 * 3 * h * i * 4
+    tuning.check_memory(st, "cpu", World(), free=need)  # exactly enough: passes
+    with pytest.raises(QuantizeError, match=r"a rank would hold about .* GiB .*\(8 experts over 1 rank\(s\): 8 each, "
+                                            r"x 12 fp32 copies .*run on GPUs \(--device cuda --nproc N\)"):
+        tuning.check_memory(st, "cpu", World(), free=need - 1)
+    # on GPUs: the smallest number of them that holds each rank's share (2 experts each: 4 GPUs)
+    with pytest.raises(QuantizeError, match=r"on its GPU; spread the experts over 4 GPUs or more \(--nproc 4"):
+        tuning.check_memory(st, "cuda", World(), free=tuning.state_bytes(h, i, 2))
+    with pytest.raises(QuantizeError, match="even one expert per GPU does not fit"):
+        tuning.check_memory(st, "cuda", World(), free=tuning.state_bytes(h, i, 1) - 1)
+    tuning.check_memory(st, "cuda", World(rank=0, size=4, local_size=4), free=tuning.state_bytes(h, i, 2))  # 4 ranks
+    # the command: one line, nothing written, nothing read
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=need - 1))
+    run_case(Case("autoround: expert state", lambda c: ["convert", c.src, c.new("q"), "--method", "autoround",
+                                                        *CAL], "more than the"), tmp_path, {"src": dsv3})
+    assert not (tmp_path / "q").exists() and reads == []

@@ -58,6 +58,54 @@ from .streamed import Variant, _tensors, per_expert_bytes, put_linear, run_group
 from .units import Result, Unit, dequant, rtn
 
 
+# fp32 copies of its routed experts' weights a rank holds while AutoRound trains a MoE layer (the
+# weights, rounding offsets, clip factors, fake-quantized weights and leaves, gradients and their shard
+# sums, the best step's snapshot): measured at DeepSeek-V3's width, 8 experts, as peak RSS, 17.17 GiB on one
+# rank and 9.35 GiB on each of 2 (docs/methods.md): 1.96 GiB per expert of 0.16 GiB in fp32
+STATE_COPIES = 12
+
+
+def state_bytes(hidden: int, intermediate: int, experts: int) -> int:
+    """What ``experts`` routed experts' AutoRound training state costs a rank, about (``STATE_COPIES``)."""
+    return STATE_COPIES * experts * expert_bytes(hidden, intermediate, torch.float32)
+
+
+def check_memory(streamer, device: str, world, free: int | None = None) -> None:
+    """Before any weight is read: the routed experts' training state a rank holds under AutoRound
+    (its share of the largest MoE layer's experts, ``state_bytes``) fits in the memory it has: the
+    GPU's free memory (``--device cuda``), or this node's free memory shared by its ranks. One line
+    saying how many GPUs would hold it otherwise. ``free``: the bytes to check against (a test's)."""
+    n = int(getattr(streamer.config, "n_routed_experts", 0) or 0)
+    if not streamer.experts_path or n <= 0:
+        return
+    h, i = streamer.expert_dims()
+    gpu = device.startswith("cuda")
+    if free is None:
+        if gpu:
+            free = torch.cuda.mem_get_info(torch.device(device))[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available // max(1, world.local_size)
+    owned = -(-n // world.size)  # the largest share (World.owned)
+    need = state_bytes(h, i, owned)
+    if need <= free:
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    what = (f"--method autoround: a rank would hold about {gib(need)} of a MoE layer's routed-expert training state "
+            f"({n} experts over {world.size} rank(s): {owned} each, x {STATE_COPIES} fp32 copies of {h} x {i} "
+            f"gate|up|down), more than the {gib(free)} free {'on its GPU' if gpu else 'for it on this node'}")
+    if gpu:
+        ranks = next(r for r in range(world.size + 1, n + 1) if state_bytes(h, i, -(-n // r)) <= free) \
+            if state_bytes(h, i, 1) <= free else None
+        fix = (f"spread the experts over {ranks} GPUs or more (--nproc {ranks}, or torchrun over several nodes)"
+               if ranks else "even one expert per GPU does not fit")
+    else:
+        fix = "the ranks of one node share its memory: run on GPUs (--device cuda --nproc N) or over several nodes"
+    raise QuantizeError(f"{what}; {fix}, or use --method gptq (its experts go a group at a time within "
+                        "--memory-budget-gib)")
+
+
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
 # a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
