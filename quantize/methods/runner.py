@@ -73,11 +73,11 @@ def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
     try:  # every layer's class built on the meta device, its tensors found in the headers: no weight read
         streamer.check_layers(build_fix="use --method rtn")
         streamer.check_ids(s.ids)
-        if options.method_name == "autoround":  # its experts' training state is held whole, per rank
+        if getattr(options, "method_name", None) == "autoround":  # its experts' training state is held whole
             from ..distributed import current
             from .tuning import check_memory
 
-            check_memory(streamer, options.device, current())
+            check_memory(streamer, getattr(options, "device", "cpu"), current())
     finally:
         streamer.close()
     return Calibration(s.ids, s.source, h.hexdigest(), sum(len(i) for i in s.ids), s.texts_read, s.dropped_short)
