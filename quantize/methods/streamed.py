@@ -289,11 +289,11 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
     """Every rank's samples' captures (``caps``: source, RTN, quantized Linear units) on every rank,
     in sample order (rank by rank), sent by each rank a slice at a time (at most ``limit`` bytes
     per collective, one sample at least) into stores on this rank's budget (spilled beyond it).
-    -> (the three captures, each sample's input (shape, dtype), its top-k)."""
+    -> (the three captures, each sample's input (shape, dtype), its bytes, its top-k)."""
     from .forward import Captured
 
     full = [Captured(HiddenStore(fwd.budget, fwd.spill, f"x{v}-{i}")) for v in range(len(caps))]
-    shapes, topk = [], []
+    shapes, sizes, topk = [], [], []
     for o in range(world.size):
         s, held, more = 0, None, True
         while more:
@@ -318,11 +318,12 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
                     full[v].index.append(index)
                     full[v].weights.append(weights)
                 shapes.append((r[0][0].shape, r[0][0].dtype))
+                sizes.append(_nbytes(r[0][0]))
                 topk.append(r[0][1].shape[-1])
             del items
     for c in caps:
         c.clear()
-    return full, shapes, topk
+    return full, shapes, sizes, topk
 
 
 def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: dict[int, list[Unit]], x: Layer,
@@ -344,7 +345,7 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
 
     i, opt, dev = x.index, x.options, fwd.device
     limit = _exchange_limit(fwd)
-    full, shapes, topk = _all_captures(world, caps, fwd, i, limit)
+    full, shapes, sizes, topk = _all_captures(world, caps, fwd, i, limit)
     n, nv = len(full[0]), len(full)
     outs = [HiddenStore(fwd.budget, fwd.spill, f"o{v}-{i}") for v in range(nv)]  # this rank's experts' outputs
     where: list[list[list]] = [[[] for _ in range(n)] for _ in range(nv)]  # [v][s] -> [(position, rows, counts)]
@@ -382,7 +383,7 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
     for o in range(world.size):  # each rank's samples' outputs, from every rank, a slice of them at a time
         own = list(samples_of(n, world.size, o))
         # every rank cuts the same slices: by what the samples' outputs can be at most (top-k rows each)
-        for sl in exchange_slices([nv * topk[s] * _nbytes_of(shapes[s]) for s in own], limit):
+        for sl in exchange_slices([nv * topk[s] * sizes[s] for s in own], limit):
             samples = [own[k] for k in sl]
             msg = [[[(rows, counts, outs[v][pos]) for pos, rows, counts in where[v][s]] for s in samples]
                    for v in range(nv)]
@@ -416,11 +417,6 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
             for k, c in o["routed"].items():
                 hooks.routed[k] = hooks.routed.get(k, 0) + c
     return accs
-
-
-def _nbytes_of(shape_dtype) -> int:
-    shape, dtype = shape_dtype
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
 def virtual_shapes(streamer, stand) -> dict[str, tuple]:

@@ -87,8 +87,13 @@ def check_memory(streamer, device: str, world, free: int | None = None) -> None:
             import psutil
 
             free = psutil.virtual_memory().available // max(1, world.local_size)
-    owned = -(-n // world.size)  # the largest share (World.owned)
-    need = state_bytes(h, i, owned)
+    from ..distributed import partition
+
+    def share(ranks: int) -> int:  # the largest share's state: rank 0's (World.owned)
+        return state_bytes(h, i, len(partition(n, ranks, 0)))
+
+    owned = len(partition(n, world.size, 0))
+    need = share(world.size)
     if need <= free:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
@@ -96,8 +101,7 @@ def check_memory(streamer, device: str, world, free: int | None = None) -> None:
             f"({n} experts over {world.size} rank(s): {owned} each, x {STATE_COPIES} fp32 copies of {h} x {i} "
             f"gate|up|down), more than the {gib(free)} free {'on its GPU' if gpu else 'for it on this node'}")
     if gpu:
-        ranks = next(r for r in range(world.size + 1, n + 1) if state_bytes(h, i, -(-n // r)) <= free) \
-            if state_bytes(h, i, 1) <= free else None
+        ranks = next(r for r in range(world.size + 1, n + 1) if share(r) <= free) if share(n) <= free else None
         fix = (f"spread the experts over {ranks} GPUs or more (--nproc {ranks}, or torchrun over several nodes)"
                if ranks else "even one expert per GPU does not fit")
     else:
