@@ -11,8 +11,9 @@ calls; docs/distributed.md is the user's side.
 - ``owned(n)`` / ``owner(i, n)``: a fixed contiguous partition of n items (routed experts), a
   function of (n, size, rank) alone: never of timing. ``samples(n)``: this rank's calibration
   samples, whole ``sample_shards`` (fixed by n alone: the leaves of every sum over samples).
-- ``gather(obj, what)``, ``broadcast(obj, what)``, ``barrier(what)``: rank order, on a gloo group
-  (CPU objects, pickled; see ``World.gather`` for the cost). A peer that died or hangs fails them
+- ``gather(obj, what)``, ``broadcast(obj, what)``, ``barrier(what)``: rank order; an object's
+  tensors travel as raw bytes on the world's backend (NCCL on GPUs), the rest of it pickled on a
+  gloo group (``quantize.wire``; ``World.gather`` for the cost). A peer that died or hangs fails them
   in one line (``QuantizeError`` naming this rank, the collective, ``what`` and the peer) within
   the timeout (``--dist-timeout-s``) instead of hanging this rank.
 
@@ -262,36 +263,67 @@ class World:
         """Every rank's ``obj``, in rank order: on every rank (``to`` None), or on rank ``to``
         alone (the others get None). ``what`` names the step in a failure ("layer 3 experts").
 
-        Cost: each object is pickled (tensors by torch.save, so CPU tensors: move GPU results to
-        the CPU first) and sent whole; all ranks receive every rank's bytes (size x the largest
-        object each) unless ``to`` is given. For what only the writer needs (quantized experts),
-        pass ``to=0``."""
+        How it travels (``quantize.wire``): its tensors' bytes in one buffer per rank, sent by the
+        world's backend (NCCL on GPUs), the rest pickled on the gloo group; this rank's own entry is
+        ``obj`` itself. Cost: every rank's buffer is padded to the largest one's bytes, and all
+        ranks receive every rank's buffer unless ``to`` is given. For what only the writer needs
+        (quantized experts), pass ``to=0``."""
         if self.size == 1:
             return [obj] if to in (None, 0) else None
+        import torch
         import torch.distributed as dist
 
-        out = [None] * self.size
+        from . import wire
 
         def op():
+            packed = wire.pack(obj)
             if to is None:
-                dist.all_gather_object(out, obj, group=self._group)
-                return out
-            dist.gather_object(obj, out if self.rank == to else None, dst=to, group=self._group)
-            return out if self.rank == to else None
+                metas = [None] * self.size
+                dist.all_gather_object(metas, (packed.skeleton, packed.size), group=self._group)
+                skeletons, sizes = [m[0] for m in metas], [m[1] for m in metas]
+            else:
+                sizes = [None] * self.size
+                dist.all_gather_object(sizes, packed.size, group=self._group)
+                skeletons = [None] * self.size if self.rank == to else None
+                dist.gather_object(packed.skeleton, skeletons, dst=to, group=self._group)
+            width = max(sizes)
+            bufs = [None] * self.size
+            if width:
+                mine = packed.buffer(self.device, width)
+                if to is None or self.rank == to:
+                    bufs = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+                if to is None:
+                    dist.all_gather(bufs, mine)
+                else:
+                    dist.gather(mine, bufs if self.rank == to else None, dst=to)
+                del mine
+            if to is not None and self.rank != to:
+                return None
+            return [obj if r == self.rank else wire.unpack(skeletons[r], bufs[r]) for r in range(self.size)]
 
         return self._collective("gather", what, op)
 
     def broadcast(self, obj, what: str, *, src: int = 0):
-        """Rank ``src``'s ``obj`` on every rank (the others' ``obj`` is ignored)."""
+        """Rank ``src``'s ``obj`` on every rank (the others' ``obj`` is ignored; ``src`` gets
+        ``obj`` itself). It travels as ``gather``'s do."""
         if self.size == 1:
             return obj
+        import torch
         import torch.distributed as dist
 
-        box = [obj if self.rank == src else None]
+        from . import wire
 
         def op():
+            packed = wire.pack(obj) if self.rank == src else None
+            box = [(packed.skeleton, packed.size) if packed is not None else None]
             dist.broadcast_object_list(box, src=src, group=self._group)
-            return box[0]
+            skeleton, size = box[0]
+            buf = None
+            if size:
+                buf = (packed.buffer(self.device) if packed is not None
+                       else torch.empty(size, dtype=torch.uint8, device=self.device))
+                dist.broadcast(buf, src=src)
+            return obj if self.rank == src else wire.unpack(skeleton, buf)
 
         return self._collective("broadcast", what, op)
 
@@ -361,8 +393,9 @@ def current() -> World:
 def join(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> World:
     """Join the run torchrun started (its environment, WORLD_SIZE > 1): a process group, NCCL when
     CUDA is there (one GPU per rank, ``cuda:LOCAL_RANK``) else gloo, with ``timeout_s`` on every
-    collective; the objects of ``gather``/``broadcast``/``barrier`` travel on a gloo group in both
-    cases (CPU, and a timeout that raises instead of aborting). Outside torchrun, or at size 1:
+    collective. ``gather``/``broadcast``/``barrier`` first meet on a gloo group in both cases (a
+    timeout that raises instead of aborting: a peer gone is one line there), and an object's
+    tensors then travel on the world's backend (``quantize.wire``). Outside torchrun, or at size 1:
     the World of one process. Leave with ``leave``."""
     global _CURRENT
     if _CURRENT.size > 1:
@@ -568,6 +601,33 @@ def launch(module: str, argv: list[str], nproc: int, interrupted: str = "interru
 # -- a self-test the tests run under torchrun -----------------------------------------------------
 
 
+def _message(rank: int) -> dict:
+    """What the self-test's ranks exchange: tensors of every kind ``quantize.wire`` sends raw (of
+    rank-dependent sizes, so buffers are padded) beside ones it pickles, a function of ``rank``."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    big = torch.randn((1 << 16) + 37 * rank, generator=g)
+    return {"rank": rank, "bf16": torch.randn(3, 5 + rank, generator=g).to(torch.bfloat16),
+            "rows": [torch.arange(7 * rank), torch.tensor(rank % 2 == 0), torch.empty(0, 4)],
+            "fp8": torch.randn(9, generator=g).to(torch.float8_e4m3fn), "big": big, "part": big[3:11],
+            "strided": torch.randn(4, 6, generator=g).t(), "param": torch.nn.Parameter(torch.ones(2) * rank)}
+
+
+def _same(a, b) -> bool:
+    """Equal bit for bit (tensors: type, dtype, shape, strides and bytes), recursively."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _selftest(argv: list[str]) -> int:
     """``python -m quantize.distributed selftest [--nproc N] [--timeout-s T] [--items N]
     [--vanish R] [--hang R] [--fail R] [--timings DIR]``: gather, partition and broadcast across
@@ -592,6 +652,13 @@ def _selftest(argv: list[str]) -> int:
             ranks = w.gather(w.rank, "selftest ranks")
             parts = w.gather(list(w.owned(a.items)), "selftest partition")
             token = w.broadcast(f"from rank {w.rank}", "selftest broadcast")
+            last = w.size - 1  # tensors: gathered to every rank, to the writer, broadcast from the last rank
+            every = w.gather(_message(w.rank), "selftest tensors")
+            to_writer = w.gather(_message(w.rank), "selftest tensors to the writer", to=0)
+            from_last = w.broadcast(_message(w.rank) if w.rank == last else None, "selftest tensors", src=last)
+            tensors = (all(_same(m, _message(r)) for r, m in enumerate(every)) and _same(from_last, _message(last))
+                       and (to_writer is None if w.rank else all(_same(m, _message(r)) for r, m in enumerate(to_writer))))
+            tensors = w.gather(tensors, "selftest tensors checked", to=0)
             if w.rank == a.vanish:
                 os._exit(0)  # a process gone without a word or an error code
             if w.rank == a.hang:
@@ -603,7 +670,8 @@ def _selftest(argv: list[str]) -> int:
             at_writer = w.gather({"rank": w.rank, "owns": list(w.owned(a.items))}, "selftest results", to=0)
             if w.is_writer:
                 print(json.dumps({"size": w.size, "ranks": ranks, "parts": parts, "token": token,
-                                  "at_writer": at_writer, "device": w.device, "backend": w.backend}), flush=True)
+                                  "at_writer": at_writer, "device": w.device, "backend": w.backend,
+                                  "tensors": tensors}), flush=True)
         return 0
     except QuantizeError as e:
         if a.timings is not None:
