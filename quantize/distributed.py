@@ -656,8 +656,9 @@ def _selftest(argv: list[str]) -> int:
             every = w.gather(_message(w.rank), "selftest tensors")
             to_writer = w.gather(_message(w.rank), "selftest tensors to the writer", to=0)
             from_last = w.broadcast(_message(w.rank) if w.rank == last else None, "selftest tensors", src=last)
+            at_0 = to_writer is None if w.rank else all(_same(m, _message(r)) for r, m in enumerate(to_writer))
             tensors = (all(_same(m, _message(r)) for r, m in enumerate(every)) and _same(from_last, _message(last))
-                       and (to_writer is None if w.rank else all(_same(m, _message(r)) for r, m in enumerate(to_writer))))
+                       and at_0)
             tensors = w.gather(tensors, "selftest tensors checked", to=0)
             if w.rank == a.vanish:
                 os._exit(0)  # a process gone without a word or an error code

@@ -988,6 +988,13 @@ class EvalOptions(Options):
     )
     serve_log: Path | None = opt(None, "--serve: folder for the engines' logs (default: a new temporary folder)",
                                  recipe=False)
+    serve_pd_prefill: Path | None = opt(
+        None,
+        "--serve sglang: serve the candidate as SGLang's prefill/decode pair on this node: this model folder (the "
+        "source release) in the prefill pool on GPUs 0..tp-1, the candidate in the decode pool on the next tp GPUs, "
+        "behind sglang_router; generation tasks only (the prefill pool computes every prompt's log-probs)",
+        recipe=False,
+    )
     verbose: bool = opt(
         False, "show lm-eval's and transformers' own output (default: written to a log file named at the end)",
         record=False,

@@ -1,6 +1,9 @@
 """A stand-in for an engine's launcher, for the failures a real engine cannot be made to show on
 demand (tests/test_serve.py): started as ``python -m vllm.entrypoints.openai.api_server --model MODEL
---host H --port P ...`` by ``tests/test_serve.py``'s fake interpreter. FAKE_ENGINE_MODE:
+--host H --port P ...`` (or SGLang's ``--model-path MODEL``) by ``tests/test_serve.py``'s fake
+interpreter; with ``--pd-disaggregation`` (SGLang's router: ``--prefill URL BOOTSTRAP --decode URL``)
+a router that answers /health once both pools do and passes every other request to the decode
+pool. FAKE_ENGINE_MODE (FAKE_ENGINE_PREFILL_MODE for a ``--disaggregation-mode prefill`` server):
 
 - ``ok``: serves MODEL as tests/completions_server.py does (with /health);
 - ``fail``: prints a few log lines and exits with status 1 before answering;
@@ -20,10 +23,70 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def router(argv: list[str], host: str, port: int) -> int:
+    """SGLang's router in front of a pair, as far as the tool sees it."""
+    import urllib.error
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    prefill, decode = _value(argv, "--prefill"), _value(argv, "--decode")
+    print(f"fake router: prefill {prefill} (bootstrap {argv[argv.index('--prefill') + 2]}), decode {decode}",
+          flush=True)
+
+    def up(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _pass(self, body=None):
+            if self.path == "/health":
+                ok = up(prefill) and up(decode)
+                self.send_response(200 if ok else 503)
+                self.end_headers()
+                return
+            req = urllib.request.Request(decode + self.path, data=body, method=self.command,
+                                         headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+            try:
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    status, data = r.status, r.read()
+            except urllib.error.HTTPError as e:
+                status, data = e.code, e.read()
+            except OSError as e:
+                status, data = 502, str(e).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._pass()
+
+        def do_POST(self):
+            self._pass(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+    ThreadingHTTPServer((host, port), Handler).serve_forever()
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    mode = os.environ.get("FAKE_ENGINE_MODE", "ok")
-    model = argv[argv.index("--model") + 1]
     host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+    if "--pd-disaggregation" in argv:
+        return router(argv, host, port)
+    mode = os.environ.get("FAKE_ENGINE_MODE", "ok")
+    if _value(argv, "--disaggregation-mode") == "prefill":
+        mode = os.environ.get("FAKE_ENGINE_PREFILL_MODE", mode)
+    model = _value(argv, "--model") or _value(argv, "--model-path")
     print(f"fake engine: serving {model} on {host}:{port} ({mode})", flush=True)
     if mode == "fail":
         print("INFO loading weights", flush=True)

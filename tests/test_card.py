@@ -161,6 +161,12 @@ def test_the_card_says_when_prompts_went_through_the_chat_template():
     assert "prompts" not in where(served)  # without --chat: the task's own prompts, nothing said
     assert where({"engine": "transformers", "device": "cpu", "prompts": "the model's chat template"}) == (
         "transformers on the evaluating machine (cpu); prompts: the model's chat template")
+    pair = {"engine": "sglang", "version": "0.5.23", "launch": "python -m sglang.launch_server --model-path /int4",
+            "pd_prefill": "python -m sglang.launch_server --model-path /fp8",
+            "pd_router": "python -m sglang_router.launch_router --pd-disaggregation"}
+    assert where(pair) == ("sglang 0.5.23 as a prefill/decode pair launched by `quantize`: prefill `python -m "
+                           "sglang.launch_server --model-path /fp8`, decode `python -m sglang.launch_server "
+                           "--model-path /int4`, router `python -m sglang_router.launch_router --pd-disaggregation`")
 
 
 def test_reports_that_are_not_reports_or_of_another_model_are_refused(folder, converted, tmp_path):

@@ -134,7 +134,9 @@ def test_prefill_artifact_points_at_the_source_revision(dsv3, tmp_path):
     for args in (p, d):  # the same cache dtype on both pools, as SGLang's decode side requires
         assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and args[args.index("--disaggregation-transfer-backend") + 1] == "nixl"
         assert args[args.index("--disaggregation-bootstrap-port") + 1] == "8998"
-    assert r[:4] == ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"] and "--prefill" in r and "--decode" in r
+    assert r[:4] == ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"] and "--decode" in r
+    at = r.index("--prefill")  # URL, then the bootstrap port the decode pool pulls the KV cache from
+    assert r[at + 2] == p[p.index("--disaggregation-bootstrap-port") + 1]
     card = (tmp_path / "prefill" / "README.md").read_text()
     assert "base_model: deepseek-ai/DeepSeek-V3" in card and "no weights" in card
     assert "sglang/srt/disaggregation/common/conn.py" in card and "sglang/srt/arg_groups/fields/disagg.py" in card

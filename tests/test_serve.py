@@ -28,12 +28,14 @@ from .test_eval import _data, models  # noqa: E402,F401 - the fixture
 FAKE = Path(__file__).with_name("fake_engine.py")
 
 
-def _fake_python(tmp_path: Path, version: str = "0.32.0") -> Path:
-    """An executable standing in for a venv's python: answers the version probe (``-c``), and runs
-    tests/fake_engine.py for ``-m vllm.entrypoints.openai.api_server --model ...``."""
-    p = tmp_path / "fakebin" / "python"
+def _fake_python(tmp_path: Path, version: str = "0.32.0", router: bool = True) -> Path:
+    """An executable standing in for a venv's python: answers the version probe (``-c``; with
+    ``router`` False, as a venv without sglang-router), and runs tests/fake_engine.py for ``-m
+    vllm.entrypoints.openai.api_server --model ...`` (or SGLang's server, or its router)."""
+    p = tmp_path / ("fakebin" if router else "fakebin-norouter") / "python"
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(f'#!/bin/sh\ncase "$1" in -c) echo "{version}"; exit 0;; esac\nshift 2\n'
+    probe = "" if router else 'case "$2" in *sglang-router*) exit 3;; esac; '
+    p.write_text(f'#!/bin/sh\ncase "$1" in -c) {probe}echo "{version}"; exit 0;; esac\nshift 2\n'
                  f'exec {sys.executable} {FAKE} "$@"\n')
     p.chmod(0o755)
     return p
@@ -257,6 +259,116 @@ def test_engine_missing_old_or_port_taken_is_refused_before_a_launch(models, tmp
     monkeypatch.delenv("QUANTIZE_SGLANG_PYTHON", raising=False)
     with pytest.raises(QuantizeError, match=r"--serve sglang: no interpreter named; pass --engine-python"):
         evaluate(base, cand, serve="sglang", **kw)
+
+
+def _flag(line: str, flag: str) -> str:
+    return line.split(flag + " ")[1].split()[0]
+
+
+def test_a_pd_pair_serves_the_candidate_behind_its_router_and_all_three_stop(models, tmp_path, monkeypatch):
+    """--serve sglang --serve-pd-prefill SRC: the baseline served alone, then the candidate as SGLang's
+    pair: the prefill pool (SRC) on GPUs 0..tp-1, the decode pool (the candidate) from GPU tp on, one
+    bootstrap port and the same KV-cache dtype for both, an NCCL port each, and the router told the
+    prefill pool's bootstrap port. The stand-in router passes requests to the decode pool, so the
+    items are the local run's; all four servers are stopped after."""
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    data, logs = _data(tmp_path), tmp_path / "logs"
+    kw = dict(tasks="gsm8k", limit=2, data_dir=data, max_gen_toks=4, resamples=200)
+    local = evaluate(base, cand, **kw)
+    rep = evaluate(base, cand, serve="sglang", engine_python=_fake_python(tmp_path, "0.5.23"), serve_log=logs,
+                   serve_pd_prefill=base, tp=2, kv_cache_dtype="fp8_e4m3", out=tmp_path / "r.json", **kw)
+    assert (rep.tasks[0].baseline_items, rep.tasks[0].candidate_items) == (local.tasks[0].baseline_items,
+                                                                          local.tasks[0].candidate_items)
+    m = json.loads((tmp_path / "r.json").read_text())["measured"]
+    assert "pd_prefill" not in m["baseline"] and "--disaggregation-mode" not in m["baseline"]["launch"]
+    c = m["candidate"]
+    decode, prefill, router = c["launch"], c["pd_prefill"], c["pd_router"]
+    assert (c["engine"], c["version"], c["prefill_model"]) == ("sglang", "0.5.23", str(Path(base).resolve()))
+    assert "--disaggregation-mode decode" in decode and "--base-gpu-id 2" in decode
+    assert "--disaggregation-mode prefill" in prefill and "--base-gpu-id" not in prefill
+    assert f"--model-path {Path(cand).resolve()}" in decode and f"--model-path {Path(base).resolve()}" in prefill
+    for line in (decode, prefill):
+        assert "--tp 2" in line and "--kv-cache-dtype fp8_e4m3" in line
+        assert "--disaggregation-transfer-backend mooncake" in line
+    boot = _flag(prefill, "--disaggregation-bootstrap-port")
+    assert _flag(decode, "--disaggregation-bootstrap-port") == boot
+    assert _flag(decode, "--nccl-port") != _flag(prefill, "--nccl-port")
+    ports = {r: _flag(x, "--port") for r, x in (("prefill", prefill), ("decode", decode), ("router", router))}
+    assert (f"-m sglang_router.launch_router --pd-disaggregation --prefill http://127.0.0.1:{ports['prefill']} {boot} "
+            f"--decode http://127.0.0.1:{ports['decode']} --host 127.0.0.1 --port {ports['router']}") in router
+    assert sorted(p.name.rsplit("-", 1)[0] for p in logs.glob("*.log")) == [
+        "sglang-baseline", "sglang-candidate-decode", "sglang-candidate-prefill", "sglang-router-candidate-router"]
+    for port in (*ports.values(), _flag(m["baseline"]["launch"], "--port")):
+        assert not _listening(int(port))
+    # --serve-args naming a transfer backend: the pools get that one alone
+    pair = sv.Pair(base, cand, python=_fake_python(tmp_path, "0.5.23"), extra_args="--disaggregation-transfer-backend "
+                   "nixl", log_dir=tmp_path / "l2")
+    for s in (pair.prefill, pair.decode):
+        assert s.launch_line().count("--disaggregation-transfer-backend") == 1 and "backend nixl" in s.launch_line()
+
+
+def test_a_pd_pair_is_refused_before_any_launch_where_it_cannot_measure_the_candidate(models, tmp_path, monkeypatch):
+    """A pair is SGLang's; through it a log-likelihood task or KL would read the prefill pool's log-probs,
+    not the candidate's; its prefill folder must be the candidate's model and tokenizer; its router
+    must be installed: each one line, before any server starts."""
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    data, logs = _data(tmp_path), tmp_path / "logs"
+    py = _fake_python(tmp_path, "0.5.23")
+    kw = dict(tasks="gsm8k", limit=1, data_dir=data, serve_log=logs, serve_pd_prefill=base)
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((Path(base) / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    for extra, match in (
+            (dict(serve="vllm", engine_python=_fake_python(tmp_path)), r"a prefill/decode pair is SGLang's \(its "
+                                                                       r"router, sglang_router\); add --serve sglang, not --serve vllm"),
+            ({}, r"add --serve sglang$"),
+            (dict(serve="sglang", engine_python=py, kld_out=tmp_path / "k.json"),
+             r"--serve-pd-prefill with --kld-out: through the pair every prompt's log-probs come from the prefill pool"),
+            (dict(serve="sglang", engine_python=py, tasks="arc_easy,gsm8k"),
+             r"--serve-pd-prefill: arc_easy score\(s\) prompt log-probs, which the prefill pool \(\S+\) computes, not the "
+             r"candidate"),
+            (dict(serve="sglang", engine_python=py, serve_pd_prefill=tmp_path / "nowhere"),
+             r"--serve-pd-prefill \S+nowhere: no such folder"),
+            (dict(serve="sglang", engine_python=py, serve_pd_prefill=other), r"--candidate \S+: a .* model, "
+                                                                            r"--serve-pd-prefill \S+other a .*qwen3"),
+            (dict(serve="sglang", engine_python=_fake_python(tmp_path, "0.5.23", router=False)),
+             r"--serve-pd-prefill: the PD pair needs SGLang's router beside SGLang: \S+ has no sglang-router 0\.3 or "
+             r"later; install it there \(pip install sglang-router\)")):
+        with pytest.raises(QuantizeError, match=match) as e:
+            evaluate(base, cand, **{**kw, **extra})
+        assert "\n" not in str(e.value)
+        assert not logs.exists()  # nothing launched
+
+
+def test_a_pd_pool_that_fails_or_dies_is_one_line_and_the_pair_is_stopped(models, tmp_path, monkeypatch):
+    base, cand = models
+    py = _fake_python(tmp_path, "0.5.23")
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    monkeypatch.setenv("FAKE_ENGINE_PREFILL_MODE", "fail")
+    pair = sv.Pair(base, cand, python=py, log_dir=tmp_path / "l1")
+    with pytest.raises(QuantizeError) as e:
+        pair.start()
+    msg = str(e.value)
+    assert "\n" not in msg and f"the PD pair's prefill server for {Path(base).resolve()} exited with status 1" in msg
+    assert "ValueError: fake engine refuses this model" in msg
+    assert all(s.proc is None or s.proc.poll() is not None for s in pair.servers)  # the decode pool stopped too
+    assert pair.router.proc is None  # never started
+    # healthy, then the prefill pool killed mid-run: the evaluation ends in one line naming it, all stopped
+    monkeypatch.setenv("FAKE_ENGINE_PREFILL_MODE", "ok")
+
+    def work(p):
+        os.killpg(p.prefill.proc.pid, 9)
+        time.sleep(30)
+
+    with sv.Pair(base, cand, python=py, log_dir=tmp_path / "l2") as pair:
+        with pytest.raises(QuantizeError) as e:
+            sv.run_served(pair, work)
+    msg = str(e.value)
+    assert "\n" not in msg and f"the PD pair's prefill server for {Path(base).resolve()} was killed by signal 9" in msg
+    assert all(s.proc.poll() is not None for s in pair.servers)
 
 
 def test_version_parsing():

@@ -209,6 +209,7 @@ class Served:
         self.version = ""
         self.served_name = ""
         self.startup_s = 0.0
+        self.what = f"the server for {self.model}"  # as its failures name it
 
     # -- what the card and the report record ---------------------------------------------------
 
@@ -218,8 +219,11 @@ class Served:
 
     def launch_line(self) -> str:
         """The launch line as a user would type it (the interpreter's ``-m`` form, this run's port)."""
-        return shlex.join(self.engine.line(str(self.python), str(self.model), self.port or 0, self.tp,
-                                           self.kv_cache_dtype, self.extra))
+        port, self.port = self.port, self.port or 0
+        try:
+            return shlex.join(self.line())
+        finally:
+            self.port = port
 
     def record(self) -> dict:
         return {"engine": self.engine.name, "version": self.version, "launch": self.launch_line(),
@@ -238,8 +242,20 @@ class Served:
         self.stop()
 
     def start(self) -> None:
+        self.launch()
+        self.wait()
+
+    def check(self) -> None:
         if not (self.model / "config.json").is_file():
             raise QuantizeError(f"{self.model}: no config.json; --serve needs the model folder the engine loads")
+
+    def line(self) -> list[str]:
+        return self.engine.line(str(self.python), str(self.model), self.port, self.tp, self.kv_cache_dtype, self.extra)
+
+    def launch(self) -> None:
+        """Start the server's process (its own process group, its log streamed to a file); ``wait``
+        then waits for it to answer."""
+        self.check()
         self.version = engine_version(self.engine, self.python)
         if self.port is None:
             self.port = free_port()
@@ -250,9 +266,8 @@ class Served:
         env = _clean_env()
         for k, v in self.engine.env.items():
             env.setdefault(k, v)
-        line = self.engine.line(str(self.python), str(self.model), self.port, self.tp, self.kv_cache_dtype,
-                                self.extra)
-        t0 = time.time()
+        line = self.line()
+        self._t0 = time.time()
         with open(self.log, "wb") as logf:
             logf.write(("$ " + shlex.join(line) + "\n").encode())
             logf.flush()
@@ -260,19 +275,23 @@ class Served:
             # (python -m puts the cwd first on sys.path, in the server and in the workers it spawns)
             self.proc = subprocess.Popen(line, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, cwd=self.log_dir, start_new_session=True)
+
+    def wait(self) -> None:
+        """Until the launched server answers its health endpoint (stopped, and one line, if it exits
+        first or the timeout passes)."""
         try:
-            self._wait_healthy(t0)
+            self._wait_healthy(self._t0)
             self.served_name = self._served_name()
         except BaseException:
             self.stop()
             raise
-        self.startup_s = time.time() - t0
+        self.startup_s = time.time() - self._t0
 
     def _wait_healthy(self, t0: float) -> None:
         while True:
             rc = self.proc.poll()
             if rc is not None:
-                raise QuantizeError(f"--serve {self.engine.name}: the server for {self.model} exited with status "
+                raise QuantizeError(f"--serve {self.engine.name}: {self.what} exited with status "
                                     f"{rc} before it answered: {self.tail()} (log: {self.log})")
             try:
                 status, _ = _get(self.url + "/health", timeout=2.0)
@@ -281,7 +300,7 @@ class Served:
             except (urllib.error.URLError, OSError):
                 pass
             if time.time() - t0 > self.timeout_s:
-                raise QuantizeError(f"--serve {self.engine.name}: the server for {self.model} did not answer "
+                raise QuantizeError(f"--serve {self.engine.name}: {self.what} did not answer "
                                     f"{self.url}/health within {self.timeout_s:g} s (--serve-timeout-s): "
                                     f"{self.tail()} (log: {self.log})")
             time.sleep(POLL_S)
@@ -308,17 +327,21 @@ class Served:
             return "no log"
         return " | ".join(x[:240] for x in lines[-n:]) or "the log is empty"
 
-    def cause(self) -> str:
+    def exception(self, lines: list[str] | None = None) -> str | None:
         """The log's last line that names an exception (``NotImplementedError: ...``, the root cause an
-        engine prints before it answers 500), else its last lines (``tail``)."""
-        lines = self._lines()
-        if lines is None:
-            return "no log"
-        for x in reversed(lines):
+        engine prints before it answers 500), or None."""
+        for x in reversed(self._lines() if lines is None else lines):
             m = _EXCEPTION.search(x)
             if m:
                 return x[m.start():][:300]
-        return self.tail(lines=lines)
+        return None
+
+    def cause(self) -> str:
+        """``exception``, else the log's last lines (``tail``)."""
+        lines = self._lines()
+        if lines is None:
+            return "no log"
+        return self.exception(lines) or self.tail(lines=lines)
 
     def died(self) -> QuantizeError | None:
         """The one line for a server that is no longer running (None while it runs)."""
@@ -326,7 +349,7 @@ class Served:
         if rc is None:
             return None
         how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
-        return QuantizeError(f"--serve {self.engine.name}: the server for {self.model} was {how} during the "
+        return QuantizeError(f"--serve {self.engine.name}: {self.what} was {how} during the "
                              f"evaluation: {self.tail()} (log: {self.log})")
 
     def stop(self) -> None:
@@ -356,6 +379,157 @@ def _group_alive(pgid: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+# sglang_router (its own package, sglang-router): sglang_router/launch_router.py and router_args.py (0.3.2):
+# --pd-disaggregation, --prefill URL [BOOTSTRAP_PORT] (repeatable), --decode URL, --host, --port; /health
+ROUTER = Engine("sglang-router", ("-m", "sglang_router.launch_router"), None, "", ("sglang-router",), (0, 3),
+                "QUANTIZE_SGLANG_PYTHON")
+# SGLang 0.5.23 sglang/srt/arg_groups/fields/disagg.py and device.py: the flags a pool of the pair gets
+TRANSFER_FLAG = "--disaggregation-transfer-backend"
+TRANSFER_DEFAULT = "mooncake"  # SGLang's own default, and the card's launch lines'
+
+
+class Router(Served):
+    """SGLang's router in front of a prefill/decode pair: where requests go."""
+
+    def __init__(self, prefill: Served, decode: Served, bootstrap_port: int, *, port: int | None, timeout_s: float,
+                 log_dir: Path, role: str):
+        super().__init__("sglang", decode.model, python=decode.python, port=port, timeout_s=timeout_s,
+                         log_dir=log_dir, role=role)
+        self.engine, self.pools, self.bootstrap_port = ROUTER, (prefill, decode), bootstrap_port
+        self.what = "the PD pair's router (sglang_router)"
+
+    def check(self) -> None:
+        pass
+
+    def line(self) -> list[str]:
+        prefill, decode = self.pools
+        return [str(self.python), *ROUTER.module, "--pd-disaggregation", "--prefill", prefill.url,
+                str(self.bootstrap_port), "--decode", decode.url, "--host", HOST, "--port", str(self.port)]
+
+    def _served_name(self) -> str:
+        return self.pools[1].served_name
+
+
+def check_pair(python: str | os.PathLike | None) -> None:
+    """Before anything is launched: SGLang and its router in the engine's venv (one line each)."""
+    py = python_of(ENGINES["sglang"], python)
+    engine_version(ENGINES["sglang"], py)
+    try:
+        engine_version(ROUTER, py)
+    except QuantizeError:
+        raise QuantizeError(f"--serve-pd-prefill: the PD pair needs SGLang's router beside SGLang: {py} has no "
+                            f"sglang-router {'.'.join(map(str, ROUTER.min_version))} or later; install it there "
+                            "(pip install sglang-router)") from None
+
+
+def _free_ports(n: int, taken: set) -> list[int]:
+    out: list[int] = []
+    while len(out) < n:
+        p = free_port()
+        if p not in taken and p not in out:
+            out.append(p)
+    return out
+
+
+class Pair:
+    """SGLang's prefill/decode pair on this node, for the length of a ``with`` block, used as one
+    ``Served`` is (``run_served``): the prefill pool serves ``prefill_model`` (the source release) on
+    GPUs 0..tp-1, the decode pool ``decode_model`` (the candidate) from GPU ``tp`` on
+    (``--base-gpu-id``), each with the card's flags (``--disaggregation-mode``, one bootstrap port,
+    the transfer backend, the same ``--kv-cache-dtype``, which the decode side requires) and its
+    own ``--nccl-port`` (as SGLang's own test fixture starts a pair on one machine:
+    sglang/test/server_fixtures/disaggregation_fixture.py), both loading at once; then the router,
+    whose URL is the pair's. On leaving, all three are stopped (router first)."""
+
+    def __init__(self, prefill_model, decode_model, *, python=None, tp: int = 1, kv_cache_dtype: str | None = None,
+                 extra_args: str = "", port: int | None = None, timeout_s: float = 900.0, log_dir=None,
+                 role: str = "candidate", logprobs: int | None = None, reasoning_parser: str | None = None):
+        if port is not None:
+            check_port(port)
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="quantize-serve-"))
+        boot, nccl_p, nccl_d, port_p, port_d = _free_ports(5, {port})
+        extra = tuple(shlex.split(extra_args or ""))
+        transfer = () if _has_flag(extra, TRANSFER_FLAG) else (TRANSFER_FLAG, TRANSFER_DEFAULT)
+
+        def pool(mode: str, nccl: int, more: tuple = ()) -> str:
+            return shlex.join([*extra, "--disaggregation-mode", mode, "--disaggregation-bootstrap-port", str(boot),
+                               *transfer, "--nccl-port", str(nccl), *more])
+
+        kw = dict(python=python, tp=tp, kv_cache_dtype=kv_cache_dtype, timeout_s=timeout_s, log_dir=self.log_dir)
+        self.prefill = Served("sglang", prefill_model, extra_args=pool("prefill", nccl_p), port=port_p,
+                              role=f"{role}-prefill", **kw)
+        self.decode = Served("sglang", decode_model, extra_args=pool("decode", nccl_d, ("--base-gpu-id", str(tp))),
+                             port=port_d, role=f"{role}-decode", logprobs=logprobs,
+                             reasoning_parser=reasoning_parser, **kw)
+        self.prefill.what = f"the PD pair's prefill server for {self.prefill.model}"
+        self.decode.what = f"the PD pair's decode server for {self.decode.model}"
+        self.router = Router(self.prefill, self.decode, boot, port=port, timeout_s=timeout_s, log_dir=self.log_dir,
+                             role=f"{role}-router")
+        self.engine, self.tp, self.startup_s = self.decode.engine, tp, 0.0
+
+    @property
+    def servers(self) -> tuple[Served, Served, Served]:
+        return self.prefill, self.decode, self.router
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir  # the three logs
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        return self.decode.reasoning_parser
+
+    def record(self) -> dict:
+        return {**self.decode.record(), "startup_s": round(self.startup_s, 1), "log": str(self.log_dir),
+                "pd_prefill": self.prefill.launch_line(), "pd_router": self.router.launch_line(),
+                "prefill_model": str(self.prefill.model)}
+
+    def __enter__(self) -> "Pair":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        t0 = time.time()
+        try:
+            self.prefill.launch()
+            self.decode.launch()  # both pools load at once, each on its own GPUs
+            self.prefill.wait()
+            self.decode.wait()
+            self.router.launch()
+            self.router.wait()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.time() - t0
+
+    def stop(self) -> None:
+        for s in reversed(self.servers):
+            s.stop()
+
+    def died(self) -> QuantizeError | None:
+        for s in self.servers:
+            e = s.died()
+            if e is not None:
+                return e
+        return None
+
+    def cause(self) -> str:
+        """The first exception the decode, prefill or router log names, else the router's last lines."""
+        for s in (self.decode, self.prefill, self.router):
+            lines = s._lines()
+            found = s.exception(lines) if lines else None
+            if found:
+                return found
+        return self.router.tail()
 
 
 def run_served(served: Served, fn):

@@ -24,7 +24,9 @@ What SGLang 0.5.23 does (read from the PyPI wheel sglang-0.5.23-cp311-cp311-many
   ``--disaggregation-transfer-backend``, ``--tp``, and the router ``python3 -m
   sglang_router.launch_router --pd-disaggregation --prefill URL --decode URL --host H --port P``
   (sglang_router is the separate ``sglang-router`` package; the fixture also passes ``--mini-lb``,
-  marked "FIXME: remove this").
+  marked "FIXME: remove this"). sglang-router 0.3.2's ``sglang_router/router_args.py``: ``--prefill
+  URL [BOOTSTRAP_PORT]`` ("BOOTSTRAP_PORT can be a port number, 'none', or omitted (defaults to
+  none)"), so the lines here name the prefill pool's bootstrap port after its URL.
 - ``sglang/srt/mem_cache/index_key_cache.py``: GLM-5 DSA's indexer keys are stored FP8 with one
   scale per 128 values (``index_head_dim + index_head_dim // quant_block_size * 4`` bytes).
 
@@ -428,8 +430,9 @@ def launch_lines(
         "-m",
         "sglang_router.launch_router",
         "--pd-disaggregation",
-        "--prefill",
+        "--prefill",  # URL [BOOTSTRAP_PORT] (sglang_router/router_args.py, 0.3.2): the port decode pulls from
         f"http://{prefill_host}:{prefill_port}",
+        str(bootstrap_port),
         "--decode",
         f"http://{decode_host}:{decode_port}",
         "--host",

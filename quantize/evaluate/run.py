@@ -246,12 +246,14 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 @takes(EvalOptions)
 def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, chat, thinking,
              device, batch_size, resamples, base_url, baseline_url, concurrency, serve, engine_python, tp,
-             kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, verbose, save_baseline,
-             baseline_results, kld_out, kld_tokens, kld_chunk, kld_top_k) -> EvalReport:
+             kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, serve_pd_prefill, verbose,
+             save_baseline, baseline_results, kld_out, kld_tokens, kld_chunk, kld_top_k) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
-    the node at a time) and evaluate through it (``quantize.engines.serve``). ``kld_out``: also the
+    the node at a time) and evaluate through it (``quantize.engines.serve``); ``serve_pd_prefill``:
+    the candidate as SGLang's prefill/decode pair instead (``serve.Pair``: that folder in the prefill
+    pool), for generation tasks alone. ``kld_out``: also the
     candidate's KL divergence against the baseline (``eval-kld``'s report) from the same runs; served,
     from the same launch of each model (``_runs``)."""
     from ..checkpoint.output import report_target, write_report
@@ -294,10 +296,14 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if serve is not None and (base_url or baseline_url):
         raise QuantizeError(f"--serve {serve} launches the servers itself; drop --base-url / --baseline-url (or "
                             "--serve, to evaluate servers you started)")
+    if serve_pd_prefill is not None:
+        _pd_options(serve_pd_prefill, serve, kld_out)
     if serve is not None:
-        from ..engines.serve import engine_of, python_of
+        from ..engines.serve import check_pair, engine_of, python_of
 
         python_of(engine_of(serve), engine_python)  # the engine's interpreter, before any work
+        if serve_pd_prefill is not None:
+            check_pair(engine_python)  # SGLang and its router, before the baseline's launch
         base_url = baseline_url = None
     elif not (base_url and baseline_url):  # a model runs here: refuse a GPU that is not there before anything loads
         check_device(device)
@@ -310,6 +316,8 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if not names:
         raise QuantizeError(f"--tasks {tasks!r}: names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}")
     configs, groups = task_configs(names, data_dir, max_gen_toks)
+    if serve_pd_prefill is not None:
+        _pd_tasks(serve_pd_prefill, candidate, configs)
     from .thinking import resolve as thinking_of
 
     toks = _check_chat(configs, [baseline, candidate]) if chat else {}
@@ -345,7 +353,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
                                                                      kv_cache_dtype=kv_cache_dtype,
                                                                      extra_args=serve_args, port=serve_port,
                                                                      timeout_s=serve_timeout_s, log_dir=serve_log),
-                                           saved, chat, think, kld_plan, concurrency)
+                                           saved, chat, think, kld_plan, concurrency, serve_pd_prefill)
             kld_rep = None
             if kld_out is not None:
                 kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device,
@@ -456,9 +464,41 @@ def _saved_kl(kl_file: Path, run: dict, top_k: int, chunks: list, candidate, bas
     return None
 
 
+def _pd_options(prefill, serve, kld_out) -> None:
+    """--serve-pd-prefill's options, before anything is read: SGLang's pair, and no KL through it."""
+    if serve != "sglang":
+        raise QuantizeError(f"--serve-pd-prefill {prefill}: a prefill/decode pair is SGLang's (its router, "
+                            "sglang_router); add --serve sglang" + (f", not --serve {serve}" if serve else ""))
+    if kld_out is not None:
+        raise QuantizeError(f"--serve-pd-prefill with --kld-out: through the pair every prompt's log-probs come "
+                            f"from the prefill pool ({prefill}), not the candidate; measure KL without "
+                            "--serve-pd-prefill, and the pair's own fidelity with quantize eval-pd")
+
+
+def _pd_tasks(prefill, candidate, configs) -> None:
+    """The pair's prefill model belongs with the candidate, and every task is a generation task: a
+    log-likelihood task's score through the pair is the prefill pool's, not the candidate's."""
+    from .kld import same_model, same_tokenizer
+
+    try:
+        _model_folder(prefill, served=False)
+    except QuantizeError as e:
+        raise QuantizeError(f"--serve-pd-prefill {e}") from None
+    same_model(Path(prefill), Path(candidate), "--serve-pd-prefill")
+    same_tokenizer(Path(prefill), Path(candidate), what_a="--serve-pd-prefill")
+    scored = [c["task"] if isinstance(c, dict) else str(c) for c in configs if output_type(c) != "generate_until"]
+    if scored:
+        raise QuantizeError(f"--serve-pd-prefill: {', '.join(scored[:4])}{' ...' if len(scored) > 4 else ''} "
+                            f"score(s) prompt log-probs, which the prefill pool ({prefill}) computes, not the "
+                            "candidate; run log-likelihood tasks without --serve-pd-prefill and generation tasks "
+                            "(gsm8k, mmlu_pro) through the pair")
+
+
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
-          saved: dict | None = None, chat: bool = False, think=None, kld_plan=None, concurrency: int = 1):
-    """Both models' lm-eval results, one after the other (served: each by its own launched engine),
+          saved: dict | None = None, chat: bool = False, think=None, kld_plan=None, concurrency: int = 1,
+          pd_prefill=None):
+    """Both models' lm-eval results, one after the other (served: each by its own launched engine;
+    ``pd_prefill``: the candidate by SGLang's prefill/decode pair, ``serve.Pair``),
     where each was measured, and (``kld_plan``, served only) each model's served log-probs from the
     same launch, after its tasks; ``saved``: the
     baseline's results, read from a --save-baseline file."""
@@ -478,7 +518,7 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
             if think:
                 _thinking(measured[role], think.record(served=bool(url)))
             continue
-        from ..engines.serve import Served, run_served
+        from ..engines.serve import Pair, Served, run_served
         from .thinking import parser_of
 
         parser = parser_of(Path(path), serve) if think and think.on else None
@@ -492,7 +532,10 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
                 rows[role] = served_rows(s, kld_plan.chunks, top_k, role)
             return res
 
-        with Served(serve, path, role=role, reasoning_parser=parser, logprobs=top_k, **srv) as s:
+        server = (Pair(pd_prefill, path, role=role, reasoning_parser=parser, logprobs=top_k, **srv)
+                  if pd_prefill is not None and role == "candidate" else
+                  Served(serve, path, role=role, reasoning_parser=parser, logprobs=top_k, **srv))
+        with server as s:
             runs.append(run_served(s, work))
             measured[role] = {**s.record(), **how}
             if think:

@@ -661,7 +661,7 @@ MAX_TASKS = 500  # tasks in one eval report (lm-eval's MMLU is 57 subtasks)
 SMOKE_ITEMS = 100
 # where a figure was measured (a report's "measured": {role: {...}}): what the card shows of each
 WHERE_KEYS = {"engine": "str", "version": "str?", "launch": "str?", "device": "str?", "url": "str?",
-              "startup_s": "nonneg?", "prompts": "str?"}
+              "startup_s": "nonneg?", "prompts": "str?", "pd_prefill": "str?", "pd_router": "str?"}
 ROLES = ("baseline", "candidate")
 MAX_ROLES = 200  # rows of a check report's summary
 MAX_TEXT = 4096  # characters of one string a report puts in the card
@@ -812,6 +812,9 @@ def where(w: dict | None) -> str:
     if w["engine"] == "server":
         return f"a server the user started ({_code(w.get('url') or 'URL not recorded')}){how}"
     head = _md(f"{w['engine']} {w.get('version') or ''}".strip())
+    if w.get("launch") and w.get("pd_prefill"):  # eval --serve-pd-prefill: the decode pool's line is "launch"
+        return (f"{head} as a prefill/decode pair launched by `quantize`: prefill {_code(w['pd_prefill'])}, decode "
+                f"{_code(w['launch'])}, router {_code(w.get('pd_router') or 'not recorded')}") + how
     return (f"{head}, launched by `quantize` as {_code(w['launch'])}" if w.get("launch") else head) + how
 
 
