@@ -7,6 +7,7 @@ build) is tests/test_serve_vllm.py."""
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -321,6 +322,9 @@ def test_a_pd_pair_is_refused_before_any_launch_where_it_cannot_measure_the_cand
     other.mkdir()
     cfg = json.loads((Path(base) / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    folded = tmp_path / "folded"  # the candidate as calibrate-kv --fold writes it (its manifest says so)
+    shutil.copytree(cand, folded)
+    (folded / "quantize_manifest.json").write_text(json.dumps({"kind": "calibrate-kv", "mode": "fold"}))
     for extra, match in (
             (dict(serve="vllm", engine_python=_fake_python(tmp_path)), r"a prefill/decode pair is SGLang's \(its "
                                                                        r"router, sglang_router\); add --serve sglang, not --serve vllm"),
@@ -334,11 +338,15 @@ def test_a_pd_pair_is_refused_before_any_launch_where_it_cannot_measure_the_cand
              r"--serve-pd-prefill \S+nowhere: no such folder"),
             (dict(serve="sglang", engine_python=py, serve_pd_prefill=other), r"--candidate \S+: a .* model, "
                                                                             r"--serve-pd-prefill \S+other a .*qwen3"),
+            (dict(serve="sglang", engine_python=py, _candidate=folded),
+             r"--serve-pd-prefill: \S+folded is calibrate-kv --fold's output, whose cached MLA latent is rescaled, but "
+             r"the prefill pool \(\S+\) writes the unfolded cache it would read"),
             (dict(serve="sglang", engine_python=_fake_python(tmp_path, "0.5.23", router=False)),
              r"--serve-pd-prefill: the PD pair needs SGLang's router beside SGLang: \S+ has no sglang-router 0\.3 or "
              r"later; install it there \(pip install sglang-router\)")):
+        extra = dict(extra)
         with pytest.raises(QuantizeError, match=match) as e:
-            evaluate(base, cand, **{**kw, **extra})
+            evaluate(base, extra.pop("_candidate", cand), **{**kw, **extra})
         assert "\n" not in str(e.value)
         assert not logs.exists()  # nothing launched
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import platform
 import subprocess
 from pathlib import Path
@@ -102,6 +103,16 @@ def write_manifest(o, manifest: dict, name: str = MANIFEST) -> None:
     o.record["manifest"] = name
     o.save()
     o.write_json(name, manifest)
+
+
+def folded(folder: Path) -> bool:
+    """Whether ``folder`` is ``calibrate-kv --fold``'s output (its manifest says so): a model whose
+    cached MLA latent is rescaled, so that only a cache it wrote itself is read right."""
+    try:
+        doc = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("kind") == "calibrate-kv" and doc.get("mode") == "fold"
 
 
 def job_files(folder: Path) -> dict | None:

@@ -486,6 +486,12 @@ def _pd_tasks(prefill, candidate, configs) -> None:
         raise QuantizeError(f"--serve-pd-prefill {e}") from None
     same_model(Path(prefill), Path(candidate), "--serve-pd-prefill")
     same_tokenizer(Path(prefill), Path(candidate), what_a="--serve-pd-prefill")
+    from ..checkpoint.manifest import folded
+
+    if folded(Path(candidate)):
+        raise QuantizeError(f"--serve-pd-prefill: {candidate} is calibrate-kv --fold's output, whose cached MLA "
+                            f"latent is rescaled, but the prefill pool ({prefill}) writes the unfolded cache it "
+                            "would read; put the unfolded candidate in the decode pool")
     scored = [c["task"] if isinstance(c, dict) else str(c) for c in configs if output_type(c) != "generate_until"]
     if scored:
         raise QuantizeError(f"--serve-pd-prefill: {', '.join(scored[:4])}{' ...' if len(scored) > 4 else ''} "
