@@ -46,6 +46,9 @@ LAUNCHED = "QUANTIZE_LAUNCHED"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _STEP = "quantize/step/"  # rendezvous-store key per rank: the last collective it entered
 PROBE_S = 2.0  # after a failure, how long the store is asked which ranks never arrived
+# the most of one exchange's tensor bytes on the backend's device at once, per rank (under NCCL,
+# GPU memory beside what the step holds; a gather holds one span from every rank)
+EXCHANGE_SPAN = 256 << 20
 # the commands whose library function splits its work across ranks and writes from rank 0 alone
 # (samples and routed experts: methods/runner.py, methods/streamed.py, calibrate/kv.py); any other refuses to run as
 # several ranks (each would do the whole job into one output)
@@ -226,6 +229,9 @@ class World:
         self.rank, self.size, self.local_rank, self.local_size = rank, size, local_rank, local_size
         self.backend, self.timeout_s = backend, timeout_s
         self._group, self._store, self._step = group, store, 0
+        # an exchange's buffer goes through the backend's device at most this many bytes at a time;
+        # ``stage``: through a device buffer also on the CPU (the self-test's way to run that path)
+        self.span, self.stage = EXCHANGE_SPAN, False
 
     def __repr__(self) -> str:
         return f"World(rank={self.rank}, size={self.size}, backend={self.backend}, device={self.device})"
@@ -263,11 +269,12 @@ class World:
         """Every rank's ``obj``, in rank order: on every rank (``to`` None), or on rank ``to``
         alone (the others get None). ``what`` names the step in a failure ("layer 3 experts").
 
-        How it travels (``quantize.wire``): its tensors' bytes in one buffer per rank, sent by the
-        world's backend (NCCL on GPUs), the rest pickled on the gloo group; this rank's own entry is
-        ``obj`` itself. Cost: every rank's buffer is padded to the largest one's bytes, and all
-        ranks receive every rank's buffer unless ``to`` is given. For what only the writer needs
-        (quantized experts), pass ``to=0``."""
+        How it travels (``quantize.wire``): its tensors' bytes in one host buffer per rank, sent
+        by the world's backend (NCCL on GPUs) a span of at most ``EXCHANGE_SPAN`` bytes at a time,
+        the rest pickled on the gloo group; this rank's own entry is ``obj`` itself. Cost: every
+        rank's buffer is padded to the largest one's bytes, and all ranks receive every rank's
+        buffer unless ``to`` is given. For what only the writer needs (quantized experts), pass
+        ``to=0``."""
         if self.size == 1:
             return [obj] if to in (None, 0) else None
         import torch
@@ -287,19 +294,29 @@ class World:
                 skeletons = [None] * self.size if self.rank == to else None
                 dist.gather_object(packed.skeleton, skeletons, dst=to, group=self._group)
             width = max(sizes)
-            bufs = [None] * self.size
-            if width:
-                mine = packed.buffer(self.device, width)
-                if to is None or self.rank == to:
-                    bufs = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+            receives = to is None or self.rank == to
+            mine = packed.buffer(width) if width else None
+            del packed
+            hosts = [mine if r == self.rank else torch.empty(width, dtype=torch.uint8) if receives and width else None
+                     for r in range(self.size)]
+            for off, n in self._spans(width):
+                if self._staged:  # through the backend's device, a span at a time (NCCL: GPU memory bounded)
+                    part = mine[off:off + n].to(self.device)
+                    out = [torch.empty(n, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+                else:  # gloo on the CPU: straight into the host buffers
+                    part, out = mine[off:off + n], [h[off:off + n] for h in hosts] if receives else None
                 if to is None:
-                    dist.all_gather(bufs, mine)
+                    dist.all_gather(out, part)
                 else:
-                    dist.gather(mine, bufs if self.rank == to else None, dst=to)
-                del mine
-            if to is not None and self.rank != to:
+                    dist.gather(part, out if self.rank == to else None, dst=to)
+                if self._staged and receives:
+                    for r in range(self.size):
+                        if r != self.rank:
+                            hosts[r][off:off + n].copy_(out[r])
+                del part, out
+            if not receives:
                 return None
-            return [obj if r == self.rank else wire.unpack(skeletons[r], bufs[r]) for r in range(self.size)]
+            return [obj if r == self.rank else wire.unpack(skeletons[r], hosts[r]) for r in range(self.size)]
 
         return self._collective("gather", what, op)
 
@@ -318,14 +335,33 @@ class World:
             box = [(packed.skeleton, packed.size) if packed is not None else None]
             dist.broadcast_object_list(box, src=src, group=self._group)
             skeleton, size = box[0]
-            buf = None
+            host = None
             if size:
-                buf = (packed.buffer(self.device) if packed is not None
-                       else torch.empty(size, dtype=torch.uint8, device=self.device))
-                dist.broadcast(buf, src=src)
-            return obj if self.rank == src else wire.unpack(skeleton, buf)
+                host = packed.buffer() if packed is not None else torch.empty(size, dtype=torch.uint8)
+            del packed
+            for off, n in self._spans(size):
+                part = host[off:off + n]
+                if self._staged:
+                    stage = part.to(self.device) if self.rank == src else torch.empty(n, dtype=torch.uint8,
+                                                                                      device=self.device)
+                    dist.broadcast(stage, src=src)
+                    if self.rank != src:
+                        part.copy_(stage)
+                    del stage
+                else:
+                    dist.broadcast(part, src=src)
+            return obj if self.rank == src else wire.unpack(skeleton, host)
 
         return self._collective("broadcast", what, op)
+
+    @property
+    def _staged(self) -> bool:
+        """Whether the backend sends from its own device (NCCL: the GPU), so that a buffer goes
+        through it a span at a time; gloo sends the host buffers themselves."""
+        return self.device != "cpu" or self.stage
+
+    def _spans(self, nbytes: int) -> list[tuple[int, int]]:
+        return [(off, min(self.span, nbytes - off)) for off in range(0, nbytes, self.span)]
 
     def barrier(self, what: str) -> None:
         """Return when every rank has reached it."""
@@ -652,13 +688,19 @@ def _selftest(argv: list[str]) -> int:
             ranks = w.gather(w.rank, "selftest ranks")
             parts = w.gather(list(w.owned(a.items)), "selftest partition")
             token = w.broadcast(f"from rank {w.rank}", "selftest broadcast")
-            last = w.size - 1  # tensors: gathered to every rank, to the writer, broadcast from the last rank
-            every = w.gather(_message(w.rank), "selftest tensors")
-            to_writer = w.gather(_message(w.rank), "selftest tensors to the writer", to=0)
-            from_last = w.broadcast(_message(w.rank) if w.rank == last else None, "selftest tensors", src=last)
-            at_0 = to_writer is None if w.rank else all(_same(m, _message(r)) for r, m in enumerate(to_writer))
-            tensors = (all(_same(m, _message(r)) for r, m in enumerate(every)) and _same(from_last, _message(last))
-                       and at_0)
+            tensors = []
+            # tensors gathered to every rank, to the writer, broadcast from the last rank: in one span,
+            # then in spans of 4 KiB through a staging buffer (the path NCCL's device buffers take)
+            for span, stage in ((w.span, False), (4096, True)):
+                w.span, w.stage = span, stage
+                last = w.size - 1
+                every = w.gather(_message(w.rank), "selftest tensors")
+                to_writer = w.gather(_message(w.rank), "selftest tensors to the writer", to=0)
+                from_last = w.broadcast(_message(w.rank) if w.rank == last else None, "selftest tensors", src=last)
+                at_0 = to_writer is None if w.rank else all(_same(m, _message(r)) for r, m in enumerate(to_writer))
+                tensors.append(all(_same(m, _message(r)) for r, m in enumerate(every))
+                               and _same(from_last, _message(last)) and at_0)
+            w.span, w.stage = EXCHANGE_SPAN, False
             tensors = w.gather(tensors, "selftest tensors checked", to=0)
             if w.rank == a.vanish:
                 os._exit(0)  # a process gone without a word or an error code

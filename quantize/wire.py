@@ -1,8 +1,8 @@
 """How an object travels between ranks (``World.gather`` / ``World.broadcast``): its tensors as raw
-bytes in one buffer sent by the world's own backend (NCCL on GPUs: NVLink or the network, not a
-TCP copy of a pickle), and the rest of it pickled with each tensor replaced by a reference (its
-dtype, shape and place in the buffer; ``pickle``'s ``persistent_id``), small enough for the gloo
-group whose timeout raises.
+bytes in one host buffer, sent by the world's own backend (NCCL on GPUs: NVLink or the network, not
+a TCP copy of a pickle; ``World`` moves it through the GPU a span at a time), and the rest of it
+pickled with each tensor replaced by a reference (its dtype, shape and place in the buffer;
+``pickle``'s ``persistent_id``), small enough for the gloo group whose timeout raises.
 
 A tensor travels this way when it is a plain, contiguous, strided CPU or CUDA tensor without
 autograd (a ``Parameter``, a view with other strides, a sparse or quantized tensor is pickled
@@ -73,10 +73,10 @@ class Packed:
     size: int
     tensors: list
 
-    def buffer(self, device, size: int | None = None) -> torch.Tensor:
-        """The tensors' bytes at their offsets, on ``device`` (the backend's), in ``size`` bytes
-        (at least ``self.size``; the rest is padding, never read)."""
-        buf = torch.empty(max(self.size, size or 0), dtype=torch.uint8, device=device)
+    def buffer(self, size: int | None = None) -> torch.Tensor:
+        """The tensors' bytes at their offsets in host memory, in ``size`` bytes (at least
+        ``self.size``; the rest is padding, never read)."""
+        buf = torch.empty(max(self.size, size or 0), dtype=torch.uint8)
         off = 0
         for t in self.tensors:
             n = t.numel() * t.element_size()
@@ -94,20 +94,13 @@ def pack(obj) -> Packed:
 
 
 def unpack(skeleton: bytes, buf: torch.Tensor | None):
-    """The object ``pack`` made ``skeleton`` of, its tensors read from ``buf`` (its bytes received)."""
-    host = []
+    """The object ``pack`` made ``skeleton`` of, its tensors read from ``buf`` (its bytes received,
+    in host memory): a tensor sent from a GPU goes to this process's current GPU."""
     if buf is None:
         buf = torch.empty(0, dtype=torch.uint8)
 
     def load(ref: Ref) -> torch.Tensor:
-        src = buf
-        if not ref.cuda and buf.device.type != "cpu":
-            if not host:
-                host.append(buf.cpu())  # one copy to the host for every CPU tensor of the message
-            src = host[0]
-        t = src[ref.offset:ref.offset + ref.nbytes].view(ref.dtype).reshape(ref.shape)
-        if ref.cuda and src.device.type != "cuda":
-            return t.to(torch.device("cuda", torch.cuda.current_device()))
-        return t.clone()
+        t = buf[ref.offset:ref.offset + ref.nbytes].view(ref.dtype).reshape(ref.shape)
+        return t.to(torch.device("cuda", torch.cuda.current_device())) if ref.cuda else t.clone()
 
     return _Unpickler(io.BytesIO(skeleton), load).load()

@@ -258,8 +258,9 @@ def test_two_ranks_gather_in_rank_order_and_own_their_blocks(capsys, monkeypatch
     assert two["token"] == "from rank 0"  # broadcast from rank 0, whatever rank 1 held
     assert two["at_writer"] == [{"rank": 0, "owns": [0, 1, 2, 3]}, {"rank": 1, "owns": [4, 5, 6]}]
     assert (two["backend"], two["device"]) == ("gloo", "cpu")
-    # tensors of every dtype and size, raw or pickled, all-gathered, gathered and broadcast: bit for bit
-    assert one["tensors"] == [True] and two["tensors"] == [True, True]
+    # tensors of every dtype and size, raw or pickled, all-gathered, gathered and broadcast: bit for bit, in
+    # one span and in many through a staging buffer
+    assert one["tensors"] == [[True, True]] and two["tensors"] == [[True, True], [True, True]]
 
 
 # -- failures in one line -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from quantize.distributed import _message, _same
 
 def _roundtrip(obj):
     p = wire.pack(obj)
-    return p, wire.unpack(p.skeleton, p.buffer("cpu") if p.size else None)
+    return p, wire.unpack(p.skeleton, p.buffer() if p.size else None)
 
 
 def test_every_kind_of_tensor_arrives_bit_for_bit_with_its_own_storage():
@@ -42,7 +42,7 @@ def test_offsets_are_aligned_for_every_dtype_and_a_flipped_byte_is_seen():
     msg = [torch.ones(3, dtype=torch.uint8), torch.arange(5, dtype=torch.float64), torch.ones(1, dtype=torch.bfloat16)]
     p = wire.pack(msg)
     assert p.size == 3 * wire.ALIGN
-    buf = p.buffer("cpu")
+    buf = p.buffer()
     got = wire.unpack(p.skeleton, buf)
     assert _same(got, msg)
     buf[wire.ALIGN + 8] ^= 1  # the float64's second element
@@ -55,5 +55,5 @@ def test_a_message_without_tensors_needs_no_buffer_and_padding_is_never_read():
     p, got = _roundtrip({"a": [1, "two", (3.0,)]})
     assert p.size == 0 and got == {"a": [1, "two", (3.0,)]}
     p = wire.pack([torch.arange(4)])
-    wide = p.buffer("cpu", 10 * wire.ALIGN)
+    wide = p.buffer(10 * wire.ALIGN)
     assert wide.numel() == 10 * wire.ALIGN and torch.equal(wire.unpack(p.skeleton, wide)[0], torch.arange(4))
