@@ -176,14 +176,27 @@ def test_only_what_the_checkpoint_needs_is_copied(tiny, tmp_path):
     (src / "pytorch_model.bin").write_bytes(b"\0" * 10)
     (src / "notes.pt").write_bytes(b"\0" * 10)
     (src / "README.md").write_text("# vendor card")
+    named = src / "additional_chat_templates"  # transformers' named chat templates, one NAME.jinja each
+    named.mkdir()
+    (named / "tool_use.jinja").write_text("{% for m in messages %}TOOL {{ m['content'] }}{% endfor %}")
+    (named / "notes.txt").write_text("not a template")
     out = tmp_path / "o"
     convert(src, out)
     names = {p.name for p in out.iterdir()}
-    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "README.md"} <= names
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "README.md",
+            "additional_chat_templates"} <= names
     assert not names & {"original", "pytorch_model.bin", "notes.pt"}
+    assert [p.name for p in (out / "additional_chat_templates").iterdir()] == ["tool_use.jinja"]
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_bytes() == (named / "tool_use.jinja").read_bytes()
     man = json.loads((out / "quantize_manifest.json").read_text())
-    assert "README.md" in man["copied_from_source"]
-    assert set(man["files"]) == {p.name for p in out.iterdir() if p.is_file() and p.name != "quantize_manifest.json"}
+    assert {"README.md", "additional_chat_templates/tool_use.jinja"} <= set(man["copied_from_source"])
+    assert set(man["files"]) == {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()
+                                 and p.name != "quantize_manifest.json" and ".quantize" not in p.parts}
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)  # the named template is the tokenizer's again
+    assert "TOOL hi" in tok.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="tool_use",
+                                                tokenize=False)
 
 
 def test_dangling_symlink_named_before_any_shard(tiny, tmp_path):
@@ -338,3 +351,18 @@ def test_messages_name_the_fix_of_the_running_command(tmp_path, monkeypatch, kin
         Output.open(out, kind)
     assert fix in str(e.value) and (wrong is None or wrong not in str(e.value))
     assert output.rerun_hint() == "rerun the command"  # no output open: the stack is back to its base
+
+
+def test_a_named_templates_folder_linked_outside_the_checkpoint_is_one_line(tiny, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny("glm_moe_dsa"), src)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tool_use.jinja").write_text("x")
+    (src / "additional_chat_templates").symlink_to(elsewhere, target_is_directory=True)
+    out = tmp_path / "o"
+    with pytest.raises(QuantizeError, match=r"additional_chat_templates: symlink to \S+elsewhere, outside the "
+                                            r"checkpoint and its Hub cache; copy the folder in instead") as e:
+        convert(src, out)
+    _one_line(e)
+    assert not out.exists() or not list(out.glob("*.safetensors*"))

@@ -80,6 +80,10 @@ SIDE_FILES = (
     "LICENSE.*",
     "NOTICE",
 )
+# folders of side files, and what of each is copied: transformers' CHAT_TEMPLATE_DIR
+# (transformers/utils/hub.py, 5.17), the named chat templates (NAME.jinja) its tokenizer loads beside
+# the default one (tokenization_utils_base.py: chat_template_NAME)
+SIDE_DIRS = {"additional_chat_templates": ("*.jinja",)}
 
 
 def _oserror(path: Path, e: OSError, doing: str) -> QuantizeError:
@@ -426,9 +430,11 @@ class Output:
         if subdir:
             (self.path / subdir).mkdir(exist_ok=True)
         for p in files:
-            dst = self.path / subdir / p.name
+            name = side_name(p)
+            dst = self.path / subdir / name
             tmp = dst.with_name(dst.name + TMP_SUFFIX)
             try:
+                dst.parent.mkdir(exist_ok=True)
                 if tmp.exists():
                     tmp.unlink()
                 if link:
@@ -440,8 +446,8 @@ class Output:
                     shutil.copyfile(p, tmp)  # follows a snapshot's symlink: the content, not the link
                 os.replace(tmp, dst)
             except OSError as e:
-                raise _oserror(dst, e, f"copying {p.name}") from e
-            names.append(p.name)
+                raise _oserror(dst, e, f"copying {name}") from e
+            names.append(name)
         return names
 
     def close(self) -> None:
@@ -510,31 +516,49 @@ class RankScratch:
 
 
 def side_files(src: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
-    """The source's side files to copy, checked before any shard is written: a dangling symlink
-    or one that leaves both the folder and its Hub cache is named in one line."""
+    """The source's side files to copy (and those of its ``SIDE_DIRS``), checked before any shard
+    is written: a dangling symlink or one that leaves both the folder and its Hub cache is named
+    in one line."""
     src = Path(src)
-    out = []
-    for p in sorted(src.iterdir()):
-        if not any(fnmatch.fnmatch(p.name, pat) for pat in patterns):
+    out = [p for p in sorted(src.iterdir()) if any(fnmatch.fnmatch(p.name, pat) for pat in patterns)
+           and _side_file(src, p, p.name)]
+    for d, pats in SIDE_DIRS.items():
+        sub = src / d
+        if not sub.is_dir():
             continue
-        if p.is_symlink():
-            if not p.exists():
-                raise QuantizeError(
-                    f"{p}: dangling symlink (its target {os.readlink(p)} is missing); re-download it or remove the link"
-                )
-            if not inside(src, p.name):
-                raise QuantizeError(
-                    f"{p}: symlink to {p.resolve()}, outside the checkpoint and its Hub cache; copy the file in instead"
-                )
-        if p.is_dir():
-            continue  # a folder named like a side file (e.g. a LICENSE/ folder) is not copied
-        if not p.is_file():
-            raise QuantizeError(
-                f"{p}: not a regular file (a FIFO or device), so it cannot be copied into the output; replace it "
-                "with the file itself"
-            )
-        out.append(p)
+        if not inside(src, d):
+            raise QuantizeError(f"{sub}: symlink to {sub.resolve()}, outside the checkpoint and its Hub cache; copy "
+                                "the folder in instead")
+        out += [p for p in sorted(sub.iterdir()) if any(fnmatch.fnmatch(p.name, pat) for pat in pats)
+                and _side_file(src, p, f"{d}/{p.name}")]
     return out
+
+
+def side_name(p: Path) -> str:
+    """A side file's name in the output: ``NAME``, or ``DIR/NAME`` in one of ``SIDE_DIRS``."""
+    return f"{p.parent.name}/{p.name}" if p.parent.name in SIDE_DIRS else p.name
+
+
+def _side_file(src: Path, p: Path, rel: str) -> bool:
+    """Whether ``p`` (``rel`` in ``src``) is copied: a regular file, or a link to one inside the
+    checkpoint or its Hub cache; a folder is skipped; anything else is one line."""
+    if p.is_symlink():
+        if not p.exists():
+            raise QuantizeError(
+                f"{p}: dangling symlink (its target {os.readlink(p)} is missing); re-download it or remove the link"
+            )
+        if not inside(src, rel):
+            raise QuantizeError(
+                f"{p}: symlink to {p.resolve()}, outside the checkpoint and its Hub cache; copy the file in instead"
+            )
+    if p.is_dir():
+        return False  # a folder named like a side file (e.g. a LICENSE/ folder) is not copied
+    if not p.is_file():
+        raise QuantizeError(
+            f"{p}: not a regular file (a FIFO or device), so it cannot be copied into the output; replace it "
+            "with the file itself"
+        )
+    return True
 
 
 # -- single files: reports, saved baselines, statistics ------------------------------------------

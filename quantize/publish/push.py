@@ -41,6 +41,7 @@ from ..checkpoint.manifest import MANIFEST
 from ..checkpoint.output import (
     RECORD,
     RECORD_DIR,
+    SIDE_DIRS,
     SIDE_FILES,
     TMP_SUFFIX,
     confined,
@@ -182,6 +183,10 @@ def _referenced(folder: Path, index: CheckpointIndex, card_text: str | None) -> 
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name != README and any(fnmatch.fnmatch(p.name, pat) for pat in SIDE_FILES):
             out.append((p.name, "the side files a checkpoint ships (tokenizer, chat template, licence)"))
+    for d, pats in SIDE_DIRS.items():
+        for p in sorted((folder / d).iterdir()) if (folder / d).is_dir() else []:
+            if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in pats):
+                out.append((f"{d}/{p.name}", "the named chat templates a checkpoint ships"))
     link = _front_matter(card_text).get("license_link") if card_text else None
     if isinstance(link, str) and "://" not in link and link.strip() and (folder / link.strip()).is_file():
         out.append((link.strip(), "the card (license_link)"))
