@@ -299,24 +299,36 @@ class World:
             del packed
             hosts = [mine if r == self.rank else torch.empty(width, dtype=torch.uint8) if receives and width else None
                      for r in range(self.size)]
+            span = min(self.span, width)
+            if self._staged and width:  # through the backend's device a span at a time (NCCL: GPU memory bounded)
+                stage = torch.empty(span, dtype=torch.uint8, device=self.device)
+                flat = torch.empty(self.size * span, dtype=torch.uint8, device=self.device) if receives else None
+                self._ready()
             for off, n in self._spans(width):
-                if self._staged:  # through the backend's device, a span at a time (NCCL: GPU memory bounded)
-                    part = mine[off:off + n].to(self.device)
-                    out = [torch.empty(n, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+                if self._staged:
+                    stage[:n].copy_(mine[off:off + n])
+                    out = flat[:self.size * n] if receives else None
+                    if to is None:
+                        dist.all_gather_single(out, stage[:n])
+                    else:
+                        dist.gather(stage[:n], list(out.chunk(self.size)) if out is not None else None, dst=to)
+                    if receives:
+                        for r, part in enumerate(out.chunk(self.size)):
+                            if r != self.rank:
+                                hosts[r][off:off + n].copy_(part)
                 else:  # gloo on the CPU: straight into the host buffers
-                    part, out = mine[off:off + n], [h[off:off + n] for h in hosts] if receives else None
-                if to is None:
-                    dist.all_gather(out, part)
-                else:
-                    dist.gather(part, out if self.rank == to else None, dst=to)
-                if self._staged and receives:
-                    for r in range(self.size):
-                        if r != self.rank:
-                            hosts[r][off:off + n].copy_(out[r])
-                del part, out
+                    out = [h[off:off + n] for h in hosts] if receives else None
+                    if to is None:
+                        dist.all_gather(out, mine[off:off + n])
+                    else:
+                        dist.gather(mine[off:off + n], out, dst=to)
             if not receives:
                 return None
-            return [obj if r == self.rank else wire.unpack(skeletons[r], hosts[r]) for r in range(self.size)]
+            got = []
+            for r in range(self.size):  # one rank's buffer at a time, freed once its tensors are out
+                got.append(obj if r == self.rank else wire.unpack(skeletons[r], hosts[r]))
+                hosts[r] = None
+            return got
 
         return self._collective("gather", what, op)
 
@@ -339,15 +351,17 @@ class World:
             if size:
                 host = packed.buffer() if packed is not None else torch.empty(size, dtype=torch.uint8)
             del packed
+            if self._staged and size:
+                stage = torch.empty(min(self.span, size), dtype=torch.uint8, device=self.device)
+                self._ready()
             for off, n in self._spans(size):
                 part = host[off:off + n]
                 if self._staged:
-                    stage = part.to(self.device) if self.rank == src else torch.empty(n, dtype=torch.uint8,
-                                                                                      device=self.device)
-                    dist.broadcast(stage, src=src)
+                    if self.rank == src:
+                        stage[:n].copy_(part)
+                    dist.broadcast(stage[:n], src=src)
                     if self.rank != src:
-                        part.copy_(stage)
-                    del stage
+                        part.copy_(stage[:n])
                 else:
                     dist.broadcast(part, src=src)
             return obj if self.rank == src else wire.unpack(skeleton, host)
@@ -359,6 +373,14 @@ class World:
         """Whether the backend sends from its own device (NCCL: the GPU), so that a buffer goes
         through it a span at a time; gloo sends the host buffers themselves."""
         return self.device != "cpu" or self.stage
+
+    def _ready(self) -> None:
+        """Every rank has its buffers (a gloo barrier): a rank that could not allocate them has
+        failed in its own line, and the others fail here in theirs, not later in a device
+        collective whose timeout aborts instead of raising."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._group)
 
     def _spans(self, nbytes: int) -> list[tuple[int, int]]:
         return [(off, min(self.span, nbytes - off)) for off in range(0, nbytes, self.span)]

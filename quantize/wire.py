@@ -8,7 +8,8 @@ A tensor travels this way when it is a plain, contiguous, strided CPU or CUDA te
 autograd (a ``Parameter``, a view with other strides, a sparse or quantized tensor is pickled
 whole, as before). It arrives with its own storage (never a view of the buffer), contiguous, on
 the CPU when it was sent from the CPU and on this rank's GPU when it was sent from a GPU. Its
-bytes are the sender's, bit for bit.
+bytes are the sender's, bit for bit. A tensor the object names twice travels once and arrives as
+one tensor named twice, as pickling keeps it.
 """
 
 from __future__ import annotations
@@ -44,13 +45,17 @@ class _Pickler(pickle.Pickler):
     def __init__(self, f):
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors, self.size = [], 0
+        self.seen: dict[int, Ref] = {}  # by id: a tensor named twice travels once (self.tensors keeps it alive)
 
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor) or not travels_raw(obj):
             return None
+        if id(obj) in self.seen:
+            return self.seen[id(obj)]
         n = obj.numel() * obj.element_size()
         ref = Ref(self.size, n, obj.dtype, tuple(obj.shape), obj.device.type == "cuda")
         self.tensors.append(obj)
+        self.seen[id(obj)] = ref
         self.size += -(-n // ALIGN) * ALIGN
         return ref
 
@@ -98,9 +103,15 @@ def unpack(skeleton: bytes, buf: torch.Tensor | None):
     in host memory): a tensor sent from a GPU goes to this process's current GPU."""
     if buf is None:
         buf = torch.empty(0, dtype=torch.uint8)
+    loaded: dict[Ref, torch.Tensor] = {}  # a tensor the sender named twice (one Ref) arrives as one
 
     def load(ref: Ref) -> torch.Tensor:
+        if ref in loaded:
+            return loaded[ref]
         t = buf[ref.offset:ref.offset + ref.nbytes].view(ref.dtype).reshape(ref.shape)
-        return t.to(torch.device("cuda", torch.cuda.current_device())) if ref.cuda else t.clone()
+        t = t.to(torch.device("cuda", torch.cuda.current_device())) if ref.cuda else t.clone()
+        if ref.nbytes:  # empty tensors share offsets: each its own
+            loaded[ref] = t
+        return t
 
     return _Unpickler(io.BytesIO(skeleton), load).load()

@@ -274,6 +274,7 @@ def test_a_pd_pair_serves_the_candidate_behind_its_router_and_all_three_stop(mod
     items are the local run's; all four servers are stopped after."""
     base, cand = models
     monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # the 2 x --tp 2 GPUs the pair needs, exactly
     data, logs = _data(tmp_path), tmp_path / "logs"
     kw = dict(tasks="gsm8k", limit=2, data_dir=data, max_gen_toks=4, resamples=200)
     local = evaluate(base, cand, **kw)
@@ -325,6 +326,12 @@ def test_a_pd_pair_is_refused_before_any_launch_where_it_cannot_measure_the_cand
     folded = tmp_path / "folded"  # the candidate as calibrate-kv --fold writes it (its manifest says so)
     shutil.copytree(cand, folded)
     (folded / "quantize_manifest.json").write_text(json.dumps({"kind": "calibrate-kv", "mode": "fold"}))
+    scaled = tmp_path / "scaled"  # the candidate with KV-cache scales (calibrate-kv --target compressed-tensors)
+    shutil.copytree(cand, scaled)
+    ccfg = json.loads((scaled / "config.json").read_text())
+    ccfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
+    (scaled / "config.json").write_text(json.dumps(ccfg))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a pair at --tp 1 fits, at --tp 2 it does not
     for extra, match in (
             (dict(serve="vllm", engine_python=_fake_python(tmp_path)), r"a prefill/decode pair is SGLang's \(its "
                                                                        r"router, sglang_router\); add --serve sglang, not --serve vllm"),
@@ -341,6 +348,14 @@ def test_a_pd_pair_is_refused_before_any_launch_where_it_cannot_measure_the_cand
             (dict(serve="sglang", engine_python=py, _candidate=folded),
              r"--serve-pd-prefill: \S+folded is calibrate-kv --fold's output, whose cached MLA latent is rescaled, but "
              r"the prefill pool \(\S+\) writes the unfolded cache it would read"),
+            (dict(serve="sglang", engine_python=py, _candidate=scaled),
+             r"--serve-pd-prefill: \S+scaled has KV-cache scales \(kv_cache_scheme, from calibrate-kv --target "
+             r"compressed-tensors\) and the prefill pool's \S+ none: the decode pool would read"),
+            (dict(serve="sglang", engine_python=py, tp=2),
+             r"--serve-pd-prefill with --tp 2: the pair needs 4 GPUs on this node \(prefill 0\.\.1, decode 2\.\.3\) "
+             r"and 2 are visible"),
+            (dict(serve="sglang", engine_python=py, serve_args="--base-gpu-id 4"),
+             r"--serve-pd-prefill with --serve-args --base-gpu-id: the pair places its pools itself"),
             (dict(serve="sglang", engine_python=_fake_python(tmp_path, "0.5.23", router=False)),
              r"--serve-pd-prefill: the PD pair needs SGLang's router beside SGLang: \S+ has no sglang-router 0\.3 or "
              r"later; install it there \(pip install sglang-router\)")):

@@ -57,3 +57,13 @@ def test_a_message_without_tensors_needs_no_buffer_and_padding_is_never_read():
     p = wire.pack([torch.arange(4)])
     wide = p.buffer(10 * wire.ALIGN)
     assert wide.numel() == 10 * wire.ALIGN and torch.equal(wire.unpack(p.skeleton, wide)[0], torch.arange(4))
+
+
+def test_a_tensor_named_twice_travels_once_and_arrives_as_one_and_empty_ones_stay_apart():
+    t = torch.arange(1000, dtype=torch.float32)
+    e1, e2 = torch.empty(0, 3), torch.empty(0, 5)
+    p, got = _roundtrip({"a": t, "b": [t, e1], "c": e2, "d": torch.ones(4)})
+    assert p.size == 4032 + wire.ALIGN  # t once (4000 bytes, padded to 64s), then d
+    assert got["a"] is got["b"][0] and torch.equal(got["a"], t)
+    assert got["b"][1].shape == (0, 3) and got["c"].shape == (0, 5) and got["b"][1] is not got["c"]
+    assert torch.equal(got["d"], torch.ones(4))  # at the empty tensors' offset, its own bytes

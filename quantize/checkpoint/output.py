@@ -535,8 +535,10 @@ def side_files(src: Path, patterns: tuple[str, ...] = SIDE_FILES) -> list[Path]:
 
 
 def side_name(p: Path) -> str:
-    """A side file's name in the output: ``NAME``, or ``DIR/NAME`` in one of ``SIDE_DIRS``."""
-    return f"{p.parent.name}/{p.name}" if p.parent.name in SIDE_DIRS else p.name
+    """A side file's name in the output: ``NAME``, or ``DIR/NAME`` in one of ``SIDE_DIRS`` (a folder
+    of that name holding no config.json: not a checkpoint that happens to be named so)."""
+    in_dir = p.parent.name in SIDE_DIRS and not (p.parent / "config.json").is_file()
+    return f"{p.parent.name}/{p.name}" if in_dir else p.name
 
 
 def _side_file(src: Path, p: Path, rel: str) -> bool:

@@ -352,6 +352,14 @@ class Served:
         return QuantizeError(f"--serve {self.engine.name}: {self.what} was {how} during the "
                              f"evaluation: {self.tail()} (log: {self.log})")
 
+    def terminate(self) -> None:
+        """SIGTERM to the server's process group, without waiting (``stop`` waits)."""
+        if self.proc is not None and (self.proc.poll() is None or _group_alive(self.proc.pid)):
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after ``GRACE_S``; idempotent."""
         proc = self.proc
@@ -412,8 +420,37 @@ class Router(Served):
         return self.pools[1].served_name
 
 
-def check_pair(python: str | os.PathLike | None) -> None:
-    """Before anything is launched: SGLang and its router in the engine's venv (one line each)."""
+def visible_gpus() -> int | None:
+    """The GPUs an engine started from here would see: ``CUDA_VISIBLE_DEVICES``'s, else
+    ``nvidia-smi -L``'s; None when neither tells."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([d for d in env.split(",") if d.strip()])
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        p = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return len([x for x in p.stdout.splitlines() if x.startswith("GPU ")]) if p.returncode == 0 else None
+
+
+def check_pair(python: str | os.PathLike | None, tp: int = 1, extra_args: str = "") -> None:
+    """Before anything is launched: SGLang and its router in the engine's venv, ``2 * tp`` GPUs
+    here where that can be told, and no ``--base-gpu-id`` of the user's (the pair places its
+    pools): one line each."""
+    if _has_flag(tuple(shlex.split(extra_args or "")), "--base-gpu-id"):
+        raise QuantizeError("--serve-pd-prefill with --serve-args --base-gpu-id: the pair places its pools itself "
+                            "(prefill on GPUs 0..tp-1, decode on the next tp); drop --base-gpu-id, or narrow "
+                            "CUDA_VISIBLE_DEVICES")
+    gpus = visible_gpus()
+    if gpus is not None and gpus < 2 * tp:
+        raise QuantizeError(f"--serve-pd-prefill with --tp {tp}: the pair needs {2 * tp} GPUs on this node (prefill "
+                            f"0..{tp - 1}, decode {tp}..{2 * tp - 1}) and {gpus} are visible; lower --tp, or evaluate "
+                            "a pair across nodes through its router with --base-url")
     py = python_of(ENGINES["sglang"], python)
     engine_version(ENGINES["sglang"], py)
     try:
@@ -424,13 +461,35 @@ def check_pair(python: str | os.PathLike | None) -> None:
                             "(pip install sglang-router)") from None
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def _free_ports(n: int, taken: set) -> list[int]:
+    """``n`` distinct free loopback ports below the ephemeral range: the ports the OS hands out at
+    random (each pool's own internal ones) cannot land on them while both pools load, which
+    SGLang's fixture pins its NCCL ports below that range for ("can race onto the same port")."""
+    import random
+
+    hi = _ephemeral_start()
+    lo = max(1024, hi - 12000)
     out: list[int] = []
-    while len(out) < n:
-        p = free_port()
-        if p not in taken and p not in out:
-            out.append(p)
-    return out
+    for _ in range(2000):
+        if len(out) == n:
+            return out
+        p = random.randrange(lo, hi)
+        if p in taken or p in out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sk:
+            try:
+                sk.bind((HOST, p))
+            except OSError:
+                continue
+        out.append(p)
+    raise QuantizeError(f"--serve-pd-prefill: no {n} free ports on {HOST} between {lo} and {hi}; free some")
 
 
 class Pair:
@@ -449,7 +508,9 @@ class Pair:
         if port is not None:
             check_port(port)
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="quantize-serve-"))
-        boot, nccl_p, nccl_d, port_p, port_d = _free_ports(5, {port})
+        ports = _free_ports(5 if port is not None else 6, {port})
+        boot, nccl_p, nccl_d, port_p, port_d = ports[:5]
+        port = port if port is not None else ports[5]
         extra = tuple(shlex.split(extra_args or ""))
         transfer = () if _has_flag(extra, TRANSFER_FLAG) else (TRANSFER_FLAG, TRANSFER_DEFAULT)
 
@@ -512,8 +573,17 @@ class Pair:
         self.startup_s = time.time() - t0
 
     def stop(self) -> None:
+        """All three told to stop at once (SIGTERM to each group), then each waited for and killed
+        if need be: a second Ctrl-C or an error while one is stopped still stops the others."""
         for s in reversed(self.servers):
-            s.stop()
+            s.terminate()
+        try:
+            self.router.stop()
+        finally:
+            try:
+                self.decode.stop()
+            finally:
+                self.prefill.stop()
 
     def died(self) -> QuantizeError | None:
         for s in self.servers:

@@ -303,7 +303,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
 
         python_of(engine_of(serve), engine_python)  # the engine's interpreter, before any work
         if serve_pd_prefill is not None:
-            check_pair(engine_python)  # SGLang and its router, before the baseline's launch
+            check_pair(engine_python, tp, serve_args)  # SGLang, its router, the GPUs: before the baseline's launch
         base_url = baseline_url = None
     elif not (base_url and baseline_url):  # a model runs here: refuse a GPU that is not there before anything loads
         check_device(device)
@@ -492,12 +492,27 @@ def _pd_tasks(prefill, candidate, configs) -> None:
         raise QuantizeError(f"--serve-pd-prefill: {candidate} is calibrate-kv --fold's output, whose cached MLA "
                             f"latent is rescaled, but the prefill pool ({prefill}) writes the unfolded cache it "
                             "would read; put the unfolded candidate in the decode pool")
+    schemes = [_kv_scheme(Path(p)) for p in (candidate, prefill)]
+    if schemes[0] is not None and schemes[0] != schemes[1]:
+        raise QuantizeError(f"--serve-pd-prefill: {candidate} has KV-cache scales (kv_cache_scheme, from calibrate-kv "
+                            f"--target compressed-tensors) and the prefill pool's {prefill} "
+                            f"{'has other ones' if schemes[1] else 'none'}: the decode pool would read the prefill "
+                            "pool's FP8 pages at its own scales; put the candidate without them in the decode pool")
     scored = [c["task"] if isinstance(c, dict) else str(c) for c in configs if output_type(c) != "generate_until"]
     if scored:
         raise QuantizeError(f"--serve-pd-prefill: {', '.join(scored[:4])}{' ...' if len(scored) > 4 else ''} "
                             f"score(s) prompt log-probs, which the prefill pool ({prefill}) computes, not the "
                             "candidate; run log-likelihood tasks without --serve-pd-prefill and generation tasks "
                             "(gsm8k, mmlu_pro) through the pair")
+
+
+def _kv_scheme(folder: Path):
+    """A checkpoint's ``quantization_config.kv_cache_scheme`` (its KV-cache scales), or None."""
+    try:
+        qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return qc.get("kv_cache_scheme") if isinstance(qc, dict) else None
 
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
