@@ -162,11 +162,13 @@ def test_eval_gate_uses_the_95pct_interval(tmp_path, monkeypatch):
     lo95, hi95 = d.mean() - z * se, d.mean() + z * se
     scores = {"base": a, "cand": b}
 
-    def fake(model_args, **kw):  # lm-eval's per-sample results for the two models, same documents
-        acc = scores[model_args["pretrained"].rsplit("/", 1)[-1]]
+    def fake(path, *a, **kw):  # lm-eval's per-sample results for the two models, same documents
+        acc = scores[str(path).rsplit("/", 1)[-1]]
         return {"samples": {"arc_easy": [{"doc_id": i, "filter": "none", "acc": float(v)} for i, v in enumerate(acc)]}}
 
-    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda model, model_args, tasks, **kw: fake(model_args))
+    import quantize.evaluate.run as run
+
+    monkeypatch.setattr(run, "_run_model", fake)  # each model's lm-eval run
     # lm-eval's own arc_easy YAML without indexing every task it ships (tens of seconds per TaskManager)
     import lm_eval.tasks
     from pathlib import Path

@@ -246,13 +246,14 @@ def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp
     first = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, save_baseline=saved,
                      kld_out=tmp_path / "k1.json", **kl)
     assert json.loads(saved.read_text())["kld"] == {"file": "base.kld.safetensors", "served": False}
-    calls = []
-    real, real_load = run._run_model, kld._load
+    calls, loads = [], []
+    real, real_load = run._run_model, kld.load_model
     monkeypatch.setattr(run, "_run_model", lambda path, *a, **k: calls.append(path) or real(path, *a, **k))
-    monkeypatch.setattr(kld, "_load", lambda path, *a, **k: calls.append(str(path)) or real_load(path, *a, **k))
+    monkeypatch.setattr(kld, "load_model", lambda path, *a, **k: loads.append(str(path)) or real_load(path, *a, **k))
     again = evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, resamples=200, baseline_results=saved,
                      kld_out=tmp_path / "k2.json", **kl)
-    assert calls == [str(cand), str(cand)]  # the candidate alone ran: its tasks, then its KL (the saved KL side)
+    # the candidate alone ran, loaded once: its tasks, then its KL on the same model (the saved KL side)
+    assert calls == loads == [str(cand)]
     assert [(t.baseline, t.candidate, t.docs) for t in again.tasks] == [(t.baseline, t.candidate, t.docs)
                                                                          for t in first.tasks]
     assert again.measured["baseline"]["reused"] is True
@@ -263,7 +264,7 @@ def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp
                                             r"\(this run: 30\)"):
         evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=saved,
                  kld_out=tmp_path / "k3.json", kld_tokens=30, kld_chunk=20)
-    assert calls == [str(cand), str(cand)]  # refused before anything ran
+    assert calls == loads == [str(cand)]  # refused before anything ran
     for kw, what in ((dict(limit=2), "another --limit"), (dict(tasks="arc_challenge"), "other tasks"),
                      (dict(chat=True), r"other prompts \(--chat or not\)")):
         args = {**dict(tasks="arc_easy", limit=3, data_dir=data, resamples=200, baseline_results=saved), **kw}
@@ -280,6 +281,46 @@ def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp
     other.write_text('{"hello": 1}')
     with pytest.raises(QuantizeError, match="not a file `quantize eval --save-baseline` wrote"):
         evaluate(base, cand, tasks="arc_easy", limit=3, data_dir=data, baseline_results=other)
+
+
+def test_each_local_model_loads_once_for_its_tasks_and_its_kl(models, tmp_path, monkeypatch):
+    """Local --chat --kld-out: two lm-eval runs per model (templated generation, log-likelihood as
+    written) and the KL, on one load of each model (transformers' from_pretrained counted, lm-eval's
+    own loader included: it used to load each three times); the KL equals eval-kld's own, which
+    loads them itself (the oracle)."""
+    import transformers
+
+    import quantize.evaluate.kld as kld
+
+    base, cand = models
+    data, loads = _data(tmp_path), []
+    real = transformers.PreTrainedModel.from_pretrained.__func__
+
+    def counted(cls, path, *a, **k):
+        loads.append(Path(path).name)
+        return real(cls, path, *a, **k)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(counted))
+    rep = evaluate(base, cand, tasks="arc_easy,gsm8k", limit=2, data_dir=data, chat=True, max_gen_toks=4,
+                   resamples=100, kld_out=tmp_path / "k.json", kld_tokens=40, kld_chunk=20)
+    assert loads == [base.name, cand.name] and all(t.n == 2 for t in rep.tasks)
+    loads.clear()
+    own = kld.kld(base, cand, tokens=40, chunk=20)
+    assert loads == [base.name, cand.name]
+    assert (rep.kld.kld_mean, rep.kld.top1_agreement, rep.kld.tokens) == (own.kld_mean, own.top1_agreement, 40)
+
+
+def test_a_compressed_tensors_fp8_block_candidate_is_evaluated(tiny, tmp_path):
+    """convert --scheme fp8-block's output, which transformers cannot decompress (its fused experts),
+    runs locally through eval's tasks and KL as through eval-kld (a dequantized copy); it used to end
+    in transformers' traceback."""
+    src = tiny("deepseek_v3")
+    out = tmp_path / "fp8b"
+    convert(src, out, scheme="fp8-block")
+    rep = evaluate(src, out, tasks="arc_easy", limit=3, data_dir=_data(tmp_path), resamples=100,
+                   kld_out=tmp_path / "k.json", kld_tokens=40, kld_chunk=20)
+    assert rep.tasks[0].n == 3 and rep.measured["candidate"]["engine"] == "transformers"
+    assert 0 < rep.kld.kld_mean < 0.05  # FP8 block: close to the source, and not the source itself
 
 
 def test_chat_templates_the_generation_tasks_and_keeps_the_log_likelihood_ones(models, tmp_path, monkeypatch):
@@ -303,8 +344,8 @@ def test_chat_templates_the_generation_tasks_and_keeps_the_log_likelihood_ones(m
         evaluate(base, bare, tasks="gsm8k", limit=1, data_dir=data, chat=True)
     calls = []
     real = run._lm_eval
-    monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a: calls.append(
-        (path, sorted(c["task"] for c in cs), a[4])) or real(path, cs, *a))
+    monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a, **k: calls.append(
+        (path, sorted(c["task"] for c in cs), a[4])) or real(path, cs, *a, **k))
     rep = evaluate(base, bare, tasks="arc_easy", limit=2, data_dir=data, chat=True, resamples=100)
     assert rep.tasks[0].n == 2 and calls == [(str(base), ["arc_easy"], False), (str(bare), ["arc_easy"], False)]
     calls.clear()
@@ -358,8 +399,9 @@ def test_a_thinking_switch_is_set_alike_on_both_models_and_on_needs_room(models,
     monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: seen.append(kw) or got.append(real(**kw)) or got[-1])
     kw = dict(tasks="gsm8k", limit=1, data_dir=data, chat=True, resamples=100)
     rep = evaluate(b, c, max_gen_toks=1024, save_baseline=tmp_path / "base.json", **kw)
-    assert [s["model_args"]["chat_template_args"] for s in seen] == [{"enable_thinking": False}] * 2
-    assert all("think_end_token" not in s["model_args"] and s["gen_kwargs"] is None for s in seen)
+    # lm-eval's hf backend around each loaded model, the switch set on it
+    assert [s["model"].chat_template_args for s in seen] == [{"enable_thinking": False}] * 2
+    assert all(s["model"].think_end_token is None and s["gen_kwargs"] is None for s in seen)
     prompts = [json.dumps(x["arguments"]) for r in got for x in r["samples"]["gsm8k"]]
     assert len(prompts) == 4 and all(p.count("<|assistant|><think></think>") == 1 for p in prompts)  # 2 filters x 2
     m = rep.measured["candidate"]
@@ -369,7 +411,7 @@ def test_a_thinking_switch_is_set_alike_on_both_models_and_on_needs_room(models,
         evaluate(b, c, max_gen_toks=1024, thinking="on", baseline_results=tmp_path / "base.json", **kw)
     seen.clear()
     rep = evaluate(b, c, max_gen_toks=1024, thinking="on", **kw)
-    assert [(s["model_args"]["chat_template_args"], s["model_args"]["think_end_token"]) for s in seen] == [
+    assert [(s["model"].chat_template_args, s["model"].think_end_token) for s in seen] == [
         ({"enable_thinking": True}, "</think>")] * 2
     assert rep.measured["baseline"]["thinking"]["trace"] == "cut at </think> by lm-eval"
     for bad, match in [(dict(thinking="on", max_gen_toks=1023), r"--thinking on: --max-gen-toks 1023 cuts a reasoning"),

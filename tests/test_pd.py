@@ -13,7 +13,7 @@ from quantize.cli import app
 from quantize.convert import convert
 from quantize.errors import QuantizeError
 from quantize.evaluate import pd
-from quantize.evaluate.kld import _load
+from quantize.evaluate.kld import load_model
 from quantize.evaluate.pd import DECODE_ALONE, PAIR, pd_fidelity, write_prefill
 
 SOURCE_FP8 = "source, its cache stored as the decode pool does"
@@ -51,7 +51,7 @@ def test_mla_pair_reads_the_prefill_cache_stored_e4m3(dsv3, tiny):
 
 def test_mla_stored_cache_is_e4m3_latent_expanded_by_the_decode_model(dsv3):
     src, dec = dsv3
-    ms, md = _load(src, torch.float32), _load(dec, torch.float32)
+    ms, md = load_model(src, torch.float32), load_model(dec, torch.float32)
     ids = torch.arange(5, 37).unsqueeze(0)
     with torch.no_grad():
         cache = ms(input_ids=ids, use_cache=True).past_key_values

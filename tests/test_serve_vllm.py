@@ -114,8 +114,8 @@ def test_served_eval_and_kld_are_what_transformers_gives(smollm2, smol_dequantiz
     _gsm_data(data)
     calls = []
     real = run._lm_eval
-    monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a: calls.append((path, a[3] is not None, a[4],
-                                                                           real(path, cs, *a))) or calls[-1][-1])
+    monkeypatch.setattr(run, "_lm_eval", lambda path, cs, *a, **kw: calls.append(
+        (path, a[3] is not None, a[4], real(path, cs, *a, **kw))) or calls[-1][-1])
     common = dict(tasks="arc_easy,gsm8k", data_dir=data, resamples=200, max_gen_toks=48, chat=True, kld_tokens=512,
                   kld_chunk=256)
     local = evaluate(base, candidate, kld_out=tmp_path / "kld-local.json", **common)

@@ -83,7 +83,11 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def _load(path: Path, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
+def load_model(path: Path, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
+    """A model folder as transformers' class for it, in ``dtype`` on ``device``, in eval mode: the
+    one loader of every local run (``eval``'s tasks, ``eval-kld``, the PD check). A compressed-tensors
+    FP8 block checkpoint goes through a dequantized copy (transformers cannot decompress its fused
+    experts); a folder transformers refuses is one line naming it."""
     import transformers
 
     cfg = _config(path)
@@ -102,6 +106,16 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device = torch.device("c
         raise QuantizeError(f"{path}: transformers cannot load this model "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
     return m.to(device=device, dtype=dtype).eval()
+
+
+def model_key(path: Path, dtype: torch.dtype, device: torch.device) -> tuple:
+    """What a loaded model is kept under (``kld(loaded=...)``): its folder, dtype and device."""
+    return str(Path(path).resolve()), dtype, str(device)
+
+
+def _model_of(path: Path, dtype: torch.dtype, device: torch.device, loaded: dict | None):
+    m = (loaded or {}).get(model_key(path, dtype, device))
+    return m if m is not None else load_model(path, dtype, device)
 
 
 def _vocab(model) -> int:
@@ -324,9 +338,12 @@ def kld(
     emit: Emit = null_emit,
     keep_baseline: str | os.PathLike | None = None,
     top_k: int = 100,
+    loaded: dict | None = None,
 ) -> KldReport:
     """``device``: where both models run (cpu, cuda, cuda:N); the statistics are the same.
-    ``keep_baseline``: also write the baseline's log-probs there in fp32 (exact; ``kld_table``)."""
+    ``keep_baseline``: also write the baseline's log-probs there in fp32 (exact; ``kld_table``).
+    ``loaded``: models already loaded by ``load_model`` (``eval --kld-out``: the ones its tasks ran
+    on), by ``model_key``; one of the same dtype and device is used instead of loading it again."""
     from ..checkpoint.output import write_report
     from ..errors import CheckFailed
 
@@ -361,8 +378,8 @@ def kld(
     saved = None
     if baseline_logits is not None:
         saved = _open_logits(Path(baseline_logits), run, chunks, cand_path, Path(baseline) if baseline else None)
-    base_model = _load(Path(baseline), tdtype, dev) if saved is None else None
-    cand_model = _load(cand_path, tdtype, dev)
+    base_model = _model_of(Path(baseline), tdtype, dev, loaded) if saved is None else None
+    cand_model = _model_of(cand_path, tdtype, dev, loaded)
     if base_model is not None and _vocab(base_model) != _vocab(cand_model):
         raise QuantizeError(f"{cand_path}: vocabulary {_vocab(cand_model)} differs from the baseline's "
                             f"{_vocab(base_model)}")

@@ -273,7 +273,7 @@ def pd_fidelity(
     from that cache, against ``source`` alone; beside the decode model alone."""
     from ..checkpoint.output import report_target, write_report
     from ..errors import CheckFailed
-    from .kld import _config, _load, _tokenizer, check_device, read_text, same_model, same_tokenizer
+    from .kld import _config, _tokenizer, check_device, load_model, read_text, same_model, same_tokenizer
 
     if kv_cache_dtype not in ("fp8_e4m3", "bf16"):
         raise QuantizeError(f"--kv-cache-dtype {kv_cache_dtype}: use fp8_e4m3 (the decode pool's FP8 cache) or bf16")
@@ -310,7 +310,7 @@ def pd_fidelity(
     for k, p in paths.items():  # the prefill model is usually the source itself: load it once
         r = p.resolve()
         if r not in by_path:
-            by_path[r] = _load(p, torch.float32, dev)
+            by_path[r] = load_model(p, torch.float32, dev)
         models[k] = by_path[r]
     emit({"event": "start", "stage": "pd-fidelity", "total_bytes": len(ROWS) + 1, "done_bytes": 0, "unit": "steps"})
     prefills: dict[str, tuple] = {}  # prefill side -> (its prompt cache, its latent tap)

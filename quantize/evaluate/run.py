@@ -116,26 +116,43 @@ def served_model(url: str, timeout: float = 10.0) -> str:
 
 
 def _run_model(path: str, configs: list, limit: int | None, device: str, batch_size: int,
-               base_url: str | None = None, chat: bool = False, think=None, concurrency: int = 1) -> dict:
+               base_url: str | None = None, chat: bool = False, think=None, concurrency: int = 1,
+               keep: dict | None = None) -> dict:
     """One model's lm-eval results (``samples`` per task). ``chat``: the generation tasks through
     the model's chat template, the log-likelihood ones as the task writes them (``CHAT_PROMPTS``):
-    two lm-eval runs on the same model or server, their samples together."""
+    two lm-eval runs on the same model or server, their samples together. A local model is loaded
+    once (``kld.load_model``, the loader eval-kld uses) for all its runs; ``keep``: it is kept there
+    afterwards (by ``kld.model_key``) for ``--kld-out``, else freed."""
     if not (Path(path) / "config.json").exists() and not (Path(path) / "tokenizer.json").exists():
         raise QuantizeError(f"{path}: no config.json; pass a model folder")
-    if not chat:
-        return _lm_eval(path, configs, limit, device, batch_size, base_url, False, None, concurrency)
-    gen = [c for c in configs if output_type(c) == "generate_until"]
-    rest = [c for c in configs if output_type(c) != "generate_until"]
-    runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ, think if templ else None, concurrency)
-            for cs, templ in ((gen, True), (rest, False)) if cs]
-    return {"samples": {t: s for r in runs for t, s in r["samples"].items()}}
+    model = None
+    if not base_url:
+        import torch
+
+        from .kld import check_device, load_model, model_key
+
+        dev = check_device(device)
+        model = load_model(Path(path), torch.float32, dev)
+        if keep is not None:
+            keep[model_key(Path(path), torch.float32, dev)] = model
+    try:
+        if not chat:
+            return _lm_eval(path, configs, limit, device, batch_size, base_url, False, None, concurrency, model=model)
+        gen = [c for c in configs if output_type(c) == "generate_until"]
+        rest = [c for c in configs if output_type(c) != "generate_until"]
+        runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ, think if templ else None, concurrency,
+                         model=model) for cs, templ in ((gen, True), (rest, False)) if cs]
+        return {"samples": {t: s for r in runs for t, s in r["samples"].items()}}
+    finally:
+        del model
 
 
 def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_size: int, base_url: str | None,
-             chat: bool, think=None, concurrency: int = 1) -> dict:
+             chat: bool, think=None, concurrency: int = 1, model=None) -> dict:
     """``think`` (``evaluate/thinking.py``, chat only): the template's thinking switch, set for a local
     model through lm-eval's ``chat_template_args``, for a server as each request's
-    ``chat_template_kwargs``; on, lm-eval keeps the text after the trace's end."""
+    ``chat_template_kwargs``; on, lm-eval keeps the text after the trace's end. ``model``: the
+    local model, loaded (lm-eval's ``hf`` backend around it, the folder's tokenizer); None: loaded here."""
     import lm_eval
 
     if base_url and chat:  # the server applies the model's chat template (lm-eval's chat backend: messages)
@@ -150,7 +167,7 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
                                              "tokenized_requests": True, "num_concurrent": concurrency,
                                              "max_retries": 2}
     else:
-        model, args = "hf", {"pretrained": str(path), "dtype": "float32"}
+        loaded, model, args = model, "hf", {"tokenizer": str(path), "batch_size": batch_size}
     gen_kwargs = None
     if think is not None:
         from .thinking import THINK_END
@@ -162,6 +179,16 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
         if think.on:
             args["think_end_token"] = THINK_END
     try:
+        if not base_url:  # lm-eval's hf backend around the model loaded once (its own loader would load it again)
+            from lm_eval.models.huggingface import HFLM
+
+            if loaded is None:  # called alone: loaded here, by the same loader
+                import torch
+
+                from .kld import check_device, load_model
+
+                loaded = load_model(Path(path), torch.float32, check_device(device))
+            model, args = HFLM(pretrained=loaded, **args), None
         # our TaskManager (built once per process): lm-eval's own would walk every task YAML again, each call
         return lm_eval.simple_evaluate(model=model, model_args=args, tasks=configs, task_manager=_task_manager(),
                                        limit=limit, log_samples=True, batch_size=batch_size, device=device,
@@ -348,16 +375,18 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     log = None if verbose else new_log("eval")
     try:
         with captured(log):
+            loaded: dict | None = {} if kld_out is not None and kld_plan is None else None  # local: load once
             rb, rc, measured, rows = _runs(baseline, candidate, configs, limit, device, batch_size, base_url,
                                            baseline_url, serve, dict(python=engine_python, tp=tp,
                                                                      kv_cache_dtype=kv_cache_dtype,
                                                                      extra_args=serve_args, port=serve_port,
                                                                      timeout_s=serve_timeout_s, log_dir=serve_log),
-                                           saved, chat, think, kld_plan, concurrency, serve_pd_prefill)
+                                           saved, chat, think, kld_plan, concurrency, serve_pd_prefill, loaded)
             kld_rep = None
             if kld_out is not None:
                 kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device,
-                               kld_base, saved is not None, baseline_results)
+                               kld_base, saved is not None, baseline_results, loaded)
+            loaded = None  # the models' last references
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
@@ -517,12 +546,13 @@ def _kv_scheme(folder: Path):
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
           saved: dict | None = None, chat: bool = False, think=None, kld_plan=None, concurrency: int = 1,
-          pd_prefill=None):
+          pd_prefill=None, keep: dict | None = None):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine;
     ``pd_prefill``: the candidate by SGLang's prefill/decode pair, ``serve.Pair``),
     where each was measured, and (``kld_plan``, served only) each model's served log-probs from the
     same launch, after its tasks; ``saved``: the
-    baseline's results, read from a --save-baseline file."""
+    baseline's results, read from a --save-baseline file; ``keep`` (local --kld-out): the local
+    models stay loaded there for the KL."""
     measured: dict = {}
     runs = []
     rows = {"baseline": kld_plan.baseline_rows} if kld_plan and kld_plan.baseline_rows is not None else {}
@@ -533,7 +563,8 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
             continue
         how = {"prompts": CHAT_PROMPTS[bool(serve or url)]} if chat else {}
         if serve is None:
-            runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat, think, concurrency))
+            runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat, think, concurrency,
+                                   keep))
             measured[role] = {"engine": "server", "url": url} if url else {"engine": "transformers", "device": device}
             measured[role].update(how)
             if think:
@@ -565,17 +596,18 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
 
 
 def _kld(baseline, candidate, kld_plan, rows: dict, measured: dict, tokens: int, chunk: int, top_k: int, device,
-         kld_base: Path | None = None, reused: bool = False, results=None):
-    """``--kld-out``'s report: from the served rows of both launches, or (local) eval-kld's own run,
-    which saves the baseline's log-probabilities to ``kld_base`` (--save-baseline) or reads them
-    from it (``reused``: --baseline-results)."""
-    from .kld import kld_table, served_report
+         kld_base: Path | None = None, reused: bool = False, results=None, loaded: dict | None = None):
+    """``--kld-out``'s report: from the served rows of both launches, or (local) eval-kld's own
+    comparison on the models the tasks ran on (``loaded``), which saves the baseline's
+    log-probabilities to ``kld_base`` (--save-baseline) or reads them from it (``reused``:
+    --baseline-results)."""
+    from .kld import kld, served_report
 
     if kld_plan is None:
         try:
-            return kld_table(baseline, [candidate], tokens=tokens, chunk=chunk, top_k=top_k, device=device,
-                             save_baseline=None if reused else kld_base,
-                             baseline_logits=kld_base if reused else None, verbose=True).reports[0]
+            return kld(baseline, candidate, tokens=tokens, chunk=chunk, top_k=top_k, device=device,
+                       save_baseline=None if reused else kld_base, baseline_logits=kld_base if reused else None,
+                       loaded=loaded)
         except QuantizeError as e:
             if not reused:
                 raise
