@@ -977,6 +977,11 @@ class EvalOptions(Options):
         None, "--serve: the engine's KV-cache dtype (default: the engine's own; fp8_e4m3 as the card's launch line)",
         choices=SERVE_KV_DTYPES,
     )
+    baseline_kv_cache_dtype: str | None = opt(
+        None, "--serve: the baseline's own KV-cache dtype (default: --kv-cache-dtype's), e.g. auto, as its vendor "
+        "serves it, beside a candidate served with fp8_e4m3: the comparison then covers the cache as well",
+        choices=SERVE_KV_DTYPES,
+    )
     serve_args: str = opt("", "--serve: more arguments for the engine's launch line, as one quoted string")
     serve_port: int | None = opt(
         None, "--serve: loopback port (default: a free one)", check=lambda v: 1 <= v <= 65535,
@@ -1054,6 +1059,7 @@ class KLDOptions(Options):
     engine_python: Path | None = same(EvalOptions, "engine_python")
     tp: int = same(EvalOptions, "tp")
     kv_cache_dtype: str | None = same(EvalOptions, "kv_cache_dtype")
+    baseline_kv_cache_dtype: str | None = same(EvalOptions, "baseline_kv_cache_dtype")
     serve_args: str = same(EvalOptions, "serve_args")
     serve_port: int | None = same(EvalOptions, "serve_port")
     serve_timeout_s: float = same(EvalOptions, "serve_timeout_s")

@@ -68,7 +68,8 @@ STAGES = ("make-source", "convert", "convert-prefill", "calibrate-kv", "shard", 
 DEFAULT_STAGES = ("convert", "calibrate-kv", "shard", "check", "eval", "card", "push")
 TINY_PREFIX = "tiny:"
 # the eval stage's engine launch and its requests in flight
-SERVE_KEYS = ("serve", "tp", "kv_cache_dtype", "serve_args", "serve_timeout_s", "concurrency")
+SERVE_KEYS = ("serve", "tp", "kv_cache_dtype", "baseline_kv_cache_dtype", "serve_args", "serve_timeout_s",
+              "concurrency")
 
 # pipeline.<section>: the options of the command the stage calls, as that command declares them
 # (quantize/options.py); a recipe default differs from the command line's only where named here
@@ -76,8 +77,9 @@ SECTIONS = {
     "convert": O.recipe_section(O.ConvertOptions),
     "kv": O.recipe_section(O.CalibrateKVOptions),
     "shard": O.recipe_section(O.ShardOptions),
-    # serve / tp / kv_cache_dtype / serve_args / serve_timeout_s: the stage launches that engine on the source
-    # and on the model in turn (docs/served-eval.md), as `quantize eval --serve` does
+    # serve / tp / kv_cache_dtype (baseline_kv_cache_dtype: the source's own) / serve_args / serve_timeout_s: the
+    # stage launches that engine on the source and on the model in turn (docs/served-eval.md), as `quantize eval
+    # --serve` does
     "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device", "chat", "thinking", *SERVE_KEYS)),
                              O.EvalStageOptions),
     "push": O.recipe_section(O.PushOptions, defaults={"dry_run": True}),

@@ -4,7 +4,8 @@
 # model card that says where each figure was measured.
 #
 #   scripts/gpu_node_proof.sh glm   # GLM-5.2: baseline zai-org/GLM-5.2-FP8 (block FP8), candidate W4A16 experts
-#   scripts/gpu_node_proof.sh kimi  # Kimi K2.6: baseline Moonshot's INT4 release, candidate its FP8 prefill pool
+#   scripts/gpu_node_proof.sh kimi  # Kimi K2.6: baseline Moonshot's INT4 release, candidate the same INT4 with
+#                                   # its MLA cache range folded into the weights, for an FP8 KV cache
 #
 # NEVER RUN HERE: this project's machines have no GPU. Every command below is one the tool has and
 # tests on CPU miniatures (tests/test_serve.py, tests/test_serve_vllm.py, tests/test_pipeline.py);
@@ -30,7 +31,10 @@ limit=()
 # both models; THINKING=on keeps the trace (SGLang's reasoning parser splits it off) and needs a long cap
 think=(--thinking "${THINKING:-off}")
 [ "${THINKING:-off}" = on ] && think+=(--max-gen-toks "${MAX_GEN_TOKS:-8192}")
-serve=(--serve sglang --engine-python "$PY" --tp 8 --kv-cache-dtype fp8_e4m3 --serve-log "$OUT/logs" --concurrency 32)
+# the baseline as its vendor serves it (the engine's own KV cache), the candidate as the fleet will (FP8 cache): the
+# comparison covers the weights and the cache together
+kv=(--kv-cache-dtype fp8_e4m3 --baseline-kv-cache-dtype auto)
+serve=(--serve sglang --engine-python "$PY" --tp 8 --serve-log "$OUT/logs" --concurrency 32)
 
 case "$which" in
   glm)
@@ -42,29 +46,32 @@ case "$which" in
     # routed experts INT4 (GPTQ on 8 ranks; RTN: drop --method/--nproc), the rest as shipped
     quantize convert "$base" "$cand" --recipe recipes/glm-5.2-w4a16-experts.yaml --method gptq --nproc 8 \
       --device cuda --base-model "$repo" --resume
+    quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --device cuda --nproc 8   # samples split, a GPU per rank
     ;;
   kimi)
     repo=moonshotai/Kimi-K2.6
     base="$MODELS/Kimi-K2.6"
-    cand="$OUT/Kimi-K2.6-FP8"
+    cand="$OUT/Kimi-K2.6-W4A16-fold"
     [ -d "$base" ] || hf download "$repo" --local-dir "$base"
     quantize plan "$base" --tp 8
-    # Moonshot's release is already INT4 (the decode pool serves it as is): the candidate measured
-    # against it is the prefill pool's FP8 block weights
-    quantize convert "$base" "$cand" --scheme fp8-block --profile all-linear --device cuda --base-model "$repo" \
-      --resume
+    # Moonshot's release is already INT4 (QAT): convert passes its codes through bit for bit; what changes is the
+    # KV cache, FP8 at unit scale on MLA, whose range calibrate-kv folds into the weights (exact in real arithmetic).
+    # Not the FP8 prefill pool's weights: `quantize plan --scheme fp8-block --profile all-linear` puts 120.8 GiB on
+    # each of 8 GPUs, which leaves an H200 no KV cache (that pool needs a node of its own: docs/served-eval.md)
+    quantize convert "$base" "$OUT/Kimi-K2.6-W4A16" --base-model "$repo" --resume
+    quantize calibrate-kv "$OUT/Kimi-K2.6-W4A16" --fold --out "$cand" --overwrite --stats-out "$OUT/kv.json" \
+      --device cuda --nproc 8
     ;;
   *) echo "usage: $0 glm|kimi" >&2; exit 2 ;;
 esac
 
 quantize check "$cand" --tp 8 --json > "$OUT/check.json"
-quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --device cuda --nproc 8   # samples split, a GPU per rank
 # the engine, launched by quantize on each folder in turn (baseline, then candidate), once per model for both
 # the tasks and the KL divergence (--kld-out: top-100 served log-probs of 8192 tokens), stopped after.
 # --chat: GSM8K and MMLU-Pro through the chat template (chat-completions), ARC and MMLU as written.
 # The next candidate of the same baseline: --baseline-results "$OUT/eval-baseline.json" (the tasks, and the KL
 # side saved beside it in eval-baseline.kld.safetensors) serves only that candidate.
-quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" --chat "${think[@]}" --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
+quantize eval --baseline "$base" --candidate "$cand" "${serve[@]}" "${kv[@]}" --chat "${think[@]}" --tasks "$TASKS" "${data[@]}" "${limit[@]}" \
   --kld-out "$OUT/kld.json" --kld-top-k 100 --kld-tokens 8192 \
   --out "$OUT/eval.json" --markdown "$OUT/eval.md" --save-baseline "$OUT/eval-baseline.json"
 quantize card "$cand" --eval "$OUT/eval.json" --eval "$OUT/kld.json" --eval "$OUT/check.json" --eval "$OUT/kv.json" \

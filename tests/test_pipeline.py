@@ -411,8 +411,8 @@ def test_the_eval_stage_launches_the_engine_the_recipe_names(tmp_path, monkeypat
     r.write_text(yaml.safe_dump(doc))
     p = pipeline.load_pipeline(r)
     assert {k: p.opts["eval"][k] for k in pipeline.SERVE_KEYS} == {
-        "serve": "vllm", "tp": 2, "kv_cache_dtype": None, "serve_args": "--max-model-len 512", "serve_timeout_s": 900.0,
-        "concurrency": 32}
+        "serve": "vllm", "tp": 2, "kv_cache_dtype": None, "baseline_kv_cache_dtype": None,
+        "serve_args": "--max-model-len 512", "serve_timeout_s": 900.0, "concurrency": 32}
     seen = {}
 
     def fake(*a, **kw):

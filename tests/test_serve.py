@@ -497,6 +497,67 @@ def test_a_saved_served_baseline_is_reused_for_the_next_candidate_and_refused_fo
     assert not never.exists()  # no engine was started for a refused run
 
 
+def test_the_baseline_is_served_with_its_own_kv_cache_and_a_saved_one_must_match(models, tmp_path, monkeypatch):
+    """`--baseline-kv-cache-dtype auto` beside `--kv-cache-dtype fp8_e4m3`: the vendor's model served
+    with the engine's own cache, the candidate with FP8 (the launch lines and records say so), in
+    eval and in eval-kld; a saved baseline reused by a served run must have been served with the
+    cache this run gives the baseline (the default: --kv-cache-dtype), else one line before any
+    launch; the option without --serve, or on a baseline transformers ran, is one line too."""
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    py, data = _fake_python(tmp_path), _data(tmp_path)
+    kw = dict(tasks="arc_easy", limit=2, data_dir=data, resamples=200, serve="vllm", engine_python=py,
+              kv_cache_dtype="fp8_e4m3")
+    saved = tmp_path / "base.json"
+    rep = evaluate(base, cand, baseline_kv_cache_dtype="auto", serve_log=tmp_path / "l1", save_baseline=saved, **kw)
+    m = rep.measured
+    assert "--kv-cache-dtype auto" in m["baseline"]["launch"] and m["baseline"]["kv_cache_dtype"] == "auto"
+    assert "--kv-cache-dtype fp8_e4m3" in m["candidate"]["launch"] and m["candidate"]["kv_cache_dtype"] == "fp8_e4m3"
+    never = tmp_path / "never"
+    for bad, match in ((dict(), r"base.json: its baseline was served with KV cache auto, this run gives the "
+                                r"baseline fp8_e4m3 .*; pass --baseline-kv-cache-dtype auto"),
+                       (dict(baseline_kv_cache_dtype="fp8_e4m3"), r"served with KV cache auto, this run gives the "
+                                                                  r"baseline fp8_e4m3")):
+        with pytest.raises(QuantizeError, match=match):
+            evaluate(base, cand, baseline_results=saved, serve_log=never, **kw, **bad)
+    assert not never.exists()
+    logs = tmp_path / "l2"
+    again = evaluate(base, cand, baseline_results=saved, baseline_kv_cache_dtype="auto", serve_log=logs, **kw)
+    assert [p.name.split("-")[1] for p in logs.glob("vllm-*.log")] == ["candidate"]
+    assert again.tasks[0].baseline_items == rep.tasks[0].baseline_items
+    # the engine's own cache, unnamed (None) and named (auto), is one cache
+    plain = tmp_path / "plain.json"
+    evaluate(base, cand, serve_log=tmp_path / "l3", save_baseline=plain, **{**kw, "kv_cache_dtype": None})
+    evaluate(base, cand, baseline_results=plain, baseline_kv_cache_dtype="auto", serve_log=tmp_path / "l4", **kw)
+    with pytest.raises(QuantizeError, match=r"--baseline-kv-cache-dtype auto: the baseline's engine launch; it needs "
+                                            r"--serve ENGINE"):
+        evaluate(base, cand, baseline_kv_cache_dtype="auto", **{**kw, "serve": None, "engine_python": None})
+    local = tmp_path / "local.json"
+    evaluate(base, cand, save_baseline=local, **{**kw, "serve": None, "engine_python": None, "kv_cache_dtype": None})
+    evaluate(base, cand, baseline_results=local, serve_log=tmp_path / "l5", **kw)  # measured elsewhere: not asked
+    with pytest.raises(QuantizeError, match=r"local.json: its baseline was not launched by quantize \(transformers\)"):
+        evaluate(base, cand, baseline_results=local, baseline_kv_cache_dtype="auto", serve_log=never, **kw)
+    assert not never.exists()
+    # eval-kld: the same, for the served baseline's log-probs
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    kk = dict(text=text, tokens=40, chunk=20, serve="vllm", top_k=5, engine_python=py, kv_cache_dtype="fp8_e4m3")
+    rows = tmp_path / "base-served.safetensors"
+    first = kld_table(base, [cand], save_baseline=rows, baseline_kv_cache_dtype="auto", serve_log=tmp_path / "k1",
+                      **kk).reports[0]
+    assert "--kv-cache-dtype auto" in first.measured["baseline"]["launch"]
+    assert "--kv-cache-dtype fp8_e4m3" in first.measured["candidate"]["launch"]
+    with pytest.raises(QuantizeError, match=r"--baseline-logits \S+base-served.safetensors: its baseline was served "
+                                            r"with KV cache auto, this run gives the baseline fp8_e4m3"):
+        kld_table(None, [cand], baseline_logits=rows, serve_log=never, **kk)
+    again = kld_table(None, [cand], baseline_logits=rows, baseline_kv_cache_dtype="auto", serve_log=tmp_path / "k2",
+                      **kk).reports[0]
+    assert again.kld_mean == first.kld_mean
+    with pytest.raises(QuantizeError, match=r"--baseline-kv-cache-dtype auto: the baseline's engine launch"):
+        kld_table(base, [cand], text=text, tokens=40, chunk=20, baseline_kv_cache_dtype="auto")
+    assert not never.exists()
+
+
 def test_position_kl_is_a_lower_bound_and_exact_when_everything_is_named():
     import torch
 

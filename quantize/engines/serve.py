@@ -181,6 +181,24 @@ def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
     return None
 
 
+def same_cache(path, record: dict, asked: str | None, explicit: bool, flag: str) -> None:
+    """A saved baseline (``flag`` ``path``; ``record``: where it was measured) reused by a served run
+    was served with the KV cache this run gives the baseline (``asked``: --baseline-kv-cache-dtype,
+    else --kv-cache-dtype; None and ``auto`` both the engine's own), else one line. One measured
+    elsewhere (transformers, a user's server) has no recorded cache: refused only when ``explicit``."""
+    if "kv_cache_dtype" not in record:
+        if explicit:
+            raise QuantizeError(f"{flag} {path}: its baseline was not launched by quantize ({record.get('engine')}), "
+                                f"so it has no --baseline-kv-cache-dtype {asked}; drop the option, or save the "
+                                "baseline again with --serve")
+        return
+    had, want = record.get("kv_cache_dtype") or "auto", asked or "auto"
+    if had != want:
+        raise QuantizeError(f"{flag} {path}: its baseline was served with KV cache {had}, this run gives the baseline "
+                            f"{want} (--baseline-kv-cache-dtype, else --kv-cache-dtype); pass "
+                            f"--baseline-kv-cache-dtype {had}, or save the baseline again")
+
+
 class Served:
     """One engine serving one model folder, for the length of a ``with`` block."""
 

@@ -475,8 +475,8 @@ class KldTable:
 
 @takes(KLDOptions)
 def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device, serve,
-              engine_python, tp, kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, verbose, top_k,
-              emit: Emit = null_emit) -> KldTable:
+              engine_python, tp, kv_cache_dtype, baseline_kv_cache_dtype, serve_args, serve_port, serve_timeout_s,
+              serve_log, verbose, top_k, emit: Emit = null_emit) -> KldTable:
     """The table of ``_table`` (below), with transformers' own output in a log file unless
     ``verbose`` (``quantize.quiet``)."""
     from ..quiet import captured, kept, new_log
@@ -485,8 +485,8 @@ def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline
     try:
         with captured(log):
             table = _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out,
-                           device, serve, engine_python, tp, kv_cache_dtype, serve_args, serve_port, serve_timeout_s,
-                           serve_log, top_k, emit)
+                           device, serve, engine_python, tp, kv_cache_dtype, baseline_kv_cache_dtype, serve_args,
+                           serve_port, serve_timeout_s, serve_log, top_k, emit)
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (transformers' output: {log})" if log else str(e)) from e.__cause__
@@ -496,13 +496,14 @@ def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline
 
 
 def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device, serve,
-           engine_python, tp, kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, top_k,
-           emit: Emit = null_emit) -> KldTable:
+           engine_python, tp, kv_cache_dtype, baseline_kv_cache_dtype, serve_args, serve_port, serve_timeout_s,
+           serve_log, top_k, emit: Emit = null_emit) -> KldTable:
     """Several candidates of one source, one table: the same text and chunks for all, the baseline
     computed once (kept exactly, fp32, for the others) or read from ``baseline_logits``. One
     candidate gives the same report as ``kld``. ``out``: {"kind": "kld-table", "baseline",
     "candidates": [report, ...]}. ``serve``: every model served by that engine in turn (the
-    baseline once), the top-``top_k`` estimator of ``evaluate/served.py``."""
+    baseline once), the top-``top_k`` estimator of ``evaluate/served.py``; ``baseline_kv_cache_dtype``:
+    the baseline's own cache (a saved one must have been served with it)."""
     import tempfile
 
     from ..checkpoint.output import write_report
@@ -515,12 +516,15 @@ def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_lo
     if baseline is None and baseline_logits is None:
         raise QuantizeError("--baseline or --baseline-logits is required")
     inputs = _targets(baseline, candidates, text, save_baseline, baseline_logits, out)  # before any work
+    if baseline_kv_cache_dtype is not None and serve is None:
+        raise QuantizeError(f"--baseline-kv-cache-dtype {baseline_kv_cache_dtype}: the baseline's engine launch; it "
+                            "needs --serve ENGINE")
     if serve is not None:
         srv = dict(serve=serve, python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype, extra_args=serve_args,
                    port=serve_port, timeout_s=serve_timeout_s, log_dir=serve_log)
         table = _served_table(Path(baseline) if baseline is not None else None, [Path(c) for c in candidates], text,
                               tokens, chunk, top_k, srv, emit, save_baseline=save_baseline,
-                              baseline_logits=baseline_logits)
+                              baseline_logits=baseline_logits, baseline_kv=baseline_kv_cache_dtype)
         if out is not None:
             write_report(out, table.to_dict() if len(table.reports) > 1 else table.reports[0].to_dict(), REPORT_KIND,
                          inputs)
@@ -773,11 +777,12 @@ def served_report(baseline: str, cand: Path, chunks: list, base_rows: list, cand
 
 
 def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: int, chunk: int, top_k: int,
-                  srv: dict, emit: Emit, save_baseline=None, baseline_logits=None) -> KldTable:
+                  srv: dict, emit: Emit, save_baseline=None, baseline_logits=None,
+                  baseline_kv: str | None = None) -> KldTable:
     """``kld_table`` through a launched engine: the baseline served once (or its top-k read from
     ``baseline_logits``, saved by an earlier served run with ``save_baseline``), then each
     candidate; per position the estimator of ``evaluate/served.py`` (a lower bound of the full KL)."""
-    from ..engines.serve import Served, engine_of, python_of, run_served
+    from ..engines.serve import Served, engine_of, python_of, run_served, same_cache
 
     python_of(engine_of(srv["serve"]), srv["python"])  # the interpreter, before anything is read
     for c in candidates:
@@ -788,9 +793,13 @@ def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: i
     text_path, chunks, run = served_text(candidates[0], text, tokens, chunk)
     if baseline_logits is not None:  # before any engine starts
         base_rows, base_where = _open_served(Path(baseline_logits), run, top_k, chunks, candidates[0], baseline)
+        same_cache(baseline_logits, base_where, baseline_kv or srv["kv_cache_dtype"], baseline_kv is not None,
+                   "--baseline-logits")
 
     def rows_of(path: Path, role: str):
         kw = {k: v for k, v in srv.items() if k != "serve"}
+        if baseline_kv is not None and role == "baseline":
+            kw["kv_cache_dtype"] = baseline_kv
         with Served(srv["serve"], path, role=role, logprobs=top_k, **kw) as s:
             return run_served(s, lambda s: served_rows(s, chunks, top_k, role, emit)), s.record()
 

@@ -273,14 +273,16 @@ def paired_stats(a: np.ndarray, b: np.ndarray, resamples: int = 10000, seed: int
 @takes(EvalOptions)
 def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdown, max_gen_toks, chat, thinking,
              device, batch_size, resamples, base_url, baseline_url, concurrency, serve, engine_python, tp,
-             kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log, serve_pd_prefill, verbose,
-             save_baseline, baseline_results, kld_out, kld_tokens, kld_chunk, kld_top_k) -> EvalReport:
+             kv_cache_dtype, baseline_kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log,
+             serve_pd_prefill, verbose, save_baseline, baseline_results, kld_out, kld_tokens, kld_chunk,
+             kld_top_k) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
     the node at a time) and evaluate through it (``quantize.engines.serve``); ``serve_pd_prefill``:
     the candidate as SGLang's prefill/decode pair instead (``serve.Pair``: that folder in the prefill
-    pool), for generation tasks alone. ``kld_out``: also the
+    pool), for generation tasks alone. ``baseline_kv_cache_dtype``: the baseline's launch with its
+    own cache (default ``kv_cache_dtype``); a reused baseline must have been served with it. ``kld_out``: also the
     candidate's KL divergence against the baseline (``eval-kld``'s report) from the same runs; served,
     from the same launch of each model (``_runs``)."""
     from ..checkpoint.output import report_target, write_report
@@ -323,6 +325,9 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if serve is not None and (base_url or baseline_url):
         raise QuantizeError(f"--serve {serve} launches the servers itself; drop --base-url / --baseline-url (or "
                             "--serve, to evaluate servers you started)")
+    if baseline_kv_cache_dtype is not None and serve is None:
+        raise QuantizeError(f"--baseline-kv-cache-dtype {baseline_kv_cache_dtype}: the baseline's engine launch; it "
+                            "needs --serve ENGINE (a server you started has its cache set where you started it)")
     if serve_pd_prefill is not None:
         _pd_options(serve_pd_prefill, serve, kld_out)
     if serve is not None:
@@ -357,6 +362,11 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
              else None)
     if saved is not None:
         kld_base = saved["kld"]
+        if serve is not None:
+            from ..engines.serve import same_cache
+
+            same_cache(baseline_results, saved["measured"], baseline_kv_cache_dtype or kv_cache_dtype,
+                       baseline_kv_cache_dtype is not None, "--baseline-results")
     kld_plan = None
     if kld_out is not None and (serve is not None or saved is not None):  # the text's chunks, before anything runs
         from .kld import served_text
@@ -381,7 +391,8 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
                                                                      kv_cache_dtype=kv_cache_dtype,
                                                                      extra_args=serve_args, port=serve_port,
                                                                      timeout_s=serve_timeout_s, log_dir=serve_log),
-                                           saved, chat, think, kld_plan, concurrency, serve_pd_prefill, loaded)
+                                           saved, chat, think, kld_plan, concurrency, serve_pd_prefill, loaded,
+                                           baseline_kv_cache_dtype)
             kld_rep = None
             if kld_out is not None:
                 kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device,
@@ -546,13 +557,14 @@ def _kv_scheme(folder: Path):
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
           saved: dict | None = None, chat: bool = False, think=None, kld_plan=None, concurrency: int = 1,
-          pd_prefill=None, keep: dict | None = None):
+          pd_prefill=None, keep: dict | None = None, baseline_kv: str | None = None):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine;
     ``pd_prefill``: the candidate by SGLang's prefill/decode pair, ``serve.Pair``),
     where each was measured, and (``kld_plan``, served only) each model's served log-probs from the
     same launch, after its tasks; ``saved``: the
     baseline's results, read from a --save-baseline file; ``keep`` (local --kld-out): the local
-    models stay loaded there for the KL."""
+    models stay loaded there for the KL; ``baseline_kv``: the baseline's KV-cache dtype, if not
+    ``srv``'s."""
     measured: dict = {}
     runs = []
     rows = {"baseline": kld_plan.baseline_rows} if kld_plan and kld_plan.baseline_rows is not None else {}
@@ -586,7 +598,8 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
 
         server = (Pair(pd_prefill, path, role=role, reasoning_parser=parser, logprobs=top_k, **srv)
                   if pd_prefill is not None and role == "candidate" else
-                  Served(serve, path, role=role, reasoning_parser=parser, logprobs=top_k, **srv))
+                  Served(serve, path, role=role, reasoning_parser=parser, logprobs=top_k,
+                         **{**srv, **({"kv_cache_dtype": baseline_kv} if baseline_kv and role == "baseline" else {})}))
         with server as s:
             runs.append(run_served(s, work))
             measured[role] = {**s.record(), **how}
