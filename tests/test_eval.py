@@ -286,37 +286,62 @@ def test_saved_baseline_is_reused_and_refused_for_another_comparison(models, tmp
 def test_each_local_model_loads_once_for_its_tasks_and_its_kl(models, tmp_path, monkeypatch):
     """Local --chat --kld-out: two lm-eval runs per model (templated generation, log-likelihood as
     written) and the KL, on one load of each model (transformers' from_pretrained counted, lm-eval's
-    own loader included: it used to load each three times); the KL equals eval-kld's own, which
-    loads them itself (the oracle)."""
+    own loader included: it used to load each three times), one model in memory at a time (the
+    baseline's log-probs are written after its tasks and it is freed before the candidate loads;
+    it used to stay through the candidate's tasks); the KL report equals eval-kld's own, which holds
+    both models (the oracle), and a --save-baseline's KL side is eval-kld's --save-baseline file."""
+    import weakref
+
+    import torch
+
     import transformers
 
     import quantize.evaluate.kld as kld
 
     base, cand = models
-    data, loads = _data(tmp_path), []
+    data, loads, alive = _data(tmp_path), [], []
     real = transformers.PreTrainedModel.from_pretrained.__func__
 
     def counted(cls, path, *a, **k):
-        loads.append(Path(path).name)
-        return real(cls, path, *a, **k)
+        loads.append((Path(path).name, sum(r() is not None for r in alive)))  # (folder, models alive before it)
+        m = real(cls, path, *a, **k)
+        alive.append(weakref.ref(m))
+        return m
 
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(counted))
+    saved = tmp_path / "b.json"
     rep = evaluate(base, cand, tasks="arc_easy,gsm8k", limit=2, data_dir=data, chat=True, max_gen_toks=4,
-                   resamples=100, kld_out=tmp_path / "k.json", kld_tokens=40, kld_chunk=20)
-    assert loads == [base.name, cand.name] and all(t.n == 2 for t in rep.tasks)
+                   resamples=100, kld_out=tmp_path / "k.json", kld_tokens=40, kld_chunk=20, save_baseline=saved)
+    assert loads == [(base.name, 0), (cand.name, 0)] and all(t.n == 2 for t in rep.tasks)
+    assert not any(r() for r in alive)  # and none is left after
     loads.clear()
-    own = kld.kld(base, cand, tokens=40, chunk=20)
-    assert loads == [base.name, cand.name]
-    assert (rep.kld.kld_mean, rep.kld.top1_agreement, rep.kld.tokens) == (own.kld_mean, own.top1_agreement, 40)
+    own = kld.kld(base, cand, tokens=40, chunk=20, save_baseline=tmp_path / "own.safetensors")
+    assert loads == [(base.name, 0), (cand.name, 1)]  # eval-kld: both at once
+    drop = ("baseline", "candidate", "text")
+    assert {k: v for k, v in rep.kld.to_dict().items() if k not in drop} == {
+        k: v for k, v in own.to_dict().items() if k not in drop} and rep.kld.tokens == 40
+    from safetensors.torch import load_file
+
+    side, mine = load_file(tmp_path / "b.kld.safetensors"), load_file(tmp_path / "own.safetensors")
+    assert side.keys() == mine.keys() and all(torch.equal(side[k], mine[k]) for k in side)
 
 
 def test_a_compressed_tensors_fp8_block_candidate_is_evaluated(tiny, tmp_path):
     """convert --scheme fp8-block's output, which transformers cannot decompress (its fused experts),
     runs locally through eval's tasks and KL as through eval-kld (a dequantized copy); it used to end
     in transformers' traceback."""
+    import torch
+
+    from quantize.evaluate.kld import load_model
+
     src = tiny("deepseek_v3")
     out = tmp_path / "fp8b"
     convert(src, out, scheme="fp8-block")
+    gen = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [1, 7], "do_sample": False}))
+    m = load_model(out, torch.float32)  # the copy transformers loads keeps the folder's stop tokens (generate's)
+    assert m.generation_config.eos_token_id == [1, 7] and m.generation_config.max_new_tokens == gen["max_new_tokens"]
+    del m
     rep = evaluate(src, out, tasks="arc_easy", limit=3, data_dir=_data(tmp_path), resamples=100,
                    kld_out=tmp_path / "k.json", kld_tokens=40, kld_chunk=20)
     assert rep.tasks[0].n == 3 and rep.measured["candidate"]["engine"] == "transformers"

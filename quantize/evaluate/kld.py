@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -135,7 +136,7 @@ def _has_fp8_block(cfg: dict) -> bool:
 def _dequantized_copy(path: Path, cfg: dict, tmp: Path) -> str:
     """The checkpoint as BF16 in ``tmp`` (every FP8 / INT4 weight dequantized by the one reader,
     as compressed-tensors decompresses it: code x scale in the scale dtype, rounded to BF16; config
-    without quantization_config) for transformers to load as a plain model."""
+    without quantization_config, its generation_config.json) for transformers to load as a plain model."""
     from safetensors.torch import save_file
 
     from ..checkpoint.index import CheckpointIndex
@@ -160,6 +161,9 @@ def _dequantized_copy(path: Path, cfg: dict, tmp: Path) -> str:
     save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
     (tmp / "config.json").write_text(json.dumps(plain))
+    gen = path / "generation_config.json"  # its stop tokens and defaults: generate() reads them, not config.json's
+    if gen.is_file():
+        shutil.copyfile(gen, tmp / gen.name)
     return str(tmp)
 
 
@@ -357,23 +361,8 @@ def kld(
         raise QuantizeError("--baseline or --baseline-logits is required")
     cand_path = Path(candidate)
     inputs = _targets(baseline, [candidate], text, save_baseline, baseline_logits, out)
-    mpe = _config(cand_path, "candidate model").get("max_position_embeddings")
-    if type(mpe) is int and mpe > 0 and chunk > mpe:
-        raise QuantizeError(f"--chunk {chunk}: longer than the candidate's max_position_embeddings {mpe} "
-                            f"({cand_path / 'config.json'}); use --chunk {mpe} or less")
-    if baseline is not None:
-        _config(Path(baseline), "baseline model")
-        same_model(Path(baseline), cand_path)
-    text_path, raw = read_text(text)
+    text_path, chunks, run = _text_of(baseline, cand_path, text, tokens, chunk)
     tdtype = DTYPES[dtype]
-    tok_c = _tokenizer(cand_path)
-    if baseline is not None:
-        same_tokenizer(Path(baseline), cand_path, raw, tok_b=tok_c)
-    ids = torch.tensor(tok_c(raw)["input_ids"][: tokens + 1])
-    if ids.numel() < 2:
-        raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
-    chunks = _chunks(ids, chunk)
-    run = {**_run_identity(raw, tokens, chunk, ids, tok_c), "chunks": len(chunks)}
 
     saved = None
     if baseline_logits is not None:
@@ -384,23 +373,8 @@ def kld(
         raise QuantizeError(f"{cand_path}: vocabulary {_vocab(cand_model)} differs from the baseline's "
                             f"{_vocab(base_model)}")
 
-    writers: list[tuple[StreamWriter, torch.dtype]] = []
-    if base_model is not None and (save_baseline is not None or keep_baseline is not None):
-        vocab = _vocab(base_model)
-        ident = {**run, "model": model_identity(Path(baseline)), "vocab": vocab}
-        meta = {"format": "quantize-kld", "quantize_kind": BASELINE_KIND, "identity": json.dumps(ident),
-                "baseline": str(baseline)}
-        for path, st, tdt in ((save_baseline, "F16", torch.float16), (keep_baseline, "F32", torch.float32)):
-            if path is not None:
-                entries = [Entry(f"chunk.{i}", st, (c.numel() - 1, vocab)) for i, c in enumerate(chunks)]
-                try:
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    writers.append((StreamWriter(Path(path), entries, meta), tdt))
-                except OSError as e:
-                    for w, _ in writers:
-                        w.abort()
-                    raise QuantizeError(f"--save-baseline {path}: cannot write ({e.strerror}); choose a path you "
-                                        f"can write") from e
+    writers = (_writers(Path(baseline), run, chunks, _vocab(base_model), save_baseline, keep_baseline)
+               if base_model is not None else [])
     from .served import topk_kl
 
     kl_all, agree, nll_b, nll_c, topk_sum = [], 0, 0.0, 0.0, 0.0
@@ -454,6 +428,75 @@ def kld(
         write_report(out, rep.to_dict(), REPORT_KIND, inputs)
     emit({"event": "done"})
     return rep
+
+
+def _text_of(baseline, cand_path: Path, text, tokens: int, chunk: int) -> tuple[Path, list, dict]:
+    """What ``kld`` scores, checked before any model loads: the text, tokenized by the candidate's
+    tokenizer (the baseline's must be the same), its chunks and the run's identity."""
+    mpe = _config(cand_path, "candidate model").get("max_position_embeddings")
+    if type(mpe) is int and mpe > 0 and chunk > mpe:
+        raise QuantizeError(f"--chunk {chunk}: longer than the candidate's max_position_embeddings {mpe} "
+                            f"({cand_path / 'config.json'}); use --chunk {mpe} or less")
+    if baseline is not None:
+        _config(Path(baseline), "baseline model")
+        same_model(Path(baseline), cand_path)
+    text_path, raw = read_text(text)
+    tok_c = _tokenizer(cand_path)
+    if baseline is not None:
+        same_tokenizer(Path(baseline), cand_path, raw, tok_b=tok_c)
+    ids = torch.tensor(tok_c(raw)["input_ids"][: tokens + 1])
+    if ids.numel() < 2:
+        raise QuantizeError(f"--text {text_path}: fewer than 2 tokens; pass a longer text")
+    chunks = _chunks(ids, chunk)
+    return text_path, chunks, {**_run_identity(raw, tokens, chunk, ids, tok_c), "chunks": len(chunks)}
+
+
+def _writers(baseline: Path, run: dict, chunks: list, vocab: int, save_baseline, keep_baseline) -> list:
+    """The files the baseline's log-probs go to as they are computed: ``save_baseline`` in fp16,
+    ``keep_baseline`` in fp32 (exact), each as ``_open_logits`` reads it. -> [(writer, dtype)]."""
+    writers: list[tuple[StreamWriter, torch.dtype]] = []
+    ident = {**run, "model": model_identity(baseline), "vocab": vocab}
+    meta = {"format": "quantize-kld", "quantize_kind": BASELINE_KIND, "identity": json.dumps(ident),
+            "baseline": str(baseline)}
+    for path, st, tdt in ((save_baseline, "F16", torch.float16), (keep_baseline, "F32", torch.float32)):
+        if path is not None:
+            entries = [Entry(f"chunk.{i}", st, (c.numel() - 1, vocab)) for i, c in enumerate(chunks)]
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                writers.append((StreamWriter(Path(path), entries, meta), tdt))
+            except OSError as e:
+                for w, _ in writers:
+                    w.abort()
+                raise QuantizeError(f"--save-baseline {path}: cannot write ({e.strerror}); choose a path you "
+                                    f"can write") from e
+    return writers
+
+
+def baseline_pass(baseline, candidate, keep_baseline, tokens: int = 8192, chunk: int = 512, text=None,
+                  save_baseline=None, dtype: str = "float32", device: str = "cpu", loaded: dict | None = None) -> None:
+    """The baseline's half of ``kld`` alone: its log-probs of the text ``kld`` would score against
+    ``candidate``, written to ``keep_baseline`` (fp32, exact) and ``save_baseline`` (fp16), the files
+    ``kld(baseline_logits=...)`` reads. ``eval --kld-out`` runs it locally after the baseline's
+    tasks, so the baseline is freed before the candidate loads: one model in memory at a time,
+    the same report as ``kld`` on both (``tests/test_eval.py``)."""
+    dev = check_device(device)
+    text_path, chunks, run = _text_of(baseline, Path(candidate), text, tokens, chunk)
+    model = _model_of(Path(baseline), DTYPES[dtype], dev, loaded)
+    writers = _writers(Path(baseline), run, chunks, _vocab(model), save_baseline, keep_baseline)
+    try:
+        for i, c in enumerate(chunks):
+            lb = _logprobs(model, c[:-1])
+            if not torch.isfinite(lb).all():
+                raise QuantizeError(f"--baseline {baseline}: its log-probabilities hold NaN or inf (chunk {i}); "
+                                    f"the baseline model is broken, nothing was saved")
+            for writer, tdt in writers:
+                writer.write_tensor(f"chunk.{i}", lb.clamp_min(torch.finfo(tdt).min).to(tdt).cpu())
+        for writer, _ in writers:
+            writer.finish()
+    except BaseException:
+        for writer, _ in writers:
+            writer.abort()
+        raise
 
 
 def _exp(x: float) -> float:

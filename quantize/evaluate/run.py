@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -383,24 +384,45 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     from ..quiet import captured, kept, new_log
 
     log = None if verbose else new_log("eval")
+    local_kl = kld_out is not None and kld_plan is None
+    if local_kl:  # the KL text and both tokenizers, before anything loads
+        from .kld import _text_of
+
+        _text_of(baseline, Path(candidate), None, kld_tokens, kld_chunk)
+    # local --kld-out: each model loaded once (kept here for the KL); the baseline's log-probs written right
+    # after its tasks (exact, fp32, in a temporary file), so it is freed before the candidate loads
+    loaded: dict | None = {} if local_kl else None
+    kl_tmp = tempfile.TemporaryDirectory(prefix="quantize-eval-kl-") if local_kl and saved is None else None
+    kept_kl = Path(kl_tmp.name) / "baseline-fp32.safetensors" if kl_tmp else None
+
+    def after_baseline():
+        from .kld import baseline_pass
+
+        baseline_pass(baseline, candidate, kept_kl, kld_tokens, kld_chunk, save_baseline=kld_base, device=device,
+                      loaded=loaded)
+        loaded.clear()
+
     try:
         with captured(log):
-            loaded: dict | None = {} if kld_out is not None and kld_plan is None else None  # local: load once
             rb, rc, measured, rows = _runs(baseline, candidate, configs, limit, device, batch_size, base_url,
                                            baseline_url, serve, dict(python=engine_python, tp=tp,
                                                                      kv_cache_dtype=kv_cache_dtype,
                                                                      extra_args=serve_args, port=serve_port,
                                                                      timeout_s=serve_timeout_s, log_dir=serve_log),
                                            saved, chat, think, kld_plan, concurrency, serve_pd_prefill, loaded,
-                                           baseline_kv_cache_dtype)
+                                           baseline_kv_cache_dtype, after_baseline if kl_tmp else None)
             kld_rep = None
             if kld_out is not None:
                 kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device,
-                               kld_base, saved is not None, baseline_results, loaded)
-            loaded = None  # the models' last references
+                               kld_base, saved is not None, baseline_results, loaded, kept_kl)
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
+    finally:
+        if loaded:
+            loaded.clear()  # the models' last references, also on an error (its traceback keeps this frame)
+        if kl_tmp is not None:
+            kl_tmp.cleanup()
     if save_baseline is not None:
         if kld_plan is not None and kld_base is not None:  # served: the baseline's rows (local: written by eval-kld)
             from .kld import model_identity, served_baseline_file
@@ -557,14 +579,14 @@ def _kv_scheme(folder: Path):
 
 def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, baseline_url, serve, srv: dict,
           saved: dict | None = None, chat: bool = False, think=None, kld_plan=None, concurrency: int = 1,
-          pd_prefill=None, keep: dict | None = None, baseline_kv: str | None = None):
+          pd_prefill=None, keep: dict | None = None, baseline_kv: str | None = None, after_baseline=None):
     """Both models' lm-eval results, one after the other (served: each by its own launched engine;
     ``pd_prefill``: the candidate by SGLang's prefill/decode pair, ``serve.Pair``),
     where each was measured, and (``kld_plan``, served only) each model's served log-probs from the
     same launch, after its tasks; ``saved``: the
     baseline's results, read from a --save-baseline file; ``keep`` (local --kld-out): the local
     models stay loaded there for the KL; ``baseline_kv``: the baseline's KV-cache dtype, if not
-    ``srv``'s."""
+    ``srv``'s; ``after_baseline`` (local): called once the baseline's tasks ran."""
     measured: dict = {}
     runs = []
     rows = {"baseline": kld_plan.baseline_rows} if kld_plan and kld_plan.baseline_rows is not None else {}
@@ -577,6 +599,8 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
         if serve is None:
             runs.append(_run_model(str(path), configs, limit, device, batch_size, url, chat, think, concurrency,
                                    keep))
+            if role == "baseline" and after_baseline is not None:
+                after_baseline()
             measured[role] = {"engine": "server", "url": url} if url else {"engine": "transformers", "device": device}
             measured[role].update(how)
             if think:
@@ -609,18 +633,18 @@ def _runs(baseline, candidate, configs, limit, device, batch_size, base_url, bas
 
 
 def _kld(baseline, candidate, kld_plan, rows: dict, measured: dict, tokens: int, chunk: int, top_k: int, device,
-         kld_base: Path | None = None, reused: bool = False, results=None, loaded: dict | None = None):
+         kld_base: Path | None = None, reused: bool = False, results=None, loaded: dict | None = None,
+         kept: Path | None = None):
     """``--kld-out``'s report: from the served rows of both launches, or (local) eval-kld's own
-    comparison on the models the tasks ran on (``loaded``), which saves the baseline's
-    log-probabilities to ``kld_base`` (--save-baseline) or reads them from it (``reused``:
-    --baseline-results)."""
+    comparison on the candidate the tasks ran on (``loaded``) against the baseline's
+    log-probabilities, written after its tasks to ``kept`` (``kld.baseline_pass``; to ``kld_base``
+    too with --save-baseline) or read from ``kld_base`` (``reused``: --baseline-results)."""
     from .kld import kld, served_report
 
     if kld_plan is None:
         try:
             return kld(baseline, candidate, tokens=tokens, chunk=chunk, top_k=top_k, device=device,
-                       save_baseline=None if reused else kld_base, baseline_logits=kld_base if reused else None,
-                       loaded=loaded)
+                       baseline_logits=kld_base if reused else kept, loaded=loaded)
         except QuantizeError as e:
             if not reused:
                 raise
