@@ -125,6 +125,38 @@ def test_malformed_data_file_named(models, tmp_path):
         evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=d)
 
 
+def test_the_tasks_data_is_read_before_any_model_loads_or_engine_starts(models, tmp_path, monkeypatch):
+    """The Hub out of reach without --data-dir (datasets' own ConnectionError) is one line naming the
+    fix, before a model loads or a server is launched; a malformed local file is named before too."""
+    import datasets
+    import transformers
+
+    base, cand = models
+    loads = []
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a) or pytest.fail("a model was loaded")))
+
+    def offline(path, *a, **k):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    logs = tmp_path / "logs"
+    for kw in ({}, dict(serve="vllm", engine_python=sys.executable, serve_log=logs, kld_out=tmp_path / "k.json")):
+        with pytest.raises(QuantizeError, match=r"^evaluation data: lm-eval could not fetch the tasks' datasets from "
+                                                r"the Hub \(Couldn't reach 'allenai/ai2_arc'.*\); pass --data-dir "
+                                                r"shipped .* or --data-dir DIR"):
+            evaluate(base, cand, tasks="arc_easy", limit=1, **kw)
+    monkeypatch.undo()
+    d = _data(tmp_path)
+    (d / "arc" / "arc_easy.jsonl").write_text("{not json\n")
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: pytest.fail("a model was loaded")))
+    with pytest.raises(QuantizeError, match=r"evaluation data could not be read.*arc_easy.jsonl"):
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=d, serve="vllm", engine_python=sys.executable,
+                 serve_log=logs)
+    assert not loads and not logs.exists()
+
+
 def _arc(d, golds, n=10):
     """ARC items with one-token answers (the tiny tokenizer is per character): a choice's
     log-likelihood is then the model's preference, not its length."""

@@ -195,22 +195,48 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
                                        limit=limit, log_samples=True, batch_size=batch_size, device=device,
                                        apply_chat_template=chat, gen_kwargs=gen_kwargs,
                                        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
-    except QuantizeError:
-        raise
-    except FileNotFoundError as e:
-        raise QuantizeError(f"evaluation data missing: {e}") from e
-    except Exception as e:  # noqa: BLE001 - a malformed data file surfaces from datasets' builders
-        cause = e
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        if (type(e).__module__.startswith(("datasets", "pyarrow"))
-                or type(cause).__module__.startswith(("datasets", "pyarrow", "json"))):
-            files = [str(f) for c in configs if isinstance(c, dict)
-                     for f in (c.get("dataset_kwargs") or {}).get("data_files", {}).values()]
-            raise QuantizeError(f"evaluation data could not be read "
-                                f"({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); "
-                                f"check {', '.join(files[:3]) or 'the data files'}") from e
-        raise
+    except Exception as e:  # noqa: BLE001 - the data's failures, in one line (_data_error)
+        raise _data_error(e, configs) from e
+
+
+def _files(configs: list) -> list[str]:
+    """The local data files the task configs read (--data-dir); none: lm-eval fetches from the Hub."""
+    return [str(f) for c in configs if isinstance(c, dict)
+            for f in (c.get("dataset_kwargs") or {}).get("data_files", {}).values()]
+
+
+def _data_error(e: BaseException, configs: list) -> BaseException:
+    """What a failure while lm-eval reads the tasks' data becomes: one line naming the data and the
+    fix (no Hub, a missing or malformed file), or the exception itself when it is none of those."""
+    if isinstance(e, QuantizeError):
+        return e
+    cause = e
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    first = str(cause).splitlines()[0][:160] if str(cause) else type(cause).__name__
+    files = _files(configs)
+    hub = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled") or isinstance(e, ConnectionError)
+    if hub and not files:
+        return QuantizeError(f"evaluation data: lm-eval could not fetch the tasks' datasets from the Hub ({first}); "
+                             "pass --data-dir shipped (the small subset quantize ships) or --data-dir DIR with the "
+                             "tasks' files (docs/evaluation.md#local-data)")
+    if isinstance(e, FileNotFoundError):
+        return QuantizeError(f"evaluation data missing: {e}")
+    if (type(e).__module__.startswith(("datasets", "pyarrow"))
+            or type(cause).__module__.startswith(("datasets", "pyarrow", "json"))):
+        return QuantizeError(f"evaluation data could not be read ({type(cause).__name__}: {first}); "
+                             f"check {', '.join(files[:3]) or 'the data files'}")
+    return e
+
+
+def _read_tasks(configs: list) -> None:
+    """Before any model loads or engine starts: lm-eval builds the tasks, reading (or fetching)
+    their datasets, so the Hub out of reach or a bad data file is one line now, not after a
+    launch (datasets caches what it fetched for the runs)."""
+    try:
+        _task_manager().load(configs)
+    except Exception as e:  # noqa: BLE001
+        raise _data_error(e, configs) from e
 
 
 class KLPlan(NamedTuple):
@@ -384,6 +410,8 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     from ..quiet import captured, kept, new_log
 
     log = None if verbose else new_log("eval")
+    with captured(log):
+        _read_tasks(configs)
     local_kl = kld_out is not None and kld_plan is None
     if local_kl:  # the KL text and both tokenizers, before anything loads
         from .kld import _text_of
