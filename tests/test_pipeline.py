@@ -400,19 +400,26 @@ def test_recipe_base_model_is_recorded_and_reaches_the_card_and_a_change_rewrite
 
 
 def test_the_eval_stage_launches_the_engine_the_recipe_names(tmp_path, monkeypatch):
-    """pipeline.eval.serve (with tp, kv_cache_dtype, serve_args, serve_timeout_s) reaches
+    """pipeline.eval.serve (with tp, kv_cache_dtype, baseline_kv_cache_dtype, serve_args, serve_timeout_s) reaches
     `quantize eval --serve`, its logs under the run's reports; the stage's options record it."""
     from quantize.evaluate import run as ev
 
     doc = yaml.safe_load(pipeline.default_recipe().read_text())
     doc["pipeline"].update(out=str(tmp_path / "run"), data_dir=None)
-    doc["pipeline"]["eval"] = {"serve": "vllm", "tp": 2, "serve_args": "--max-model-len 512", "concurrency": 32}
+    doc["pipeline"]["eval"] = {"serve": "vllm", "tp": 2, "serve_args": "--max-model-len 512", "concurrency": 32,
+                               "kv_cache_dtype": "fp8_e4m3", "baseline_kv_cache_dtype": "auto"}
     r = tmp_path / "r.yaml"
     r.write_text(yaml.safe_dump(doc))
     p = pipeline.load_pipeline(r)
     assert {k: p.opts["eval"][k] for k in pipeline.SERVE_KEYS} == {
-        "serve": "vllm", "tp": 2, "kv_cache_dtype": None, "baseline_kv_cache_dtype": None,
+        "serve": "vllm", "tp": 2, "kv_cache_dtype": "fp8_e4m3", "baseline_kv_cache_dtype": "auto",
         "serve_args": "--max-model-len 512", "serve_timeout_s": 900.0, "concurrency": 32}
+    bad = yaml.safe_load(r.read_text())
+    bad["pipeline"]["eval"]["baseline_kv_cache_dtype"] = "fp8"  # a near miss of a choice
+    r.write_text(yaml.safe_dump(bad))
+    with pytest.raises(QuantizeError, match=r"baseline_kv_cache_dtype"):
+        pipeline.load_pipeline(r)
+    r.write_text(yaml.safe_dump(doc))
     seen = {}
 
     def fake(*a, **kw):
@@ -426,6 +433,7 @@ def test_the_eval_stage_launches_the_engine_the_recipe_names(tmp_path, monkeypat
         pipeline._run_eval(ctx, False)
     assert seen["serve"] == "vllm" and seen["tp"] == 2 and seen["serve_args"] == "--max-model-len 512"
     assert seen["concurrency"] == 32
+    assert (seen["kv_cache_dtype"], seen["baseline_kv_cache_dtype"]) == ("fp8_e4m3", "auto")
     assert seen["serve_log"] == p.out / "reports" / "engine-logs"
 
 
