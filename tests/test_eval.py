@@ -175,11 +175,16 @@ def test_a_failure_after_the_tasks_read_is_not_named_the_hubs_and_keeps_its_own_
     monkeypatch.undo()
     real = run._kld
     monkeypatch.setattr(run, "_kld", lambda *a, **k: (_ for _ in ()).throw(QuantizeError("the KL failed")))
-    saved = tmp_path / "b.json"
+    saved, tmp = tmp_path / "b.json", tmp_path / "tmp"
+    tmp.mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # $TMPDIR: where the baseline's fp32 log-probs go
     with pytest.raises(QuantizeError, match="the KL failed"):
         evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=data, kld_out=tmp_path / "k.json",
                  kld_tokens=20, kld_chunk=10, save_baseline=saved)
     assert not saved.exists() and not (tmp_path / "b.kld.safetensors").exists()
+    assert not list(tmp.glob("quantize-eval-kl-*"))  # the temporary file removed on the failure too
     monkeypatch.setattr(run, "_kld", real)
     evaluate(base, cand, tasks="arc_easy", limit=1, data_dir=data, kld_out=tmp_path / "k.json", kld_tokens=20,
              kld_chunk=10, save_baseline=saved)
