@@ -202,6 +202,13 @@ def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
     return None
 
 
+def check_baseline_kv(baseline_kv_cache_dtype: str | None, serve: str | None) -> None:
+    """--baseline-kv-cache-dtype is the baseline's engine launch: without --serve, one line."""
+    if baseline_kv_cache_dtype is not None and serve is None:
+        raise QuantizeError(f"--baseline-kv-cache-dtype {baseline_kv_cache_dtype}: the baseline's engine launch; it "
+                            "needs --serve ENGINE (a server you started has its cache set where you started it)")
+
+
 def same_cache(path, record: dict, asked: str | None, explicit: bool, flag: str) -> None:
     """A saved baseline (``flag`` ``path``; ``record``: where it was measured) reused by a served run
     was served with the KV cache this run gives the baseline (``asked``: --baseline-kv-cache-dtype,

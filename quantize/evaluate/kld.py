@@ -389,12 +389,7 @@ def kld(
                     raise QuantizeError(f"--baseline-logits {baseline_logits}: chunk {i} holds NaN or inf; the file "
                                         f"is corrupt, recompute it with --save-baseline")
             else:
-                lb = _logprobs(base_model, c[:-1])
-                if not torch.isfinite(lb).all():
-                    raise QuantizeError(f"--baseline {baseline}: its log-probabilities hold NaN or inf (chunk {i}); "
-                                        f"the baseline model is broken, nothing was saved")
-                for writer, tdt in writers:
-                    writer.write_tensor(f"chunk.{i}", lb.clamp_min(torch.finfo(tdt).min).to(tdt).cpu())
+                lb = _baseline_chunk(base_model, baseline, i, c, writers)
             lc = _logprobs(cand_model, c[:-1])
             if lb.shape != lc.shape:
                 raise QuantizeError(f"{cand_path}: logits shape {tuple(lc.shape)} differs from the baseline's "
@@ -472,25 +467,31 @@ def _writers(baseline: Path, run: dict, chunks: list, vocab: int, save_baseline,
     return writers
 
 
-def baseline_pass(baseline, candidate, keep_baseline, tokens: int = 8192, chunk: int = 512, text=None,
-                  save_baseline=None, dtype: str = "float32", device: str = "cpu", loaded: dict | None = None) -> None:
-    """The baseline's half of ``kld`` alone: its log-probs of the text ``kld`` would score against
-    ``candidate``, written to ``keep_baseline`` (fp32, exact) and ``save_baseline`` (fp16), the files
-    ``kld(baseline_logits=...)`` reads. ``eval --kld-out`` runs it locally after the baseline's
-    tasks, so the baseline is freed before the candidate loads: one model in memory at a time,
-    the same report as ``kld`` on both (``tests/test_eval.py``)."""
-    dev = check_device(device)
-    text_path, chunks, run = _text_of(baseline, Path(candidate), text, tokens, chunk)
-    model = _model_of(Path(baseline), DTYPES[dtype], dev, loaded)
+def _baseline_chunk(model, baseline, i: int, c: torch.Tensor, writers: list) -> torch.Tensor:
+    """The baseline's log-probs of chunk ``i`` (``c``), checked finite and written to ``writers``."""
+    lb = _logprobs(model, c[:-1])
+    if not torch.isfinite(lb).all():
+        raise QuantizeError(f"--baseline {baseline}: its log-probabilities hold NaN or inf (chunk {i}); "
+                            f"the baseline model is broken, nothing was saved")
+    for writer, tdt in writers:
+        writer.write_tensor(f"chunk.{i}", lb.clamp_min(torch.finfo(tdt).min).to(tdt).cpu())
+    return lb
+
+
+def baseline_pass(baseline, text_of: tuple, keep_baseline, save_baseline=None, dtype: str = "float32",
+                  device: str = "cpu", loaded: dict | None = None) -> None:
+    """The baseline's half of ``kld`` alone: its log-probs of the text ``kld`` would score
+    (``text_of``: ``_text_of``'s answer for the candidate), written to ``keep_baseline`` (fp32,
+    exact) and ``save_baseline`` (fp16), the files ``kld(baseline_logits=...)`` reads. ``eval
+    --kld-out`` runs it locally after the baseline's tasks, so the baseline is freed before the
+    candidate loads: one model in memory at a time, the same report as ``kld`` on both
+    (``tests/test_eval.py``)."""
+    _, chunks, run = text_of
+    model = _model_of(Path(baseline), DTYPES[dtype], check_device(device), loaded)
     writers = _writers(Path(baseline), run, chunks, _vocab(model), save_baseline, keep_baseline)
     try:
         for i, c in enumerate(chunks):
-            lb = _logprobs(model, c[:-1])
-            if not torch.isfinite(lb).all():
-                raise QuantizeError(f"--baseline {baseline}: its log-probabilities hold NaN or inf (chunk {i}); "
-                                    f"the baseline model is broken, nothing was saved")
-            for writer, tdt in writers:
-                writer.write_tensor(f"chunk.{i}", lb.clamp_min(torch.finfo(tdt).min).to(tdt).cpu())
+            _baseline_chunk(model, baseline, i, c, writers)
         for writer, _ in writers:
             writer.finish()
     except BaseException:
@@ -559,9 +560,9 @@ def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_lo
     if baseline is None and baseline_logits is None:
         raise QuantizeError("--baseline or --baseline-logits is required")
     inputs = _targets(baseline, candidates, text, save_baseline, baseline_logits, out)  # before any work
-    if baseline_kv_cache_dtype is not None and serve is None:
-        raise QuantizeError(f"--baseline-kv-cache-dtype {baseline_kv_cache_dtype}: the baseline's engine launch; it "
-                            "needs --serve ENGINE")
+    from ..engines.serve import check_baseline_kv
+
+    check_baseline_kv(baseline_kv_cache_dtype, serve)
     if serve is not None:
         srv = dict(serve=serve, python=engine_python, tp=tp, kv_cache_dtype=kv_cache_dtype, extra_args=serve_args,
                    port=serve_port, timeout_s=serve_timeout_s, log_dir=serve_log)

@@ -11,6 +11,7 @@ size-weighted mean of the subject scores.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
@@ -137,16 +138,13 @@ def _run_model(path: str, configs: list, limit: int | None, device: str, batch_s
         model = load_model(Path(path), torch.float32, dev)
         if keep is not None:
             keep[model_key(Path(path), torch.float32, dev)] = model
-    try:
-        if not chat:
-            return _lm_eval(path, configs, limit, device, batch_size, base_url, False, None, concurrency, model=model)
-        gen = [c for c in configs if output_type(c) == "generate_until"]
-        rest = [c for c in configs if output_type(c) != "generate_until"]
-        runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ, think if templ else None, concurrency,
-                         model=model) for cs, templ in ((gen, True), (rest, False)) if cs]
-        return {"samples": {t: s for r in runs for t, s in r["samples"].items()}}
-    finally:
-        del model
+    if not chat:
+        return _lm_eval(path, configs, limit, device, batch_size, base_url, False, None, concurrency, model=model)
+    gen = [c for c in configs if output_type(c) == "generate_until"]
+    rest = [c for c in configs if output_type(c) != "generate_until"]
+    runs = [_lm_eval(path, cs, limit, device, batch_size, base_url, templ, think if templ else None, concurrency,
+                     model=model) for cs, templ in ((gen, True), (rest, False)) if cs]
+    return {"samples": {t: s for r in runs for t, s in r["samples"].items()}}
 
 
 def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_size: int, base_url: str | None,
@@ -180,7 +178,7 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
             args["chat_template_args"] = think.template_kwargs()
         if think.on:
             args["think_end_token"] = THINK_END
-    try:
+    with _data_errors(configs, hub=False):  # the data was read before (_read_tasks): not the Hub's now
         if not base_url:  # lm-eval's hf backend around the model loaded once (its own loader would load it again)
             from lm_eval.models.huggingface import HFLM
 
@@ -196,11 +194,6 @@ def _lm_eval(path: str, configs: list, limit: int | None, device: str, batch_siz
                                        limit=limit, log_samples=True, batch_size=batch_size, device=device,
                                        apply_chat_template=chat, gen_kwargs=gen_kwargs,
                                        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
-    except Exception as e:  # noqa: BLE001 - a malformed or missing data file, in one line (_data_error)
-        err = _data_error(e, configs, hub=False)  # the data was read before (_read_tasks): not the Hub's now
-        if err is e:
-            raise
-        raise err from e
 
 
 def _files(configs: list) -> list[str]:
@@ -238,10 +231,18 @@ def _read_tasks(configs: list) -> None:
     """Before any model loads or engine starts: lm-eval builds the tasks, reading (or fetching)
     their datasets, so the Hub out of reach or a bad data file is one line now, not after a
     launch (datasets caches what it fetched for the runs)."""
-    try:
+    with _data_errors(configs):
         _task_manager().load(configs)
-    except Exception as e:  # noqa: BLE001
-        err = _data_error(e, configs)
+
+
+@contextlib.contextmanager
+def _data_errors(configs: list, hub: bool = True):
+    """A failure while lm-eval reads the tasks' data, as ``_data_error`` words it; any other raised as
+    it is (not made its own cause)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - datasets' and pyarrow's failures, in one line
+        err = _data_error(e, configs, hub)
         if err is e:
             raise
         raise err from e
@@ -360,9 +361,9 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if serve is not None and (base_url or baseline_url):
         raise QuantizeError(f"--serve {serve} launches the servers itself; drop --base-url / --baseline-url (or "
                             "--serve, to evaluate servers you started)")
-    if baseline_kv_cache_dtype is not None and serve is None:
-        raise QuantizeError(f"--baseline-kv-cache-dtype {baseline_kv_cache_dtype}: the baseline's engine launch; it "
-                            "needs --serve ENGINE (a server you started has its cache set where you started it)")
+    from ..engines.serve import check_baseline_kv
+
+    check_baseline_kv(baseline_kv_cache_dtype, serve)
     if serve_pd_prefill is not None:
         _pd_options(serve_pd_prefill, serve, kld_out)
     if serve is not None:
@@ -428,11 +429,12 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     kept_kl = Path(kl_tmp.name) / "baseline-fp32.safetensors" if kl_tmp else None
     side_tmp = Path(kl_tmp.name) / "baseline-kl-side.safetensors" if kl_tmp and kld_base is not None else None
 
+    kl_text = None  # the KL text as kld scores it (kld._text_of), checked before anything loads
+
     def after_baseline():
         from .kld import baseline_pass
 
-        baseline_pass(baseline, candidate, kept_kl, kld_tokens, kld_chunk, save_baseline=side_tmp, device=device,
-                      loaded=loaded)
+        baseline_pass(baseline, kl_text, kept_kl, save_baseline=side_tmp, device=device, loaded=loaded)
         loaded.clear()
 
     try:
@@ -442,7 +444,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
                 if local_kl:  # the KL text and both tokenizers, likewise
                     from .kld import _text_of
 
-                    _text_of(baseline, Path(candidate), None, kld_tokens, kld_chunk)
+                    kl_text = _text_of(baseline, Path(candidate), None, kld_tokens, kld_chunk)
                 rb, rc, measured, rows = _runs(baseline, candidate, configs, limit, device, batch_size, base_url,
                                                baseline_url, serve, dict(python=engine_python, tp=tp,
                                                                          kv_cache_dtype=kv_cache_dtype,
