@@ -78,7 +78,7 @@ def weights_only(d) -> dict[str, bytes]:
 def method_layers(out) -> list[dict]:
     """A data-aware conversion's per-layer reports from its manifest, without their seconds."""
     rec = json.loads((Path(out) / "quantize_manifest.json").read_text())["method"]["layers"]
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rec]
+    return [{k: v for k, v in r.items() if k not in ("seconds", "phase_seconds")} for r in rec]
 
 
 _SMOLLM2: dict = {}  # the background conversion: {"proc", "out", "err", "root"}

@@ -30,6 +30,9 @@ from .forward import Collector
 from .units import Result, Unit, rtn
 
 CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
+# on a GPU: same-shape units (a group's experts) stacked into one call on one stream, at most this many
+# (fixed, so the same partition and bytes on every run; a group holds fewer when the budget says so)
+GPU_CHUNK = 64
 
 
 def _add_all(acc: dict, terms: dict) -> dict:
@@ -249,37 +252,65 @@ def quantize_args(group_size: int, actorder: str | None):
                             actorder="weight" if actorder == "static" else None, dynamic=False)
 
 
-def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
-             block: int, damp: float, workers: int) -> list[tuple[Result, bool, float]]:
-    """``items``: (unit, weight [out, in] fp32, Hessian [in, in]) -> (result, Hessian failed and
-    RTN was used, GPTQ loss) per item, in order. Chunks of same-shape units go to llm-compressor in
-    a fixed partition, each on one torch thread (a Cholesky factorization differs in its last bits
-    between thread counts; this way the output does not), several chunks in parallel."""
-    quantize_weight = _llmcompressor_update()
-    qargs = quantize_args(group_size, actorder)
-    chunks: list[list[int]] = []
+def _chunks(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], size: int) -> list[list[int]]:
+    """Item positions in chunks of at most ``size`` units of one shape, scale dtype and device: a
+    fixed partition (item order within each shape), independent of memory and threads."""
     by_shape: dict[tuple, list[int]] = {}
     for i, (u, w, h) in enumerate(items):
         by_shape.setdefault((tuple(w.shape), u.scale_dtype, str(w.device)), []).append(i)
-    for idx in by_shape.values():
-        chunks += [idx[j: j + CHUNK] for j in range(0, len(idx), CHUNK)]
+    return [idx[j: j + size] for idx in by_shape.values() for j in range(0, len(idx), size)]
 
-    def run(chunk: list[int]) -> list[tuple[int, Result, bool, float]]:
-        ws = [items[i][1] for i in chunk]
-        sdt = items[chunk[0]][0].scale_dtype
-        scales = torch.stack([rtn(w, group_size, observer, sdt).scale for w in ws])
-        W = torch.stack([w.to(torch.float32) for w in ws])
-        H = torch.stack([items[i][2].to(torch.float32) for i in chunk])
-        zp = torch.zeros(scales.shape, dtype=torch.int8, device=scales.device)
-        with torch.no_grad():
-            wq, losses, fallback = quantize_weight(W, H, scales, zp, None, qargs, blocksize=block, percdamp=damp)
-        s = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
-        codes = (wq.to(torch.float32) / s).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)
-        return [(i, Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
-                for j, i in enumerate(chunk)]
 
+def _update(quantize_weight, qargs, items, chunk: list[int], group_size: int, observer: str, block: int,
+            damp: float) -> list[tuple[int, Result, bool, float]]:
+    """One llm-compressor ``quantize_weight`` call over the stacked ``chunk``: (position, result,
+    Hessian failed, loss) per unit."""
+    ws = [items[i][1] for i in chunk]
+    sdt = items[chunk[0]][0].scale_dtype
+    scales = torch.stack([rtn(w, group_size, observer, sdt).scale for w in ws])
+    W = torch.stack([w.to(torch.float32) for w in ws])
+    H = torch.stack([items[i][2].to(torch.float32) for i in chunk])
+    zp = torch.zeros(scales.shape, dtype=torch.int8, device=scales.device)
+    with torch.no_grad():
+        wq, losses, fallback = quantize_weight(W, H, scales, zp, None, qargs, blocksize=block, percdamp=damp)
+    del W, H
+    s = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
+    codes = (wq.to(torch.float32) / s).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)
+    fallback, losses = fallback.tolist(), losses.tolist()
+    return [(i, Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
+            for j, i in enumerate(chunk)]
+
+
+def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
+             block: int, damp: float, workers: int, batched: bool | None = None) -> list[tuple[Result, bool, float]]:
+    """``items``: (unit, weight [out, in] fp32, Hessian [in, in]) -> (result, Hessian failed and
+    RTN was used, GPTQ loss) per item, in order. ``batched``: the GPU's way (below) on any device;
+    None: on a GPU only.
+
+    On the CPU: chunks of ``CHUNK`` same-shape units go to llm-compressor in a fixed partition,
+    each on one torch thread (a Cholesky factorization differs in its last bits between thread
+    counts; this way the output does not), several chunks in parallel on ``workers`` threads.
+
+    On a GPU: no threads (CUDA's lazily loaded linear-algebra library must not be first called
+    from two threads at once, and one stream serializes them anyway): the same-shape units, up
+    to ``GPU_CHUNK``, stacked into one batched call (llm-compressor batches its Cholesky from 16
+    on), one after another on the calling thread."""
+    quantize_weight = _llmcompressor_update()
+    qargs = quantize_args(group_size, actorder)
+    gpu = any(w.is_cuda for _, w, _ in items) if batched is None else batched
+    chunks = _chunks(items, GPU_CHUNK if gpu else CHUNK)
     negative = int4.GRIDS[observer].signed
     out: list = [None] * len(items)
+
+    def run(chunk: list[int]):
+        return _update(quantize_weight, qargs, items, chunk, group_size, observer, block, damp)
+
+    if gpu:
+        with _triton_off(negative):
+            for chunk in chunks:
+                for i, r, fb, loss in run(chunk):
+                    out[i] = (r, fb, loss)
+        return out
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -320,9 +351,9 @@ class GPTQ(Method):
     def streamed_step(self, fwd, module, stand, layer: Layer, write_group):
         from .streamed import gptq_step
 
-        results, ref, routed, e_rtn, tot, acc_q = gptq_step(self, fwd.streamer, fwd, module, stand, layer, write_group,
-                                                            Hessians, shared_results)
-        return Step(results, ref, routed, e_rtn, tot), acc_q
+        results, ref, routed, e_rtn, tot, acc_q, phases = gptq_step(self, fwd.streamer, fwd, module, stand, layer,
+                                                                    write_group, Hessians, shared_results)
+        return Step(results, ref, routed, e_rtn, tot, {"phase_seconds": phases}), acc_q
 
     def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:
         """GPTQ fixes the RTN scales before its update: they are the source's, bit for bit."""

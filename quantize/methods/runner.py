@@ -36,7 +36,7 @@ from .base import Layer
 from .forward import Context, Forward, clear
 from .registry import METHODS
 from .store import Budget, HiddenStore
-from .streamed import carry, virtual_shapes
+from .streamed import carry, expert_budget, virtual_shapes
 from .units import dequant, install, join, layer_units, param, rtn, split
 
 LAYERS_DIR = "layers"
@@ -218,7 +218,8 @@ class Pass:
         from concurrent.futures import ThreadPoolExecutor
 
         streamer = open_streamer(self.src)
-        streamer.expert_budget = self.budget.limit  # routed experts' weights (and Hessians) held at once
+        # routed experts' weights (and Hessians) held at once: --memory-budget-gib, or a share of the GPU
+        streamer.expert_budget = expert_budget(self.device, self.budget.limit)
         old_threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -254,6 +255,9 @@ class Pass:
                     self.world.broadcast(("pass", job), "the layer pass")
         t0 = time.time()
         if first < n_layers:
+            # progress by layers (one "layer" event each, replayed ones included), before convert's own by bytes
+            self.emit({"event": "start", "stage": self.opt.method, "unit": "layers", "total_bytes": n_layers,
+                       "done_bytes": 0})
             self._stream(streamer, jobs_by_layer, first)
         if not self.world.is_writer:
             return None
@@ -352,7 +356,7 @@ class Pass:
             report.update(fallbacks=fallbacks, seconds=round(time.time() - t0, 3))
             if self.world.is_writer:
                 self._write(i, {}, report, {})
-            self.emit({"event": "layer", "layer": i, "units": 0})
+            self.emit({"event": "layer", "layer": i, "of": fwd.streamer.num_layers, "units": 0})
             return out, topk
         held = [u for u in units if stand is None or u.expert is None]  # the units the built layer holds
         originals = {u.key: param(layer, u).detach().clone() for u in held}
@@ -412,9 +416,16 @@ class Pass:
             seconds=round(time.time() - t0, 3),
         )
         self._write(i, tensors, report, modules, parts, part_modules)
-        self.emit({"event": "layer", "layer": i, "method": opt.method, "units": len(units),
-                   "loss_rtn": report["loss_rtn"], "loss": report["loss"], "fallbacks": len(fallbacks),
-                   "seconds": report["seconds"]})
+        # routed experts (module, index): quantized by the method (no weight of theirs fell back), or left at
+        # RTN because the router sent them fewer than --min-expert-tokens tokens
+        expert_of = {name: (u.module, u.expert) for u in units if u.expert is not None for name, _, _ in u.names}
+        starved = [f for f in fallbacks if "--min-expert-tokens" in f["reason"]]
+        fell = {expert_of[f["name"]] for f in fallbacks if f["name"] in expert_of}
+        self.emit({"event": "layer", "layer": i, "of": fwd.streamer.num_layers, "method": opt.method,
+                   "units": len(units), "loss_rtn": report["loss_rtn"], "loss": report["loss"],
+                   "fallbacks": len(fallbacks), "fallbacks_starved": len(starved), "seconds": report["seconds"],
+                   "experts": len(set(expert_of.values())), "experts_quantized": len(set(expert_of.values()) - fell),
+                   "experts_rtn": len({expert_of[f["name"]] for f in starved if f["name"] in expert_of})})
         for f in fallbacks:
             self.emit({"event": "warning", "message": f"layer {i}: {f['name']} quantized RTN ({f['reason']})"})
         return out, new_topk

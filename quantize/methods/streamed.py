@@ -35,6 +35,26 @@ from .units import Result, Unit, dequant, install, rtn, split
 FP32 = 4
 
 
+class Phases:
+    """Seconds spent per phase of a streamed layer (a GPU's queue drained at each boundary, so the
+    figures are the phases' own): what a layer report's ``phase_seconds`` says of where time went."""
+
+    def __init__(self, device: str):
+        import time
+
+        self._clock = time.perf_counter
+        self._cuda = str(device).startswith("cuda")
+        self.seconds: dict[str, float] = {}
+        self._t = self._clock()
+
+    def lap(self, name: str) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+        t = self._clock()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + t - self._t, 3)
+        self._t = t
+
+
 @dataclass
 class Variant:
     """One capture of a streamed layer and the expert weights its outputs are computed with:
@@ -55,7 +75,7 @@ def _zeros_like(store: HiddenStore, budget, spill, name: str) -> HiddenStore:
 
 
 def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert: int, before_outputs=None,
-               groups: list[range] | None = None) -> None:
+               groups: list[range] | None = None, phases: Phases | None = None) -> None:
     """The routed experts (all of the layer's, or the given ``groups``) a group at a time: for each
     group, ``before_outputs(group, gate_up, down)`` (a method's statistics and quantization of the
     group), then each variant's outputs accumulated into its ``acc`` (created here, one zero
@@ -68,6 +88,8 @@ def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert
     for g in groups:
         gate_up, down = streamer.expert_weights(i, g)
         gate_up, down = gate_up.to(dev), down.to(dev)
+        if phases is not None:
+            phases.lap("expert_read")
         if before_outputs is not None:
             before_outputs(g, gate_up, down)
         for v in variants:
@@ -85,6 +107,8 @@ def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert
                 v.acc.update(s, a)
             del gu, dn
         del gate_up, down
+        if phases is not None:
+            phases.lap("expert_outputs")
 
 
 def source_weights(g, gate_up, down):
@@ -110,6 +134,18 @@ def with_results(result, units_by_expert: dict[int, list[Unit]]):
         return gu, dn
 
     return weights
+
+
+GPU_EXPERT_SHARE = 0.4  # of a GPU's memory, for one group of routed experts (weights, Hessians, GPTQ's copies)
+
+
+def expert_budget(device: str, host_budget: int) -> int:
+    """Bytes one group of routed experts may hold: on a GPU, where the group lives, a fixed share of
+    its memory (its total, not what is free: the same groups, so the same bytes, on every run on
+    that GPU); on the CPU, ``--memory-budget-gib``."""
+    if not str(device).startswith("cuda"):
+        return host_budget
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * GPU_EXPERT_SHARE)
 
 
 def per_expert_bytes(streamer, hessians: bool) -> int:
@@ -140,7 +176,7 @@ def carry(streamer, fwd, layer, stand, i: int, hidden, topk, what: str, result=N
 
 
 def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit], cap_s, opt, fwd, fallbacks,
-                act_fn, i: int) -> tuple[dict[str, Result], dict[str, Result]]:
+                act_fn, i: int, phases: Phases | None = None) -> tuple[dict[str, Result], dict[str, Result]]:
     """One group of routed experts under GPTQ: their Hessians from the source capture (per sample,
     merged in sample order, as the whole layer's hooks), then GPTQ per unit: (results, RTN start)."""
     # per sample in order, the group's experts side by side (each thread its own accumulator), each
@@ -160,12 +196,16 @@ def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit]
 
         for e, n in fwd.pool.map(obs, experts):
             hooks.routed[(path, e)] = hooks.routed.get((path, e), 0) + n
+    if phases is not None:
+        phases.lap("expert_hessians")
     originals = {u.key: (gate_up if u.path.endswith("gate_up_proj") else down)[u.expert - g.start] for u in us}
     init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in us}
     res = method.results(Layer(i, None, us, originals, init, None, None, None, fallbacks, opt, fwd), hooks)
     for u in us:
         for d in (hooks.H, hooks.n, hooks.tokens):
             d.pop(u.key, None)
+    if phases is not None:
+        phases.lap("expert_gptq")
     return res, init
 
 
@@ -206,6 +246,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     for u in x.units:
         if u.expert is not None:
             by_expert.setdefault(u.expert, []).append(u)
+    phases = Phases(fwd.device)
     hooks = Hessians(layer, linear, opt.all_experts, fwd.total or len(x.hidden))
     try:
         cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i, collector=hooks)
@@ -217,12 +258,15 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
 
     put(x.rtn)
     cap_r = fwd.capture(layer, stand, x.hidden, x.topk, i)
+    phases.lap("capture")
     results = shared_results(method, Layer(i, layer, linear, x.originals, x.rtn, x.hidden, x.topk, None, x.fallbacks,
                                            opt, fwd), hooks)
     for u in linear:
         hooks.H.pop(u.key, None)
+    phases.lap("linear_gptq")
     put(results)
     cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
+    phases.lap("capture")
     caps = (cap_s, cap_r, cap_q)
     if world is not None and world.size > 1:
         accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert, x, write_group)
@@ -237,7 +281,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
             if not us:
                 return
             res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, cap_s, opt, fwd, x.fallbacks,
-                                    stand.act_fn, i)
+                                    stand.act_fn, i, phases)
             cur.update(res)
             cur_rtn.update(init)
             write_group(g.start, *_tensors(us, res))
@@ -245,8 +289,10 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
         variants = [Variant(cap_s, source_weights),
                     Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
                     Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
-        run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True), before_outputs=group_step)
+        run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True), before_outputs=group_step,
+                   phases=phases)
         accs = [v.acc for v in variants]
+    phases.lap("experts")  # several ranks: the experts' phases and their exchanges together
     for c in caps:
         c.clear()
     put(None)
@@ -257,7 +303,8 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
                              replay=accs[1])
     accs[1].clear()
     put(results)
-    return results, ref, hooks.routed, e_rtn, tot, accs[2]
+    phases.lap("replay")
+    return results, ref, hooks.routed, e_rtn, tot, accs[2], phases.seconds
 
 
 EXCHANGE_BYTES = 256 << 20  # the most of one exchange between ranks in flight at once (less under a small budget)
