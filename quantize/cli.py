@@ -121,11 +121,20 @@ def command(
 
 def _emitter(json_out: bool):
     from .distributed import current
-    from .events import JsonEmitter, RichEmitter, null_emit
+    from .events import JsonEmitter, null_emit
 
     if current().quiet:  # rank 0 shows the run's progress
         return null_emit
-    return JsonEmitter() if json_out else RichEmitter(_console(stderr=True))
+    return JsonEmitter() if json_out else _progress()
+
+
+def _progress():
+    """Progress on stderr: rich's bar on a terminal; in a log (nohup, Slurm, a pipe: rich would
+    hide its bar there) plain lines, a line per layer and one every 30 s of bytes, each flushed."""
+    from .events import LogEmitter, RichEmitter
+
+    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    return RichEmitter(_console(stderr=True)) if tty else LogEmitter(sys.stderr)
 
 
 INTERRUPTED = (
@@ -378,8 +387,9 @@ def check_cmd(json_out: bool, engine: str | None, engine_python, engine_toleranc
         return _engine_check(options["model"], engine_python, engine_tolerance, json_out)
     from .check import check as run_check
     from .check import proven_parts
+    from .events import null_emit
 
-    rep = _run(run_check, **options)
+    rep = _run(run_check, **options, emit=null_emit if json_out else _emitter(False))
     if json_out:
         typer.echo(json.dumps(rep.to_dict(), indent=1))
     else:
@@ -465,7 +475,7 @@ def calibrate_kv_cmd(json_out: bool, **options):
     writes scales or a folded model where that is what the engine needs."""
     from .calibrate.kv import calibrate_kv
 
-    res = _run(calibrate_kv, **options, emit=_emitter(json_out) if not json_out else (lambda e: None))
+    res = _run(calibrate_kv, **options, emit=_emitter(False) if not json_out else (lambda e: None))
     if json_out:
         typer.echo(json.dumps(res.to_dict(), indent=1))
         return
@@ -794,10 +804,8 @@ def run_cmd(json_out: bool, recipe, out, source, data, data_dir, sets, plan: boo
 
         emit = JsonEmitter()
     else:
-        from .events import RichEmitter
-
         console = _console(stderr=True)
-        inner = RichEmitter(console)
+        inner = _progress()
 
         def emit(e: dict) -> None:
             if e.get("event") != "stage":
@@ -814,14 +822,10 @@ def run_cmd(json_out: bool, recipe, out, source, data, data_dir, sets, plan: boo
                 console.rule(f"[bold]{name}[/]")
                 console.print(f"{e.get('does', '')}" + (f"  [dim]({e['why']})[/]" if e.get("why") else ""))
             elif st in ("done", "skipped"):
-                if inner.progress is not None:
-                    inner.progress.stop()
-                    inner.progress = None
+                inner.stop()
                 console.print(f"[green]{name} {st}[/] in {e.get('seconds', 0):.1f} s: {e.get('summary', '')}")
             elif st in ("failed", "error"):
-                if inner.progress is not None:
-                    inner.progress.stop()
-                    inner.progress = None
+                inner.stop()
                 console.print(f"[red]{name} {st}[/]: {e.get('error', '')}")
 
     class Interrupted(QuantizeError):
