@@ -531,6 +531,9 @@ def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = 
     reader = RankReader(sharded, m)
     try:
         with Output.open(out, "merge", [sharded], overwrite=overwrite) as o:
+            size = {n: math.prod(t["shape"]) * itemsize(t["dtype"]) for n, t in m["tensors"].items()}
+            emit({"event": "start", "stage": "merge", "total_bytes": sum(size.values()), "done_bytes": 0})
+            done = 0
             for fname, names in m["files"].items():
                 entries = [Entry(n, m["tensors"][n]["dtype"], tuple(m["tensors"][n]["shape"])) for n in names]
                 meta = (m.get("file_metadata") or {}).get(fname, {"format": "pt"})  # older manifests: ours
@@ -558,6 +561,8 @@ def merge(sharded: str | os.PathLike, out: str | os.PathLike, overwrite: bool = 
                         raise QuantizeError(f"{sharded}: reassembled {n} differs from the tensor that was sharded; "
                                             f"the shard is inconsistent")
                     w.write_tensor(n, t)
+                    done += size[n]
+                    emit({"event": "tensor", "name": n, "done_bytes": done})
                 o.mark_done(fname, w.finish(), w.bytes_written)
             # the manifest last: it means complete
             o.copy_side_files(sorted(carried, key=lambda p: p.name == QUANTIZE_MANIFEST))
