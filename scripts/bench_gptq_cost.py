@@ -35,32 +35,66 @@ def flops(h: int, i: int, tokens: int) -> float:
     return hess + chol + update
 
 
-def one_expert(h: int, i: int, tokens: int, group: int = 32) -> float:
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def one_expert(h: int, i: int, tokens: int, group: int = 32, device: str = "cpu", experts: int = 1) -> dict:
+    """``experts`` experts of width (h, i) as the layer pass does them on ``device`` (on a GPU: one
+    batched GPTQ call per shape): seconds per expert for the Hessians from ``tokens`` routed tokens
+    each (``hessian_s``) and for GPTQ (``gptq_s``)."""
     import torch
 
     from quantize.methods.gptq import quantize
     from quantize.methods.units import Unit
 
-    torch.manual_seed(0)
-    x = torch.randn(tokens, h)
-    gu = torch.randn(2 * i, h) * 0.02
-    dn = torch.randn(h, i) * 0.02
+    g = torch.Generator(device=device).manual_seed(0)
+    gu = [torch.randn(2 * i, h, generator=g, device=device) * 0.02 for _ in range(experts)]
+    dn = [torch.randn(h, i, generator=g, device=device) * 0.02 for _ in range(experts)]
+    x = torch.randn(tokens, h, generator=g, device=device)
+    hs = []
+    for warm in (True, False):  # a first pass on a GPU loads its libraries; the second is timed
+        _sync(device)
+        t = time.perf_counter()
+        hs = []
+        for e in range(experts):
+            a = torch.nn.functional.silu(x @ gu[e][:i].T) * (x @ gu[e][i:].T)
+            xs = x.mul(2 ** 0.5)
+            ac = a.mul(2 ** 0.5)
+            hs.append((xs.T @ xs / tokens, ac.T @ ac / tokens))
+        _sync(device)
+        hess = time.perf_counter() - t
+        if not warm or not device.startswith("cuda"):
+            break
+    items = [(Unit("mlp.experts.gate_up_proj", e, [(f"g{e}", 0, 2 * i)], torch.bfloat16), gu[e], hs[e][0])
+             for e in range(experts)]
+    items += [(Unit("mlp.experts.down_proj", e, [(f"d{e}", 0, h)], torch.bfloat16), dn[e], hs[e][1])
+              for e in range(experts)]
+    if device.startswith("cuda"):  # warm: llm-compressor's import and CUDA's linear algebra loaded once
+        quantize(items[:1] + items[experts: experts + 1], group, "fullrange", "static", 128, 0.01, 1)
+    _sync(device)
     t = time.perf_counter()
-    a = torch.nn.functional.silu(x @ gu[:i].T) * (x @ gu[i:].T)
-    h_gu, h_dn = 2 * x.T @ x / tokens, 2 * a.T @ a / tokens
-    items = [(Unit("mlp.experts.gate_up_proj", 0, [("g", 0, 2 * i)], torch.bfloat16), gu, h_gu),
-             (Unit("mlp.experts.down_proj", 0, [("d", 0, h)], torch.bfloat16), dn, h_dn)]
     quantize(items, group, "fullrange", "static", 128, 0.01, 1)
-    return time.perf_counter() - t
+    _sync(device)
+    gptq = time.perf_counter() - t
+    return {"hessian_s": hess / experts, "gptq_s": gptq / experts, "tokens": tokens, "experts": experts}
 
 
 def main() -> None:
+    import json
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["glm-5", "kimi-k2.6"], choices=sorted(MODELS))
     ap.add_argument("--tokens", type=int, default=2048, help="routed tokens per expert (Hessian accumulation)")
     ap.add_argument("--gpu-tflops", type=float, default=20.0,
                     help="fp32 TFLOPS one GPU sustains on this work (H200: 67 peak non-tensor fp32; default ~30%%)")
     ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the experts batched as the GPU path runs them")
+    ap.add_argument("--experts", type=int, default=1, help="experts done together (a GPU's batched call)")
+    ap.add_argument("--json", help="write the measurements here")
     a = ap.parse_args()
     import torch
 
@@ -69,21 +103,32 @@ def main() -> None:
     # routed expert of DeepSeek-V3's width, the rate a real GPTQ (column loop, memory traffic) reaches on Hopper
     h3, i3, l3, e3 = MODELS["deepseek-v3"]
     moe_quant = 2 * 3600 * 8 / (l3 * e3)
-    print(f"{'model':>12s} {'expert s here':>14s} {'GFLOP/expert':>13s} {'GFLOPS here':>12s} {'experts':>8s} "
-          f"{'FLOP bound h':>13s} {'at MoE-Quant rate h':>20s}")
+    where = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
+    print(f"device: {where}; {a.experts} expert(s) at a time, {a.tokens} routed tokens each")
+    print(f"{'model':>12s} {'Hessians s/expert':>18s} {'GPTQ s/expert':>14s} {'GFLOP/expert':>13s} "
+          f"{'GFLOPS':>8s} {'experts':>8s} {'measured h':>11s} {'FLOP bound h':>13s} {'MoE-Quant h':>12s}")
+    rows = {}
     for name in a.model:
         h, i, layers, experts = MODELS[name]
-        s = one_expert(h, i, a.tokens)
+        m = one_expert(h, i, a.tokens, device=a.device, experts=a.experts)
+        s = m["hessian_s"] + m["gptq_s"]
         f = flops(h, i, a.tokens)
         total = layers * experts
+        measured = total * s / a.ranks / 3600
         bound = total * f / (a.gpu_tflops * 1e12 * a.ranks) / 3600
         rate = total * moe_quant * f / flops(h3, i3, a.tokens) / a.ranks / 3600
-        print(f"{name:>12s} {s:14.1f} {f / 1e9:13.0f} {f / s / 1e9:12.1f} {total:8d} {bound:13.2f} {rate:20.2f}")
-    print(f"FLOP bound: routed experts only, {a.ranks} GPUs at {a.gpu_tflops:g} fp32 TFLOPS each, perfect split. "
-          f"MoE-Quant rate: {moe_quant:.2f} GPU-s per DeepSeek-V3-width expert (its 2 h on 8xH100 over "
-          f"{l3 * e3} experts, attention and I/O included), scaled by each model's operations per expert. "
-          "Both leave out what this tool adds: attention on rank 0 (twice per capture), the captures sent to "
-          "every rank and the expert outputs sent back")
+        rows[name] = {**m, "gflop": f / 1e9, "routed_experts": total, "measured_h": measured, "bound_h": bound,
+                      "moe_quant_h": rate, "ranks": a.ranks, "device": where}
+        print(f"{name:>12s} {m['hessian_s']:18.3f} {m['gptq_s']:14.3f} {f / 1e9:13.0f} {f / s / 1e9:8.0f} {total:8d} "
+              f"{measured:11.2f} {bound:13.2f} {rate:12.2f}")
+    print(f"measured h: the routed experts' Hessians and GPTQ at the measured seconds per expert over {a.ranks} "
+          f"ranks. FLOP bound: {a.gpu_tflops:g} fp32 TFLOPS each, perfect split. MoE-Quant: {moe_quant:.2f} GPU-s per "
+          f"DeepSeek-V3-width expert (its 2 h on 8xH100 over {l3 * e3} experts, attention and I/O included), scaled "
+          "by each model's operations per expert. None counts what this tool adds: attention (three captures and "
+          "three replays per layer, split by sample), the Linear units, the exchanges between ranks")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
