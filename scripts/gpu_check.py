@@ -45,7 +45,7 @@ class Check:
             return None, 0.0, ""
         timeout = min(timeout, max(5.0, self.left()))
         t = time.time()
-        e = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+        e = {**os.environ, "PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
              **(env or {})}
         self.log.write(f"\n===== {name}: {' '.join(map(str, cmd))}\n")
         self.log.flush()

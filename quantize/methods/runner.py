@@ -24,6 +24,7 @@ import hashlib
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,24 @@ def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
     finally:
         streamer.close()
     return Calibration(s.ids, s.source, h.hexdigest(), sum(len(i) for i in s.ids), s.texts_read, s.dropped_short)
+
+
+@contextmanager
+def deterministic(device: str):
+    """On a GPU, torch's deterministic kernels while the pass runs: the routed experts' outputs are
+    summed with ``index_add_``, which CUDA otherwise does with atomics in whatever order the threads
+    land, and a last-bit difference there moves every later layer's Hessians and codes. cuBLAS needs
+    its fixed workspace for the same (set before CUDA starts; the CLI's processes start here)."""
+    if not str(device).startswith("cuda"):
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def open_streamer(src: Path):
@@ -223,7 +242,7 @@ class Pass:
         old_threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="layer") as self.pool:
+            with deterministic(self.device), ThreadPoolExecutor(self.workers, thread_name_prefix="layer") as self.pool:
                 return self._run(streamer)
         finally:
             torch.set_num_threads(old_threads)
