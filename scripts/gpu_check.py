@@ -45,8 +45,8 @@ class Check:
             return None, 0.0, ""
         timeout = min(timeout, max(5.0, self.left()))
         t = time.time()
-        e = {**os.environ, "PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-             **(env or {})}
+        e = {**os.environ, "PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+             "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", **(env or {})}
         self.log.write(f"\n===== {name}: {' '.join(map(str, cmd))}\n")
         self.log.flush()
         try:
@@ -114,8 +114,9 @@ def main() -> int:
         print(text[-6000:], flush=True)
 
     # 2. the GPU tests
-    rc, sec, text = c.run("pytest", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or not gpu",
-                                     "tests/test_gpu.py", "tests/test_kernels.py", "tests/test_gpu_path.py"], 200)
+    rc, sec, text = c.run("pytest", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                                     "gpu or not gpu", "tests/test_gpu.py", "tests/test_kernels.py",
+                                     "tests/test_gpu_path.py"], 200)
     if rc is not None:
         c.row("pytest tests/test_gpu.py test_kernels.py test_gpu_path.py", f"rc {rc}: {_tail(text)}", sec)
 
