@@ -1,62 +1,216 @@
-"""Fused W4A16 GEMM in Triton over the compressed-tensors layout, read as written:
-``packed`` int32 [N, K/8] (nibble q+8, element 8j+i in bits 4i..4i+3 of word j), ``scale``
-bf16 [N, K/g]. Computes ``x @ W.T``, W = q * scale, fp32 accumulate and store (the interpreter
-mis-stores bf16), bf16 returned.
+"""Split-K W4A16 GEMM in Triton over the compressed-tensors ``pack-quantized`` layout, read as written.
 
-Tiles for Hopper decode (small M): BLOCK_N 128 x BLOCK_K 128 per program, M tiled by 16; the
-unpack is shifts and masks on a [BLOCK_N, BLOCK_K/8] word tile, the dequant a broadcast multiply
-by the group's scale, then one ``tl.dot``. Runs on the CPU under ``TRITON_INTERPRET=1``.
+Layout (quantize/formats/int4.py, docs/formats.md): ``packed`` int32 [N, ceil(K/8)], nibble = q + 8
+(``uint4b8``), element 8j+i in bits 4i..4i+3 of word j; ``scale`` [N, K/g] (bf16 as convert writes
+it); W = q * scale, symmetric, no zero point. Computes ``x @ W.T`` for x [M, K] -> bf16 [M, N].
+
+Grid: (N tiles, K splits, M tiles). At decode (M=1) an expert's N alone gives a few dozen tiles, far
+fewer than a Hopper's 132 SMs; the K splits bring it to about ``2 x SMs`` programs (``default_config``).
+Each program walks its K range BLOCK_K at a time: loads a [BLOCK_N, BLOCK_K/8] tile of words, unpacks
+the 8 nibbles of each word with shifts and masks, multiplies by the group's scale (one scale per word:
+g is a multiple of 8) and accumulates in fp32:
+
+* BLOCK_M == 1: a broadcast multiply of the activation row and ``tl.sum`` (a GEMV; no tensor cores,
+  no padding of M to 16), the program handling one row of x;
+* BLOCK_M >= 16: the dequantized tile in the activation dtype and one ``tl.dot``.
+
+Split-K reduction is deterministic: each split writes its fp32 partial to a workspace
+[SPLIT_K, M, N], and a second small kernel (``_splitk_reduce``) sums the splits in a fixed order
+(split 0, 1, ...) and writes bf16. No atomics, so the same inputs give the same bits on every run.
+With SPLIT_K == 1 the GEMM kernel writes the output itself (one launch).
+
+Under ``TRITON_INTERPRET=1`` (CPU tensors) the kernels run in Triton's interpreter, which rounds a
+bf16 cast toward zero and mis-multiplies bf16 ``tl.dot``: there the dot is fp32 and the final
+output is written fp32 and rounded to bf16 by torch.
+
+Tile configs are a parameter (``Config``); ``TUNED`` holds configs measured on a GPU
+(scripts/bench_kernels.py prints the winners of its sweep in this table's format), and
+``default_config`` is the heuristic used for any shape it lacks.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 
+@dataclass(frozen=True)
+class Config:
+    block_m: int  # 1 (GEMV path) or a multiple of 16 (tl.dot path)
+    block_n: int
+    block_k: int  # a multiple of 8 (whole words)
+    split_k: int  # K ranges, summed by the reduction pass when > 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}"
+                f"w{self.num_warps}p{self.num_stages}")
+
+
+# measured winners: (N, K, M bucket) -> Config, M bucket from m_bucket(). Empty until a GPU sweep
+# (scripts/bench_kernels.py --out FILE prints the lines to paste here) has been run on an H200.
+TUNED: dict[tuple[int, int, int], Config] = {}
+
+DEFAULT_SMS = 132  # H100/H200 SXM
+
+
+def m_bucket(m: int) -> int:
+    return 1 if m == 1 else 16 if m <= 16 else 64 if m <= 64 else 256
+
+
+def split_for(n_tiles: int, k: int, block_k: int, sms: int = DEFAULT_SMS, waves: int = 2) -> int:
+    """K splits that bring ``n_tiles`` programs to about ``waves x sms``, at most one split per BLOCK_K."""
+    want = -(-waves * sms // max(1, n_tiles))
+    return max(1, min(want, -(-k // block_k)))
+
+
+def default_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> Config:
+    """The heuristic for a shape ``TUNED`` lacks (not measured: the sweep in scripts/bench_kernels.py is)."""
+    hit = TUNED.get((n, k, m_bucket(m)))
+    if hit is not None:
+        return hit
+    if m == 1:
+        bm, bn, bk, warps, stages = 1, 32, 256, 4, 3
+    elif m <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif m <= 64:
+        bm, bn, bk, warps, stages = 32, 64, 128, 4, 3
+    else:
+        bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
+    bk = min(bk, max(8, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(n, bn) * (m if bm == 1 else triton.cdiv(m, bm))
+    return Config(bm, bn, bk, split_for(tiles, k, bk, sms), warps, stages)
+
+
 @triton.jit
-def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G,
-                  sxm, sxk, swn, swk, ssn, ssg, sym, syn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+def _dequant_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP: tl.constexpr):
+    """Rows ``rn`` [BN] x words ``rw`` [BW] of the packed weight -> fp32 [BN, BW, 8]:
+    (nibble - 8) * scale, element 8*rw+i in bits 4i..4i+3. Out-of-range rows/words give 0."""
+    mask = (rn[:, None] < N) & (rw[None, :] < KW)
+    words = tl.load(w_ptr + rn[:, None] * swn + rw[None, :] * swk, mask=mask, other=0)
     shifts = (tl.arange(0, 8) * 4)[None, None, :]
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
-                    other=0.0)
-        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + rn[:, None] * swn + rw[None, :] * swk, mask=(rn[:, None] < N) & (rw[None, :] < K // 8),
-                        other=0)
-        nib = (words[:, :, None] >> shifts) & 0xF  # [BN, BK/8, 8]
-        q = tl.reshape(nib, (BLOCK_N, BLOCK_K)).to(tl.float32) - 8.0
-        rg = rk // GROUP
-        s = tl.load(s_ptr + rn[:, None] * ssn + rg[None, :] * ssg, mask=(rn[:, None] < N) & (rk[None, :] < K),
-                    other=0.0)
-        b = (q * s.to(tl.float32)).to(DOT_DTYPE)
-        acc += tl.dot(a.to(DOT_DTYPE), tl.trans(b))
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    nib = (words[:, :, None] >> shifts) & 0xF  # arithmetic shift of int32: the mask drops the sign bits
+    grp = (rw * 8) // GROUP  # all 8 elements of a word share its group (GROUP % 8 == 0)
+    s = tl.load(s_ptr + rn[:, None] * ssn + grp[None, :] * ssg, mask=mask & (grp[None, :] < G), other=0.0)
+    return (nib.to(tl.float32) - 8.0) * s.to(tl.float32)[:, :, None]
+
+
+# M, the group count and the scale row stride are not specialized on (== 1, % 16): masks and a
+# strided scale load only, and one compile then serves every shape of a config (the bench's sweep)
+@triton.jit(do_not_specialize=["M", "G", "ssn"])
+def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, G, K_PER_SPLIT,
+                         sxm, sxk, swn, swk, ssn, ssg, sos, som, son,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    KW = (K + 7) // 8
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        x_row = x_ptr + pid_m.to(tl.int64) * sxm
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            b = _dequant_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            rk = rw[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8], the elements b holds
+            a = tl.load(x_row + rk * sxk, mask=rk < K, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(b * a[None, :, :], axis=2), axis=1)
+        dst = out_ptr + pid_k.to(tl.int64) * sos + pid_m.to(tl.int64) * som + rn * son
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            b = _dequant_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            b = tl.reshape(b, (BLOCK_N, BLOCK_K))
+            rk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            acc += tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)))
+        dst = out_ptr + pid_k.to(tl.int64) * sos + rm[:, None].to(tl.int64) * som + rn[None, :] * son
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _splitk_reduce(ws_ptr, y_ptr, NUMEL, SPLIT_K, BLOCK: tl.constexpr):
+    """y[i] = sum over s in 0..SPLIT_K-1, in that order, of ws[s, i] (fp32), stored as y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLIT_K):
+        acc += tl.load(ws_ptr + s * NUMEL + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+REDUCE_BLOCK = 1024
+
+
+def check_config(cfg: Config, group: int) -> None:
+    if cfg.block_m != 1 and cfg.block_m % 16:
+        raise ValueError(f"{cfg}: BLOCK_M must be 1 (GEMV path) or a multiple of 16 (tl.dot)")
+    if cfg.block_k % 8 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"{cfg}: BLOCK_N and BLOCK_K must be powers of 2, BLOCK_K at least 8")
+    if group % 8:
+        raise ValueError(f"group {group} is not a multiple of 8: a packed word would span two groups")
+    if cfg.split_k < 1:
+        raise ValueError(f"{cfg}: split_k must be at least 1")
+
+
+def k_per_split(k: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """(K elements per split, rounded up to BLOCK_K; the number of non-empty splits)."""
+    per = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return per, triton.cdiv(k, per)
+
+
+def finish_splits(ws: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """ws fp32 [S, *shape] -> sum over S in order, ``out_dtype``. On a GPU the reduction kernel
+    writes ``out_dtype``; in the interpreter it writes fp32 and torch rounds (see module doc)."""
+    split = ws.shape[0]
+    numel = ws[0].numel()
+    on_gpu = ws.is_cuda
+    y = torch.empty(ws.shape[1:], dtype=out_dtype if on_gpu else torch.float32, device=ws.device)
+    _splitk_reduce[(triton.cdiv(numel, REDUCE_BLOCK),)](ws, y, numel, split, BLOCK=REDUCE_BLOCK)
+    return y if on_gpu else y.to(out_dtype)
 
 
 def w4a16_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int],
-                 block_m: int = 16, block_n: int = 128, block_k: int = 128, num_warps: int = 4,
-                 num_stages: int = 4) -> torch.Tensor:
+                 config: Config | None = None, sms: int | None = None) -> torch.Tensor:
+    """x [M, K] @ (q * scale).T -> bf16 [M, N]; ``config`` None: ``default_config`` (``TUNED`` first)."""
     n, k = shape
     m = x.shape[0]
+    if x.shape[1] != k or packed.shape != (n, triton.cdiv(k, 8)) or scale.shape[0] != n or k % scale.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)}, packed {tuple(packed.shape)}, scale {tuple(scale.shape)} "
+                         f"do not fit weight shape {(n, k)}")
     group = k // scale.shape[1]
-    block_k = min(block_k, k)
-    if block_k % group and group % block_k:
-        raise ValueError(f"BLOCK_K {block_k} and group {group} must nest")
-    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w4a16_kernel[grid](x, packed, scale, y, m, n, k, scale.shape[1],
-                        x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1),
-                        y.stride(0), y.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group,
-                        DOT_DTYPE=tl.bfloat16 if x.is_cuda else tl.float32,
-                        num_warps=num_warps, num_stages=num_stages)
-    return y.to(torch.bfloat16)
+    if sms is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else DEFAULT_SMS
+    cfg = config or default_config(m, n, k, sms)
+    check_config(cfg, group)
+    per, split = k_per_split(k, cfg.split_k, cfg.block_k)
+    on_gpu = x.is_cuda
+    grid_m = m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m)
+    if split == 1:
+        out = torch.empty((1, m, n), dtype=torch.bfloat16 if on_gpu else torch.float32, device=x.device)
+    else:
+        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), split, grid_m)
+    _w4a16_splitk_kernel[grid](x, packed, scale, out, m, n, k, scale.shape[1], per,
+                               x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
+                               scale.stride(0), scale.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=group,
+                               DOT_DTYPE=tl.bfloat16 if on_gpu else tl.float32,
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split == 1:
+        return out[0] if on_gpu else out[0].to(torch.bfloat16)
+    return finish_splits(out, torch.bfloat16)

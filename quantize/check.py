@@ -67,6 +67,7 @@ class CheckReport:
     rows: list[Row]
     failures: list[str]
     verified: dict = field(default_factory=dict)  # what was proven: files by SHA-256, tensors against the source
+    moe_layer: dict | None = None  # _moe_layer_check: one MoE layer through the fused kernel vs the reference
 
     @property
     def ok(self) -> bool:
@@ -74,7 +75,9 @@ class CheckReport:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "tp": self.tp, "sharded": self.sharded, "ok": self.ok, "failures": self.failures,
-                "verified": self.verified, "summary": self.summary(), "tensors": [asdict(r) for r in self.rows]}
+                "verified": self.verified, "summary": self.summary(), "tensors": [asdict(r) for r in self.rows],
+                **({"moe_layer_rel_err": self.moe_layer["rel_err"], "moe_layer": self.moe_layer}
+                   if self.moe_layer else {})}
 
     def summary(self) -> dict:
         out: dict[str, dict] = {}
@@ -103,12 +106,85 @@ def _kernel_err(x: torch.Tensor, packed, scale, shape) -> tuple[float, torch.Ten
     ref = w4a16_reference(x, packed, scale, shape)
     y = CpuW4A16.from_packed(packed, scale, shape)(x).float()
     err = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
-    if torch.cuda.is_available():
-        from .kernels.triton_w4a16 import w4a16_triton
+    if torch.cuda.is_available():  # torch's CUDA INT4 GEMM where it applies, the split-K Triton kernel otherwise
+        from .kernels import cuda_int4
+        from .kernels.availability import triton_available
 
-        yt = w4a16_triton(x.cuda(), packed.cuda(), scale.cuda(), shape).float().cpu()
+        pc, sc = packed.cuda(), scale.cuda()
+        if cuda_int4.applies(tuple(shape), shape[1] // scale.shape[1], torch.cuda.get_device_capability())[0]:
+            yt = cuda_int4.CudaW4A16.from_packed(pc, sc, tuple(shape))(x.cuda()).float().cpu()
+        elif triton_available()[0]:
+            from .kernels.triton_w4a16 import w4a16_triton
+
+            yt = w4a16_triton(x.cuda(), pc, sc, tuple(shape)).float().cpu()
+        else:
+            return err, ref
         err = max(err, float((yt - ref).norm() / ref.norm().clamp_min(1e-30)))
     return err, ref
+
+
+MOE_RTOL = 2e-2  # a whole MoE layer (bf16 between its GEMMs) vs the fp32 reference (relative L2)
+MOE_CHECK_EXPERTS = 16  # experts of the layer read for the MoE-layer check (the lowest indices)
+_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _moe_layer_check(model: Path, index: CheckpointIndex, arch, modules: list[str], tokens: int,
+                     seed: int) -> dict | None:
+    """The first MoE layer's routed experts (up to MOE_CHECK_EXPERTS, every one INT4) as one layer:
+    random tokens routed top-k through the fused MoE Triton kernel (on CUDA; on the CPU under
+    TRITON_INTERPRET=1), else torch's int4 CPU GEMM per expert, against the fp32 reference of the
+    dequantized experts (transformers' experts math). None when no layer has INT4 routed experts of
+    one shape."""
+    from .kernels import moe
+
+    roles = {"expert_gate": 0, "expert_up": 1, "expert_down": 2}
+    layers: dict[int, dict[int, list]] = {}
+    for m in modules:
+        role, layer = arch.role_of(m + ".weight")
+        hit = _EXPERT_RE.search(m)
+        if role in roles and layer is not None and hit:
+            layers.setdefault(layer, {}).setdefault(int(hit.group(1)), [None, None, None])[roles[role]] = m
+    for layer in sorted(layers):
+        experts = sorted(e for e, ms in layers[layer].items() if all(ms))[:MOE_CHECK_EXPERTS]
+        if experts:
+            break
+    else:
+        return None
+    t = {}
+    for e in experts:
+        for m in layers[layer][e]:
+            t[m] = tuple(read_tensor(model, index.tensors[m + s]) for s in (".weight_packed", ".weight_scale"))
+    gate, up, down = ([t[layers[layer][e][j]] for e in experts] for j in range(3))
+    i, h = gate[0][0].shape[0], gate[0][0].shape[1] * 8
+    if not all(g[0].shape == u[0].shape == (i, h // 8) and g[1].shape == u[1].shape and d[0].shape == (h, i // 8)
+               and d[1].shape[0] == h and h % g[1].shape[1] == 0 and i % d[1].shape[1] == 0
+               for g, u, d in zip(gate, up, down)) or len({d[1].shape for d in down}) != 1 \
+            or len({g[1].shape for g in gate}) != 1:
+        return None  # a shape the per-tensor rows already report, or experts of mixed shapes
+    w13 = torch.stack([torch.cat([g[0], u[0]]) for g, u in zip(gate, up)])
+    s13 = torch.stack([torch.cat([g[1], u[1]]) for g, u in zip(gate, up)])
+    w2, s2 = torch.stack([d[0] for d in down]), torch.stack([d[1] for d in down])
+    cfg = index.config.get("text_config") if isinstance(index.config.get("text_config"), dict) else index.config
+    top_k = cfg.get("num_experts_per_tok")
+    top_k = min(len(experts), top_k if isinstance(top_k, int) and top_k > 0 else 2)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
+    ids = torch.rand(tokens, len(experts), generator=g).argsort(-1)[:, :top_k]
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    ref = moe.moe_reference(x, ids, weights, w13, s13, w2, s2)
+    from .kernels.availability import triton_available
+
+    if triton_available()[0] and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        from .kernels.triton_moe import moe_layer
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        path = "triton fused MoE" + (" (CUDA)" if dev == "cuda" else " (interpreted)")
+        y = moe_layer(*(a.to(dev) for a in (x, ids, weights, w13, s13, w2, s2))).float().cpu()
+    else:
+        path = "torch int4 CPU GEMM per expert"
+        y = moe.moe_layer_cpu(x, ids, weights, w13, s13, w2, s2).float()
+    err = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+    return {"layer": layer, "experts": len(experts), "top_k": top_k, "tokens": tokens, "path": path, "rel_err": err}
 
 
 def verify_files(model: Path) -> tuple[list[str], dict]:
@@ -543,6 +619,10 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
                                 f"(rel. error {row.kernel_rel_err:.3g} > {KERNEL_RTOL})")
         rows.append(row)
         emit({"event": "tensor", "name": m, "done_bytes": i + 1})
+    moe_rec = _moe_layer_check(model, index, arch, modules, tokens, seed)
+    if moe_rec is not None and not moe_rec["rel_err"] <= MOE_RTOL:
+        failures.append(f"{model}: MoE layer {moe_rec['layer']} through {moe_rec['path']} differs from the "
+                        f"reference (rel. error {moe_rec['rel_err']:.3g} > {MOE_RTOL})")
     if src is not None:
         records = {t["name"]: t for t in manifest.get("tensors") or []
                    if isinstance(t, dict) and isinstance(t.get("name"), str)}
@@ -554,7 +634,7 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
             verified["tensors_method_vs_source"] = by_method
     failures += [f for r in rows for f in r.failures]
     emit({"event": "done"})
-    return CheckReport(str(model), tp, False, rows, failures, verified)
+    return CheckReport(str(model), tp, False, rows, failures, verified, moe_rec)
 
 
 def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) -> CheckReport:
