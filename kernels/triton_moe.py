@@ -78,13 +78,14 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
     if BLOCK_M == 1:
         pair = tl.load(sorted_ptr + pid_m).to(tl.int64)
         x_row = x_ptr + (pair // X_ROW_DIV) * sxm
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # summed across threads once, after the loop
         for k0 in range(k_lo, k_hi, BLOCK_K):
             rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             b = _dequant_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
             rk = rw[:, None] * 8 + tl.arange(0, 8)[None, :]
             a = tl.load(x_row + rk * sxk, mask=rk < K, other=0.0).to(tl.float32)
-            acc += tl.sum(tl.sum(b * a[None, :, :], axis=2), axis=1)
+            acc2 += tl.sum(b * a[None, :, :], axis=2)  # the 8 nibbles of a word: within a thread
+        acc = tl.sum(acc2, axis=1)
         tl.store(out_split + pair * som + rn * son, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
     else:
         pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -117,14 +117,15 @@ def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, G, K_PER_SPLIT,
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     if BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # summed across threads once, after the loop
         x_row = x_ptr + pid_m.to(tl.int64) * sxm
         for k0 in range(k_lo, k_hi, BLOCK_K):
             rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             b = _dequant_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
             rk = rw[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8], the elements b holds
             a = tl.load(x_row + rk * sxk, mask=rk < K, other=0.0).to(tl.float32)
-            acc += tl.sum(tl.sum(b * a[None, :, :], axis=2), axis=1)
+            acc2 += tl.sum(b * a[None, :, :], axis=2)  # the 8 nibbles of a word: within a thread
+        acc = tl.sum(acc2, axis=1)
         dst = out_ptr + pid_k.to(tl.int64) * sos + pid_m.to(tl.int64) * som + rn * son
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
     else:

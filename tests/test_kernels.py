@@ -333,3 +333,29 @@ def test_check_fails_a_wrong_moe_kernel(converted, monkeypatch):
     rep = chk.check(converted("glm_moe_dsa", group_size=32))
     assert not rep.ok and rep.moe_layer["rel_err"] > chk.MOE_RTOL
     assert any("MoE layer" in f and "differs from the reference" in f for f in rep.failures), rep.failures
+
+
+# ---- scripts/bench_kernels.py: the GPU bench's code, dry ----
+
+@needs_triton
+@interpreted
+def test_bench_dry_run(tmp_path):
+    """The GPU bench's code path (sweeps, reference checks, fused MoE, JSON) on tiny shapes with the
+    kernels interpreted and tinygemm's CPU twin, so the one run on a GPU does not die of a typo."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, str(root / "scripts" / "bench_kernels.py"), "--dry-run", "--m", "1", "16",
+                        "--models", "GLM-5", "--max-configs", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "!!" not in p.stdout, p.stdout  # no config failed its reference check
+    d = json.loads(out.read_text())
+    assert len(d["rows"]) == 8 and len(d["tuned"]) == 8
+    for r in d["rows"]:
+        assert r["splitk"]["best"]["rel_err"] < 1e-2 and r["moe"]["best"]["rel_err"] < 1e-2, r
+        assert r["tinygemm"]["rel_err"] < 1e-2 and r["dense_status"] in ("PASS", "MISS")
