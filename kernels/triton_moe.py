@@ -27,7 +27,10 @@ from quantize.kernels.moe import combine, moe_align, silu_and_mul
 from quantize.kernels.triton_w4a16 import (
     DEFAULT_SMS,
     Config,
-    _dequant_words,
+    _dequant_tile,
+    _gemv_words,
+    _load_words,
+    _words_at,
     check_config,
     finish_splits,
     k_per_split,
@@ -58,7 +61,7 @@ def interpreter_config(pairs: int, n: int, k: int, sms: int = DEFAULT_SMS, exper
 
 @triton.jit(do_not_specialize=["G", "NUM_PAIRS", "ssn", "sse"])  # as triton_w4a16's kernel
 def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npost_ptr,
-                      N, K, G, NUM_PAIRS, X_ROW_DIV, K_PER_SPLIT,
+                      N, K, KW, G, NUM_PAIRS, X_ROW_DIV, K_PER_SPLIT,
                       sxm, sxk, swe, swn, swk, sse, ssn, ssg, sos, som, son,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -71,7 +74,6 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
     wp = w_ptr + e * swe
     sp = s_ptr + e * sse
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    KW = (K + 7) // 8
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     out_split = out_ptr + pid_k.to(tl.int64) * sos
@@ -80,11 +82,9 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
         x_row = x_ptr + (pair // X_ROW_DIV) * sxm
         acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # summed across threads once, after the loop
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            b = _dequant_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
-            rk = rw[:, None] * 8 + tl.arange(0, 8)[None, :]
-            a = tl.load(x_row + rk * sxk, mask=rk < K, other=0.0).to(tl.float32)
-            acc2 += tl.sum(b * a[None, :, :], axis=2)  # the 8 nibbles of a word: within a thread
+            rw = _words_at(k0, BLOCK_K)
+            words, s = _load_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            acc2 += _gemv_words(x_row, sxk, words, s, rw, K)
         acc = tl.sum(acc2, axis=1)
         tl.store(out_split + pair * som + rn * son, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
     else:
@@ -93,10 +93,10 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
         rows = pairs // X_ROW_DIV
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            b = _dequant_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
-            b = tl.reshape(b, (BLOCK_N, BLOCK_K))
-            rk = k0 + tl.arange(0, BLOCK_K)
+            rw = _words_at(k0, BLOCK_K)
+            words, s = _load_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            b = _dequant_tile(words, s)
+            rk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
             a = tl.load(x_ptr + rows[:, None] * sxm + rk[None, :] * sxk,
                         mask=valid[:, None] & (rk[None, :] < K), other=0.0)
             acc += tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)))
@@ -124,7 +124,7 @@ def moe_w4a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, align, num_
     out = torch.empty((split, num_pairs, n), dtype=dtype, device=x.device)
     grid = (triton.cdiv(n, config.block_n), split, expert_ids.numel())
     _moe_w4a16_kernel[grid](x, w, scale, out, sorted_ids, expert_ids, npost,
-                            n, k, scale.shape[2], num_pairs, x_row_div, per,
+                            n, k, kw, scale.shape[2], num_pairs, x_row_div, per,
                             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
                             scale.stride(0), scale.stride(1), scale.stride(2),
                             out.stride(0), out.stride(1), out.stride(2),

@@ -90,22 +90,65 @@ def default_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> Config:
 
 
 @triton.jit
-def _dequant_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP: tl.constexpr):
-    """Rows ``rn`` [BN] x words ``rw`` [BW] of the packed weight -> fp32 [BN, BW, 8]:
-    (nibble - 8) * scale, element 8*rw+i in bits 4i..4i+3. Out-of-range rows/words give 0."""
+def _words_at(k0, BLOCK_K: tl.constexpr):
+    """Word indices of K elements k0 .. k0+BLOCK_K-1; k0 is a multiple of BLOCK_K (each split starts at
+    one), which the hints tell the compiler so that the word loads vectorize."""
+    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    return tl.max_contiguous(tl.multiple_of(rw, BLOCK_K // 8), BLOCK_K // 8)
+
+
+@triton.jit
+def _load_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP: tl.constexpr):
+    """Rows ``rn`` [BN] x words ``rw`` [BW] of the packed weight -> (int32 words [BN, BW], fp32 scales
+    [BN, BW]: the group of each word, GROUP % 8 == 0 so a word's 8 elements share it). Out of range: 0."""
     mask = (rn[:, None] < N) & (rw[None, :] < KW)
     words = tl.load(w_ptr + rn[:, None] * swn + rw[None, :] * swk, mask=mask, other=0)
-    shifts = (tl.arange(0, 8) * 4)[None, None, :]
-    nib = (words[:, :, None] >> shifts) & 0xF  # arithmetic shift of int32: the mask drops the sign bits
-    grp = (rw * 8) // GROUP  # all 8 elements of a word share its group (GROUP % 8 == 0)
+    grp = (rw * 8) // GROUP
     s = tl.load(s_ptr + rn[:, None] * ssn + grp[None, :] * ssg, mask=mask & (grp[None, :] < G), other=0.0)
-    return (nib.to(tl.float32) - 8.0) * s.to(tl.float32)[:, :, None]
+    return words, s.to(tl.float32)
+
+
+@triton.jit
+def _dequant_tile(words, s):
+    """[BN, BW] words and scales -> fp32 [BN, 8*BW] in K order, (nibble - 8) * scale (element 8j+i of
+    word j in bits 4i..4i+3; the mask drops an arithmetic shift's sign bits). The 8 nibbles are
+    interleaved back into place (element 8j+i at column 8j+i) with ``tl.interleave``, which keeps a
+    word's 8 elements in one thread: no 3-D broadcast across lanes."""
+    e0 = (((words >> 0) & 0xF).to(tl.float32) - 8.0) * s
+    e1 = (((words >> 4) & 0xF).to(tl.float32) - 8.0) * s
+    e2 = (((words >> 8) & 0xF).to(tl.float32) - 8.0) * s
+    e3 = (((words >> 12) & 0xF).to(tl.float32) - 8.0) * s
+    e4 = (((words >> 16) & 0xF).to(tl.float32) - 8.0) * s
+    e5 = (((words >> 20) & 0xF).to(tl.float32) - 8.0) * s
+    e6 = (((words >> 24) & 0xF).to(tl.float32) - 8.0) * s
+    e7 = (((words >> 28) & 0xF).to(tl.float32) - 8.0) * s
+    # interleave(a, b)[2j] = a[j], [2j+1] = b[j]: evens (0, 2, 4, 6) then odds (1, 3, 5, 7), each
+    # built the same way, land element i of word j at 8j+i
+    even = tl.interleave(tl.interleave(e0, e4), tl.interleave(e2, e6))
+    odd = tl.interleave(tl.interleave(e1, e5), tl.interleave(e3, e7))
+    return tl.interleave(even, odd)
+
+
+@triton.jit
+def _gemv_words(x_row, sxk, words, s, rw, K):
+    """One activation row against a [BN, BW] tile of words: fp32 [BN, BW] partial sums per word,
+    scale x sum_i (nibble_i - 8) * x[8j+i], the x values read 8 strided vectors in the words' layout."""
+    t = tl.zeros(words.shape, dtype=tl.float32)
+    xs = tl.zeros(rw.shape, dtype=tl.float32)
+    for i in tl.static_range(8):
+        rk = rw * 8 + i
+        xi = tl.load(x_row + rk * sxk, mask=rk < K, other=0.0).to(tl.float32)
+        t += ((words >> (4 * i)) & 0xF).to(tl.float32) * xi[None, :]
+        xs += xi
+    return s * (t - 8.0 * xs[None, :])
 
 
 # M, the group count and the scale row stride are not specialized on (== 1, % 16): masks and a
-# strided scale load only, and one compile then serves every shape of a config (the bench's sweep)
+# strided scale load only, and one compile then serves every shape of a config (the bench's sweep).
+# KW = ceil(K/8) words per row is an argument so that its divisibility is known: the words' mask is
+# then constant over a vector and their loads vectorize.
 @triton.jit(do_not_specialize=["M", "G", "ssn"])
-def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, G, K_PER_SPLIT,
+def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, KW, G, K_PER_SPLIT,
                          sxm, sxk, swn, swk, ssn, ssg, sos, som, son,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -113,18 +156,15 @@ def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, G, K_PER_SPLIT,
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    KW = (K + 7) // 8
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # summed across threads once, after the loop
         x_row = x_ptr + pid_m.to(tl.int64) * sxm
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            b = _dequant_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
-            rk = rw[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8], the elements b holds
-            a = tl.load(x_row + rk * sxk, mask=rk < K, other=0.0).to(tl.float32)
-            acc2 += tl.sum(b * a[None, :, :], axis=2)  # the 8 nibbles of a word: within a thread
+            rw = _words_at(k0, BLOCK_K)
+            words, s = _load_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            acc2 += _gemv_words(x_row, sxk, words, s, rw, K)
         acc = tl.sum(acc2, axis=1)
         dst = out_ptr + pid_k.to(tl.int64) * sos + pid_m.to(tl.int64) * som + rn * son
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
@@ -132,10 +172,10 @@ def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, G, K_PER_SPLIT,
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            b = _dequant_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
-            b = tl.reshape(b, (BLOCK_N, BLOCK_K))
-            rk = k0 + tl.arange(0, BLOCK_K)
+            rw = _words_at(k0, BLOCK_K)
+            words, s = _load_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            b = _dequant_tile(words, s)  # [BLOCK_N, BLOCK_K]
+            rk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
             a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk,
                         mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
             acc += tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)))
@@ -206,7 +246,7 @@ def w4a16_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sha
     else:
         out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split, grid_m)
-    _w4a16_splitk_kernel[grid](x, packed, scale, out, m, n, k, scale.shape[1], per,
+    _w4a16_splitk_kernel[grid](x, packed, scale, out, m, n, k, packed.shape[1], scale.shape[1], per,
                                x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
                                scale.stride(0), scale.stride(1), out.stride(0), out.stride(1), out.stride(2),
                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=group,

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 # model -> (hidden, moe_intermediate)
 MODELS = {"GLM-5": (6144, 2048), "Kimi-K2": (7168, 2048)}
-DRY_RUN_MODELS = {"GLM-5": (128, 256), "Kimi-K2": (192, 256)}  # --dry-run: the code path, not the numbers
+DRY_RUN_MODELS = {"GLM-5": (64, 256), "Kimi-K2": (96, 256)}  # --dry-run: the code path, not the numbers
 TARGETS = {1: 2.5, 16: 1.5}
 MOE_EXPERTS = 8
 
@@ -122,10 +122,10 @@ def bench_cuda(a) -> dict:
     from quantize.kernels import cuda_int4
     from quantize.kernels.moe import dequant_stack, moe_align
     from quantize.kernels.triton_moe import moe_w4a16
-    from quantize.kernels.triton_w4a16 import DEFAULT_SMS, Config, w4a16_triton
+    from quantize.kernels.triton_w4a16 import Config, w4a16_triton
 
     if a.dry_run:  # the same code on the CPU, kernels interpreted, tinygemm's CPU twin, wall-clock times
-        dev, name, sms, cap = torch.device("cpu"), "CPU (dry run: interpreted, times meaningless)", DEFAULT_SMS, None
+        dev, name, sms, cap = torch.device("cpu"), "CPU (dry run: interpreted, times meaningless)", 4, None
     else:
         dev = torch.device("cuda")
         props = torch.cuda.get_device_properties(dev)
@@ -150,8 +150,9 @@ def bench_cuda(a) -> dict:
            f"{'splitK':>6s} {'(config)':22s} {'moe8':>6s} {'(config)':22s} {'limit':>6s}  dense moe")
     print(hdr)
     t_start = time.time()
+    experts = 2 if a.dry_run else MOE_EXPERTS
     for model, proj, tp, n, k in shapes(a.models, dims=DRY_RUN_MODELS if a.dry_run else MODELS):
-        packed, scale = random_experts(MOE_EXPERTS, n, k, a.group, dev, gen)
+        packed, scale = random_experts(experts, n, k, a.group, dev, gen)
         stack_fp32 = dequant_stack(packed, scale, k)  # [E, N, K], exact
         w_fp32 = stack_fp32[0]
         w_bf16 = w_fp32.to(torch.bfloat16)
@@ -189,7 +190,7 @@ def bench_cuda(a) -> dict:
             tried, best = [], None
             for bm, bn, bk, warps, stages in SPLITK_SWEEP[m_bucket(m)][: a.max_configs]:
                 tiles = triton.cdiv(n, bn) * (m if bm == 1 else triton.cdiv(m, bm))
-                for split in _splits(tiles, k, bk, sms):
+                for split in _splits(tiles, k, bk, sms)[-1 if a.dry_run else 0:]:
                     cfg = Config(bm, bn, bk, split, warps, stages)
                     rec = {"config": cfg.as_dict(), "name": str(cfg)}
                     try:
@@ -208,22 +209,22 @@ def bench_cuda(a) -> dict:
             if best:
                 tuned[(n, k, m_bucket(m))] = best["config"]
             # fused MoE: 8 experts, every token routed to all of them
-            xs = x.unsqueeze(0).expand(MOE_EXPERTS, m, k).contiguous()
+            xs = x.unsqueeze(0).expand(experts, m, k).contiguous()
             t_bmm = bench(lambda: torch.bmm(xs, stack_t))
-            ids = torch.stack([torch.randperm(MOE_EXPERTS, generator=gen) for _ in range(m)]).to(dev)
+            ids = torch.stack([torch.randperm(experts, generator=gen) for _ in range(m)]).to(dev)
             ref_moe = torch.matmul(x.float(), stack_fp32.transpose(1, 2))  # [E, M, N]
-            ref_pairs = ref_moe[ids.reshape(-1), torch.arange(m, device=dev).repeat_interleave(MOE_EXPERTS)]
-            pairs = m * MOE_EXPERTS
+            ref_pairs = ref_moe[ids.reshape(-1), torch.arange(m, device=dev).repeat_interleave(experts)]
+            pairs = m * experts
             mtried, mbest = [], None
             for bm, bn, bk, warps, stages in MOE_SWEEP[m_bucket(m)][: a.max_configs]:
-                align = moe_align(ids, bm, MOE_EXPERTS)
-                blocks = MOE_EXPERTS * math.ceil(m / bm)
-                for split in _splits(blocks * triton.cdiv(n, bn), k, bk, sms)[-2:]:
+                align = moe_align(ids, bm, experts)
+                blocks = experts * math.ceil(m / bm)
+                for split in _splits(blocks * triton.cdiv(n, bn), k, bk, sms)[-1 if a.dry_run else -2:]:
                     cfg = Config(bm, bn, bk, split, warps, stages)
                     rec = {"config": cfg.as_dict(), "name": str(cfg)}
 
                     def run(cfg=cfg, align=align):
-                        return moe_w4a16(x, packed, scale, align, pairs, MOE_EXPERTS, cfg, k)
+                        return moe_w4a16(x, packed, scale, align, pairs, experts, cfg, k)
 
                     try:
                         err = rel_err(run(), ref_pairs)
@@ -237,7 +238,7 @@ def bench_cuda(a) -> dict:
                     except Exception as e:  # noqa: BLE001
                         rec["error"] = f"{type(e).__name__}: {e}"[:200]
                     mtried.append(rec)
-            row["moe"] = {"experts": MOE_EXPERTS, "bf16_bmm_us": t_bmm, "best": mbest,
+            row["moe"] = {"experts": experts, "bf16_bmm_us": t_bmm, "best": mbest,
                           "ratio": t_bmm / mbest["us"] if mbest else None, "tried": mtried}
             dense = max([r for r in (row["tinygemm"].get("ratio"), row["splitk"]["ratio"]) if r is not None],
                         default=None)
