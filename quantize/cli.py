@@ -182,7 +182,8 @@ def _ranks(model: type, name: str, body, kw: dict):
     if name not in D.RANK_AWARE:
         _refuse(f"{name} does not split its work across ranks yet: every rank would run the whole job (and write "
                 "the same output); run it as one process (without --nproc or torchrun)")
-    w = _run(D.join, timeout)
+    # NCCL (a GPU per rank) only for --device cuda: a CPU run on a GPU node meets on gloo, as anywhere else
+    w = _run(D.join, timeout, "nccl" if str(kw.get("device") or "cpu").startswith("cuda") else "gloo")
     try:
         if not w.quiet:
             return body(**kw)

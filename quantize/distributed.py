@@ -688,7 +688,7 @@ def _same(a, b) -> bool:
 
 def _selftest(argv: list[str]) -> int:
     """``python -m quantize.distributed selftest [--nproc N] [--timeout-s T] [--items N]
-    [--vanish R] [--hang R] [--fail R] [--timings DIR]``: gather, partition and broadcast across
+    [--vanish R] [--hang R] [--fail R] [--timings DIR] [--backend gloo|nccl]``: gather, partition and broadcast across
     the ranks, then a barrier that rank R leaves (exits 0 without a word), hangs at, or fails
     before (one line); the writer prints the result as JSON. ``--timings DIR``: each rank writes
     how long its last collective took, for the failure latencies."""
@@ -701,12 +701,13 @@ def _selftest(argv: list[str]) -> int:
     for what in ("vanish", "hang", "fail"):
         p.add_argument(f"--{what}", type=int, default=None, metavar="RANK")
     p.add_argument("--timings", type=Path, default=None)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: a GPU per rank")
     a = p.parse_args(argv)
     if a.nproc > 1 and not under_torchrun():
         return launch("quantize.distributed", ["selftest", *argv], a.nproc)
     t = time.monotonic()
     try:
-        with world(a.timeout_s) as w:
+        with world(a.timeout_s, a.backend) as w:
             ranks = w.gather(w.rank, "selftest ranks")
             parts = w.gather(list(w.owned(a.items)), "selftest partition")
             token = w.broadcast(f"from rank {w.rank}", "selftest broadcast")

@@ -471,10 +471,10 @@ def test_a_rank_aware_command_runs_in_the_world_and_rank_0_alone_prints(monkeypa
     monkeypatch.setattr(D, "RANK_AWARE", {"convert"})
     seen = []
 
-    def join(timeout_s):
+    def join(timeout_s, backend):
         D._CURRENT = D.World(rank=int(os.environ["RANK"]), size=2, local_rank=1, local_size=2, backend="gloo",
                              timeout_s=timeout_s)
-        seen.append(("join", timeout_s))
+        seen.append(("join", timeout_s, backend))
         return D._CURRENT
 
     monkeypatch.setattr(D, "join", join)
@@ -487,11 +487,18 @@ def test_a_rank_aware_command_runs_in_the_world_and_rank_0_alone_prints(monkeypa
 
     kw = {"nproc": 2, "dist_timeout_s": 9.0}
     assert cli._ranks(O.ConvertOptions, "convert", body, kw) == "ok"
-    assert capsys.readouterr().out == "" and seen == [("join", 9.0), (1, True, 2), "leave"]
+    # a CPU run meets on gloo even where a GPU is visible; --device cuda on NCCL (a GPU per rank)
+    assert capsys.readouterr().out == "" and seen == [("join", 9.0, "gloo"), (1, True, 2), "leave"]
     monkeypatch.setenv("RANK", "0")
     seen.clear()
     assert cli._ranks(O.ConvertOptions, "convert", body, kw) == "ok"
-    assert capsys.readouterr().out == "result\n" and seen == [("join", 9.0), (0, False, 2), "leave"]
+    assert capsys.readouterr().out == "result\n" and seen == [("join", 9.0, "gloo"), (0, False, 2), "leave"]
+    seen.clear()
+    assert cli._ranks(O.ConvertOptions, "convert", body, {**kw, "device": "cuda"}) == "ok"
+    assert seen[0] == ("join", 9.0, "nccl")
+    seen.clear()
+    assert cli._ranks(O.ConvertOptions, "convert", body, {**kw, "device": "cpu"}) == "ok"
+    assert seen[0] == ("join", 9.0, "gloo")
 
 
 def test_exchange_slices_hold_at_most_the_limit_and_one_item_at_least():
