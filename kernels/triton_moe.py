@@ -56,7 +56,7 @@ def default_moe_config(pairs: int, n: int, k: int, sms: int = DEFAULT_SMS, exper
 
 def interpreter_config(pairs: int, n: int, k: int, sms: int = DEFAULT_SMS, experts: int = 1) -> Config:
     """CPU tensors run in Triton's interpreter, whose cost is per program: the fewest, largest tiles."""
-    return Config(16, min(256, triton.next_power_of_2(n)), min(256, max(8, triton.next_power_of_2(k))), 1)
+    return Config(16, min(1024, triton.next_power_of_2(n)), min(512, max(8, triton.next_power_of_2(k))), 1)
 
 
 @triton.jit(do_not_specialize=["G", "NUM_PAIRS", "ssn", "sse"])  # as triton_w4a16's kernel
@@ -65,9 +65,9 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
                       sxm, sxk, swe, swn, swk, sse, ssn, ssg, sos, som, son,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -75,13 +75,13 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
     sp = s_ptr + e * sse
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     out_split = out_ptr + pid_k.to(tl.int64) * sos
     if BLOCK_M == 1:
         pair = tl.load(sorted_ptr + pid_m).to(tl.int64)
         x_row = x_ptr + (pair // X_ROW_DIV) * sxm
         acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # summed across threads once, after the loop
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # past K (the last split): masked
+            k0 = k_lo + kk
             rw = _words_at(k0, BLOCK_K)
             words, s = _load_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
             acc2 += _gemv_words(x_row, sxk, words, s, rw, K)
@@ -92,7 +92,8 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
         valid = pairs < NUM_PAIRS
         rows = pairs // X_ROW_DIV
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # past K (the last split): masked
+            k0 = k_lo + kk
             rw = _words_at(k0, BLOCK_K)
             words, s = _load_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
             b = _dequant_tile(words, s)
@@ -122,7 +123,7 @@ def moe_w4a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, align, num_
     on_gpu = x.is_cuda
     dtype = torch.bfloat16 if (on_gpu and split == 1) else torch.float32
     out = torch.empty((split, num_pairs, n), dtype=dtype, device=x.device)
-    grid = (triton.cdiv(n, config.block_n), split, expert_ids.numel())
+    grid = (expert_ids.numel(), triton.cdiv(n, config.block_n), split)  # blocks first: y, z < 65536
     _moe_w4a16_kernel[grid](x, w, scale, out, sorted_ids, expert_ids, npost,
                             n, k, kw, scale.shape[2], num_pairs, x_row_div, per,
                             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),

@@ -4,7 +4,7 @@ Layout (quantize/formats/int4.py, docs/formats.md): ``packed`` int32 [N, ceil(K/
 (``uint4b8``), element 8j+i in bits 4i..4i+3 of word j; ``scale`` [N, K/g] (bf16 as convert writes
 it); W = q * scale, symmetric, no zero point. Computes ``x @ W.T`` for x [M, K] -> bf16 [M, N].
 
-Grid: (N tiles, K splits, M tiles). At decode (M=1) an expert's N alone gives a few dozen tiles, far
+Grid: (M tiles, N tiles, K splits). At decode (M=1) an expert's N alone gives a few dozen tiles, far
 fewer than a Hopper's 132 SMs; the K splits bring it to about ``2 x SMs`` programs (``default_config``).
 Each program walks its K range BLOCK_K at a time: loads a [BLOCK_N, BLOCK_K/8] tile of words, unpacks
 the 8 nibbles of each word with shifts and masks, multiplies by the group's scale (one scale per word:
@@ -152,16 +152,16 @@ def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, KW, G, K_PER_SPL
                          sxm, sxk, swn, swk, ssn, ssg, sos, som, son,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_k * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # summed across threads once, after the loop
         x_row = x_ptr + pid_m.to(tl.int64) * sxm
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # past K (the last split): masked
+            k0 = k_lo + kk
             rw = _words_at(k0, BLOCK_K)
             words, s = _load_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
             acc2 += _gemv_words(x_row, sxk, words, s, rw, K)
@@ -171,7 +171,8 @@ def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, KW, G, K_PER_SPL
     else:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # past K (the last split): masked
+            k0 = k_lo + kk
             rw = _words_at(k0, BLOCK_K)
             words, s = _load_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
             b = _dequant_tile(words, s)  # [BLOCK_N, BLOCK_K]
@@ -245,7 +246,7 @@ def w4a16_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sha
         out = torch.empty((1, m, n), dtype=torch.bfloat16 if on_gpu else torch.float32, device=x.device)
     else:
         out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), split, grid_m)
+    grid = (grid_m, triton.cdiv(n, cfg.block_n), split)  # M (up to 2**31 - 1 programs) first; y, z < 65536
     _w4a16_splitk_kernel[grid](x, packed, scale, out, m, n, k, packed.shape[1], scale.shape[1], per,
                                x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
                                scale.stride(0), scale.stride(1), out.stride(0), out.stride(1), out.stride(2),

@@ -125,18 +125,22 @@ def _kernel_err(x: torch.Tensor, packed, scale, shape) -> tuple[float, torch.Ten
 
 MOE_RTOL = 2e-2  # a whole MoE layer (bf16 between its GEMMs) vs the fp32 reference (relative L2)
 MOE_CHECK_EXPERTS = 16  # experts of the layer read for the MoE-layer check (the lowest indices)
+MOE_CHECK_EXPERTS_INTERPRETED = 4  # as many under Triton's interpreter (CPU), whose cost is per element
 _EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
 
 
 def _moe_layer_check(model: Path, index: CheckpointIndex, arch, modules: list[str], tokens: int,
                      seed: int) -> dict | None:
-    """The first MoE layer's routed experts (up to MOE_CHECK_EXPERTS, every one INT4) as one layer:
-    random tokens routed top-k through the fused MoE Triton kernel (on CUDA; on the CPU under
-    TRITON_INTERPRET=1), else torch's int4 CPU GEMM per expert, against the fp32 reference of the
-    dequantized experts (transformers' experts math). None when no layer has INT4 routed experts of
-    one shape."""
+    """The first MoE layer's routed experts (the lowest MOE_CHECK_EXPERTS, every one INT4; fewer when
+    the kernel is interpreted) as one layer: random tokens routed top-k through the fused MoE Triton
+    kernel (on CUDA; on the CPU under TRITON_INTERPRET=1), else torch's int4 CPU GEMM per expert, against
+    the fp32 reference of the dequantized experts (transformers' experts math). None when no layer has
+    INT4 routed experts of one shape."""
     from .kernels import moe
+    from .kernels.availability import triton_available
 
+    fused = triton_available()[0] and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    cap = MOE_CHECK_EXPERTS if torch.cuda.is_available() or not fused else MOE_CHECK_EXPERTS_INTERPRETED
     roles = {"expert_gate": 0, "expert_up": 1, "expert_down": 2}
     layers: dict[int, dict[int, list]] = {}
     for m in modules:
@@ -145,7 +149,7 @@ def _moe_layer_check(model: Path, index: CheckpointIndex, arch, modules: list[st
         if role in roles and layer is not None and hit:
             layers.setdefault(layer, {}).setdefault(int(hit.group(1)), [None, None, None])[roles[role]] = m
     for layer in sorted(layers):
-        experts = sorted(e for e, ms in layers[layer].items() if all(ms))[:MOE_CHECK_EXPERTS]
+        experts = sorted(e for e, ms in layers[layer].items() if all(ms))[:cap]
         if experts:
             break
     else:
@@ -172,9 +176,7 @@ def _moe_layer_check(model: Path, index: CheckpointIndex, arch, modules: list[st
     ids = torch.rand(tokens, len(experts), generator=g).argsort(-1)[:, :top_k]
     weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
     ref = moe.moe_reference(x, ids, weights, w13, s13, w2, s2)
-    from .kernels.availability import triton_available
-
-    if triton_available()[0] and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    if fused:
         from .kernels.triton_moe import moe_layer
 
         dev = "cuda" if torch.cuda.is_available() else "cpu"
