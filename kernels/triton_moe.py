@@ -34,13 +34,23 @@ from quantize.kernels.triton_w4a16 import (
     check_config,
     finish_splits,
     k_per_split,
+    m_bucket,
     split_for,
 )
 
 
+# measured winners: (N, K, bucket of rows per active expert) -> Config, as triton_w4a16.TUNED; empty
+# until a GPU sweep (scripts/bench_kernels.py prints the lines to paste here)
+MOE_TUNED: dict[tuple[int, int, int], Config] = {}
+
+
 def default_moe_config(pairs: int, n: int, k: int, sms: int = DEFAULT_SMS, experts: int = 1) -> Config:
-    """Heuristic tiles for ``pairs`` = T*topk routed rows over ``experts`` active experts (not measured)."""
+    """Tiles for ``pairs`` = T*topk routed rows over ``experts`` active experts: ``MOE_TUNED``, else a
+    heuristic (not measured)."""
     rows = max(1, -(-pairs // max(1, experts)))  # rows per active expert
+    hit = MOE_TUNED.get((n, k, m_bucket(rows)))
+    if hit is not None:
+        return hit
     if rows == 1:
         bm, bn, bk, warps, stages = 1, 32, 256, 4, 3
     elif rows <= 16:

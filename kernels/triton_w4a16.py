@@ -235,7 +235,7 @@ def w4a16_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sha
         raise ValueError(f"x {tuple(x.shape)}, packed {tuple(packed.shape)}, scale {tuple(scale.shape)} "
                          f"do not fit weight shape {(n, k)}")
     group = k // scale.shape[1]
-    if sms is None:
+    if config is None and sms is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else DEFAULT_SMS
     cfg = config or default_config(m, n, k, sms)
     check_config(cfg, group)

@@ -145,7 +145,7 @@ def bench_cuda(a) -> dict:
 
     gen = torch.Generator().manual_seed(0)
     limit = byte_limit(a.group)
-    rows, tuned = [], {}
+    rows, tuned, moe_tuned = [], {}, {}
     hdr = (f"{'model':8s} {'proj':7s} {'TP':>2s} {'N':>5s} {'K':>5s} {'M':>4s} {'bf16 us':>8s} {'tiny':>6s} "
            f"{'splitK':>6s} {'(config)':22s} {'moe8':>6s} {'(config)':22s} {'limit':>6s}  dense moe")
     print(hdr)
@@ -160,13 +160,13 @@ def bench_cuda(a) -> dict:
         stack_t = stack_bf16.transpose(1, 2)  # [E, K, N] view: cuBLAS reads it transposed
         p0, s0 = packed[0].contiguous(), scale[0].contiguous()
         ok_tiny, why_tiny = cuda_int4.applies((n, k), a.group, cap)
-        tiny = None
+        tiny, tiny_error = None, None
         if ok_tiny:
             try:
                 tiny = (cuda_int4.cpu_twin(p0, s0, (n, k)) if a.dry_run
                         else cuda_int4.CudaW4A16.from_packed(p0, s0, (n, k)))
             except Exception as e:  # noqa: BLE001 - reported, the bench goes on
-                why_tiny = f"{type(e).__name__}: {e}"[:200]
+                tiny_error = f"repack: {type(e).__name__}: {e}"[:200]
         for m in a.m:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
             ref = x.float() @ w_fp32.t()
@@ -175,6 +175,8 @@ def bench_cuda(a) -> dict:
             row["bf16_us"] = t_bf16
             # torch's INT4 GEMM
             row["tinygemm"] = {"applies": ok_tiny, "why_not": why_tiny or None}
+            if tiny_error:
+                row["tinygemm"]["error"] = tiny_error
             if tiny is not None:
                 try:
                     err = rel_err(tiny(x), ref)
@@ -238,6 +240,8 @@ def bench_cuda(a) -> dict:
                     except Exception as e:  # noqa: BLE001
                         rec["error"] = f"{type(e).__name__}: {e}"[:200]
                     mtried.append(rec)
+            if mbest:
+                moe_tuned[(n, k, m_bucket(m))] = mbest["config"]
             row["moe"] = {"experts": experts, "bf16_bmm_us": t_bmm, "best": mbest,
                           "ratio": t_bmm / mbest["us"] if mbest else None, "tried": mtried}
             dense = max([r for r in (row["tinygemm"].get("ratio"), row["splitk"]["ratio"]) if r is not None],
@@ -261,13 +265,17 @@ def bench_cuda(a) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     elapsed = time.time() - t_start
-    print(f"\n{elapsed:.0f} s. Winners for TUNED in kernels/triton_w4a16.py ((N, K, M bucket): Config):")
-    for (n, k, b), c in sorted(tuned.items()):
-        print(f"    ({n}, {k}, {b}): Config({c['block_m']}, {c['block_n']}, {c['block_k']}, {c['split_k']}, "
-              f"{c['num_warps']}, {c['num_stages']}),")
+    print(f"\n{elapsed:.0f} s.")
+    for table, where, found in (("TUNED", "kernels/triton_w4a16.py", tuned),
+                                ("MOE_TUNED", "kernels/triton_moe.py", moe_tuned)):
+        print(f"Winners for {table} in {where} ((N, K, M bucket): Config):")
+        for (n, k, b), c in sorted(found.items()):
+            print(f"    ({n}, {k}, {b}): Config({c['block_m']}, {c['block_n']}, {c['block_k']}, {c['split_k']}, "
+                  f"{c['num_warps']}, {c['num_stages']}),")
     return {"device": name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
             "group": a.group, "elapsed_s": elapsed, "rows": rows,
-            "tuned": [{"n": n, "k": k, "m_bucket": b, "config": c} for (n, k, b), c in sorted(tuned.items())]}
+            "tuned": [{"n": n, "k": k, "m_bucket": b, "config": c} for (n, k, b), c in sorted(tuned.items())],
+            "moe_tuned": [{"n": n, "k": k, "m_bucket": b, "config": c} for (n, k, b), c in sorted(moe_tuned.items())]}
 
 
 def bench_cpu(a) -> dict:
