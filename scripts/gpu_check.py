@@ -7,10 +7,11 @@ subset shipped in eval/. Not a test: figures for the closing note and the README
 
     python scripts/gpu_check.py [--out DIR] [--budget-s 480] [--skip kernels ...]
 
-Steps: env, kernels (scripts/bench_kernels.py), pytest -m gpu, fixture, expert cost
-(scripts/bench_gptq_cost.py --device cuda), convert RTN on the CPU (and its refusal on cuda), GPTQ on
-cuda (the log read for progress lines), calibrate-kv on cuda, check, the disk floor
-(scripts/bench_convert.py), and a two-rank NCCL GPTQ where two GPUs exist.
+Steps, the headline ones first: env; the fixture; GPTQ on cuda (its log read for progress lines) and
+check on what it wrote; calibrate-kv on cuda; convert RTN on the CPU and its refusal on cuda; a
+two-rank NCCL GPTQ where two GPUs exist; the kernels (scripts/bench_kernels.py); GPU-seconds per
+routed expert (scripts/bench_gptq_cost.py --device cuda); pytest's GPU tests; the disk floor
+(scripts/bench_convert.py). A step gets what is left of the budget at most.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Check:
         self.rows.append({"step": step, "result": result, "seconds": None if seconds is None else round(seconds, 1),
                           **extra})
         print(f"[gpu_check] {step}: {result}" + (f" ({seconds:.1f} s)" if seconds is not None else ""), flush=True)
+        (self.out / "gpu_check.json").write_text(json.dumps({"rows": self.rows}, indent=1))  # so far, if killed
 
 
 def _tail(text: str, n: int = 1) -> str:
@@ -106,21 +108,7 @@ def main() -> int:
     if not gpus:
         c.row("cuda", "FAIL: no CUDA GPU visible")
 
-    # 1. the kernels against BF16
-    rc, sec, text = c.run("kernels", [sys.executable, "scripts/bench_kernels.py", "--out", a.out / "kernels.json"],
-                          150)
-    if rc is not None:
-        c.row("kernels (scripts/bench_kernels.py)", "ok" if rc == 0 else f"FAIL rc {rc}: {_tail(text, 2)}", sec)
-        print(text[-6000:], flush=True)
-
-    # 2. the GPU tests
-    rc, sec, text = c.run("pytest", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                                     "gpu or not gpu", "tests/test_gpu.py", "tests/test_kernels.py",
-                                     "tests/test_gpu_path.py"], 200)
-    if rc is not None:
-        c.row("pytest tests/test_gpu.py test_kernels.py test_gpu_path.py", f"rc {rc}: {_tail(text)}", sec)
-
-    # 3. the real-width fixture
+    # 1. the real-width fixture
     src = a.work / "dsv3-16"
     t = time.time()
     if "fixture" not in c.skip:
@@ -135,29 +123,9 @@ def main() -> int:
     else:
         disk = 0
 
-    # 4. GPU-seconds per routed expert at real width (the batched GPU path)
-    rc, sec, text = c.run("expert cost", [sys.executable, "scripts/bench_gptq_cost.py", "--device", "cuda",
-                                          "--experts", "16", "--tokens", "2048", "--model", "deepseek-v3", "glm-5",
-                                          "kimi-k2.6", "--json", a.work / "cost.json"], 120)
-    cost = json.loads((a.work / "cost.json").read_text()) if rc == 0 else {}
-    if rc is not None:
-        c.row("GPU-s per routed expert (16 batched, 2048 tokens each)",
-              "; ".join(f"{k}: Hessians {v['hessian_s']:.3f} + GPTQ {v['gptq_s']:.3f} s" for k, v in cost.items())
-              or f"FAIL rc {rc}: {_tail(text, 2)}", sec)
-
     cal = ["--data", GSM8K, "--samples", a.samples, "--seq-len", a.seq_len]
     if disk:
-        # 5. RTN: the CPU's native kernels; cuda refused in one line
-        rc, sec, text = c.run("rtn cuda", _quantize("convert", src, a.work / "rtn-cuda", "--device", "cuda"), 60)
-        ok = rc == 2 and "drop --device" in text and not (a.work / "rtn-cuda").exists()
-        c.row("convert RTN --device cuda", ("refused in one line, nothing written" if ok else
-                                            f"FAIL rc {rc}: {_tail(text)}"), sec)
-        rc, sec, text = c.run("rtn cpu", _quantize("convert", src, a.work / "rtn-cpu", "--json"), 120)
-        c.row("convert RTN --device cpu", f"{disk / sec / 1e9:.3f} GB/s of source" if rc == 0 else
-              f"FAIL rc {rc}: {_tail(text)}", sec)
-        shutil.rmtree(a.work / "rtn-cpu", ignore_errors=True)
-
-        # 6. GPTQ on the GPU, its log read as a user's nohup would leave it
+        # 2. GPTQ on the GPU, its log read as a user's nohup would leave it
         log = a.out / "gptq.log"
         gout = a.work / "gptq"
         rc, sec, text = c.run("gptq cuda", _quantize("convert", src, gout, "--method", "gptq", "--device", "cuda",
@@ -181,19 +149,29 @@ def main() -> int:
                    f"{'plain' if plain else 'CONTROL CHARACTERS'}; phases {extra.get('phases')}") if ok else
                   f"FAIL rc {rc}: {_tail(text, 3)}", sec, **extra)
 
-            # 7. check, on what GPTQ wrote
+            # 3. check, on what GPTQ wrote
             if ok:
                 rc, sec, text = c.run("check", _quantize("check", gout, "--source", src), 150)
                 c.row("check OUT --source SRC", "passes" if rc == 0 else f"FAIL rc {rc}: {_tail(text, 2)}", sec)
             shutil.rmtree(gout, ignore_errors=True)
 
-        # 8. calibrate-kv on the GPU
+        # 4. calibrate-kv on the GPU
         rc, sec, text = c.run("calibrate-kv cuda", _quantize("calibrate-kv", src, "--device", "cuda", *cal,
                                                              "--stats-out", a.work / "kv.json"), 150)
         if rc is not None:
             c.row("calibrate-kv --device cuda", "ok" if rc == 0 else f"FAIL rc {rc}: {_tail(text, 2)}", sec)
 
-        # 9. two ranks over NCCL, where two GPUs exist
+        # 5. RTN: the CPU's native kernels; cuda refused in one line
+        rc, sec, text = c.run("rtn cuda", _quantize("convert", src, a.work / "rtn-cuda", "--device", "cuda"), 60)
+        ok = rc == 2 and "drop --device" in text and not (a.work / "rtn-cuda").exists()
+        c.row("convert RTN --device cuda", ("refused in one line, nothing written" if ok else
+                                            f"FAIL rc {rc}: {_tail(text)}"), sec)
+        rc, sec, text = c.run("rtn cpu", _quantize("convert", src, a.work / "rtn-cpu", "--json"), 120)
+        c.row("convert RTN --device cpu", f"{disk / sec / 1e9:.3f} GB/s of source" if rc == 0 else
+              f"FAIL rc {rc}: {_tail(text)}", sec)
+        shutil.rmtree(a.work / "rtn-cpu", ignore_errors=True)
+
+        # 6. two ranks over NCCL, where two GPUs exist
         if gpus >= 2:
             rc, sec, text = c.run("gptq nccl 2", _quantize("convert", src, a.work / "gptq2", "--method", "gptq",
                                                            "--device", "cuda", "--nproc", 2, *cal), 300)
@@ -202,6 +180,30 @@ def main() -> int:
         else:
             c.row("convert --nproc 2 over NCCL", f"not run: {gpus} GPU on this node")
         shutil.rmtree(src, ignore_errors=True)
+
+    # 7. the kernels against BF16
+    rc, sec, text = c.run("kernels", [sys.executable, "scripts/bench_kernels.py", "--out", a.out / "kernels.json"],
+                          150)
+    if rc is not None:
+        c.row("kernels (scripts/bench_kernels.py)", "ok" if rc == 0 else f"FAIL rc {rc}: {_tail(text, 2)}", sec)
+        print(text[-3000:], flush=True)
+
+    # 8. GPU-seconds per routed expert at real width (the batched GPU path)
+    rc, sec, text = c.run("expert cost", [sys.executable, "scripts/bench_gptq_cost.py", "--device", "cuda",
+                                          "--experts", "16", "--tokens", "2048", "--model", "deepseek-v3", "glm-5",
+                                          "kimi-k2.6", "--json", a.work / "cost.json"], 120)
+    cost = json.loads((a.work / "cost.json").read_text()) if rc == 0 else {}
+    if rc is not None:
+        c.row("GPU-s per routed expert (16 batched, 2048 tokens each)",
+              "; ".join(f"{k}: Hessians {v['hessian_s']:.3f} + GPTQ {v['gptq_s']:.3f} s" for k, v in cost.items())
+              or f"FAIL rc {rc}: {_tail(text, 2)}", sec)
+
+    # 9. the GPU tests
+    rc, sec, text = c.run("pytest", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                                     "gpu or not gpu", "tests/test_gpu.py", "tests/test_kernels.py",
+                                     "tests/test_gpu_path.py"], 170)
+    if rc is not None:
+        c.row("pytest tests/test_gpu.py test_kernels.py test_gpu_path.py", f"rc {rc}: {_tail(text)}", sec)
 
     # 10. the disk floor and convert's fraction of it
     rc, sec, text = c.run("disk floor", [sys.executable, "scripts/bench_convert.py", "--gb", "1.0", "--skip-baseline",
