@@ -39,9 +39,43 @@ from quantize.kernels.triton_w4a16 import (
 )
 
 
-# measured winners: (N, K, bucket of rows per active expert) -> Config, as triton_w4a16.TUNED; empty
-# until a GPU sweep (scripts/bench_kernels.py prints the lines to paste here)
-MOE_TUNED: dict[tuple[int, int, int], Config] = {}
+# measured winners: (N, K, M bucket) -> Config (scripts/bench_kernels.py prints them in this format);
+# measured on one H200 (torch 2.11+cu130, triton 3.6, group 32) by scripts/bench_kernels.py's sweep
+# (scripts/gpu_check.sh, 2026-12-04): (N, K, M bucket) -> the fastest config that passed its reference check
+MOE_TUNED: dict[tuple[int, int, int], Config] = {
+    (512, 6144, 1): Config(1, 32, 256, 6, 4, 3),
+    (512, 6144, 16): Config(16, 128, 128, 18, 8, 3),
+    (512, 6144, 64): Config(64, 64, 128, 10, 4, 3),
+    (512, 6144, 256): Config(128, 128, 64, 5, 8, 3),
+    (512, 7168, 1): Config(1, 16, 512, 4, 4, 3),
+    (512, 7168, 16): Config(16, 64, 128, 10, 4, 4),
+    (512, 7168, 64): Config(32, 64, 128, 3, 4, 3),
+    (512, 7168, 256): Config(64, 128, 64, 3, 4, 3),
+    (4096, 6144, 1): Config(1, 16, 512, 1, 4, 3),
+    (4096, 6144, 16): Config(16, 64, 128, 1, 4, 4),
+    (4096, 6144, 64): Config(64, 128, 64, 4, 4, 4),
+    (4096, 6144, 256): Config(128, 128, 64, 1, 8, 3),
+    (4096, 7168, 1): Config(1, 32, 256, 2, 4, 3),
+    (4096, 7168, 16): Config(16, 64, 128, 1, 4, 4),
+    (4096, 7168, 64): Config(64, 128, 64, 4, 4, 4),
+    (4096, 7168, 256): Config(128, 128, 64, 1, 8, 3),
+    (6144, 256, 1): Config(16, 64, 128, 1, 4, 4),
+    (6144, 256, 16): Config(16, 128, 128, 2, 8, 3),
+    (6144, 256, 64): Config(64, 128, 64, 1, 4, 4),
+    (6144, 256, 256): Config(128, 128, 64, 1, 8, 3),
+    (6144, 2048, 1): Config(1, 16, 512, 1, 4, 3),
+    (6144, 2048, 16): Config(16, 64, 128, 1, 4, 4),
+    (6144, 2048, 64): Config(64, 128, 64, 1, 4, 4),
+    (6144, 2048, 256): Config(128, 128, 64, 1, 8, 3),
+    (7168, 256, 1): Config(1, 32, 256, 1, 4, 3),
+    (7168, 256, 16): Config(16, 64, 128, 1, 4, 4),
+    (7168, 256, 64): Config(64, 64, 128, 1, 4, 3),
+    (7168, 256, 256): Config(128, 128, 64, 1, 8, 3),
+    (7168, 2048, 1): Config(1, 16, 512, 1, 4, 3),
+    (7168, 2048, 16): Config(16, 64, 128, 1, 4, 4),
+    (7168, 2048, 64): Config(64, 64, 128, 1, 4, 3),
+    (7168, 2048, 256): Config(128, 128, 64, 1, 8, 3),
+}
 
 
 def default_moe_config(pairs: int, n: int, k: int, sms: int = DEFAULT_SMS, experts: int = 1) -> Config:

@@ -54,9 +54,43 @@ class Config:
                 f"w{self.num_warps}p{self.num_stages}")
 
 
-# measured winners: (N, K, M bucket) -> Config, M bucket from m_bucket(). Empty until a GPU sweep
-# (scripts/bench_kernels.py --out FILE prints the lines to paste here) has been run on an H200.
-TUNED: dict[tuple[int, int, int], Config] = {}
+# measured winners: (N, K, M bucket) -> Config (scripts/bench_kernels.py prints them in this format);
+# measured on one H200 (torch 2.11+cu130, triton 3.6, group 32) by scripts/bench_kernels.py's sweep
+# (scripts/gpu_check.sh, 2026-12-04): (N, K, M bucket) -> the fastest config that passed its reference check
+TUNED: dict[tuple[int, int, int], Config] = {
+    (512, 6144, 1): Config(1, 32, 512, 12, 4, 2),
+    (512, 6144, 16): Config(16, 64, 128, 33, 4, 4),
+    (512, 6144, 64): Config(32, 64, 128, 34, 4, 3),
+    (512, 6144, 256): Config(64, 128, 64, 34, 4, 3),
+    (512, 7168, 1): Config(1, 16, 512, 1, 4, 3),
+    (512, 7168, 16): Config(16, 32, 256, 34, 4, 3),
+    (512, 7168, 64): Config(32, 64, 128, 17, 4, 3),
+    (512, 7168, 256): Config(128, 128, 64, 33, 8, 3),
+    (4096, 6144, 1): Config(1, 16, 512, 1, 4, 3),
+    (4096, 6144, 16): Config(16, 32, 256, 1, 4, 3),
+    (4096, 6144, 64): Config(64, 64, 128, 1, 4, 3),
+    (4096, 6144, 256): Config(128, 64, 128, 1, 8, 3),
+    (4096, 7168, 1): Config(1, 16, 512, 1, 4, 3),
+    (4096, 7168, 16): Config(16, 128, 128, 9, 8, 3),
+    (4096, 7168, 64): Config(64, 64, 128, 10, 4, 3),
+    (4096, 7168, 256): Config(128, 64, 128, 1, 8, 3),
+    (6144, 256, 1): Config(1, 32, 256, 1, 4, 3),
+    (6144, 256, 16): Config(16, 128, 128, 1, 8, 3),
+    (6144, 256, 64): Config(64, 128, 64, 1, 4, 4),
+    (6144, 256, 256): Config(64, 256, 64, 1, 8, 3),
+    (6144, 2048, 1): Config(1, 16, 512, 1, 4, 3),
+    (6144, 2048, 16): Config(16, 64, 256, 3, 4, 3),
+    (6144, 2048, 64): Config(64, 64, 128, 6, 4, 3),
+    (6144, 2048, 256): Config(128, 128, 64, 1, 8, 3),
+    (7168, 256, 1): Config(1, 64, 128, 1, 4, 4),
+    (7168, 256, 16): Config(16, 64, 128, 1, 4, 4),
+    (7168, 256, 64): Config(64, 64, 128, 1, 4, 3),
+    (7168, 256, 256): Config(64, 128, 64, 1, 4, 3),
+    (7168, 2048, 1): Config(1, 16, 512, 1, 4, 3),
+    (7168, 2048, 16): Config(16, 64, 256, 1, 4, 3),
+    (7168, 2048, 64): Config(64, 128, 64, 5, 4, 4),
+    (7168, 2048, 256): Config(128, 128, 64, 1, 8, 3),
+}
 
 DEFAULT_SMS = 132  # H100/H200 SXM
 

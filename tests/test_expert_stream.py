@@ -20,7 +20,7 @@ ARCHS = [("deepseek_v3", "vendor"), ("glm_moe_dsa", "vendor"), ("kimi_k25", "ven
 def _whole_layer(monkeypatch):
     """The pass as it was: every decoder layer built whole, routed experts included."""
     real = LayerStreamer.layer
-    monkeypatch.setattr(LayerStreamer, "layer", lambda self, i, stream_experts=False: real(self, i, False))
+    monkeypatch.setattr(LayerStreamer, "layer", lambda self, i, stream_experts=False, device=None: real(self, i, False, device))
 
 
 @pytest.mark.parametrize("arch,layout", ARCHS)
@@ -30,7 +30,7 @@ def test_calibration_stream_is_the_whole_layer_bit_for_bit(tiny, arch, layout):
     samples = [torch.randint(0, 100, (12,)), torch.randint(0, 100, (7,))]
     seen = []
     real = st.expert_weights
-    st.expert_weights = lambda i, g: (seen.append(len(g)), real(i, g))[1]
+    st.expert_weights = lambda i, g, device=None: (seen.append(len(g)), real(i, g, device))[1]
     streamed = [[h.clone() for h in hs] for _, hs in st.stream(samples)]
     assert seen and max(seen) == 1  # the experts really were read one at a time
     hidden = [st.embed(ids.unsqueeze(0)).to(st.dtype) for ids in samples]
@@ -250,7 +250,7 @@ def test_a_rank_reads_and_holds_only_its_own_experts(tiny):
     st = LayerStreamer(tiny("deepseek_v3", layout="bf16"), expert_budget=1)
     read = []
     real = st.expert_weights
-    st.expert_weights = lambda i, g: (read.append(list(g)), real(i, g))[1]
+    st.expert_weights = lambda i, g, device=None: (read.append(list(g)), real(i, g, device))[1]
     units = [Unit(f"mlp.experts.{p}", e, [(f"model.layers.1.mlp.experts.{e}.x", 0, 1)], torch.bfloat16)
              for e in range(8) for p in ("gate_up_proj", "down_proj")]
     opt = SimpleNamespace(observer="fullrange", group_size=32, all_experts=False, min_expert_tokens=0)

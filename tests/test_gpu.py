@@ -42,10 +42,14 @@ def _codes_agreement(a, b) -> float:
 def _close_layers(gpu, cpu) -> None:
     lg, lc = method_layers(gpu), method_layers(cpu)
     assert [x["layer"] for x in lg] == [x["layer"] for x in lc]
+    first = True
     for g, c in zip(lg, lc):
         if not g.get("units"):
             continue
-        assert g["rel_err_rtn"] == pytest.approx(c["rel_err_rtn"], rel=1e-3), (g, c)  # the same RTN, the same data
+        # the first quantized layer sees the same inputs on both: the same RTN error; a later one sees what the
+        # layers before it (other codes on the GPU) passed on, so its RTN error moves too
+        assert g["rel_err_rtn"] == pytest.approx(c["rel_err_rtn"], rel=1e-3 if first else REL_ERR_TOL), (g, c)
+        first = False
         assert g["rel_err"] == pytest.approx(c["rel_err"], rel=REL_ERR_TOL), (g, c)
         assert g["rel_err"] <= g["rel_err_rtn"]  # the method did its job on the GPU too (AutoRound may keep RTN)
         assert [f["name"] for f in g["fallbacks"]] == [f["name"] for f in c["fallbacks"]]

@@ -198,9 +198,13 @@ def test_split_k_triton_cuda(n, k, g, m):
     _split_k_case(n, k, g, m, "cuda")
 
 
-def test_split_k_config_heuristic():
+def test_split_k_config_heuristic(monkeypatch):
+    from quantize.kernels import triton_w4a16 as tw
     from quantize.kernels.triton_w4a16 import default_config, k_per_split
 
+    assert default_config(1, 512, 7168) == tw.TUNED[(512, 7168, 1)]  # a measured shape: the H200 sweep's winner
+    assert default_config(9, 512, 7168) == tw.TUNED[(512, 7168, 16)]  # M 2..16 share a bucket
+    monkeypatch.setattr(tw, "TUNED", {})  # the heuristic, for a shape never measured
     c = default_config(1, 512, 7168, sms=132)  # Kimi gate/up at TP8, decode
     per, split = k_per_split(7168, c.split_k, c.block_k)
     assert c.block_m == 1 and per % c.block_k == 0 and (512 // c.block_n) * split >= 132  # a program or more per SM

@@ -63,22 +63,24 @@ class LayerStreamer:
         return f"{self.arch.prefix}model.layers.{i}."
 
     # -- weights -------------------------------------------------------------------------------
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, device=None) -> torch.Tensor:
         """One parameter by on-disk name, dequantized to ``self.dtype`` (FP8 as bf16(fp8 * scale),
-        as a BF16 checkpoint of the model and convert hold it; INT4 unpacked)."""
-        return self.reader.weight(name, self.dtype)
+        as a BF16 checkpoint of the model and convert hold it; INT4 unpacked), on ``device``
+        (default the CPU), dequantized there."""
+        return self.reader.weight(name, self.dtype, device)
 
-    def _param(self, prefix: str, key: str) -> torch.Tensor:
+    def _param(self, prefix: str, key: str, device=None) -> torch.Tensor:
         """In-memory parameter ``key`` of the layer at ``prefix``, other than the fused experts."""
         name = prefix + key
-        t = self.tensor(name)
+        t = self.tensor(name, device)
         return t.float() if name.endswith("e_score_correction_bias") else t
 
-    def layer(self, i: int, stream_experts: bool = False) -> torch.nn.Module:
+    def layer(self, i: int, stream_experts: bool = False, device=None) -> torch.nn.Module:
         """Decoder layer ``i`` with its weights; ``stream_experts``: its routed experts module
         replaced by a ``StandIn`` (``stand_in``), their weights left on disk for ``expert_weights``.
         Whole, the on-disk per-expert tensors are stacked into transformers' fused
-        ``experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] (``expert_weights``, once for both)."""
+        ``experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] (``expert_weights``, once for both).
+        ``device``: the weights read onto it and dequantized there (default the CPU)."""
         cls = getattr(self.modeling, self.prefix + "DecoderLayer")
         with torch.device("meta"):
             layer = cls(self.config, layer_idx=i)
@@ -91,9 +93,9 @@ class LayerStreamer:
         def param(key: str) -> torch.Tensor:
             m = _FUSED.fullmatch(key)
             if not m:
-                return self._param(self._layer_prefix(i), key)
+                return self._param(self._layer_prefix(i), key, device)
             if not fused:
-                fused["gate_up_proj"], fused["down_proj"] = self.expert_weights(i, range(n_experts))
+                fused["gate_up_proj"], fused["down_proj"] = self.expert_weights(i, range(n_experts), device)
             return fused.pop(m.group(2))
 
         loaded = {k: param(k).to(v.dtype if v.dtype == torch.float32 else self.dtype) for k, v in state.items()}
@@ -114,18 +116,19 @@ class LayerStreamer:
             return None
         return m if isinstance(m, routed.StandIn) else None
 
-    def expert_weights(self, i: int, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_weights(self, i: int, experts: range, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Routed experts ``experts`` of layer ``i`` as transformers' fused parameters hold them
         ([g, 2I, H] gate|up and [g, H, I] down, in ``self.dtype``), from the on-disk per-expert
-        tensors, dequantized as ``layer`` would."""
+        tensors, dequantized as ``layer`` would; on ``device`` (default the CPU), dequantized there."""
         base = self._layer_prefix(i) + self.experts_path
         gate_up = down = None
         for j, e in enumerate(experts):  # filled in place: one copy of the group in memory, not two
-            g, u, d = (self.tensor(f"{base}.{e}.{p}.weight").to(self.dtype) for p in ("gate_proj", "up_proj",
-                                                                                        "down_proj"))
+            g, u, d = (self.tensor(f"{base}.{e}.{p}.weight", device).to(self.dtype)
+                       for p in ("gate_proj", "up_proj", "down_proj"))
             if gate_up is None:
-                gate_up = torch.empty((len(experts), g.shape[0] + u.shape[0], g.shape[1]), dtype=self.dtype)
-                down = torch.empty((len(experts), *d.shape), dtype=self.dtype)
+                gate_up = torch.empty((len(experts), g.shape[0] + u.shape[0], g.shape[1]), dtype=self.dtype,
+                                      device=g.device)
+                down = torch.empty((len(experts), *d.shape), dtype=self.dtype, device=g.device)
             gate_up[j, : g.shape[0]], gate_up[j, g.shape[0]:], down[j] = g, u, d
             del g, u, d
         return gate_up, down
@@ -143,7 +146,7 @@ class LayerStreamer:
         outs = [torch.zeros_like(r.hidden) for r in captured]
         per = routed.expert_bytes(*self.expert_dims(), self.dtype)
         for g in self.expert_groups(per, range(stand.num_experts)):
-            gate_up, down = (t.to(self.device) for t in self.expert_weights(i, g))
+            gate_up, down = self.expert_weights(i, g, self.device)
             with torch.no_grad():
                 for out, r in zip(outs, captured):
                     routed.accumulate(out, r, g, gate_up, down, stand.act_fn)
@@ -280,7 +283,7 @@ class LayerStreamer:
         hidden = [self.embed(ids.unsqueeze(0)).to(self.dtype).to(self.device) for ids in samples]
         topk: list = [None] * len(hidden)
         for i in range(self.num_layers):
-            layer = self.layer(i, stream_experts=True).to(self.device)
+            layer = self.layer(i, stream_experts=True, device=self.device).to(self.device)
             stand = self.stand_in(layer)
             handles = before(i, layer) if before is not None else None
             if stand is None:

@@ -116,29 +116,32 @@ class WeightReader:
             return f"is INT4 packed as {list(packed.shape)} ({packed.name})"
         return None
 
-    def weight(self, name: str, dtype=None):
-        """The tensor as ``dtype`` (default float32), dequantized from whatever it is stored as."""
+    def weight(self, name: str, dtype=None, device=None):
+        """The tensor as ``dtype`` (default float32), dequantized from whatever it is stored as;
+        ``device``: the stored bytes moved there first and dequantized there (the same elementwise
+        ops, so the same values: on a GPU, without the CPU's widening of every weight to fp32)."""
         import torch
 
         from ..formats import fp8, int4
 
         dtype = dtype or torch.float32
         t = self.index.tensors
+        on = (lambda x: x.to(device)) if device is not None else (lambda x: x)  # noqa: E731
         if name in t:
-            w = self.raw(name)
+            w = on(self.raw(name))
             if w.dtype == torch.float8_e4m3fn:
                 sc = self.fp8_scale(name)
                 if sc is None:
                     raise QuantizeError(f"{self.folder / t[name].file}: FP8 tensor {name} has no weight_scale_inv / "
                                         f"weight_scale; the checkpoint is incomplete")
                 ref, kind = sc
-                s = read_tensor(self.folder, ref, self._fds)
+                s = on(read_tensor(self.folder, ref, self._fds))
                 w = fp8.dequant_block(w, s, self.block) if kind == "block" else fp8.dequant_channel(w, s)
             return w.to(dtype)
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         if base is not None and base + ".weight_packed" in t:
-            packed = self.raw(base + ".weight_packed")
-            scale = self.raw(base + ".weight_scale")
+            packed = on(self.raw(base + ".weight_packed"))
+            scale = on(self.raw(base + ".weight_scale"))
             shape = tuple(int(v) for v in self.raw(base + ".weight_shape").tolist())
             return int4.dequantize_int4(packed, scale, shape, dtype=torch.float32).to(dtype)
         raise QuantizeError(f"{self.folder}: tensor {name} (or its INT4/FP8 form) is missing; "

@@ -117,9 +117,9 @@ def open_streamer(src: Path):
     return st
 
 
-def _build(streamer, i: int, stream_experts: bool = False) -> torch.nn.Module:
+def _build(streamer, i: int, stream_experts: bool = False, device=None) -> torch.nn.Module:
     try:
-        return streamer.layer(i, stream_experts=stream_experts)
+        return streamer.layer(i, stream_experts=stream_experts, device=device)
     except QuantizeError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -307,7 +307,7 @@ class Pass:
         fp_hidden, fp_topk = hidden, topk
         for i, jobs in enumerate(jobs_by_layer):
             t = time.time()
-            layer = _build(streamer, i, stream_experts=self.method.streams_experts).to(self.device)
+            layer = _build(streamer, i, stream_experts=self.method.streams_experts, device=self.device).to(self.device)
             stand = streamer.stand_in(layer)
             units, rtn_named = layer_units(layer, streamer._layer_prefix(i), jobs, virtual_shapes(streamer,
                                                                                                           stand))

@@ -86,14 +86,17 @@ def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert
     if groups is None:
         groups = streamer.expert_groups(per_expert, range(stand.num_experts))
     for g in groups:
-        gate_up, down = streamer.expert_weights(i, g)
-        gate_up, down = gate_up.to(dev), down.to(dev)
+        gate_up, down = streamer.expert_weights(i, g, dev)
         if phases is not None:
             phases.lap("expert_read")
         if before_outputs is not None:
             before_outputs(g, gate_up, down)
         for v in variants:
             gu, dn = v.weights(g, gate_up, down)
+            if batched(dev):
+                _outputs_on_gpu(v, g, gu, dn, stand.act_fn, dev)
+                del gu, dn
+                continue
 
             def one(s: int, v=v, gu=gu, dn=dn):
                 r = v.captured[s]
@@ -109,6 +112,69 @@ def run_groups(streamer, fwd, i: int, stand, variants: list[Variant], per_expert
         del gate_up, down
         if phases is not None:
             phases.lap("expert_outputs")
+
+
+GPU_OUTPUT_TOKENS = 1 << 15  # on a GPU, the tokens of consecutive samples a group's experts run at once
+
+
+def batched(dev) -> bool:
+    """Whether a group's experts take many samples' tokens at once (a GPU) or one sample at a time
+    (the CPU: the whole layer's sums bit for bit)."""
+    return str(dev).startswith("cuda")
+
+
+def token_chunks(tokens: list[int], limit: int) -> list[list[int]]:
+    """Consecutive samples (by position; ``tokens``: each one's token count) in runs of at most
+    ``limit`` tokens, one sample at least: a fixed partition, the same on every run."""
+    out: list[list[int]] = []
+    cur, n = [], 0
+    for s, t in enumerate(tokens):
+        if cur and n + t > limit:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(s)
+        n += t
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _routed_batches(cap, dev):
+    """What the router handed the experts, as (hidden [T, H], top-k index [T, K]) on ``dev``: per
+    sample on the CPU (the whole layer's hooks' sums, in their order, bit for bit); on a GPU the
+    samples concatenated as ``token_chunks`` cuts them, so that each expert's Hessian term is one
+    product over thousands of tokens instead of one per sample (the same sum, other roundings)."""
+    if not batched(dev):
+        for s in range(len(cap)):
+            r = cap[s]
+            yield r.hidden.to(dev).reshape(-1, r.hidden.shape[-1]), r.index.to(dev)
+        return
+    for chunk in token_chunks([int(cap.index[s].shape[0]) for s in range(len(cap))], GPU_OUTPUT_TOKENS):
+        rs = [cap[s] for s in chunk]
+        yield (torch.cat([r.hidden.to(dev).reshape(-1, r.hidden.shape[-1]) for r in rs]),
+               torch.cat([r.index.to(dev) for r in rs]))
+
+
+def _outputs_on_gpu(v: Variant, g: range, gu, dn, act_fn, dev) -> None:
+    """A group's experts' outputs for every sample of ``v``, on a GPU: the samples' routed tokens
+    concatenated up to ``GPU_OUTPUT_TOKENS`` at a time (``token_chunks``), each expert one product
+    over all of them instead of one per sample (the CPU's way, which is launch-bound on a GPU).
+    Each token still gets its experts' outputs added in ascending expert order onto its sample's
+    accumulator (``accumulate``); only the products' row blocking differs from a per-sample run."""
+    from ..calibrate.experts import Routed
+
+    cap = v.captured
+    for chunk in token_chunks([int(cap.index[s].shape[0]) for s in range(len(cap))], GPU_OUTPUT_TOKENS):
+        rs = [cap[s] for s in chunk]
+        sizes = [int(r.hidden.shape[0]) for r in rs]
+        r = Routed(torch.cat([x.hidden.to(dev) for x in rs]), torch.cat([x.index.to(dev) for x in rs]),
+                   torch.cat([x.weights.to(dev) for x in rs]))
+        a = torch.cat([v.acc[s].to(dev) for s in chunk])
+        with torch.no_grad():
+            accumulate(a, r, g, gu, dn, act_fn)
+        for s, part in zip(chunk, a.split(sizes)):
+            v.acc.update(s, part)
+        del r, a
 
 
 def source_weights(g, gate_up, down):
@@ -178,17 +244,15 @@ def carry(streamer, fwd, layer, stand, i: int, hidden, topk, what: str, result=N
 def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit], cap_s, opt, fwd, fallbacks,
                 act_fn, i: int, phases: Phases | None = None) -> tuple[dict[str, Result], dict[str, Result]]:
     """One group of routed experts under GPTQ: their Hessians from the source capture (per sample,
-    merged in sample order, as the whole layer's hooks), then GPTQ per unit: (results, RTN start)."""
+    merged in sample order, as the whole layer's hooks; on a GPU a chunk of samples at a time,
+    ``_routed_batches``), then GPTQ per unit: (results, RTN start)."""
     # per sample in order, the group's experts side by side (each thread its own accumulator), each
     # product added as it is made: the whole layer's sums without a per-sample copy of the group's Hessians
     path = streamer.experts_path
     gate_up_units = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
     down_units = {u.expert: u for u in us if u.path.endswith("down_proj")}
     experts = sorted(set(gate_up_units) | set(down_units))
-    for s in range(len(cap_s)):
-        r = cap_s[s]
-        hidden = r.hidden.to(fwd.device).reshape(-1, r.hidden.shape[-1])
-        index = r.index.to(fwd.device)
+    for hidden, index in _routed_batches(cap_s, fwd.device):
 
         def obs(e: int, hidden=hidden, index=index):
             return e, hooks.expert(e, gate_up_units.get(e), down_units.get(e), gate_up[e - g.start], act_fn, hidden,
@@ -398,7 +462,7 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
     where: list[list[list]] = [[[] for _ in range(n)] for _ in range(nv)]  # [v][s] -> [(position, rows, counts)]
     mine = {"groups": [], "fallbacks": [], "routed": {}}
     for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(stand.num_experts)):
-        gate_up, down = (t.to(dev) for t in streamer.expert_weights(i, g))
+        gate_up, down = streamer.expert_weights(i, g, dev)
         us = [u for e in g for u in by_expert.get(e, ())]
         res, init = ({}, {})
         if us:

@@ -220,7 +220,7 @@ class Owned:
         gate_up = down = None
         if len(owned):  # read a group at a time into one tensor per parameter
             for g in streamer.expert_groups(expert_bytes(*streamer.expert_dims()), owned):
-                gu, dn = streamer.expert_weights(i, g)
+                gu, dn = streamer.expert_weights(i, g, device)
                 if gate_up is None:
                     gate_up = torch.empty((len(owned), *gu.shape[1:]), dtype=torch.float32, device=device)
                     down = torch.empty((len(owned), *dn.shape[1:]), dtype=torch.float32, device=device)
