@@ -46,9 +46,10 @@ def _close_layers(gpu, cpu) -> None:
     for g, c in zip(lg, lc):
         if not g.get("units"):
             continue
-        # the first quantized layer sees the same inputs on both: the same RTN error; a later one sees what the
-        # layers before it (other codes on the GPU) passed on, so its RTN error moves too
-        assert g["rel_err_rtn"] == pytest.approx(c["rel_err_rtn"], rel=1e-3 if first else REL_ERR_TOL), (g, c)
+        # the first quantized layer sees the same inputs on both, up to fp32 rounding, which can move a
+        # sparse-attention top-k choice (GLM-5's DSA: 0.43 % on an H200): its RTN error within 1 %; a later layer
+        # sees what the layers before it (other codes on the GPU) passed on, so its RTN error moves more
+        assert g["rel_err_rtn"] == pytest.approx(c["rel_err_rtn"], rel=1e-2 if first else REL_ERR_TOL), (g, c)
         first = False
         assert g["rel_err"] == pytest.approx(c["rel_err"], rel=REL_ERR_TOL), (g, c)
         assert g["rel_err"] <= g["rel_err_rtn"]  # the method did its job on the GPU too (AutoRound may keep RTN)
