@@ -33,6 +33,7 @@ from quantize.kernels.triton_w4a16 import (
     _words_at,
     check_config,
     finish_splits,
+    heuristic_tiles,
     k_per_split,
     m_bucket,
     split_for,
@@ -85,15 +86,7 @@ def default_moe_config(pairs: int, n: int, k: int, sms: int = DEFAULT_SMS, exper
     hit = MOE_TUNED.get((n, k, m_bucket(rows)))
     if hit is not None:
         return hit
-    if rows == 1:
-        bm, bn, bk, warps, stages = 1, 32, 256, 4, 3
-    elif rows <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
-    elif rows <= 64:
-        bm, bn, bk, warps, stages = 32, 64, 128, 4, 3
-    else:
-        bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
-    bk = min(bk, max(8, triton.next_power_of_2(k)))
+    bm, bn, bk, warps, stages = heuristic_tiles(rows, k)
     blocks = experts * -(-rows // bm)
     return Config(bm, bn, bk, split_for(blocks * triton.cdiv(n, bn), k, bk, sms), warps, stages)
 

@@ -105,11 +105,9 @@ def split_for(n_tiles: int, k: int, block_k: int, sms: int = DEFAULT_SMS, waves:
     return max(1, min(want, -(-k // block_k)))
 
 
-def default_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> Config:
-    """The heuristic for a shape ``TUNED`` lacks (not measured: the sweep in scripts/bench_kernels.py is)."""
-    hit = TUNED.get((n, k, m_bucket(m)))
-    if hit is not None:
-        return hit
+def heuristic_tiles(m: int, k: int) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, num_warps, num_stages) for ``m`` rows and depth ``k``, by M bucket
+    (not measured): what ``default_config`` and the MoE kernel's use for a shape no sweep measured."""
     if m == 1:
         bm, bn, bk, warps, stages = 1, 32, 256, 4, 3
     elif m <= 16:
@@ -118,7 +116,15 @@ def default_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> Config:
         bm, bn, bk, warps, stages = 32, 64, 128, 4, 3
     else:
         bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
-    bk = min(bk, max(8, triton.next_power_of_2(k)))
+    return bm, bn, min(bk, max(8, triton.next_power_of_2(k))), warps, stages
+
+
+def default_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> Config:
+    """The heuristic for a shape ``TUNED`` lacks (not measured: the sweep in scripts/bench_kernels.py is)."""
+    hit = TUNED.get((n, k, m_bucket(m)))
+    if hit is not None:
+        return hit
+    bm, bn, bk, warps, stages = heuristic_tiles(m, k)
     tiles = triton.cdiv(n, bn) * (m if bm == 1 else triton.cdiv(m, bm))
     return Config(bm, bn, bk, split_for(tiles, k, bk, sms), warps, stages)
 

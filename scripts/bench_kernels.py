@@ -71,6 +71,21 @@ MOE_SWEEP = {
 TOL = 1e-2  # a kernel's bf16 output vs the fp32 reference (relative L2); over it the config is WRONG
 
 
+def _try(cfg, run, ref, bench) -> dict:
+    """One config: its error against the fp32 reference, then (within TOL) its time; a wrong result
+    or an error recorded instead of a time."""
+    rec = {"config": cfg.as_dict(), "name": str(cfg)}
+    try:
+        rec["rel_err"] = err = rel_err(run(), ref)
+        if err <= TOL:
+            rec["us"] = bench(run)
+        else:
+            rec["wrong"] = True
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {e}"[:200]
+    return rec
+
+
 def shapes(models: list[str], tps=(1, 8), dims=MODELS):
     for model in models:
         hidden, inter = dims[model]
@@ -194,18 +209,9 @@ def bench_cuda(a) -> dict:
                 tiles = triton.cdiv(n, bn) * (m if bm == 1 else triton.cdiv(m, bm))
                 for split in _splits(tiles, k, bk, sms)[-1 if a.dry_run else 0:]:
                     cfg = Config(bm, bn, bk, split, warps, stages)
-                    rec = {"config": cfg.as_dict(), "name": str(cfg)}
-                    try:
-                        err = rel_err(w4a16_triton(x, p0, s0, (n, k), cfg), ref)
-                        rec["rel_err"] = err
-                        if err <= TOL:
-                            rec["us"] = bench(lambda: w4a16_triton(x, p0, s0, (n, k), cfg))
-                            if best is None or rec["us"] < best["us"]:
-                                best = rec
-                        else:
-                            rec["wrong"] = True
-                    except Exception as e:  # noqa: BLE001
-                        rec["error"] = f"{type(e).__name__}: {e}"[:200]
+                    rec = _try(cfg, lambda cfg=cfg: w4a16_triton(x, p0, s0, (n, k), cfg), ref, bench)
+                    if "us" in rec and (best is None or rec["us"] < best["us"]):
+                        best = rec
                     tried.append(rec)
             row["splitk"] = {"best": best, "ratio": t_bf16 / best["us"] if best else None, "tried": tried}
             if best:
@@ -223,22 +229,13 @@ def bench_cuda(a) -> dict:
                 blocks = experts * math.ceil(m / bm)
                 for split in _splits(blocks * triton.cdiv(n, bn), k, bk, sms)[-1 if a.dry_run else -2:]:
                     cfg = Config(bm, bn, bk, split, warps, stages)
-                    rec = {"config": cfg.as_dict(), "name": str(cfg)}
 
                     def run(cfg=cfg, align=align):
                         return moe_w4a16(x, packed, scale, align, pairs, experts, cfg, k)
 
-                    try:
-                        err = rel_err(run(), ref_pairs)
-                        rec["rel_err"] = err
-                        if err <= TOL:
-                            rec["us"] = bench(run)
-                            if mbest is None or rec["us"] < mbest["us"]:
-                                mbest = rec
-                        else:
-                            rec["wrong"] = True
-                    except Exception as e:  # noqa: BLE001
-                        rec["error"] = f"{type(e).__name__}: {e}"[:200]
+                    rec = _try(cfg, run, ref_pairs, bench)
+                    if "us" in rec and (mbest is None or rec["us"] < mbest["us"]):
+                        mbest = rec
                     mtried.append(rec)
             if mbest:
                 moe_tuned[(n, k, m_bucket(m))] = mbest["config"]
