@@ -223,7 +223,7 @@ def test_the_check_resolves_the_names_layer_reads(arch, layout, tiny):
     st = LayerStreamer(tiny(arch, layout=layout))
     read: list[str] = []
     real = st.tensor
-    st.tensor = lambda name: (read.append(name), real(name))[1]
+    st.tensor = lambda name, device=None: (read.append(name), real(name, device))[1]
     try:
         for i in range(st.num_layers):
             cls = getattr(st.modeling, st.prefix + "DecoderLayer")

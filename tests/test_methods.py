@@ -311,11 +311,11 @@ def test_one_layer_in_memory_and_flat_in_depth(tiny, tmp_path, monkeypatch):
     most = [0]
     real = LayerStreamer.layer
 
-    def layer(self, i, stream_experts=False):
+    def layer(self, i, stream_experts=False, device=None):
         gc.collect()
         alive = [r for r in live if r() is not None]
         most[0] = max(most[0], len(alive) + 1)
-        m = real(self, i, stream_experts)
+        m = real(self, i, stream_experts, device)
         live.append(weakref.ref(m))
         return m
 
