@@ -276,8 +276,8 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     that contradicts the recipe is refused. ``method`` gptq / autoround (or a recipe's GPTQModifier)
     first runs a layer-sequential pass over calibration text (``data``, ``samples`` x ``seq_len``
     tokens; quantize/methods/), holding at most ``memory_budget_gib`` of hidden states in memory (the
-    rest on disk under OUT/.quantize/). ``device="cuda"`` runs the transforms (and a method's layer
-    math) on a GPU."""
+    rest on disk under OUT/.quantize/). ``device="cuda"`` runs a data-aware method's layer pass on a
+    GPU; the shards are written on the CPU, and RTN on cuda is refused (``RTN_ON_GPU``)."""
     t0 = time.time()
     check_nproc(options.nproc)  # a library call starts no ranks: it runs in those it is called from
     world = distributed.current()
@@ -294,7 +294,7 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
 # Measured on an H200 node (16 cores, the source in the page cache, 1.76 GiB of block FP8): RTN on
 # --device cuda 24.7 s, on the CPU's native kernels 16.9 s, byte-identical. RTN reads each byte once
 # and does a few operations per byte; the GPU adds a copy to it and back per tensor and gains nothing.
-RTN_ON_GPU = ("--device {device}: --method {method} streams each tensor once at a few operations per byte, which the "
+RTN_ON_GPU = ("--device {device}: {what} streams each tensor once at a few operations per byte, which the "
               "CPU's native kernels do at the disk's speed, while a GPU adds a copy to it and back per tensor "
               "(measured on an H200 node: 24.7 s on cuda vs 16.9 s on the CPU, byte-identical); drop --device "
               "(a GPU serves --method gptq / autoround's layer pass and calibrate-kv)")
@@ -309,7 +309,8 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
     plan = build_plan(src, options, ct_check=False)
     options = plan.options  # a recipe may have set group size / observer / method
     if device != "cpu" and options.method_name not in DATA_AWARE:
-        raise QuantizeError(RTN_ON_GPU.format(device=device, method=options.method_name))
+        what = f"--scheme {options.scheme}" if options.scheme == "fp8-block" else f"--method {options.method_name}"
+        raise QuantizeError(RTN_ON_GPU.format(device=device, what=what))
     size = distributed.current().size
     if size > 1 and options.method_name not in DATA_AWARE:
         raise QuantizeError(f"{size} ranks: only the data-aware methods ({', '.join(DATA_AWARE)}) split their work "

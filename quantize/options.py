@@ -544,12 +544,14 @@ class ConvertOptions(Options):
         None, "compute threads (default: all cores)", record=False, check=lambda v: v >= 1, why="must be at least 1"
     )
     device: str = opt(
-        "cpu", "cpu (default) or cuda: where the transforms (and a method's layer math) run", record=False
+        "cpu", "cpu (default) or cuda: where a data-aware method's layer pass runs (RTN runs on the CPU: refused "
+        "on cuda)", record=False
     )
     memory_budget_gib: float = opt(
         4.0,
         "gptq/autoround: calibration hidden states kept in memory (beyond it they go to OUT/.quantize/hidden); "
-        "gptq: also the routed experts read at once (with their Hessians), a MoE layer's experts a group at a time",
+        "gptq on the CPU: also the routed experts read at once (with their Hessians), a MoE layer's experts a group "
+        "at a time (on --device cuda a group is bounded by 0.4 of the GPU's memory instead)",
         record=False,
         check=_nonneg,
         why="must be 0 or more GiB (0: every hidden state on disk)",

@@ -43,7 +43,8 @@ case "$which" in
     cand="$OUT/GLM-5.2-W4A16"
     [ -d "$base" ] || hf download "$repo" --local-dir "$base"          # ~705 GiB
     quantize plan "$base" --tp 8
-    # routed experts INT4 (GPTQ on 8 ranks; RTN: drop --method/--nproc), the rest as shipped
+    # routed experts INT4 (GPTQ on 8 ranks, a GPU each; RTN: drop --method, --nproc and --device, it runs on the
+    # CPU), the rest as shipped
     quantize convert "$base" "$cand" --recipe recipes/glm-5.2-w4a16-experts.yaml --method gptq --nproc 8 \
       --device cuda --base-model "$repo" --resume
     quantize calibrate-kv "$cand" --stats-out "$OUT/kv.json" --device cuda --nproc 8   # samples split, a GPU per rank

@@ -59,15 +59,34 @@ def test_rtn_on_cuda_is_refused_in_one_line_before_anything_is_written(tiny, tmp
     src = tiny("glm_moe_dsa")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU node
     out = tmp_path / "out"
-    for kw in ({}, {"observer": "fullrange"}):
+    for kw, what in (({}, "--method rtn"), ({"observer": "fullrange"}, "--method rtn"),
+                     ({"scheme": "fp8-block"}, "--scheme fp8-block")):
         try:
             convert(src, out, device="cuda", **kw)
         except QuantizeError as e:
             msg = str(e)
         else:
-            raise AssertionError("RTN on cuda was not refused")
-        assert "\n" not in msg and msg.startswith("--device cuda: --method rtn streams each tensor once")
+            raise AssertionError(f"{what} on cuda was not refused")
+        assert "\n" not in msg and msg.startswith(f"--device cuda: {what} streams each tensor once")
         assert "drop --device" in msg and not out.exists()
+
+
+def test_deterministic_kernels_only_on_a_gpu_and_restored_after_an_error(monkeypatch):
+    from quantize.methods.forward import deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    with deterministic("cpu"):
+        assert torch.are_deterministic_algorithms_enabled() == before[0]  # the CPU's pass: nothing changed
+    assert "CUBLAS_WORKSPACE_CONFIG" not in __import__("os").environ
+    try:
+        with deterministic("cuda:0"):
+            assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+            assert __import__("os").environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+            raise RuntimeError("a layer failed")
+    except RuntimeError:
+        pass
+    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) == before
 
 
 def test_token_chunks_are_a_fixed_partition_of_consecutive_samples():

@@ -7,7 +7,9 @@ hidden-state store through a layer (``Forward``). Below every other module of th
 
 from __future__ import annotations
 
+import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +33,24 @@ class Context:
             mv = lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
             self._by_len[n] = (mv(pos), tuple(mv(t) for t in pe), mv(mask))
         return self._by_len[n]
+
+
+@contextmanager
+def deterministic(device: str):
+    """On a GPU, torch's deterministic kernels while the pass runs: the routed experts' outputs are
+    summed with ``index_add_``, which CUDA otherwise does with atomics in whatever order the threads
+    land, and a last-bit difference there moves every later layer's Hessians and codes. cuBLAS needs
+    its fixed workspace for the same (set before CUDA starts; the CLI's processes start here)."""
+    if not str(device).startswith("cuda"):
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def in_order(pool, width: int, fn, items):

@@ -10,7 +10,8 @@ rank 0's layer pass sends it and computes its share, and rank 0 writes everythin
 - ``("done", result)``: rank 0's pass is over; its result is this rank's too.
 
 What comes back is combined on rank 0 in rank order, which is item order (experts, samples): the
-same additions as one process, so the same bytes for any number of ranks.
+same additions as one process, so the same bytes for any number of ranks on the CPU (on GPUs: the same
+bytes every run for a given world size; docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ..distributed import follow
 from .tuning import tune_rank
+from .forward import deterministic
 from .runner import _build, open_streamer, rank_pass
 
 
@@ -31,7 +33,9 @@ def serve(src: Path, world):
     torch.set_num_threads(1)  # as rank 0's pass: one torch thread per op, samples side by side
     def autoround(job):
         device = world.device if str(job["options"].device).startswith("cuda") else "cpu"
-        tune_rank(world, streamer, _build(streamer, job["layer"], stream_experts=job["stream"]).to(device), job, device)
+        with deterministic(device):  # as rank 0's pass: the same bytes every run on the same GPUs
+            tune_rank(world, streamer, _build(streamer, job["layer"], stream_experts=job["stream"]).to(device), job,
+                      device)
 
     try:
         return follow(world, {"pass": lambda job: rank_pass(src, job, world), "autoround": autoround})

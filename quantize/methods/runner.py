@@ -24,7 +24,6 @@ import hashlib
 import os
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from ..checkpoint.output import RankScratch, sha256_file
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
 from .base import Layer
-from .forward import Context, Forward, clear
+from .forward import Context, Forward, clear, deterministic
 from .registry import METHODS
 from .store import Budget, HiddenStore
 from .streamed import carry, expert_budget, virtual_shapes
@@ -82,24 +81,6 @@ def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
     finally:
         streamer.close()
     return Calibration(s.ids, s.source, h.hexdigest(), sum(len(i) for i in s.ids), s.texts_read, s.dropped_short)
-
-
-@contextmanager
-def deterministic(device: str):
-    """On a GPU, torch's deterministic kernels while the pass runs: the routed experts' outputs are
-    summed with ``index_add_``, which CUDA otherwise does with atomics in whatever order the threads
-    land, and a last-bit difference there moves every later layer's Hessians and codes. cuBLAS needs
-    its fixed workspace for the same (set before CUDA starts; the CLI's processes start here)."""
-    if not str(device).startswith("cuda"):
-        yield
-        return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def open_streamer(src: Path):

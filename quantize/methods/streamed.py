@@ -43,13 +43,13 @@ class Phases:
         import time
 
         self._clock = time.perf_counter
-        self._cuda = str(device).startswith("cuda")
+        self._cuda = torch.device(device) if str(device).startswith("cuda") else None
         self.seconds: dict[str, float] = {}
         self._t = self._clock()
 
     def lap(self, name: str) -> None:
-        if self._cuda:
-            torch.cuda.synchronize()
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
         t = self._clock()
         self.seconds[name] = round(self.seconds.get(name, 0.0) + t - self._t, 3)
         self._t = t

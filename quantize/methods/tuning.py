@@ -224,8 +224,8 @@ class Owned:
                 if gate_up is None:
                     gate_up = torch.empty((len(owned), *gu.shape[1:]), dtype=torch.float32, device=device)
                     down = torch.empty((len(owned), *dn.shape[1:]), dtype=torch.float32, device=device)
-                gate_up[g.start - owned.start: g.stop - owned.start] = gu.to(device, torch.float32)
-                down[g.start - owned.start: g.stop - owned.start] = dn.to(device, torch.float32)
+                gate_up[g.start - owned.start: g.stop - owned.start].copy_(gu)  # no fp32 copy of the group beside it
+                down[g.start - owned.start: g.stop - owned.start].copy_(dn)
                 del gu, dn
         src = {"gate_up_proj": gate_up, "down_proj": down}
         self.tuned: dict[str, Tuned] = {}
