@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from quantize.formats.int4 import unpack_int4
+from quantize.kernels.cuda_int4 import scales_and_zeros
 
 
 @dataclass
@@ -26,9 +27,7 @@ class CpuW4A16:
         group = k // scale.shape[1]
         nib = unpack_int4(packed, k).to(torch.int32) + 8
         w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
-        s = scale.to(torch.bfloat16).t().contiguous()
-        sz = torch.stack([s, torch.zeros_like(s)], -1).contiguous()
-        return cls(w, sz, group, (n, k))
+        return cls(w, scales_and_zeros(scale), group, (n, k))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
