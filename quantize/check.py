@@ -168,9 +168,7 @@ def _moe_layer_check(model: Path, index: CheckpointIndex, arch, modules: list[st
     w13 = torch.stack([torch.cat([g[0], u[0]]) for g, u in zip(gate, up)])
     s13 = torch.stack([torch.cat([g[1], u[1]]) for g, u in zip(gate, up)])
     w2, s2 = torch.stack([d[0] for d in down]), torch.stack([d[1] for d in down])
-    cfg = index.config.get("text_config") if isinstance(index.config.get("text_config"), dict) else index.config
-    top_k = cfg.get("num_experts_per_tok")
-    top_k = min(len(experts), top_k if isinstance(top_k, int) and top_k > 0 else 2)
+    top_k = min(len(experts), ModelConfig.from_dict(index.config, model / "config.json").int("num_experts_per_tok", 2))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
     ids = torch.rand(tokens, len(experts), generator=g).argsort(-1)[:, :top_k]
