@@ -300,26 +300,25 @@ def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: i
     gpu = any(w.is_cuda for _, w, _ in items) if batched is None else batched
     chunks = _chunks(items, GPU_CHUNK if gpu else CHUNK)
     negative = int4.GRIDS[observer].signed
-    out: list = [None] * len(items)
 
     def run(chunk: list[int]):
         return _update(quantize_weight, qargs, items, chunk, group_size, observer, block, damp)
 
     if gpu:
         with _triton_off(negative):
-            for chunk in chunks:
-                for i, r, fb, loss in run(chunk):
-                    out[i] = (r, fb, loss)
-        return out
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _triton_off(negative), ThreadPoolExecutor(max(1, workers)) as pool:
-            for res in pool.map(run, chunks):
-                for i, r, fb, loss in res:
-                    out[i] = (r, fb, loss)
-    finally:
-        torch.set_num_threads(old)
+            done = [run(chunk) for chunk in chunks]
+    else:
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with _triton_off(negative), ThreadPoolExecutor(max(1, workers)) as pool:
+                done = list(pool.map(run, chunks))
+        finally:
+            torch.set_num_threads(old)
+    out: list = [None] * len(items)
+    for res in done:
+        for i, r, fb, loss in res:
+            out[i] = (r, fb, loss)
     return out
 
 

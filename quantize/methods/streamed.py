@@ -139,20 +139,30 @@ def token_chunks(tokens: list[int], limit: int) -> list[list[int]]:
     return out
 
 
+def _sample_chunks(cap, dev):
+    """A capture's consecutive samples as ``token_chunks`` cuts them (``GPU_OUTPUT_TOKENS``), each
+    run concatenated on ``dev``: (its samples, their tokens each, one ``Routed`` of them all)."""
+    from ..calibrate.experts import Routed
+
+    for chunk in token_chunks([int(cap.index[s].shape[0]) for s in range(len(cap))], GPU_OUTPUT_TOKENS):
+        rs = [cap[s] for s in chunk]
+        yield chunk, [int(r.index.shape[0]) for r in rs], Routed(
+            torch.cat([r.hidden.to(dev).reshape(-1, r.hidden.shape[-1]) for r in rs]),
+            torch.cat([r.index.to(dev) for r in rs]), torch.cat([r.weights.to(dev) for r in rs]))
+
+
 def _routed_batches(cap, dev):
     """What the router handed the experts, as (hidden [T, H], top-k index [T, K]) on ``dev``: per
     sample on the CPU (the whole layer's hooks' sums, in their order, bit for bit); on a GPU the
-    samples concatenated as ``token_chunks`` cuts them, so that each expert's Hessian term is one
-    product over thousands of tokens instead of one per sample (the same sum, other roundings)."""
+    samples concatenated (``_sample_chunks``), so that each expert's Hessian term is one product
+    over thousands of tokens instead of one per sample (the same sum, other roundings)."""
     if not batched(dev):
         for s in range(len(cap)):
             r = cap[s]
             yield r.hidden.to(dev).reshape(-1, r.hidden.shape[-1]), r.index.to(dev)
         return
-    for chunk in token_chunks([int(cap.index[s].shape[0]) for s in range(len(cap))], GPU_OUTPUT_TOKENS):
-        rs = [cap[s] for s in chunk]
-        yield (torch.cat([r.hidden.to(dev).reshape(-1, r.hidden.shape[-1]) for r in rs]),
-               torch.cat([r.index.to(dev) for r in rs]))
+    for _, _, r in _sample_chunks(cap, dev):
+        yield r.hidden, r.index
 
 
 def _outputs_on_gpu(v: Variant, g: range, gu, dn, act_fn, dev) -> None:
@@ -161,14 +171,7 @@ def _outputs_on_gpu(v: Variant, g: range, gu, dn, act_fn, dev) -> None:
     over all of them instead of one per sample (the CPU's way, which is launch-bound on a GPU).
     Each token still gets its experts' outputs added in ascending expert order onto its sample's
     accumulator (``accumulate``); only the products' row blocking differs from a per-sample run."""
-    from ..calibrate.experts import Routed
-
-    cap = v.captured
-    for chunk in token_chunks([int(cap.index[s].shape[0]) for s in range(len(cap))], GPU_OUTPUT_TOKENS):
-        rs = [cap[s] for s in chunk]
-        sizes = [int(r.hidden.shape[0]) for r in rs]
-        r = Routed(torch.cat([x.hidden.to(dev) for x in rs]), torch.cat([x.index.to(dev) for x in rs]),
-                   torch.cat([x.weights.to(dev) for x in rs]))
+    for chunk, sizes, r in _sample_chunks(v.captured, dev):
         a = torch.cat([v.acc[s].to(dev) for s in chunk])
         with torch.no_grad():
             accumulate(a, r, g, gu, dn, act_fn)
@@ -334,6 +337,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     caps = (cap_s, cap_r, cap_q)
     if world is not None and world.size > 1:
         accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert, x, write_group)
+        phases.lap("experts")  # the routed experts' phases and the exchanges between ranks together
     else:
         cur: dict[str, Result] = {}  # this group's results
         cur_rtn: dict[str, Result] = {}
@@ -356,7 +360,6 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
         run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True), before_outputs=group_step,
                    phases=phases)
         accs = [v.acc for v in variants]
-    phases.lap("experts")  # several ranks: the experts' phases and their exchanges together
     for c in caps:
         c.clear()
     put(None)
