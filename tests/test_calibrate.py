@@ -304,3 +304,56 @@ def test_binary_and_undecodable_data_files_named(tiny, tmp_path):
     p = subprocess.run([sys.executable, "-m", "quantize.cli", "calibrate-kv", str(path), "--out", str(tmp_path / "o5"), "--data", str(latin)],
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and f"{latin}: not UTF-8 text" in p.stderr
+
+
+def test_mla_scale_covers_the_rope_part_when_it_dominates_the_row(tiny, tmp_path):
+    """The MLA row is kv_c_normed (kv_lora_rank) then post-RoPE k_pe (qk_rope_head_dim), cached at
+    ONE scale: in the shipped tiny models the latent's amax is the larger, so a scale taken from the
+    latent alone would pass the DynamicCache test above. Here layer 1's rope rows of
+    kv_a_proj_with_mqa (its last qk_rope_head_dim output rows, BF16 on disk) are scaled x64, so
+    k_pe dominates that layer's row; the oracle is transformers' own DynamicCache on the edited model."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = tiny("kimi_k25", layout="bf16")
+    path = tmp_path / "rope-heavy"
+    shutil.copytree(src, path)
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    rank, rope, layer = int(text["kv_lora_rank"]), int(text["qk_rope_head_dim"]), 1
+    name = f"language_model.model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"
+    f = path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(f, "pt") as fh:
+        t, meta = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
+    assert t[name].shape == (rank + rope, int(text["hidden_size"])) and t[name].dtype == torch.bfloat16
+    w = t[name].clone()
+    w[rank:] *= 64  # a power of two: exact in BF16; the latent rows [:rank] untouched
+    t[name] = w
+    save_file(t, str(f), metadata=meta)
+
+    data = tmp_path / "d.jsonl"
+    texts = ["the a of to and in is it that for on with as be by", "what how many are or at from this"]
+    data.write_text("\n".join(json.dumps({"text": s}) for s in texts))
+    res = calibrate_kv(path, None, data=str(data), samples=2, seq_len=64)
+    assert res.layout == "mla"
+
+    tm = _full_model(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    lat, pe = {}, {}
+    for s in texts:
+        cache = transformers.DynamicCache(config=tm.config)
+        with torch.no_grad():
+            tm(input_ids=torch.tensor([tok(s)["input_ids"]]), past_key_values=cache, use_cache=True)
+        for i, c in enumerate(cache.layers):  # keys: kv_c_normed [B, 1, S, rank]; values: k_pe [B, 1, S, rope]
+            assert c.keys.shape[-1] == rank and c.values.shape[-1] == rope
+            lat[i] = max(lat.get(i, 0.0), float(c.keys.abs().max()))
+            pe[i] = max(pe.get(i, 0.0), float(c.values.abs().max()))
+    assert [r.layer for r in res.layers] == sorted(lat) == list(range(_num_layers(path)))
+    assert pe[layer] > 4 * lat[layer]  # the fixture: the rope part dominates layer 1's row
+    for r in res.layers:
+        row = max(lat[r.layer], pe[r.layer])
+        assert r.amax_latent == pytest.approx(lat[r.layer], rel=1e-5)
+        assert r.amax_rope == pytest.approx(pe[r.layer], rel=1e-5)
+        assert r.amax == pytest.approx(row, rel=1e-5)
+        assert r.scale == pytest.approx(row / 448, rel=1e-5)  # e4m3's largest finite value
+    r = res.layers[layer]
+    assert r.scale != pytest.approx(lat[layer] / 448, rel=0.5)  # what a latent-only scale would be

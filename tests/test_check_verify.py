@@ -70,6 +70,19 @@ def test_missing_or_unrecorded_files(out):
     assert any("extra.safetensors" in x and "does not record" in x for x in rep.failures)
 
 
+def test_unrecorded_weight_file_in_a_subfolder_fails(out):
+    """A weight file the manifest does not record fails wherever it lies in the output, not only at
+    its top level (an engine that globs recursively, or a user's `cp -r`, would pick it up)."""
+    src = out / "model-00001-of-00003.safetensors"
+    (out / "extra" / "deeper").mkdir(parents=True)
+    for stray in (out / "extra" / "stray.safetensors", out / "extra" / "deeper" / "stray.safetensors"):
+        stray.write_bytes(src.read_bytes())
+    rep = check(out)
+    assert not rep.ok
+    assert rep.failures == [f"{out / 'extra' / 'deeper' / 'stray.safetensors'}: a weight file the manifest does not record",
+                            f"{out / 'extra' / 'stray.safetensors'}: a weight file the manifest does not record"]
+
+
 def test_no_manifest_fails(out):
     (out / "quantize_manifest.json").unlink()
     rep = check(out)

@@ -220,8 +220,17 @@ def test_vllm_serves_smollm2_w4a16_as_transformers_does(smol_engine, smollm2):
     assert rep["modules"]["linear"] == {"CPUWNA16LinearKernel for CompressedTensorsWNA16": 30 * 4}  # qkv, o, gate_up, down
     assert list(rep["modules"]["attention"]) == ["CPU_ATTN (CPUAttentionBackendImpl)"]
     assert len(rep["prompts"]) == 3 and all(len(p["token_ids"]) == 8 for p in rep["prompts"])
-    for p in rep["prompts"]:
-        assert p["token_ids"] == p["reference_argmax"] or rep["ties"]
+    # a token vLLM chose that is not transformers' greedy one is excused only by a tie recorded for that prompt
+    # and that position, one transformers itself nearly ties (its top two within the tolerance); the reference
+    # is teacher-forced on vLLM's own tokens, so every position, after a divergence too, is compared
+    tol, mismatches = rep["tolerance"], []
+    for pi, p in enumerate(rep["prompts"]):
+        for i, (t, ref) in enumerate(zip(p["token_ids"], p["reference_argmax"], strict=True)):
+            if t != ref:
+                gap = p["reference_top_logprobs"][i] - p["reference_logprobs"][i]
+                assert gap <= tol, (pi, i, gap)
+                mismatches.append(f"prompt {pi} token {i}: vLLM {t}, transformers {ref} (a tie: {gap:.4f} apart)")
+    assert rep["ties"] == mismatches
     assert rep["max_abs_diff"] < 0.05  # measured 0.017 (mean 0.005)
     # control: the same vLLM tokens against the BF16 model they were quantized from must break the
     # tolerance (INT4 vs BF16 differ by ~0.37 nats, docs/engines.md#vllm-cpu-build), so the check can fail

@@ -131,11 +131,26 @@ def test_a_different_scheme_needs_requantize(source, tmp_path):
     assert man["options"]["requantize"] is True and man["passed_through"]["requantized"] == _n_int4(source)
     rep = check(out, source=source)  # re-derived from the exact dequantization
     assert rep.ok, rep.failures
-    # and group 32 re-quantized: the codes change (our grid is not Moonshot's), the check still proves them
+    # and group 32 re-quantized: every module's scales and codes are compressed-tensors' RTN (computed here:
+    # scale = bf16(absmax / 7.5) of the exact dequantization rounded to BF16, code = round(clamp(w / scale)))
+    # and neither is the source's, for either source: Moonshot's grid is absmax / 7 (|code| 7 in every group:
+    # each scale x 7 / 7.5); llm-compressor's is absmax / 7.5 of the BF16 weight, but its extreme sits on code
+    # 7 or -8 (absmax 7 s or 8 s), so re-deriving moves every scale, and some codes with it
     out32 = tmp_path / "rq32"
     convert(source, out32, requantize=True)
     c = load_dir(out32)
-    assert not torch.equal(c[m + ".weight_packed"], a[m + ".weight_packed"]) or source.name != "kimi-w4a16"
+    mods = sorted(k[: -len(".weight_packed")] for k in a if k.endswith(".weight_packed"))
+    assert len(mods) == _n_int4(source) and {k[: -len(".weight_packed")] for k in c if k.endswith("_packed")} == set(mods)
+    for mod in mods:
+        rows, cols = a[mod + ".weight_shape"].tolist()
+        q, s = int4.unpack_int4(a[mod + ".weight_packed"], cols).float(), a[mod + ".weight_scale"]
+        w = (q.view(rows, cols // 32, 32) * s.float().unsqueeze(-1)).to(torch.bfloat16).float()
+        scale = (w.abs().amax(-1) / 7.5).to(torch.bfloat16)
+        codes = (w / scale.float().unsqueeze(-1)).to(torch.bfloat16).float().clamp(-8, 7).round()
+        assert s.dtype == torch.bfloat16 and torch.equal(c[mod + ".weight_scale"], scale), mod
+        assert torch.equal(int4.unpack_int4(c[mod + ".weight_packed"], cols).float().view_as(codes), codes), mod
+        assert not torch.equal(c[mod + ".weight_scale"], s), mod
+        assert not torch.equal(c[mod + ".weight_packed"], a[mod + ".weight_packed"]), mod
     assert check(out32, source=source).ok
 
 

@@ -1,6 +1,7 @@
 """quantize eval-kld: next-token KL divergence, bounded memory, reusable baseline logits."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import torch
 
 from quantize.convert import convert
 from quantize.errors import QuantizeError
-from quantize.evaluate.kld import kld
+from quantize.evaluate.kld import DEFAULT_TEXT, kld
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,75 @@ def test_int4_candidate_and_saved_baseline(pair, tmp_path):
     assert doc["written_by"]["kind"] == "kld"  # a signed report: a rerun may replace it
     r3 = kld(base, cand, tokens=300, chunk=64, baseline_logits=tmp_path / "b.st", out=tmp_path / "r.json")
     assert r3.kld_mean == pytest.approx(r2.kld_mean)  # the same baseline named beside its file: its identity matches
+
+
+def _sharpened(base, folder, k: float):
+    """``base`` with its final norm's weight x ``k``: every logit x ``k`` exactly (a power of two), so the
+    candidate's next-token distribution is the baseline's at temperature 1 / k, top-1 unchanged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(base, folder)
+    hits = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            t, meta = {n: fh.get_tensor(n) for n in fh.keys()}, fh.metadata()
+        if "model.norm.weight" in t:
+            t["model.norm.weight"] = t["model.norm.weight"] * k
+            save_file(t, str(f), metadata=meta)
+            hits += 1
+    assert hits == 1
+    from .lineage import made_from
+
+    return made_from(folder, base)  # made here from the baseline (eval-kld compares only such a candidate)
+
+
+def test_kl_is_baseline_to_candidate_over_the_full_vocabulary(pair, tmp_path):
+    """The oracle: both models' full log-softmax from transformers, the chunks cut here, and per token
+    KL(base || cand) = sum p_base (log p_base - log p_cand) and the reverse, both computed here. For the
+    INT4 candidate the two directions agree to 3e-4 (a small perturbation is symmetric to second order),
+    for a sharpened candidate (logits x 8) they differ by a quarter: the report is the forward one."""
+    import transformers
+
+    base, int4 = pair
+    sharp = _sharpened(base, tmp_path / "sharp", 8.0)
+    tokens, chunk = 120, 64  # two chunks: ids[0:65] and ids[64:121], each predicting all but its first token
+    ids = transformers.AutoTokenizer.from_pretrained(base)(DEFAULT_TEXT.read_text(encoding="utf-8"))["input_ids"]
+    ids = ids[: tokens + 1]
+    mb = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    for cand in (int4, sharp):
+        mc = transformers.AutoModelForCausalLM.from_pretrained(cand, dtype=torch.float32).eval()
+        fwd, rev, nll_b, nll_c, agree = [], [], 0.0, 0.0, 0
+        for start in range(0, tokens, chunk):
+            seg = torch.tensor(ids[start: start + chunk + 1])
+            with torch.no_grad():
+                lb = mb(input_ids=seg[None, :-1]).logits[0].float().log_softmax(-1).double()
+                lc = mc(input_ids=seg[None, :-1]).logits[0].float().log_softmax(-1).double()
+            assert lb.shape == (seg.numel() - 1, mb.config.vocab_size)
+            fwd.append((lb.exp() * (lb - lc)).sum(-1))
+            rev.append((lc.exp() * (lc - lb)).sum(-1))
+            nxt = seg[1:, None]
+            nll_b -= float(lb.gather(-1, nxt).sum())
+            nll_c -= float(lc.gather(-1, nxt).sum())
+            agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
+        fwd, rev = torch.cat(fwd), torch.cat(rev)
+        assert fwd.numel() == rev.numel() == tokens
+        s = fwd.sort().values
+        r = kld(base, cand, tokens=tokens, chunk=chunk)
+        assert r.tokens == tokens
+        assert r.kld_mean == pytest.approx(float(fwd.mean()), rel=1e-6)
+        assert r.kld_max == pytest.approx(float(s[-1]), rel=1e-6)
+        assert r.kld_median == pytest.approx(float(s[59] + s[60]) / 2, rel=1e-6)  # 120 values: the middle two
+        assert r.kld_p99 == pytest.approx(float(torch.quantile(fwd, 0.99)), rel=1e-6)
+        assert r.top1_agreement == agree / tokens
+        assert r.ppl_baseline == pytest.approx(math.exp(nll_b / tokens), rel=1e-6)
+        assert r.ppl_candidate == pytest.approx(math.exp(nll_c / tokens), rel=1e-6)
+        # and not the reverse direction: at a tolerance tighter than the gap between the two
+        assert abs(r.kld_mean - float(rev.mean())) > 100 * abs(r.kld_mean - float(fwd.mean()))
+        assert r.kld_max != pytest.approx(float(rev.max()), rel=1e-6)
+    # the sharpened candidate: the directions differ materially, its top-1 is the baseline's
+    assert float(fwd.mean()) > 1.2 * float(rev.mean()) > 0.5
+    assert r.top1_agreement == 1.0
 
 
 def test_different_tokenizers_refused(pair, tiny, tmp_path):
