@@ -380,6 +380,30 @@ def _nonneg(v) -> bool:
     return v >= 0 and math.isfinite(v)
 
 
+def physical_memory_gib() -> float:
+    """This machine's physical memory in GiB (os.sysconf; psutil where sysconf does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (AttributeError, ValueError, OSError):
+        import psutil
+
+        return psutil.virtual_memory().total / 2**30
+
+
+# a memory budget (--memory-budget-gib): at most what this machine holds (1.7e308 GiB overflowed mid-run),
+# or convert's default on a machine with less (the default must pass everywhere)
+MAX_BUDGET_GIB = max(physical_memory_gib(), 4.0)
+
+
+def _budget(v) -> bool:
+    return _nonneg(v) and v <= MAX_BUDGET_GIB
+
+
+BUDGET_WHY = f"must be 0 or more GiB, at most this machine's memory ({MAX_BUDGET_GIB:.1f} GiB)"
+
+
 @dataclass
 class ConvertOptions(Options):
     """``quantize convert``. None: not given by the user. ``resolve`` fills it from the recipe or
@@ -553,8 +577,8 @@ class ConvertOptions(Options):
         "gptq on the CPU: also the routed experts read at once (with their Hessians), a MoE layer's experts a group "
         "at a time (on --device cuda a group is bounded by 0.4 of the GPU's memory instead)",
         record=False,
-        check=_nonneg,
-        why="must be 0 or more GiB (0: every hidden state on disk)",
+        check=_budget,
+        why=BUDGET_WHY + " (0: every hidden state on disk)",
     )
     # what the output is of, not how it is made: recorded in the manifest (the card's base_model),
     # not in the resume key (the same bytes for any value; a resume may add or correct it)
@@ -889,8 +913,8 @@ class CalibrateKVOptions(Options):
         "routed experts' weights held in memory at once: a MoE layer's experts are read a group at a time "
         "(0: one expert at a time); the report is the same for any value",
         record=False,
-        check=_nonneg,
-        why="must be 0 or more GiB (0: one routed expert at a time)",
+        check=_budget,
+        why=BUDGET_WHY + " (0: one routed expert at a time)",
     )
     device: str = opt(
         "cpu", "cpu (default) or cuda: where the layer pass runs (several ranks under NCCL: each its own GPU)",

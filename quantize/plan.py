@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import archs
-from .archs.base import ENGINE_UNQUANTIZED, IGNORE_PATTERN, ROLE_GROUP, ROLES, Architecture, profile_quantizes
+from .archs.base import (ENGINE_UNQUANTIZED, IGNORE_PATTERN, PROFILES, ROLE_GROUP, ROLES, Architecture,
+                         profile_quantizes)
 from .checkpoint.config import ModelConfig
 from .checkpoint.index import CheckpointIndex, TensorRef, load_config, read_tensor
 from .checkpoint.reader import fp8_scale_format
@@ -201,15 +202,20 @@ def detect_source_format(config: dict, arch: Architecture, where: str) -> tuple[
         int4_groups = {}
         for gname, g in groups.items():
             fmt = g.get("format") or qc.get("format")
-            w = g.get("weights") or {}
+            w = g.get("weights")
             key = f"quantization_config.config_groups.{gname}"
             if fmt == "pack-quantized":
                 int4_groups[gname] = _int4_group(w, g, key, where)
             elif fmt in ("float-quantized", "naive-quantized"):
+                if not isinstance(w, dict):
+                    got = "missing" if "weights" not in g else "null" if w is None else f"a {type(w).__name__}"
+                    raise QuantizeError(f"{where}: {key}.weights is {got}; a {fmt} group needs its weights scheme "
+                                        "(type float, num_bits 8); the config is corrupt, re-download config.json")
                 if w.get("type") != "float" or w.get("num_bits") != 8:
                     raise QuantizeError(
-                        f"{where}: compressed-tensors weights {w.get('type')}{w.get('num_bits')} are not read; only "
-                        "FP8 float-quantized and INT4 pack-quantized sources are"
+                        f"{where}: {key}.weights is type {w.get('type')!r}, num_bits {w.get('num_bits')!r} "
+                        f"{fmt}; only FP8 (type float, num_bits 8, an integer) float-quantized and INT4 "
+                        "pack-quantized sources are read"
                     )
             else:
                 raise QuantizeError(
@@ -240,11 +246,19 @@ class Int4Scheme:
         return f"symmetric INT4, group {self.group_size}, observer {self.observer}"
 
 
-def _int4_group(w: dict, g: dict, key: str, where: str) -> int:
+def _int4_group(w, g: dict, key: str, where: str) -> int:
     """One pack-quantized config group's group size, or a one-line error naming the key."""
+    if not isinstance(w, dict):
+        got = "missing" if "weights" not in g else "null" if w is None else f"a {type(w).__name__}"
+        raise QuantizeError(f"{where}: {key}.weights is {got}; a pack-quantized group needs its weights scheme "
+                            "(type int, num_bits 4, symmetric true, strategy group, group_size); the config is "
+                            "corrupt, re-download config.json")
+    if "num_bits" in w and type(w["num_bits"]) is not int:
+        raise QuantizeError(f"{where}: {key}.weights.num_bits is {w['num_bits']!r}, a {type(w['num_bits']).__name__}; "
+                            "it must be an integer (4 for INT4); the config is corrupt, fix or re-download config.json")
     if w.get("type") != "int" or w.get("num_bits") != 4:
-        raise QuantizeError(f"{where}: {key}.weights is {w.get('type')}{w.get('num_bits')} pack-quantized; only "
-                            "INT4 (type int, num_bits 4) is read")
+        raise QuantizeError(f"{where}: {key}.weights is type {w.get('type')!r}, num_bits {w.get('num_bits')!r} "
+                            "pack-quantized; only INT4 (type int, num_bits 4) is read")
     if w.get("symmetric") is not True:
         raise QuantizeError(f"{where}: {key}.weights.symmetric is {w.get('symmetric')!r}: asymmetric INT4 (zero "
                             "points) is not read; the engines' W4A16 MoE kernels take symmetric codes only")
@@ -635,15 +649,25 @@ def _int4_module(m: str, tensors: dict, folder: Path, index: CheckpointIndex, sc
     out[m] = (packed, scale, shp, (o, k))
 
 
+def _keeps_int4_fix(role: str, options, recipe: Recipe | None) -> str:
+    """Why an INT4 source tensor would be widened, and the fix the command in use has."""
+    if recipe is not None:
+        return (f"the recipe {recipe.path} keeps it high precision; INT4 weights are not widened back, target it "
+                "in the recipe (and drop it from ignore)")
+    other = [p for p in PROFILES if p != options.profile and profile_quantizes(p, role)]
+    fix = (f"use --profile {other[0]}" if other else
+           f"no profile makes {role} tensors INT4: pass a --recipe that targets it and does not ignore it")
+    return f"--profile {options.profile} keeps it high precision; INT4 weights are not widened back, {fix}"
+
+
 def _int4_job(module: str, parts: tuple, role: str, quant: bool, options, recipe: Recipe | None,
               folder: Path) -> Job:
     """An INT4 source tensor's job: passed through bit for bit (``pass_int4``), or, with
     ``--requantize``, dequantized exactly and quantized again (``int4``)."""
     packed, scale, shp, (o, k) = parts
     if not quant:
-        by = f"the recipe {recipe.path}" if recipe else f"--profile {options.profile}"
-        raise QuantizeError(f"{folder / packed.file}: {module} is INT4 in the source, but {by} keeps it high "
-                            "precision; INT4 weights are not widened back, target it (or use --profile experts)")
+        raise QuantizeError(f"{folder / packed.file}: {module} is INT4 in the source, but "
+                            f"{_keeps_int4_fix(role, options, recipe)}")
     job = Job("pass_int4", module + ".weight", role, packed, scale=scale, scale_format="int4", extra=[shp],
               shape=(o, k))
     if options.scheme == "fp8-block":  # dequantized as compressed-tensors does (BF16), then FP8 block

@@ -318,6 +318,123 @@ CASES += [
 ]
 
 
+# -- issue 35: bounds and messages ----------------------------------------------------------------
+HUGE = "1.7e308"  # overflowed int(GiB * 2**30) after OUT was opened, leaving the job record "running"
+ONE_WORD = write("d.txt", "hello\n", None)  # the tiny tokenizer: 5 tokens
+
+
+def _garbage_engine(ctx):
+    """An engine python whose version probe prints a banner and no version."""
+    p = ctx.tmp / "bin" / "python"
+    p.parent.mkdir()
+    p.write_text('#!/bin/sh\necho "Welcome to the cluster!"\necho "vllm: ??? garbage"\nexit 0\n')
+    p.chmod(0o755)
+
+
+ISSUE35 = [
+    Case("convert: --memory-budget-gib 1.7e308", convert("--method", "gptq", "--memory-budget-gib", HUGE),
+         "--memory-budget-gib 1.7e+308: must be 0 or more GiB, at most this machine's memory"),
+    Case("calibrate-kv: --memory-budget-gib 1.7e308",
+         lambda c: ["calibrate-kv", c.out, "--out", c.new("kv"), "--memory-budget-gib", HUGE],
+         "--memory-budget-gib 1.7e+308: must be 0 or more GiB, at most this machine's memory", needs=("out",)),
+    Case("run: convert.memory_budget_gib 1.7e308", lambda c: ["run", c.tmp / "r.yaml", "--set",
+                                                             "convert.memory_budget_gib=1.7e+308"],
+         "memory_budget_gib 1.7e+308: must be 0 or more GiB, at most this machine's memory",
+         _recipe(lambda d: None), needs=()),
+    Case("run: kv.memory_budget_gib 1.7e308", lambda c: ["run", c.tmp / "r.yaml", "--set",
+                                                        "kv.memory_budget_gib=1.7e+308"],
+         "memory_budget_gib 1.7e+308: must be 0 or more GiB, at most this machine's memory",
+         _recipe(lambda d: None), needs=()),
+    Case("calibrate-kv --fold: one word of calibration text",
+         lambda c: ["calibrate-kv", c.kimi_out, "--out", c.new("kv"), "--fold", "--data", c.tmp / "d.txt"],
+         "d.txt: 5 tokens in 1 usable samples (1 texts read, 0 shorter than 2 tokens), fewer than one sample of "
+         "--seq-len 2048 and fewer than --samples 512; pass more text or lower --samples to 1 (enough text: at "
+         "least 2048 tokens)", ONE_WORD,
+         needs=("kimi_out",), inputs=lambda c: [c.kimi_out, c.tmp / "d.txt"]),
+    Case("convert --method gptq: one word of calibration text",
+         lambda c: ["convert", c.src, c.new("o"), "--method", "gptq", "--data", c.tmp / "d.txt"],
+         "fewer than one sample of --seq-len 2048 and fewer than --samples 128", ONE_WORD,
+         inputs=lambda c: [c.src, c.tmp / "d.txt"]),
+    Case("make-tiny: --num-shards 100000", lambda c: ["make-tiny", "glm_moe_dsa", c.new("t"), "--num-shards", "100000"],
+         "make-tiny --num-shards 100000: more files than the", needs=()),
+    Case("eval --serve: an engine whose version probe prints garbage",
+         lambda c: ["eval", "--baseline", c.src, "--candidate", c.out, "--serve", "vllm", "--engine-python",
+                    c.tmp / "bin" / "python", "--tasks", "arc_easy", "--limit", "1", "--data-dir", "shipped"],
+         "could not read the vllm version of", _garbage_engine, needs=("src", "out")),
+]
+
+
+@pytest.mark.parametrize("case", ISSUE35, ids=str)
+def test_hostile_bounds(case, tmp_path, hostile_sources):
+    run_case(case, tmp_path, hostile_sources)
+    assert not any((tmp_path / n).exists() for n in ("o", "kv", "t", "run"))  # refused before OUT was opened
+
+
+def test_memory_budget_edges():
+    """The bound's edge, the machine's memory, is accepted; the next float above it is not."""
+    import math
+
+    from quantize import options as O
+    from quantize.errors import QuantizeError
+
+    for model in (O.ConvertOptions, O.CalibrateKVOptions):
+        O.validate(model(memory_budget_gib=O.MAX_BUDGET_GIB))
+        O.validate(model(memory_budget_gib=0.0))
+        with pytest.raises(QuantizeError, match="at most this machine's memory"):
+            O.validate(model(memory_budget_gib=math.nextafter(O.MAX_BUDGET_GIB, math.inf)))
+    assert O.MAX_BUDGET_GIB >= O.physical_memory_gib() > 0
+
+
+def test_calibration_floor_edges(tmp_path, hostile_sources):
+    """A set of one short text: seq_len tokens in all is enough (the edge), one token fewer is not,
+    unless the set fills every sample asked for."""
+    from quantize.calibrate.data import build_samples
+    from quantize.errors import QuantizeError
+
+    d = tmp_path / "d.txt"
+    d.write_text("hello\n")  # 5 tokens
+    src = hostile_sources["src"]
+    assert sum(len(i) for i in build_samples(src, str(d), samples=2, seq_len=5).ids) == 5
+    assert len(build_samples(src, str(d), samples=1, seq_len=6).ids) == 1  # every sample asked for is filled
+    with pytest.raises(QuantizeError, match=r"5 tokens in 1 usable samples .* fewer than one sample of --seq-len 6 "
+                                            r"and fewer than --samples 2; pass more text or lower --samples to 1 "
+                                            r"\(enough text: at least 6 tokens\)$"):
+        build_samples(src, str(d), samples=2, seq_len=6)
+
+
+def test_num_shards_edges(tmp_path, hostile_sources):
+    """--num-shards up to the tensor count is accepted (at most one file a tensor); one more is not."""
+    from quantize.errors import QuantizeError
+    from quantize.testing.tiny import make_tiny
+
+    n = len(json.loads((hostile_sources["src"] / "model.safetensors.index.json").read_text())["weight_map"])
+    make_tiny("glm_moe_dsa", tmp_path / "edge", num_shards=n)
+    assert 1 < len(list((tmp_path / "edge").glob("*.safetensors"))) <= n  # small tensors share a file
+    with pytest.raises(QuantizeError, match=f"--num-shards {n + 1}: more files than the {n} tensors"):
+        make_tiny("glm_moe_dsa", tmp_path / "over", num_shards=n + 1)
+    assert not (tmp_path / "over").exists()
+
+
+@pytest.mark.parametrize("printed,want", [("0.32.0", "0.32.0"), ("a banner\n0.33.0rc1+cpu", "0.33.0rc1+cpu"),
+                                          ("garbage", "could not read the vllm version"), ("", "could not read"),
+                                          ("0.31.9", "older than 0.32")])
+def test_engine_version_probe(tmp_path, printed, want):
+    """The version is the probe's last line; one that is no version is said to be unreadable, with
+    what was printed, never "older"."""
+    from quantize.engines.serve import ENGINES, engine_version
+    from quantize.errors import QuantizeError
+
+    p = tmp_path / "python"
+    p.write_text("#!/bin/sh\n" + "".join(f"echo '{ln}'\n" for ln in printed.splitlines()) + "exit 0\n")
+    p.chmod(0o755)
+    if want[0].isdigit():
+        assert engine_version(ENGINES["vllm"], p) == want
+        return
+    with pytest.raises(QuantizeError, match=want) as e:
+        engine_version(ENGINES["vllm"], p)
+    assert "\n" not in str(e.value) and (printed[:5] in str(e.value))
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_hostile(case, tmp_path, hostile_sources):
     run_case(case, tmp_path, hostile_sources)

@@ -4,6 +4,7 @@ case: one line naming the tensor or key, a non-zero exit, the source unchanged, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +105,41 @@ CASES += [
          "--group-size is an INT4 option", needs=K),
 ]
 
+# issue 35: the messages say what is wrong with the value, and the fix the command in use has
+EXPERTS_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "glm-5.2-w4a16-experts.yaml"
+
+
+def _int4_glm(drop: str):
+    """Setup: ctx.tmp/int4, the GLM tiny converted by the experts recipe less its ``drop`` ignore
+    line, so that role is INT4 in what the case then converts."""
+
+    def setup(c):
+        from quantize.convert import convert as conv
+
+        lines = [ln for ln in EXPERTS_RECIPE.read_text().splitlines() if drop not in ln]
+        (c.tmp / "r.yaml").write_text("\n".join(lines) + "\n")
+        conv(c.src, c.tmp / "int4", recipe=str(c.tmp / "r.yaml"))
+
+    return setup
+
+
+CASES += [
+    Case("convert: num_bits a string", convert(), "config_groups.group_0.weights.num_bits is '4', a str; it must "
+         "be an integer (4 for INT4)", _w(num_bits="4"), needs=K),
+    Case("plan: weights null", plan, "quantization_config.config_groups.group_0.weights is null; a pack-quantized "
+         "group needs its weights scheme", _qc(lambda q: q["config_groups"]["group_0"].update(weights=None)), needs=K),
+    Case("convert: weights missing", convert(), "config_groups.group_0.weights is missing",
+         _qc(lambda q: (q["config_groups"]["group_0"].pop("weights"), None)[1]), needs=K),
+    Case("convert: an INT4 eh_proj under --profile experts",
+         lambda c: ["convert", c.tmp / "int4", c.new("o"), "--profile", "experts"],
+         "model.layers.3.eh_proj is INT4 in the source, but --profile experts keeps it high precision; INT4 weights "
+         "are not widened back, no profile makes mtp_proj tensors INT4: pass a --recipe that targets it",
+         _int4_glm("eh_proj"), needs=("src",), inputs=lambda c: [c.tmp / "int4"]),
+    Case("convert: INT4 shared experts under --profile experts", lambda c: ["convert", c.tmp / "int4", c.new("o")],
+         "--profile experts keeps it high precision; INT4 weights are not widened back, use --profile all-linear",
+         _int4_glm("shared_experts"), needs=("src",), inputs=lambda c: [c.tmp / "int4"]),
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_hostile_int4(case, tmp_path, hostile_sources):
@@ -121,3 +157,16 @@ def test_near_misses_pass(tmp_path, hostile_sources):
     conv(src, tmp_path / "ok")  # the release as shipped
     conv(src, tmp_path / "g", group_size=32, observer="minmax")  # its own scheme, named explicitly
     conv(src, tmp_path / "rq", group_size=64, requantize=True)
+
+
+def test_an_int4_eh_proj_passes_with_a_recipe_that_targets_it(tmp_path, hostile_sources):
+    """The near miss of the eh_proj case: the recipe that made it INT4 keeps it INT4, bit for bit."""
+    from types import SimpleNamespace
+
+    from quantize.convert import convert as conv
+
+    c = SimpleNamespace(src=hostile_sources["src"], tmp=tmp_path)
+    _int4_glm("eh_proj")(c)
+    conv(tmp_path / "int4", tmp_path / "again", recipe=str(tmp_path / "r.yaml"))
+    idx = json.loads((tmp_path / "again" / "model.safetensors.index.json").read_text())
+    assert "model.layers.3.eh_proj.weight_packed" in idx["weight_map"]

@@ -321,7 +321,7 @@ def test_every_float_option_refuses_non_finite_values(bad):
 
 def test_a_finite_float_near_the_bound_still_passes_the_finiteness_rule():
     O.validate(O.ConvertOptions(memory_budget_gib=0.0))  # finite, at the bound: accepted
-    O.validate(O.ConvertOptions(memory_budget_gib=1e300))
+    O.validate(O.ConvertOptions(memory_budget_gib=O.MAX_BUDGET_GIB))  # the machine's memory: the upper edge
     with pytest.raises(QuantizeError, match="--memory-budget-gib -0.001"):
         O.validate(O.ConvertOptions(memory_budget_gib=-1e-3))
 

@@ -177,4 +177,18 @@ def build_samples(model: Path, data: str | None, samples: int, seq_len: int, cha
             f"--data {source}: no usable samples ({len(texts)} texts read, {dropped} shorter than 2 "
             "tokens); pass more or longer text"
         )
+    check_enough(source, ids, samples, seq_len, len(texts), dropped)
     return Samples(ids, len(texts), dropped, source)
+
+
+def check_enough(source: str, ids: list, samples: int, seq_len: int, texts: int, dropped: int) -> None:
+    """A calibration set too small to mean anything is refused: fewer tokens than one full sample
+    (``seq_len``), unless it fills every sample asked for (``--samples 1`` on one short text is a
+    choice; one word under calibrate-kv's 512 samples of up to 2048 tokens calibrated on 2 tokens)."""
+    total = sum(len(i) for i in ids)
+    if total < seq_len and len(ids) < samples:
+        raise QuantizeError(
+            f"--data {source}: {total} tokens in {len(ids)} usable samples ({texts} texts read, {dropped} shorter "
+            f"than 2 tokens), fewer than one sample of --seq-len {seq_len} and fewer than --samples {samples}; pass "
+            f"more text or lower --samples to {len(ids)} (enough text: at least {seq_len} tokens)"
+        )

@@ -189,15 +189,20 @@ def make_tiny(arch, out, layout, seed, num_shards, overrides, mtp, overwrite) ->
     layout = VENDOR_LAYOUT[arch] if layout == "vendor" else layout
     key = {"arch": arch, "layout": layout, "seed": seed, "num_shards": num_shards, "overrides": overrides,
            "mtp": mtp}
+    tensors, cfg_dict, text = _build(arch, layout, seed, overrides, mtp)  # in memory: a tiny model is a few MB
+    if num_shards > len(tensors):  # each file holds at least one tensor
+        raise QuantizeError(f"make-tiny --num-shards {num_shards}: more files than the {len(tensors)} tensors of "
+                            f"this {arch} checkpoint ({layout}); use at most {len(tensors)}")
     with Output.open(out, "make-tiny", [], overwrite=overwrite, key=key) as o:
-        _make(arch, out, layout, seed, num_shards, overrides, mtp)
+        _write(arch, out, tensors, cfg_dict, text, num_shards)
         o.complete()
         write_manifest(o, {"kind": "make-tiny", "options": key})
     return out
 
 
-def _make(arch: str, out: Path, layout: str, seed: int, num_shards: int, overrides: dict | None,
-          mtp: bool) -> None:
+def _build(arch: str, layout: str, seed: int, overrides: dict | None,
+           mtp: bool) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """The tensors as they are written, config.json and its text config."""
     torch.manual_seed(seed)
     try:
         cfg, model = _build_model(arch, overrides)
@@ -275,6 +280,10 @@ def _make(arch: str, out: Path, layout: str, seed: int, num_shards: int, overrid
         qc["modules_to_not_convert"] = mods
         cfg_dict["quantization_config"] = qc
     cfg_dict["torch_dtype"] = "bfloat16"
+    return tensors, cfg_dict, text
+
+
+def _write(arch: str, out: Path, tensors: dict[str, torch.Tensor], cfg_dict: dict, text: dict, num_shards: int):
     _write_shards(out, tensors, num_shards)
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True, default=str))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "max_new_tokens": 16},
