@@ -43,6 +43,7 @@ from .kernels.reference import w4a16_reference
 from .options import DATA_AWARE, CheckOptions, takes  # DATA_AWARE: the source alone cannot re-derive them
 from .shard import MANIFEST, UNSHARDED, RankReader, _sha, load_manifest, plan_shard, rank_pieces, verify_shard_files
 
+REPORT_KIND = "check"  # the ``written_by`` kind of its JSON report (`check --json`, run's reports/check.json)
 KERNEL_RTOL = 2e-2  # bf16 output of the CPU/Triton kernel vs fp32 reference (relative L2)
 SHARD_RTOL = 1e-5  # fp32 recombination vs fp32 unsharded product (max abs / max |y|)
 

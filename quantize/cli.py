@@ -391,8 +391,11 @@ def check_cmd(json_out: bool, engine: str | None, engine_python, engine_toleranc
     from .events import null_emit
 
     rep = _run(run_check, **options, emit=null_emit if json_out else _emitter(False))
-    if json_out:
-        typer.echo(json.dumps(rep.to_dict(), indent=1))
+    if json_out:  # signed as every report is: `quantize card --eval` takes it only as written
+        from .check import REPORT_KIND
+        from .checkpoint.output import signed_json
+
+        typer.echo(signed_json(rep.to_dict(), REPORT_KIND))
     else:
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         rows = [
@@ -516,6 +519,7 @@ def eval_cmd(json_out: bool, **options):
     exit 1 when a task fails it; --kld-out adds KL divergence from the same runs (several candidates:
     `quantize eval-kld`; the prefill/decode pair: `quantize eval-pd`.)"""
     from .evaluate.run import evaluate
+    from .evaluate.smoke import is_smoke, smoke_note
 
     _required("baseline", options["baseline"])
     _required("candidate", options["candidate"])
@@ -531,7 +535,8 @@ def eval_cmd(json_out: bool, **options):
                 f"{r.candidate:.2f} ± {r.candidate_stderr:.2f}",
                 f"{r.delta:+.2f}",
                 f"({r.ci_low:+.2f}, {r.ci_high:+.2f})",
-                "[red]FAIL[/]" if not r.passed else ("pass" if r.conclusive else "[yellow]pass, inconclusive[/]"),
+                "[red]FAIL[/]" if not r.passed else "[yellow]pass, smoke[/]" if is_smoke(r.n) else (
+                    "pass" if r.conclusive else "[yellow]pass, inconclusive[/]"),
             )
             for r in rep.tasks
         ]
@@ -552,7 +557,9 @@ def eval_cmd(json_out: bool, **options):
             from .evaluate.run import kld_baseline_file
 
             wrote.append(f"{kld_baseline_file(options['save_baseline'])} (the saved baseline's KL side)")
-        typer.echo(f"{'pass' if rep.passed else 'FAIL'}: {len(rep.tasks)} task(s), gate max drop "
+        smoke = smoke_note([r.n for r in rep.tasks])  # a smoke test never concludes (evaluate/smoke.py)
+        typer.echo(f"{'FAIL' if not rep.passed else f'pass ({smoke})' if smoke else 'pass'}: {len(rep.tasks)} "
+                   f"task(s), gate max drop "
                    f"{options['max_drop']:g} points; " + (f"wrote {', '.join(wrote)}" if wrote else "no report written "
                                                            "(--out FILE keeps one)"))
     if rep.log:
@@ -865,7 +872,10 @@ def _run_verdict(res) -> str:
                                                       ("reports", "reports"), ("prefill artifact", "prefill"))
             if (out / sub).exists()]
     skipped = f", {n['skipped']} skipped" if n["skipped"] else ""
-    return (f"quantize run {'passed' if res.ok else 'stopped'} in {res.seconds:.1f} s "
+    # the eval stage's verdict said smoke (evaluate/smoke.py): the run passed a smoke test, not a measurement
+    smoke = res.ok and any(s.stage == "eval" and "(smoke: " in (s.summary or "") for s in res.stages)
+    return (f"quantize run {'passed' if res.ok else 'stopped'}{' (eval: a smoke test)' if smoke else ''} in "
+            f"{res.seconds:.1f} s "
             f"({n['done'] + n['ran']} stages done{skipped}); " + "; ".join(made))
 
 

@@ -23,7 +23,7 @@ import torch
 
 from .checkpoint.config import ModelConfig
 from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, hub_revision, read_tensor
-from .checkpoint.manifest import source_identity, tool_versions, write_manifest
+from .checkpoint.manifest import lineage, shown_path, source_identity, tool_versions, write_manifest
 from .checkpoint.output import Output, side_files
 from .checkpoint.writer import COPY_CHUNK, StreamWriter
 from . import distributed
@@ -577,6 +577,9 @@ def _finish(
     if plan.arch.text_config_key and isinstance(config.get(plan.arch.text_config_key), dict):
         config[plan.arch.text_config_key].pop("quantization_config", None)
     config["quantization_config"] = plan.quantization_config
+    name = config.get("_name_or_path")  # transformers' save_pretrained may have written a local folder there
+    if isinstance(name, str) and (os.path.isabs(name) or name.startswith("~")):
+        config["_name_or_path"] = shown_path(name)  # published with the model: no path of this machine
     o.write_json("config.json", config, indent=2)
     stats = [s for f in plan.shards for s in o.record["stats"].get(f.file, [])]
     manifest = {
@@ -586,6 +589,7 @@ def _finish(
             "path": str(src.resolve()),
             "revision": hub_revision(src),
             "files": ident,
+            "lineage": lineage(src),  # what the source was made from (eval: the candidate's provenance)
             "format": plan.source_format,
         },
         "options": plan.options.to_dict(),

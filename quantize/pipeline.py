@@ -1,7 +1,7 @@
 """``quantize run RECIPE.yaml``: the whole job from one file, resumable stage by stage.
 
 The recipe is an llm-compressor recipe (``quant_stage`` / ``QuantizationModifier``, read by
-``quantize.recipe.load_recipe``, which ignores every other key) plus a ``pipeline:`` section::
+``quantize.recipe.load_recipe``, which refuses an unknown key at any depth) plus a ``pipeline:`` section::
 
     pipeline:
       source: /models/GLM-5.2-FP8        # or tiny:glm_moe_dsa (a tiny checkpoint made on the fly)
@@ -38,6 +38,7 @@ wrote reruns too; nothing else does. A crash leaves the stage ``running``: the r
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -55,6 +56,7 @@ from .checkpoint.output import (
     refuse_overlap,
     sha256_file,
     sha256_files,
+    signed_json,
     write_text_atomic,
 )
 from .errors import CheckFailed, QuantizeError
@@ -193,9 +195,10 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
     path = Path(recipe) if recipe is not None else default_recipe()
     doc = load_yaml(path, "recipe")
     if not isinstance(doc, dict) or "pipeline" not in doc:
+        typo = [k for k in doc if difflib.get_close_matches(str(k), ["pipeline"], n=1)] if isinstance(doc, dict) else []
         raise QuantizeError(
-            f"{path}: no `pipeline:` section; add one with at least source and out (see "
-            "quantize/recipes_default/tiny-glm.yaml)"
+            f"{path}: no `pipeline:` section{f' (did you mean pipeline for {typo[0]!r}?)' if typo else ''}; add one "
+            "with at least source and out (see quantize/recipes_default/tiny-glm.yaml)"
         )
     if isinstance(doc["pipeline"], dict):
         overrides = _override(path, doc["pipeline"], source, data, data_dir, sets)
@@ -542,13 +545,13 @@ def _run_check(ctx: Ctx, resume: bool) -> dict:
         ctx.path("source") if ctx.art["model"]["path"] == ctx.art["converted"]["path"] else None
     )  # a folded model differs from the source by design
     rep = chk.check(model, tp=p.opts["shard"]["tp"], source=source, emit=ctx.emit)
-    write_text_atomic(p.out / "reports" / "check.json", json.dumps(rep.to_dict(), indent=1, default=str))
+    write_text_atomic(p.out / "reports" / "check.json", signed_json(rep.to_dict(), chk.REPORT_KIND))
     outputs = {"check_report": {"path": "reports/check.json", "id": _file_identity(p.out / "reports" / "check.json")}}
     failures = list(rep.failures)
     proven = rep.verified
     if "shard" in ctx.art:
         srep = chk.check(ctx.path("shard"), emit=ctx.emit)
-        write_text_atomic(p.out / "reports" / "check-shard.json", json.dumps(srep.to_dict(), indent=1, default=str))
+        write_text_atomic(p.out / "reports" / "check-shard.json", signed_json(srep.to_dict(), chk.REPORT_KIND))
         failures += [f"shard: {f}" for f in srep.failures]
     if failures:
         raise CheckFailed(f"check: {failures[0]} ({len(failures)} failures; {p.out / 'reports' / 'check.json'})")

@@ -49,7 +49,8 @@ def main() -> None:
         cand.mkdir()
         _float_copy(int4, cand)
         for f in int4.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template",
+                                  "quantize_manifest")):
                 shutil.copy(f, cand / f.name)
         print("this CPU lacks AVX-512/AMX: vLLM serves the INT4 weights dequantized to floats")
     import quantize.evaluate.run as run

@@ -177,10 +177,14 @@ def test_eval_gate_uses_the_95pct_interval(tmp_path, monkeypatch):
 
     yaml = SimpleNamespace(yaml_path=str(Path(lm_eval.__file__).parent / "tasks/arc/arc_easy.yaml"), kind="TASK")
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: SimpleNamespace(task_index={"arc_easy": yaml}))
+    from safetensors.torch import save_file
+
     for m in ("base", "cand"):
         (tmp_path / m).mkdir()
         (tmp_path / m / "config.json").write_text("{}")
         (tmp_path / m / "tokenizer_config.json").write_text("{}")  # one tokenizer for both (eval refuses two)
+        # the same weights in both (eval compares a candidate made from the baseline, or the baseline itself)
+        save_file({"w": torch.zeros(4)}, str(tmp_path / m / "model.safetensors"))
     (tmp_path / "data" / "arc").mkdir(parents=True)
     (tmp_path / "data" / "arc" / "arc_easy.jsonl").write_text(
         json.dumps({"query": "Question: 1 + 1?", "choices": ["1", "2"], "gold": 1}) + "\n")

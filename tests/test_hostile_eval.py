@@ -152,6 +152,44 @@ def _pd(*more, decode="out"):
 
 IN = "lies inside the input"
 SO = ("src", "out")
+S1 = ("seed1", "out")  # make-tiny --seed 1 beside seed 0's conversion
+
+
+def _prefill_copy(ctx):
+    """The PD pair's prefill model: a copy of the source (an FP8 release in the prefill pool)."""
+    shutil.copytree(ctx.src, ctx.tmp / "pfx")
+
+
+def _seed1_baseline(ctx):
+    """A baseline saved by `eval-kld --save-baseline` from make-tiny --seed 1 (against itself)."""
+    if "b1" not in _SAVED:
+        from quantize.evaluate.kld import kld
+
+        d = Path(tempfile.mkdtemp(prefix="hostile-kld1-"))
+        kld(ctx.seed1, ctx.seed1, tokens=24, chunk=8, save_baseline=d / "b1.st")
+        _SAVED["b1"] = d / "b1.st"
+    shutil.copy(_SAVED["b1"], ctx.tmp / "b1.st")
+
+
+def _results_of(where):
+    """An `eval --save-baseline` file whose identity is the model ``where``'s (its other fields this
+    run's, as far as the model check reads): saved from seed 1, it was equal to seed 0's identity."""
+
+    def setup(ctx):
+        from quantize.evaluate.kld import model_identity
+
+        doc = {"written_by": {"tool": "quantize", "kind": "eval-baseline"}, "samples": {},
+               "identity": {"model": model_identity(getattr(ctx, where))}}
+        (ctx.tmp / "base.json").write_text(json.dumps(doc))
+
+    return setup
+
+
+def _fake_python(ctx):
+    """An interpreter that answers vLLM's version probe: the served path's checks run, no engine starts."""
+    p = ctx.tmp / "python"
+    p.write_text('#!/bin/sh\ncase "$1" in -c) echo "0.32.0"; exit 0;; esac\nexit 1\n')
+    p.chmod(0o755)
 CASES = [
     Case("kld: --chunk past max_position_embeddings",
          lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.out, "--tokens", "1024", "--chunk", "600"],
@@ -212,7 +250,9 @@ CASES = [
          "a kimi_k25", needs=("src", "kimi")),
     Case("kld: candidate with another tokenizer", _kld(), "its tokenizer differs", _other_tokenizer(), needs=SO),
     Case("kld: NaN candidate fails", _kld(), "the candidate fails", _nan_head("out"), code=1, needs=SO),
-    Case("kld: NaN baseline refused, nothing saved", _kld("--save-baseline", lambda c: c.tmp / "s.st"),
+    # against itself: a candidate converted before its baseline was changed is not its conversion (provenance)
+    Case("kld: NaN baseline refused, nothing saved",
+         lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.src, *T, *C, "--save-baseline", c.tmp / "s.st"],
          "the baseline model is broken", _nan_head("src"), needs=SO),
     # R8/R11: --text and the numeric options
     Case("kld: --text a folder", _kld("--text", lambda c: c.src), "is a folder", needs=SO),
@@ -257,11 +297,72 @@ CASES = [
     Case("pd: --prompt-tokens 0", _pd("--prompt-tokens", "0"), "--prompt-tokens 0: must be at least 1", needs=SO),
     Case("pd: --decode-tokens 0", _pd("--decode-tokens", "0"), "--decode-tokens 0: must be at least 1", needs=SO),
     Case("pd: NaN decode model fails", _pd(), "not finite", _nan_head("out"), code=1, needs=SO),
+    # --serve-log: an output like the others, checked before any work (no engine is needed to refuse it)
+    Case("eval: --serve-log inside the source", _eval("--serve", "vllm", "--serve-log", lambda c: c.src / "logs"),
+         "logs: lies inside the input", needs=SO),
+    Case("eval: --serve-log the candidate folder", _eval("--serve", "vllm", "--serve-log", lambda c: c.out),
+         "lies inside the input", needs=SO),
+    Case("eval: --serve-log a file in the source", _eval("--serve", "vllm", "--serve-log",
+                                                         lambda c: c.src / "config.json"),
+         "config.json: is a file, not a folder", needs=SO),
+    Case("eval: --serve-log a file", _eval("--serve", "vllm", "--serve-log", lambda c: c.tmp / "engine.log"),
+         "engine.log: is a file, not a folder", _foreign("engine.log"),
+         inputs=lambda c: [c.src, c.out, c.tmp / "engine.log"], needs=SO),
+    Case("eval: --serve-log under a file", _eval("--serve", "vllm", "--serve-log", lambda c: c.tmp / "f.txt" / "l"),
+         "f.txt is a file, not a folder", _foreign("f.txt"), inputs=lambda c: [c.src, c.out, c.tmp / "f.txt"],
+         needs=SO),
+    Case("kld: --serve-log inside the candidate", _kld("--serve", "vllm", "--serve-log", lambda c: c.out / "logs"),
+         "logs: lies inside the input", needs=SO),
+    Case("kld: --serve-log a file", _kld("--serve", "vllm", "--serve-log", lambda c: c.tmp / "engine.log"),
+         "engine.log: is a file, not a folder", _foreign("engine.log"),
+         inputs=lambda c: [c.src, c.out, c.tmp / "engine.log"], needs=SO),
+    # the PD pair's prefill model is an input like the others
+    Case("eval: --out inside the --serve-pd-prefill model",
+         _eval("--serve", "sglang", "--serve-pd-prefill", lambda c: c.tmp / "pfx", "--out",
+               lambda c: c.tmp / "pfx" / "pd.json"), "pd.json: lies inside the input", _prefill_copy,
+         inputs=lambda c: [c.src, c.out, c.tmp / "pfx"], needs=SO),
+    Case("eval: --markdown the --serve-pd-prefill model's README",
+         _eval("--serve", "sglang", "--serve-pd-prefill", lambda c: c.tmp / "pfx", "--markdown",
+               lambda c: c.tmp / "pfx" / "README.md"), "README.md: lies inside the input", _prefill_copy,
+         inputs=lambda c: [c.src, c.out, c.tmp / "pfx"], needs=SO),
+    Case("eval: --serve-log inside the --serve-pd-prefill model",
+         _eval("--serve", "sglang", "--serve-pd-prefill", lambda c: c.tmp / "pfx", "--serve-log",
+               lambda c: c.tmp / "pfx" / "logs"), "logs: lies inside the input", _prefill_copy,
+         inputs=lambda c: [c.src, c.out, c.tmp / "pfx"], needs=SO),
+    # provenance: another model of the same layout (make-tiny --seed 1) is not the candidate's source
+    Case("eval: baseline of the same layout, other weights (seed 1)",
+         lambda c: ["eval", "--baseline", c.seed1, "--candidate", c.out, "--tasks", "arc_easy"],
+         "not converted from --baseline", needs=S1),
+    Case("eval: candidate of the same layout, not a conversion (seed 1)", _eval(candidate="seed1"),
+         "not converted from --baseline", needs=("src", "seed1")),
+    Case("eval: baseline without its manifest, other weights (seed 1)",
+         lambda c: ["eval", "--baseline", c.seed1, "--candidate", c.out, "--tasks", "arc_easy"],
+         "not converted from --baseline", lambda c: (c.seed1 / "quantize_manifest.json").unlink(), needs=S1),
+    Case("eval: --baseline-results saved from seed 1",
+         _eval("--baseline-results", lambda c: c.tmp / "base.json"), "made for another baseline model",
+         _results_of("seed1"), needs=("src", "out", "seed1")),
+    Case("kld: baseline of the same layout, other weights (seed 1)",
+         lambda c: ["eval-kld", "--baseline", c.seed1, "--candidate", c.out, *T, *C],
+         "not converted from --baseline", needs=S1),
+    Case("kld: candidate of the same layout, not a conversion (seed 1)",
+         lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.seed1, *T, *C],
+         "not converted from --baseline", needs=("src", "seed1")),
+    Case("kld: --baseline-logits saved from seed 1", lambda c: ["eval-kld", "--candidate", c.out, "--baseline-logits",
+                                                               c.tmp / "b1.st", *T, *C],
+         "not converted from the model --baseline-logits", _seed1_baseline, needs=S1),
+    Case("kld: --baseline-logits saved from seed 1, second candidate of a table",
+         lambda c: ["eval-kld", "--candidate", c.seed1, "--candidate", c.out, "--baseline-logits", c.tmp / "b1.st",
+                    *T, *C], "not converted from the model --baseline-logits", _seed1_baseline, needs=S1),
+    Case("kld: --serve, baseline of the same layout, other weights (seed 1)",
+         lambda c: ["eval-kld", "--baseline", c.seed1, "--candidate", c.out, *T, *C, "--serve", "vllm",
+                    "--engine-python", c.tmp / "python"], "not converted from --baseline", _fake_python, needs=S1),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_hostile(case, tmp_path, hostile_sources):
+def test_hostile(case, tmp_path, hostile_sources, tiny):
+    if "seed1" in case.needs and "seed1" not in hostile_sources:
+        hostile_sources["seed1"] = tiny("glm_moe_dsa", seed=1)  # seed 0's layout, config and tokenizer
     msg = run_case(case, tmp_path, hostile_sources)
     assert "Traceback" not in msg
     if case.id.startswith("kld: NaN baseline"):

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from quantize.checkpoint.output import signed_json
 from quantize.publish.card import MARKER, MAX_TASKS, MAX_TEXT, card
 from tests.hostile import Case, edit_json, run_case
 
@@ -73,6 +74,48 @@ def _report(make):
         (ctx.tmp / "r.json").write_text(d if isinstance(d, str) else json.dumps(d))
 
     return setup
+
+
+def _signed(make, kind="eval", edit=None):
+    """Write ``make(ctx)`` to ctx.tmp / r.json as quantize's report writer does (``signed_json``:
+    ``written_by`` holds the SHA-256 of the rest); ``edit`` then changes the document by hand."""
+    def setup(ctx):
+        doc = json.loads(signed_json(make(ctx), kind))
+        if edit is not None:
+            edit(doc)
+        (ctx.tmp / "r.json").write_text(json.dumps(doc))
+
+    return setup
+
+
+def _plant_report(ctx):
+    """A report inside the folder, naming the folder by its absolute path, recorded in the manifest
+    and the job record alike (so it is proven, and would be uploaded)."""
+    (ctx.out / "reports").mkdir()
+    (ctx.out / "reports" / "eval.json").write_text(signed_json(_eval_report(ctx)[0], "eval"))
+    _rehash(ctx, "reports/eval.json")
+
+
+def _edit_file(rel, fn):
+    """``fn`` applied to a JSON file of the folder (or, for another file, to its text), then the
+    manifest and the job record re-hashed to match: every SHA-256 agrees."""
+    def setup(ctx):
+        p = ctx.out / rel
+        if rel.endswith(".json"):
+            edit_json(p, fn)
+        else:
+            p.write_text(fn(p.read_text()))
+        _rehash(ctx, rel)
+
+    return setup
+
+
+def _group_size(cfg):
+    w = cfg["quantization_config"]["config_groups"]["config_group_0"]["weights"]
+    w["group_size"] *= 2
+
+
+NOT_ME = {"HOME": "/home/qtest-user", "LOGNAME": "qtest-user", "USER": "qtest-user"}
 
 
 def _task_value(key, value):
@@ -153,7 +196,7 @@ CASES = [
          lambda c: (card(c.out), (c.out / ".quantize/card.json").write_text("{")),
          needs=OUT, inputs=_unlocked),
     Case("card: a stored report tampered", _card(), "reports[0]",
-         lambda c: (_report(lambda ctx: _eval_report(ctx)[0])(c), card(c.out, eval=[c.tmp / "r.json"]),
+         lambda c: (_signed(lambda ctx: _eval_report(ctx)[0])(c), card(c.out, eval=[c.tmp / "r.json"]),
                     edit_json(c.out / ".quantize/card.json",
                               lambda s: s["reports"][0]["report"]["tasks"]["gsm8k"].update(n="many"))),
          needs=OUT, inputs=_unlocked),
@@ -195,6 +238,51 @@ CASES = [
          _report(lambda c: [1]), needs=OUT, inputs=_unlocked),
     Case("card: config.json num_hidden_layers null", _card(), "'num_hidden_layers' is null", _null_layers, needs=OUT,
          inputs=_unlocked),
+    # only the reports quantize wrote, unedited (written_by: the SHA-256 of the rest of the document)
+    Case("card: --eval an eval report written by hand", _card("--eval", "R"),
+         "r.json: carries no `written_by`", _report(lambda c: _eval_report(c)[0]), needs=OUT, inputs=_unlocked),
+    Case("card: --eval a kld report written by hand", _card("--eval", "R"), "r.json: carries no `written_by`",
+         _report(lambda c: {"baseline": "b", "candidate": str(c.out), "kld_mean": 0.1, "top1_agreement": 0.9}),
+         needs=OUT, inputs=_unlocked),
+    Case("card: --eval a check report written by hand", _card("--eval", "R"), "r.json: carries no `written_by`",
+         _report(lambda c: {"model": str(c.out), "verified": {}, "failures": [], "summary": {}}),
+         needs=OUT, inputs=_unlocked),
+    Case("card: --eval a signed report edited since", _card("--eval", "R"), "r.json: edited since quantize wrote it",
+         _signed(lambda c: _eval_report(c)[0], edit=lambda d: d["tasks"]["gsm8k"].update(candidate=61.5)),
+         needs=OUT, inputs=_unlocked),
+    Case("card: --eval an eval report signed as a kld report", _card("--eval", "R"),
+         "its `written_by` names quantize kld, not quantize eval", _signed(lambda c: _eval_report(c)[0], "kld"),
+         needs=OUT, inputs=_unlocked),
+    Case("card: --eval an eval report whose written_by names another tool", _card("--eval", "R"),
+         "names lm-eval eval, not quantize eval",
+         _signed(lambda c: _eval_report(c)[0], edit=lambda d: d["written_by"].update(tool="lm-eval")),
+         needs=OUT, inputs=_unlocked),
+    # push: nothing that names this machine goes up (quantize/publish/privacy.py)
+    Case("push: a report naming the folder planted and recorded", _push(),
+         "reports/eval.json: holds the output folder's path", _plant_report, needs=OUT),
+    Case("push: an older manifest recording the source's path", _push(),
+         "quantize_manifest.json: holds the source's path (/data/models/GLM-5-FP8)",
+         _set_manifest(lambda m: m["source"].update(path="/data/models/GLM-5-FP8")), needs=OUT),
+    Case("push: an older manifest recording an absolute command line", _push(),
+         "quantize_manifest.json: holds an absolute path (/data/x/src)",
+         _set_manifest(lambda m: m.update(command="quantize convert /data/x/src out")), needs=OUT),
+    Case("push: config.json's _name_or_path a local folder", _push(),
+         "config.json: holds an absolute path (/srv/ckpt/GLM-5-FP8)",
+         _edit_file("config.json", lambda c: c.update(_name_or_path="/srv/ckpt/GLM-5-FP8")), needs=OUT),
+    Case("push: a side file holding a path in the home folder", _push(),
+         "tokenizer_config.json: holds a path in your home folder (/home/qtest-user/.cache/hf)",
+         _edit_file("tokenizer_config.json", lambda t: t.update(cache_dir="/home/qtest-user/.cache/hf")),
+         needs=OUT, env=NOT_ME),
+    Case("push: a chat template naming the user's home folder", _push(),
+         "chat_template.jinja: holds your user's home folder (/Users/qtest-user/work)",
+         _edit_file("chat_template.jinja", lambda t: t + "{# made in /Users/qtest-user/work #}\n"),
+         needs=OUT, env=NOT_ME),
+    # push proves config.json against the tensors as check does, though every SHA-256 was re-hashed to agree
+    Case("push: config.json's group size contradicting the tensors, re-hashed", _push(),
+         "config_group_0.weights.group_size is", _edit_file("config.json", _group_size), needs=OUT),
+    Case("push: config.json ignoring the INT4 experts, re-hashed", _push(), "unquantized (ignored",
+         _edit_file("config.json", lambda c: c["quantization_config"]["ignore"].append("re:.*experts.*")),
+         needs=OUT),
     # --base-model: namespace/name, checked before anything is read or written
     *[Case(f"card: --base-model {b!r}", _card("--base-model", b), f"--base-model {b}: not a Hub repo id", needs=OUT)
       for b in ("GLM-5-FP8", "a/b/c", "org/bad--name", "org/.hidden")],
@@ -349,7 +437,7 @@ def test_report_strings_are_escaped_and_bounds_are_inclusive(out, tmp_path):
     rep["candidate"] = str(out) + "/" + "y" * (MAX_TEXT - len(str(out)) - 1)  # exactly MAX_TEXT characters
     assert len(rep["candidate"]) == MAX_TEXT
     p = tmp_path / "evil.json"
-    p.write_text(json.dumps(rep))
+    p.write_text(signed_json(rep, "eval"))
     text = card(out, eval=[p]).text
     lines = text.splitlines()
     assert not any(line.startswith(("# Injected", "license: evil")) for line in lines)
@@ -365,5 +453,133 @@ def test_report_strings_are_escaped_and_bounds_are_inclusive(out, tmp_path):
     # a task's optional values may be null
     t2 = dict(t, ci_low=None, ci_high=None, baseline_stderr=None, verdict=None)
     rep["tasks"] = {"gsm8k": t2}
-    p.write_text(json.dumps(rep))
+    p.write_text(signed_json(rep, "eval"))
     assert "| gsm8k | exact_match | 200 | 61.50 ± 0.00 | 60.00 ± 3.46 | -1.50 |  |" in card(out, eval=[p]).text
+
+
+# -- this machine's names: the host name, and the near misses scan must let through ---------------
+
+
+def test_the_host_name_is_refused_where_it_names_a_host(monkeypatch, tmp_path, hostile_sources):
+    """The host name (4 characters or more) as a word in a file quantize writes, or naming a host
+    (``//host``, ``@host``, ``host:port``) in any file, is refused; as a word in the source's files (a
+    vocabulary may hold any word), and a host name too short to be one, are not."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-17.example.org")
+    refused = [
+        ("config.json", lambda c: c.update(comment="converted on gpu-node-17"), "config.json: holds this machine's "
+         "host name (gpu-node-17)"),
+        ("tokenizer_config.json", lambda t: t.update(url="http://gpu-node-17:8000/v1"),
+         "tokenizer_config.json: holds this machine's host name (gpu-node-17"),
+        ("tokenizer_config.json", lambda t: t.update(remote="me@GPU-NODE-17.example.org"), "(GPU-NODE-17.example.org"),
+    ]
+    for i, (rel, fn, expect) in enumerate(refused):
+        run_case(Case(f"push: host name in {rel} ({i})", _push(), expect, _edit_file(rel, fn), needs=OUT),
+                 tmp_path / f"r{i}", hostile_sources)
+    passed = [("tokenizer_config.json", lambda t: t.update(note="gpu-node-17 gpu-node-170 my-gpu-node-17")),
+              ("config.json", lambda c: c.update(comment="gpu-node-170 and gpu-node-17a"))]
+    for i, (rel, fn) in enumerate(passed):
+        assert _pushed_dry(tmp_path / f"p{i}", hostile_sources, _edit_file(rel, fn)), rel
+    monkeypatch.setattr(socket, "gethostname", lambda: "vm")  # trivially short: a word of any text
+    assert _pushed_dry(tmp_path / "short", hostile_sources,
+                       _edit_file("config.json", lambda c: c.update(comment="vm http://vm:8000")))
+
+
+def _pushed_dry(tmp, sources, setup) -> bool:
+    """A fresh copy of the converted folder, ``setup`` applied, passes `push --dry-run`."""
+    from tests.hostile import Ctx
+
+    tmp.mkdir()
+    ctx = Ctx(tmp, sources, OUT)
+    setup(ctx)
+    r = _cli("push", ctx.out, "test-org/glm-int4", "--dry-run")
+    return r.exit_code == 0 or print(r.output)
+
+
+@pytest.mark.parametrize("text, refused", [
+    ("/home/qtest-user/.cache/x", "a path in your home folder"),
+    ("see /home/qtest-user", "your user's home folder"),
+    ("C:\\\\Users\\\\qtest-user\\\\x", "your user's home folder"),
+    ("FOLDER/weights", "the output folder's path"),
+    ("PARENT/other-model", "the path of the folder it is in"),
+    # near misses: not this machine
+    ("/home/qtest-userx/a /home/qtest-user-b", None),
+    ("qtest-user wrote it; /homes/qtest-user", None),
+    ("in FOLDER.", "the output folder's path"),
+    ("PARENT2/x PARENT.bak/y", None),
+    ("/tmp/x and /data and https://huggingface.co/org/name and 1/iters and </think>", None),
+])
+def test_scan_matches_this_machine_as_paths_not_as_words(text, refused, tmp_path, monkeypatch):
+    """``privacy.scan`` on a file quantize did not write (a source's file): only this machine's
+    paths are refused, by role; the same names inside other words or paths pass."""
+    from quantize.errors import QuantizeError
+    from quantize.publish.privacy import scan
+
+    monkeypatch.setenv("HOME", "/home/qtest-user")
+    monkeypatch.setenv("LOGNAME", "qtest-user")
+    folder = tmp_path / "deep" / "model"
+    folder.mkdir(parents=True)
+    text = text.replace("FOLDER", str(folder)).replace("PARENT", str(folder.parent))
+    (folder / "notes.txt").write_text(text)
+    if refused is None:
+        scan(folder, ["notes.txt"])
+        return
+    with pytest.raises(QuantizeError, match=re.escape(f"notes.txt: holds {refused}")) as e:
+        scan(folder, ["notes.txt"])
+    assert "\n" not in str(e.value) and "nothing was pushed" in str(e.value)
+
+
+def test_a_file_quantize_writes_holds_no_absolute_path_where_a_source_file_may(tmp_path):
+    """Any absolute path in the manifest (or config.json, the index, a generated card) is refused;
+    in a source's file or a card the user wrote, only this machine's are."""
+    from quantize.errors import QuantizeError
+    from quantize.publish.privacy import scan
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    doc = json.dumps({"note": "download to /models/GLM-5-FP8", "url": "https://huggingface.co/a/b", "r": "1/iters"})
+    for name in ("quantize_manifest.json", "config.json", "README.md"):
+        with pytest.raises(QuantizeError, match=re.escape(f"{name}: holds an absolute path (/models/GLM-5-FP8)")):
+            scan(folder, [name], {name: doc})
+    scan(folder, ["tokenizer_config.json", "README.md"], {"tokenizer_config.json": doc, "README.md": doc},
+         generated_card=False)
+    ok = json.dumps({"url": "https://huggingface.co/a/b", "r": "1/iters", "ignore": ["re:.*mlp\\.(gate|up)_proj.*"],
+                     "tag": "</think>", "repo": "org/name", "rel": "reports/eval.json"})
+    scan(folder, ["quantize_manifest.json"], {"quantize_manifest.json": ok})
+
+
+def test_a_manifest_names_paths_relative_or_by_role(tmp_path, monkeypatch):
+    """What write_manifest and command_line record instead of a path: inside the output its path
+    there, a Hub cache snapshot org/name@rev, anything else its last component; Hub ids, URLs and
+    ratios as they are."""
+    import sys
+
+    from quantize.checkpoint.manifest import command_line, public, shown_path
+
+    out = tmp_path / "run" / "model"
+    snap = "/h/.cache/huggingface/hub/models--zai-org--GLM-5-FP8/snapshots/0123456789abcdef0123"
+    assert shown_path(str(out), out) == "model" and shown_path(str(out / "a" / "b.json"), out) == "a/b.json"
+    assert shown_path(snap) == "zai-org/GLM-5-FP8@0123456789ab"
+    assert shown_path(snap + "/config.json") == "zai-org/GLM-5-FP8@0123456789ab/config.json"
+    assert public({"k": ["/usr/bin/cc", "-I/usr/include/py", "--out=/a/b"], "n": 3}) == {"k": ["cc", "-Ipy", "--out=b"],
+                                                                                      "n": 3}
+    kept = "zai-org/GLM-5-FP8 https://huggingface.co/a/b lr 1/iters re:.*mlp\\.(gate|up)_proj.* </think> w/o"
+    assert public(kept) == kept
+    assert public("wrote /tmp/x/kv.json. done") == "wrote kv.json. done"
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/quantize", "convert", "/m/src dir", "../../home/u/out", "run/out",
+                                      "--base-model", "org/name", "--data=/d/c.jsonl", "--set", "p.source=/s/x"])
+    assert command_line() == ("quantize convert 'src dir' out run/out --base-model org/name --data=c.jsonl "
+                              "--set p.source=x")
+
+
+def test_the_card_takes_the_report_kinds_their_writers_sign():
+    """The oracle: each writer's own kind (evaluate/run.py, evaluate/kld.py, calibrate/kv.py, check.py)."""
+    from quantize.calibrate.kv import STATS_KIND
+    from quantize.check import REPORT_KIND as CHECK_KIND
+    from quantize.evaluate.kld import REPORT_KIND as KLD_KIND
+    from quantize.evaluate.run import REPORT_KIND
+    from quantize.publish.card import SIGNED_BY
+
+    assert {k: v[0] for k, v in SIGNED_BY.items()} == {"eval": REPORT_KIND, "kld": KLD_KIND, "kv": STATS_KIND,
+                                                      "check": CHECK_KIND}

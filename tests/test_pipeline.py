@@ -148,7 +148,14 @@ def test_crash_during_eval_keeps_conversion_and_a_failed_gate_stops_before_push(
 
     # a passing candidate after an option change: eval reruns, then card and push
     r2 = _recipe(tmp_path, "r2.yaml", data_dir=str(data), limit=2, max_drop=50.0, stages=["convert", "eval", "card", "push"])
-    monkeypatch.setattr(ev, "evaluate", lambda base, cand, out=None, **kw: (lambda rep: (out.write_text(json.dumps(rep.to_dict())), rep)[1])(_report(cand)))
+    from quantize.checkpoint.output import signed_json
+
+    def passing(base, cand, out=None, **kw):  # writes its report as eval does: signed, which card requires
+        rep = _report(cand)
+        out.write_text(signed_json(rep.to_dict(), ev.REPORT_KIND))
+        return rep
+
+    monkeypatch.setattr(ev, "evaluate", passing)
     res = pipeline.run(r2)
     assert [s.state for s in res.stages] == ["done"] * 5 and conv_calls.n == 0
     assert (out / "reports" / "push.json").is_file()

@@ -4,6 +4,7 @@ but the request headers, and resumption that does not send finished files again.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -330,3 +331,91 @@ def test_unreachable_hub_is_one_line_without_token(folder, inproc, monkeypatch):
     with pytest.raises(QuantizeError, match="rerun the same command") as e:
         push(folder, REPO)
     assert TOKEN not in str(e.value) and "\n" not in str(e.value) and time.time() - t < 120
+
+
+def _private(tmp_path: Path) -> tuple[list[bytes], list[re.Pattern]]:
+    """What names this machine: the test's own folder and each of its parents under /tmp (they hold
+    the user name: /tmp/pytest-of-USER/...), the home folder as a path, and patterns for the user name
+    as a path component and the host name as a word (when it is not trivially short)."""
+    import getpass
+    import socket
+
+    paths = {str(p) for t in (tmp_path, tmp_path.resolve()) for p in (t, *t.parents)
+             if p.is_relative_to("/tmp") and len(p.parts) > 2}
+    home = os.path.expanduser("~")
+    if len(Path(home).parts) >= 2:
+        paths.add(home.rstrip("/") + "/")
+    user, host = getpass.getuser(), socket.gethostname()
+    pats = [re.compile(rb"[/\\]" + re.escape(user.encode()) + rb"(?=[/\\\"'\s]|$)")]
+    if len(host) >= 4:
+        pats.append(re.compile(rb"(?<![\w.-])" + re.escape(host.encode()) + rb"(?![\w-])", re.I))
+    return sorted(p.encode() for p in paths), pats
+
+
+def _uploaded(state) -> list[tuple[str, bytes, bool]]:
+    """(what, bytes, text?) of everything the Hub received: repo ids, commit messages, every file of
+    every commit (an LFS file's content from the store; for weights the header is the text part)."""
+    out = []
+    for rid, repo in state.repos.items():
+        out.append((f"repo id {rid}", rid.encode(), True))
+        for c in repo.commits.values():
+            out.append((f"{rid} commit message", (c.summary + "\n" + c.description).encode(), True))
+            for path, b in c.tree.items():
+                data = b.data if b.lfs_sha256 is None else repo.lfs[b.lfs_sha256]
+                if path.endswith(".safetensors"):
+                    n = int.from_bytes(data[:8], "little")
+                    out.append((f"{rid}:{path} header", data[: 8 + n], True))
+                    out.append((f"{rid}:{path}", data, False))
+                else:
+                    out.append((f"{rid}:{path}", data, True))
+        out += [(f"{rid} LFS object {k[:12]}", v, False) for k, v in repo.lfs.items()]
+    return out
+
+
+def test_a_full_run_pushed_names_nothing_of_this_machine(hub, tmp_path):
+    """make-tiny, convert, calibrate-kv, shard, check, eval (a smoke test) and card (`quantize run`),
+    then a real push of its model; and a calibrate-kv --out checkpoint with its --stats-out report on the
+    card: no uploaded byte holds this test's folder (or a parent of it under /tmp), the home folder,
+    the user name as a path component or the host name."""
+    url, state = hub
+    env = _env(url, tmp_path)
+    run = tmp_path / "run"
+    r = _quantize(["run", "--out", run], env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _quantize(["push", run / "model", "test-org/tiny-run"], env)
+    assert r.returncode == 0, r.stderr
+    src, conv, kv = tmp_path / "ds", tmp_path / "ds-int4", tmp_path / "ds-kv"
+    chain = [["make-tiny", "deepseek_v3", src], ["convert", src, conv, "--base-model", "deepseek-ai/DeepSeek-V3"],
+             ["calibrate-kv", conv, "--out", kv, "--target", "compressed-tensors", "--samples", "2", "--seq-len", "16",
+              "--stats-out", tmp_path / "kv.json"], ["card", kv, "--eval", tmp_path / "kv.json"],
+             ["push", kv, "test-org/tiny-kv"]]
+    # the commands as typed, in one process (torch imported once): sys.argv is what each records
+    script = ("import json, sys\nfrom quantize.cli import app\nfor a in json.loads(sys.argv[1]):\n"
+              "    sys.argv = ['quantize', *a]\n    try:\n        app(a, prog_name='quantize')\n"
+              "    except SystemExit as e:\n        assert not e.code, (a, e.code)\n")
+    r = subprocess.run([sys.executable, "-c", script, json.dumps([[str(x) for x in a] for a in chain])], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert set(state.repos) == {"test-org/tiny-run", "test-org/tiny-kv"}
+    sent = _uploaded(state)
+    assert sum(len(d) for _, d, _ in sent) > 16 << 20  # the weights are there, grepped too
+    paths, pats = _private(tmp_path)
+    # not vacuous: the job record, which stays home, does hold this machine's path of the source
+    assert str((run / "source").resolve()).encode() in (run / "model" / ".quantize" / "job.json").read_bytes()
+    for what, data, text in sent:
+        for p in paths:
+            assert p not in data, (what, p)
+        for pat in pats if text else []:
+            assert not pat.search(data), (what, pat.pattern, pat.search(data))
+    # what the records say instead: the source by name, the recipe by name and SHA-256, the command typed
+    m = json.loads(state.repos["test-org/tiny-run"].file("quantize_manifest.json"))
+    assert m["source"]["name"] == "source" and "path" not in m["source"]
+    assert m["command"] == "quantize run --out run"
+    assert m["options"]["recipe"] == "tiny-glm.yaml" and len(m["options"]["recipe_sha256"]) == 64
+    assert m["kernels"]["library"] is None or "/" not in m["kernels"]["library"]
+    k = json.loads(state.repos["test-org/tiny-kv"].file("quantize_manifest.json"))
+    assert k["source"]["name"] == "ds-int4" and k["report"].get("stats_path") in (None, "kv.json")
+    assert k["command"].startswith("quantize calibrate-kv ") and str(tmp_path) not in k["command"]
+    # the card still finds the conversion behind the calibrate-kv output (the job record keeps the path)
+    card = state.repos["test-org/tiny-kv"].file("README.md").decode()
+    assert "base_model: deepseek-ai/DeepSeek-V3" in card and "| source | `ds` |" in card

@@ -326,6 +326,9 @@ def test_a_pd_pair_is_refused_before_any_launch_where_it_cannot_measure_the_cand
     folded = tmp_path / "folded"  # the candidate as calibrate-kv --fold writes it (its manifest says so)
     shutil.copytree(cand, folded)
     (folded / "quantize_manifest.json").write_text(json.dumps({"kind": "calibrate-kv", "mode": "fold"}))
+    from .lineage import made_from
+
+    made_from(folded, cand)  # its source, as calibrate-kv records it (eval compares only what was made from base)
     scaled = tmp_path / "scaled"  # the candidate with KV-cache scales (calibrate-kv --target compressed-tensors)
     shutil.copytree(cand, scaled)
     ccfg = json.loads((scaled / "config.json").read_text())

@@ -61,7 +61,8 @@ def smol_dequantized(smol_w4a16, tmp_path_factory):
     dst.mkdir()
     _float_copy(Path(smol_w4a16), dst)
     for f in Path(smol_w4a16).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template",
+                              "quantize_manifest")):
             shutil.copy(f, dst / f.name)
     return dst
 

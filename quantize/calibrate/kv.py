@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from ..archs.attention import AttentionLayout
 from ..checkpoint.index import INDEX_NAME, cached_fd, hub_revision, read_header
-from ..checkpoint.manifest import tool_versions, write_manifest
+from ..checkpoint.manifest import derived_from, tool_versions, write_manifest
 from ..checkpoint.output import SIDE_FILES, TMP_SUFFIX, Output, report_target, side_files, write_report
 from ..parse import load_json
 from ..checkpoint.writer import Entry, StreamWriter
@@ -793,7 +793,7 @@ def _write_folded(
             "kind": "calibrate-kv",
             "mode": "fold",
             "tool": tool_versions(),
-            "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
+            "source": {"path": str(model.resolve()), "revision": hub_revision(model), **derived_from(model)},
             "target": result.target,
             "layout": result.layout,
             "fold_headroom": headroom,
@@ -880,7 +880,7 @@ def _write_checkpoint(
         {
             "kind": "calibrate-kv",
             "tool": tool_versions(),
-            "source": {"path": str(model.resolve()), "revision": hub_revision(model)},
+            "source": {"path": str(model.resolve()), "revision": hub_revision(model), **derived_from(model)},
             "target": target,
             "layout": layout.name,
             "kv_cache_scheme": qc["kv_cache_scheme"],

@@ -127,12 +127,13 @@ def python_of(engine: Engine, path: str | os.PathLike | None) -> Path:
 
 
 def _parse_version(v: str) -> tuple[int, ...]:
+    """``"0.33.0rc1+cpu"`` -> (0, 33, 0): each part's leading digits, up to the first part without any."""
     out = []
     for part in v.split("+")[0].split("."):
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
+        digits = len(part) - len(part.lstrip("0123456789"))
+        if not digits or digits > 9:  # not a version number (nor a 5000-digit one)
             break
-        out.append(int(digits))
+        out.append(int(part[:digits]))
     return tuple(out)
 
 
@@ -152,7 +153,13 @@ def engine_version(engine: Engine, python: Path) -> str:
     if p.returncode != 0:
         raise QuantizeError(f"--serve {engine.name}: {python} has no {engine.name} installed; pass --engine-python "
                             f"(a venv's python with {engine.name}) or set {engine.env_python}")
-    version = p.stdout.strip()
+    printed = p.stdout.strip()
+    version = (printed.splitlines() or [""])[-1].strip()  # the probe prints the version last (after any banner)
+    if not _parse_version(version):
+        shown = printed if len(printed) <= 120 else printed[:117] + "..."
+        raise QuantizeError(f"--serve {engine.name}: could not read the {engine.name} version of {python}: its "
+                            f"metadata probe printed {shown!r}, not a version; fix or reinstall {engine.name} there "
+                            f"(or pass another --engine-python)")
     if _parse_version(version) < engine.min_version:
         need = ".".join(map(str, engine.min_version))
         raise QuantizeError(f"--serve {engine.name}: {python} has {engine.name} {version}, older than {need}, the "
@@ -200,6 +207,31 @@ def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
         if a == flag:
             return args[i + 1] if i + 1 < len(args) else None
     return None
+
+
+def log_folder(path, inputs, what: str = "--serve-log") -> Path | None:
+    """``--serve-log``, checked before any work like every output: a folder (made when missing), not
+    a file or a symlink, and never inside (or equal to) an input or its Hub cache: the engines'
+    logs are written there and the engines run in it. -> the path (None: a temporary folder)."""
+    from ..checkpoint.output import _input_roots
+
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_symlink():
+        raise QuantizeError(f"{what} {p}: is a symlink; pass a real folder (files are never written through a link)")
+    if p.exists() and not p.is_dir():
+        raise QuantizeError(f"{what} {p}: is a file, not a folder; name a folder for the engines' logs (made when "
+                            "missing)")
+    up = next((a for a in p.absolute().parents if a.exists() or a.is_symlink()), None)
+    if up is not None and not up.is_dir():
+        raise QuantizeError(f"{what} {p}: {up} is a file, not a folder; choose another folder")
+    real = p.resolve()
+    for i in inputs:
+        if i is not None and any(real.is_relative_to(r) for r in _input_roots(i)):
+            raise QuantizeError(f"{what} {p}: lies inside the input {i}; write the logs elsewhere (inputs are "
+                                "never modified)")
+    return p
 
 
 def check_baseline_kv(baseline_kv_cache_dtype: str | None, serve: str | None) -> None:

@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.index import read_tensor
+from ..checkpoint.manifest import same_weights
 from ..checkpoint.writer import Entry, StreamWriter
 from ..errors import QuantizeError
 from ..events import Emit, null_emit
 from ..options import KLDOptions, takes
+from .provenance import converted_from
 
 DEFAULT_TEXT = Path(__file__).with_name("kld_default.txt")
 
@@ -242,8 +244,10 @@ def vocab_sha(tok) -> str:
 def model_identity(path: Path) -> dict:
     """What a model folder is: config.json's model_type, architectures and vocab_size, the SHA-256
     of config.json and of its weights' safetensors headers (names, dtypes, shapes, offsets) and of
-    the index, and of each tokenizer file."""
+    the index, each tokenizer file's, and the weights themselves (``weights``: per file the SHA-256
+    its records list, or of sampled bytes; ``provenance.converted_from`` compares a candidate's source)."""
     from ..checkpoint.index import MAX_HEADER
+    from ..checkpoint.manifest import weights_identity
 
     path = Path(path)
     cfg = _config(path)
@@ -264,7 +268,7 @@ def model_identity(path: Path) -> dict:
     return {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures"),
             "vocab_size": cfg.get("vocab_size") or text.get("vocab_size"),
             "config_sha256": _file_sha(path / "config.json"), "weights_sha256": _sha("\n".join(h).encode()),
-            "tokenizer_files": tokenizer_files(path)}
+            "tokenizer_files": tokenizer_files(path), "weights": weights_identity(path)}
 
 
 def _kind(ident: dict) -> str:
@@ -362,6 +366,8 @@ def kld(
     cand_path = Path(candidate)
     inputs = _targets(baseline, [candidate], text, save_baseline, baseline_logits, out)
     text_path, chunks, run = _text_of(baseline, cand_path, text, tokens, chunk)
+    if baseline is not None:
+        converted_from(Path(baseline), cand_path)  # the candidate was made from it (a saved one: _same_run)
     tdtype = DTYPES[dtype]
 
     saved = None
@@ -560,7 +566,9 @@ def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_lo
     if baseline is None and baseline_logits is None:
         raise QuantizeError("--baseline or --baseline-logits is required")
     inputs = _targets(baseline, candidates, text, save_baseline, baseline_logits, out)  # before any work
-    from ..engines.serve import check_baseline_kv
+    from ..engines.serve import check_baseline_kv, log_folder
+
+    log_folder(serve_log, inputs)  # the engines' logs: an output like the others
 
     check_baseline_kv(baseline_kv_cache_dtype, serve)
     if serve is not None:
@@ -579,6 +587,8 @@ def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_lo
         if baseline is not None:
             same_model(Path(baseline), Path(c))
             same_tokenizer(Path(baseline), Path(c))
+            converted_from(Path(baseline), Path(c))
+    _saved_provenance(baseline_logits, candidates[1:])  # the first: kld's own check of the file, in full
     reports = []
     with tempfile.TemporaryDirectory(prefix="quantize-kld-") as tmp:
         kept = Path(tmp) / "baseline-fp32.safetensors" if baseline_logits is None and len(candidates) > 1 else None
@@ -594,6 +604,27 @@ def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_lo
     if out is not None:
         write_report(out, table.to_dict() if len(reports) > 1 else reports[0].to_dict(), REPORT_KIND, inputs)
     return table
+
+
+def _saved_provenance(baseline_logits, candidates: list) -> None:
+    """Each of ``candidates`` made from the model ``baseline_logits`` was saved from (the file's
+    recorded weights; a file that does not record them is refused by ``_same_run``, for the first)."""
+    from ..checkpoint.index import read_header
+    from ..parse import json_text
+
+    if baseline_logits is None or not candidates:
+        return
+    try:
+        header, _ = read_header(Path(baseline_logits))
+        ident = json_text((header.get("__metadata__") or {}).get("identity", "{}"), baseline_logits, "identity")
+    except (QuantizeError, OSError):
+        return
+    model = ident.get("model") if isinstance(ident, dict) else None
+    weights = model.get("weights") if isinstance(model, dict) else None
+    if isinstance(weights, dict):
+        for c in candidates:
+            converted_from(None, Path(c), f"the model --baseline-logits {baseline_logits} was saved from",
+                           saved=weights)
 
 
 def _sha_ids(ids: torch.Tensor, chunk: int) -> str:
@@ -629,13 +660,20 @@ def _same_run(what: str, saved: dict, run: dict, candidate: Path, baseline: Path
     if (model.get("model_type"), model.get("architectures")) != (cand.get("model_type"), cand.get("architectures")):
         raise QuantizeError(f"{what}: saved from a {_kind(model)} model; --candidate {candidate} is a "
                             f"{_kind(cand)} one; compare a model with its own quantization")
+    if not isinstance(model.get("weights"), dict):
+        raise QuantizeError(f"{what}: saved by an older quantize, without the baseline's weights' identity, which "
+                            f"proves the candidate was made from it; {fix}")
     if baseline is not None:
         now = model_identity(baseline)
         diff = [k for k in ("model_type", "architectures", "vocab_size", "config_sha256", "weights_sha256",
                             "tokenizer_files") if model.get(k) != now[k]]
+        if set(model["weights"]) != set(now["weights"]) or same_weights(model["weights"], now["weights"]):
+            diff.append("weights")
         if diff:
             raise QuantizeError(f"{what}: saved from another model than --baseline {baseline} ({diff[0]} differs); "
                                 f"{fix}, or drop --baseline")
+    else:
+        converted_from(None, candidate, f"the model {what} was saved from", saved=model["weights"])
 
 
 def _open_logits(path: Path, run: dict, chunks: list, candidate: Path, baseline: Path | None) -> dict:
@@ -835,11 +873,13 @@ def _served_table(baseline: Path | None, candidates: list[Path], text, tokens: i
         if baseline is not None:
             same_model(baseline, c)
             same_tokenizer(baseline, c)
+            converted_from(baseline, c)
     text_path, chunks, run = served_text(candidates[0], text, tokens, chunk)
     if baseline_logits is not None:  # before any engine starts
         base_rows, base_where = _open_served(Path(baseline_logits), run, top_k, chunks, candidates[0], baseline)
         same_cache(baseline_logits, base_where, baseline_kv or srv["kv_cache_dtype"], baseline_kv is not None,
                    "--baseline-logits")
+        _saved_provenance(baseline_logits, candidates[1:])
 
     def rows_of(path: Path, role: str):
         kw = {k: v for k, v in srv.items() if k != "serve"}

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import QuantizeError
 from ..options import EVAL_TASKS, EvalOptions, takes
+from .smoke import SMOKE_ITEMS, is_smoke, smoke_note
 from .tasks import _task_manager, data_folder, output_type, task_configs
 
 FILTER_PREFERENCE = ("flexible-extract", "custom-extract", "strict-match", "none")
@@ -52,16 +53,27 @@ class TaskResult:
     ci_low: float
     ci_high: float
     passed: bool
-    conclusive: bool = True  # False: the CI reaches below -max_drop too; more items are needed to be sure
+    # False: the CI reaches below -max_drop too, or the task is a smoke test (under SMOKE_ITEMS documents)
+    conclusive: bool = True
     # per document, paired: "subtask/doc id", and each model's score of it (0/1 for accuracy)
     docs: list = field(default_factory=list)
     baseline_items: list = field(default_factory=list)
     candidate_items: list = field(default_factory=list)
 
+    def __post_init__(self):
+        if self.smoke:  # a smoke test never concludes, whatever its CI (evaluate/smoke.py)
+            self.conclusive = False
+
+    @property
+    def smoke(self) -> bool:
+        return is_smoke(self.n)
+
     @property
     def verdict(self) -> str:
         if not self.passed:
             return "FAIL"
+        if self.smoke:
+            return f"pass ({smoke_note([self.n])})"
         return ("pass" if self.conclusive
                 else "pass (inconclusive: the CI reaches below -max-drop; use a larger --limit)")
 
@@ -84,9 +96,15 @@ class EvalReport:
     def passed(self) -> bool:
         return all(t.passed for t in self.tasks)
 
+    @property
+    def smoke(self) -> bool:
+        """Some task is a smoke test (evaluate/smoke.py): the report does not conclude."""
+        return any(t.smoke for t in self.tasks)
+
     def to_dict(self) -> dict:
         return {"baseline": self.baseline, "candidate": self.candidate, "limit": self.limit, "max_drop": self.max_drop,
-                "passed": self.passed, "tasks": {t.task: {**asdict(t), "verdict": t.verdict} for t in self.tasks},
+                "passed": self.passed, "smoke": self.smoke,
+                "tasks": {t.task: {**asdict(t), "smoke": t.smoke, "verdict": t.verdict} for t in self.tasks},
                 "measured": self.measured}
 
     def markdown(self) -> str:
@@ -96,9 +114,12 @@ class EvalReport:
             rows.append(f"| {t.task} | {t.metric} | {t.n} | {t.baseline:.2f} ± {t.baseline_stderr:.2f} "
                         f"| {t.candidate:.2f} ± {t.candidate_stderr:.2f} "
                         f"| {t.delta:+.2f} ({t.ci_low:+.2f}, {t.ci_high:+.2f}) | {t.verdict} |")
+        smoke = [f"{t.task} ({t.n})" for t in self.tasks if t.smoke]
         return "\n".join(rows) + (f"\n\nGate: a task fails when the 95% CI of (candidate - baseline) lies entirely "
-                                   f"below -{self.max_drop} points; "
-                                   f"it passes conclusively when the whole CI lies above -{self.max_drop}.\n")
+                                   f"below -{self.max_drop} points; a pass is a measurement when the whole CI lies "
+                                   f"above -{self.max_drop} on {SMOKE_ITEMS} documents or more.\n") + (
+            f"\nSmoke test: {', '.join(smoke)} scored on fewer than {SMOKE_ITEMS} documents; its pass shows the gate "
+            "runs, it measures nothing.\n" if smoke else "")
 
 
 def served_model(url: str, timeout: float = 10.0) -> str:
@@ -325,7 +346,8 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     from .kld import REPORT_KIND as KLD_KIND
     from .kld import check_device, same_model, same_tokenizer
 
-    inputs = [baseline, candidate, data_folder(data_dir), baseline_results]
+    # every folder and file this command reads, the PD pair's prefill model included
+    inputs = [baseline, candidate, serve_pd_prefill, data_folder(data_dir), baseline_results]
     if out is not None:  # before anything is read or loaded
         report_target(out, REPORT_KIND, inputs, "--out")
     if save_baseline is not None:
@@ -361,7 +383,9 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if serve is not None and (base_url or baseline_url):
         raise QuantizeError(f"--serve {serve} launches the servers itself; drop --base-url / --baseline-url (or "
                             "--serve, to evaluate servers you started)")
-    from ..engines.serve import check_baseline_kv
+    from ..engines.serve import check_baseline_kv, log_folder
+
+    log_folder(serve_log, inputs)  # the engines' logs: an output like the others
 
     check_baseline_kv(baseline_kv_cache_dtype, serve)
     if serve_pd_prefill is not None:
@@ -381,6 +405,10 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     if all((Path(p) / "config.json").is_file() for p in (baseline, candidate)):  # a served one may be tokenizer only
         same_model(Path(baseline), Path(candidate))  # the compared models belong together, before any work
     same_tokenizer(Path(baseline), Path(candidate))
+    if not (base_url or baseline_url):  # a server's folder is its tokenizer: what it serves is not here to prove
+        from .provenance import converted_from
+
+        converted_from(Path(baseline), Path(candidate))  # the candidate was made from the baseline
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         raise QuantizeError(f"--tasks {tasks!r}: names no task; pass comma-separated lm-eval tasks, e.g. {EVAL_TASKS}")

@@ -8,8 +8,12 @@ it must record files, agree with the file list the writing command kept in ``.qu
 (``job_files``; README.md aside, which a card replaces) and record every file the index, config.json
 (``auto_map``), the side files and the card's licence link name. A folder whose record keeps no file
 list (written before records kept one, or copied without ``.quantize/``) is pushed on the manifest
-alone, with a warning; an unreadable record is refused. Only what the manifest proves goes up,
-plus the manifest and the card: never ``.quantize/`` (the job record, lock and push state) nor
+alone, with a warning; an unreadable record is refused. config.json's quantization_config must
+describe the tensors as ``quantize check`` proves it (``verify_quant_config``: a config edited and
+re-hashed into both records passes every SHA-256, not this). Nothing that names this machine goes
+up (``privacy.scan``: its paths, the home folder, the user's home, the host name; in the files
+quantize writes, any absolute path), one line naming the file otherwise. Only what the manifest
+proves goes up, plus the manifest and the card: never ``.quantize/`` (the job record, lock and push state) nor
 ``*.partial``. The card is (re)generated unless README.md is one the user wrote.
 
 Resume. Files are committed in batches (``batch_gib`` of weights per commit, the small files with
@@ -64,9 +68,11 @@ from .card import (
     render,
     repo_id_error,
     source_card,
+    source_path,
     verify,
     write_card,
 )
+from .privacy import scan
 
 STATE = "push.json"  # in .quantize/
 PATHS_INFO_CHUNK = 100
@@ -201,6 +207,19 @@ def _covered(folder: Path, manifest: dict, index: CheckpointIndex, card_text: st
                 f"{folder / name}: named by {who} but not recorded in {MANIFEST}, so it would not be pushed "
                 "(or not be proven); nothing was pushed, convert the folder again"
             )
+
+
+def _config_agrees(folder: Path, index: CheckpointIndex) -> None:
+    """config.json's quantization_config describes the tensors, as ``quantize check`` proves it
+    (``verify_quant_config``): a config edited and re-hashed into the manifest and the job record
+    passes every SHA-256, not this."""
+    from ..check import verify_quant_config
+    from ..errors import CheckFailed
+
+    try:
+        verify_quant_config(folder, index)
+    except CheckFailed as e:
+        raise QuantizeError(f"{e}; nothing was pushed") from None
 
 
 def _finish_set(folder: Path, files: list[PushFile]) -> list[PushFile]:
@@ -371,6 +390,7 @@ def push(
                 + (f" ({len(failures) - 1} more)" if len(failures) > 1 else "")
                 + "; the folder is not what quantize wrote, so nothing was pushed: restore the file or convert again"
             )
+        _config_agrees(folder, index)
         kind = readme_kind(folder, manifest)
         readme_text = (folder / README).read_text(errors="replace") if kind == "user" else source_card(folder, manifest)
         _covered(folder, manifest, index, readme_text)
@@ -378,20 +398,26 @@ def push(
         files, others = _upload_set(folder, manifest)
         if kind == "user" and not (folder / README).is_file():
             raise refused_readme(folder)  # a folder or a dangling link named README.md: nothing to upload
+        # the card as it will be uploaded: read with every other file for this machine's paths and names
+        text = None if kind == "user" else render(
+            folder, manifest, _stored(folder), repo_id, proven, base_model, license).text
+        names = [f.path for f in files] + [MANIFEST, README]
+        scan(folder, names, {README: text} if text is not None else {}, source_path(folder, manifest), kind != "user")
         if kind == "user":
             card = "README.md: the card you wrote (or edited), uploaded as it is"
         elif dry_run:
-            text = render(folder, manifest, _stored(folder), repo_id, proven, base_model, license).text.encode()
             card = (
                 f"README.md: would be {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
             )
         else:
             write_card(folder, manifest, None, repo_id, proven, base_model, license)
+            scan(folder, [MANIFEST, README], source=source_path(folder, manifest))  # as written: its README entry
             card = f"README.md: {'generated' if kind == 'missing' else 'regenerated'} from the folder's records"
         files = _finish_set(folder, files)
         if dry_run and kind != "user":  # the card as it would be written
+            data = text.encode()
             files = [f for f in files if f.path != README] + [
-                PushFile(README, len(text), hashlib.sha256(text).hexdigest())
+                PushFile(README, len(data), hashlib.sha256(data).hexdigest())
             ]
         res = PushResult(str(folder), repo_id, base, dry_run, files, others, card, warnings=warnings)
         if dry_run:
