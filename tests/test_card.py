@@ -89,13 +89,22 @@ def _check_report(model):
     return CheckReport(str(model), 4, False, rows, [], {"files_sha256": 9, "tensors_exact_vs_source": 154}).to_dict()
 
 
+def _as_written(kind: str, rep: dict) -> str:
+    """A report's text as its writer writes it: signed (``written_by``) where the writer signs it,
+    which the card requires (`check --json` prints it unsigned)."""
+    from quantize.checkpoint.output import signed_json
+    from quantize.publish.card import SIGNED_BY
+
+    return signed_json(rep, SIGNED_BY[kind][0]) if kind in SIGNED_BY else json.dumps(rep)
+
+
 def test_eval_kld_and_check_reports_become_tables_and_model_index(folder, tmp_path):
     from huggingface_hub import ModelCard
 
     files = {}
     for kind, rep in (("eval", _eval_report(folder)), ("kld", _kld_report(folder)), ("check", _check_report(folder))):
         files[kind] = tmp_path / f"{kind}.json"
-        files[kind].write_text(json.dumps(rep))
+        files[kind].write_text(_as_written(kind, rep))
     res = card(folder, eval=list(files.values()), repo_id="my-org/glm-int4")
     assert [r["kind"] for r in res.reports] == ["eval", "kld", "check"]
     mc = ModelCard((folder / "README.md").read_text())  # as the Hub parses it
@@ -134,17 +143,20 @@ def test_smoke_evaluations_are_shown_not_published_and_where_each_figure_was_mea
                     1.0196, "kld_default.txt", estimator="top-20 lower bound (served)", top_k=20,
                     measured={"baseline": served, "candidate": served}).to_dict()
     files = [tmp_path / "ev.json", tmp_path / "kld.json"]
-    for f, rep in zip(files, (ev, kld)):
-        f.write_text(json.dumps(rep))
+    for f, rep, kind in zip(files, (ev, kld), ("eval", "kld")):
+        f.write_text(_as_written(kind, rep))
     text = card(folder, eval=files, repo_id="my-org/glm-int4").text
     results = ModelCard(text).data.eval_results
     assert [r.dataset_type for r in results] == ["allenai/ai2_arc"]  # the 99-document task is not published
-    assert "| gsm8k | exact_match | 99 |" in text and "(*smoke*)" in text.split("| gsm8k |")[1].splitlines()[0]
-    assert "(*smoke*)" not in text.split("| arc_challenge |")[1].splitlines()[0]
+    gsm8k_row = "| gsm8k |" + text.split("| gsm8k |")[1].splitlines()[0]
+    assert gsm8k_row.endswith("| pass (smoke: 99 items, below the 100 a gate needs) |")  # said once, by eval's verdict
+    assert "smoke" not in text.split("| arc_challenge |")[1].splitlines()[0]
     assert "the baseline on transformers on the evaluating machine (cpu)" in text
     assert ("the candidate on vllm 0.33.0, launched by `quantize` as `python -m vllm.entrypoints.openai.api_server "
             "--model /m --port 8000 --tensor-parallel-size 8`") in text
-    assert "Estimator: top-20 lower bound \\(served\\)" in text or "Estimator: top-20 lower bound" in text
+    # the estimator's name through the card's Markdown escaping, which leaves parentheses alone
+    assert ("\nEstimator: top-20 lower bound (served): the engine returns each position's top-20 log-probabilities, "
+            "the rest of the vocabulary is one bucket, so this KL is a lower bound of the full-vocabulary KL.\n") in text
     assert "a lower bound of the full-vocabulary KL" in text
     bad = dict(ev, measured={"candidate": "vllm"})
     files[0].write_text(json.dumps(bad))
@@ -181,11 +193,11 @@ def test_reports_that_are_not_reports_or_of_another_model_are_refused(folder, co
         card(folder, eval=[tmp_path / "missing.json"])
     other = converted("glm_moe_dsa", group_size=128)  # another quantize output, other weights
     rep = tmp_path / "other.json"
-    rep.write_text(json.dumps(_eval_report(other)))
+    rep.write_text(_as_written("eval", _eval_report(other)))
     with pytest.raises(QuantizeError, match="other weights"):
         card(folder, eval=[rep])
     # the converted folder this one was copied from has the same weights: accepted
-    rep.write_text(json.dumps(_eval_report(converted("glm_moe_dsa", group_size=32))))
+    rep.write_text(_as_written("eval", _eval_report(converted("glm_moe_dsa", group_size=32))))
     assert card(folder, eval=[rep]).reports
     assert not (tmp_path / "bad.json.partial").exists()
 
@@ -262,7 +274,7 @@ def test_calibrate_kv_fold_output_card_follows_its_conversion(converted, tmp_pat
 
 def test_command_line_records_only_the_cli(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/venv/bin/quantize", "convert", "/m/src dir", "/m/out", "--group-size", "32"])
-    assert command_line() == "quantize convert '/m/src dir' /m/out --group-size 32"
+    assert command_line() == "quantize convert 'src dir' out --group-size 32"  # a manifest is published: no path
     monkeypatch.setattr(sys, "argv", ["/repo/quantize/cli.py", "push", "d", "o/r"])
     assert command_line() == "quantize push d o/r"
     monkeypatch.setattr(sys, "argv", ["/usr/bin/pytest", "-q"])
@@ -568,8 +580,8 @@ def test_a_calibrate_kv_report_fills_the_kv_section_and_a_bad_one_is_named(folde
     bad.write_text(json.dumps(d))
     with pytest.raises(QuantizeError, match=f"{MAX_LAYERS + 1} layers, more than the {MAX_LAYERS}"):
         card(folder, eval=[bad])
-    d["layers"] = [doc["layers"][0]] * MAX_LAYERS  # the bound itself is accepted
-    bad.write_text(json.dumps(d))
+    d["layers"] = [doc["layers"][0]] * MAX_LAYERS  # the bound itself is accepted (as calibrate-kv would write it)
+    bad.write_text(_as_written("kv", d))
     assert card(folder, eval=[bad]).reports[0]["kind"] == "kv"
 
 
@@ -626,3 +638,41 @@ def test_card_push_and_make_tiny_end_with_their_verdict_line(folder, tmp_path):
     assert last(r).endswith("would go to my-org/GLM-5-W4A16@main; nothing was sent") and "README.md:" in r.output
     r = CliRunner().invoke(app, ["make-tiny", "llama", str(tmp_path / "t"), "--layout", "bf16"])
     assert r.exit_code == 0 and last(r) == f"wrote a tiny llama checkpoint (bf16 layout) to {tmp_path / 't'}"
+
+
+# SGLang 0.5.23's shared-expert fusion gate (docs/engines.md): only 1 shared + 256 routed experts are eligible
+GLM5_EXPERTS = {"n_shared_experts": 1, "n_routed_experts": 256, "first_k_dense_replace": 1}
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({}, "auto-off"),  # W4A16 pack-quantized with a "Linear" INT4 group: step 6 turns fusion off
+    ({"profile": "all-linear"}, "auto-off"),
+    ({"keep_fp8": True}, "flag"),  # mixed-precision: step 6 does not fire, an FP8 shared expert in an INT4 layer
+    ({"scheme": "fp8-block", "profile": "experts"}, "flag"),  # a BF16 shared expert fused into an FP8 layer
+    ({"scheme": "fp8-block", "profile": "all-linear"}, None),  # same scheme: fusion as for the vendor's release
+])
+def test_sglang_fusion_advice_follows_the_engine_gate(converted, kw, want):
+    from quantize.publish.card import sglang_shared_fusion
+
+    qc = json.loads((converted("glm_moe_dsa", **kw) / "config.json").read_text())["quantization_config"]
+    assert sglang_shared_fusion(GLM5_EXPERTS, qc) == want
+    # near misses of the eligibility step (4): Kimi's 384 routed experts, two shared experts: never fused
+    assert sglang_shared_fusion({**GLM5_EXPERTS, "n_routed_experts": 384}, qc) is None
+    assert sglang_shared_fusion({**GLM5_EXPERTS, "n_shared_experts": 2}, qc) is None
+    if want == "auto-off":  # step 6 needs the top-level pack-quantized format and no input activations
+        assert sglang_shared_fusion(GLM5_EXPERTS, {**qc, "format": "mixed-precision"}) in ("flag", None)
+        g = {k: {**v, "input_activations": {"num_bits": 8, "type": "float"}} for k, v in qc["config_groups"].items()}
+        assert sglang_shared_fusion(GLM5_EXPERTS, {**qc, "config_groups": g}) != "auto-off"
+
+
+def test_card_launch_line_disables_fusion_where_sglang_would_fuse_a_foreign_shared_expert(tiny, tmp_path):
+    src = tiny("glm_moe_dsa", overrides={"n_routed_experts": 256, "num_hidden_layers": 2,
+                                         "moe_intermediate_size": 128})
+    kept, plain = tmp_path / "kept", tmp_path / "plain"
+    convert(src, kept, keep_fp8=True)
+    convert(src, plain)
+    kept_text, plain_text = card(kept).text, card(plain).text
+    assert "--kv-cache-dtype fp8_e4m3 --disable-shared-experts-fusion\n" in kept_text
+    assert "`--disable-shared-experts-fusion` is needed: the shared expert is not in the routed experts' scheme" in kept_text
+    assert "--disable-shared-experts-fusion" not in plain_text
+    assert "SGLang turns shared-expert fusion off by itself for this INT4 MoE" in plain_text

@@ -34,11 +34,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.index import CheckpointIndex, hf_snapshot, itemsize, read_tensor
-from ..checkpoint.manifest import MANIFEST, job_files
-from ..checkpoint.output import LOCK, RECORD, RECORD_DIR, confined, sha256_file, take_lock, write_text_atomic
+from ..checkpoint.manifest import MANIFEST, SOURCE_PATH, job_files
+from ..checkpoint.output import (
+    LOCK,
+    RECORD,
+    RECORD_DIR,
+    SIGNATURE,
+    confined,
+    sha256_file,
+    signed_json,
+    take_lock,
+    write_text_atomic,
+)
 from ..errors import QuantizeError
+from ..evaluate.smoke import SMOKE_ITEMS
 from ..hub import repo_id_error  # push reads it from here
 from ..parse import load_json
+from ..plan import _SglangSchemes
 from ..formats.layout import OBSERVERS
 from ..options import LICENSE_RE, CardOptions, takes
 
@@ -321,12 +333,34 @@ def _tolerant_json(path: Path, what: str, kind: str = "config") -> dict | None:
         return None
 
 
+def source_path(folder: Path, manifest: dict) -> str:
+    """Where the folder's source is on this machine: its job record's ``source_path`` (a manifest,
+    published with the model, names its source only by name), else an older manifest's
+    ``source.path``; "" when neither is recorded (a folder copied without ``.quantize/``)."""
+    src = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    if isinstance(src.get("path"), str):
+        return src["path"]
+    rec = Path(folder) / RECORD_DIR / RECORD
+    try:
+        st = rec.stat()
+    except OSError:
+        return ""
+    return _recorded_source(str(rec), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _recorded_source(rec: str, mtime_ns: int, size: int) -> str:
+    doc = _tolerant_json(Path(rec), "job record", "record")
+    v = doc.get(SOURCE_PATH) if isinstance(doc, dict) else None
+    return v if isinstance(v, str) else ""
+
+
 def conversion_record(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
     """(folder, manifest) of the conversion behind this output: itself for convert; for
     calibrate-kv, its source when that is a convert output still on disk."""
     if manifest.get("kind") == "convert":
         return Path(folder), manifest
-    src = Path(str((manifest.get("source") or {}).get("path") or ""))
+    src = Path(source_path(folder, manifest))
     m = _tolerant_json(src / MANIFEST, "quantize manifest", "record") if src.parts else None
     return (src, m) if isinstance(m, dict) and m.get("kind") == "convert" else None
 
@@ -356,7 +390,7 @@ def origin(folder: Path, manifest: dict) -> tuple[Path, dict] | None:
     conv = conversion_record(folder, manifest)
     if conv is not None or manifest.get("kind") != "calibrate-kv":
         return conv
-    src = Path(str((manifest.get("source") or {}).get("path") or ""))
+    src = Path(source_path(folder, manifest))
     if not src.parts or not (src / "config.json").is_file():
         return None
     theirs = _tolerant_json(src / MANIFEST, "quantize manifest", "record") if (src / MANIFEST).exists() else None
@@ -376,9 +410,13 @@ def base_model(
     from the one recorded, is said in a note (the card still names the chosen one)."""
     org = origin(folder, manifest)
     conv = conversion_record(folder, manifest)
-    path = str(((org[1] if org else manifest).get("source") or {}).get("path") or "")
-    snap = hf_snapshot(path) if org else None  # the manifest records the source resolved
-    cache = snap.repo_id if snap and snap.repo_id and repo_id_error(snap.repo_id) is None else None
+    src = (org[1] if org else manifest).get("source") or {}
+    path = source_path(*(org or (folder, manifest)))
+    snap = hf_snapshot(path) if org else None  # the record keeps the source resolved
+    # a path not on record (the folder copied without .quantize/): the Hub repo the manifest names
+    cache = snap.repo_id if snap and snap.repo_id else src.get("repo_id") if org else None
+    cache = cache if isinstance(cache, str) and repo_id_error(cache) is None else None
+    path = path or str(src.get("name") or "not recorded")
     mine = recorded_base_model(manifest)
     theirs = recorded_base_model(conv[1]) if conv is not None and conv[1] is not manifest else None
     choices = [
@@ -404,7 +442,7 @@ def base_model(
     if org is None:
         return None, (
             "the conversion's record (its quantize_manifest.json) is not on disk, so the source is not known"
-            if manifest.get("kind") == "convert" or _source_gone(manifest)
+            if manifest.get("kind") == "convert" or _source_gone(folder, manifest)
             else f"the source {_code(path)} is another quantize output, not the release its weights come from"
         ), []
     if cache is not None:
@@ -418,8 +456,8 @@ def base_model(
     ), []
 
 
-def _source_gone(manifest: dict) -> bool:
-    src = str((manifest.get("source") or {}).get("path") or "")
+def _source_gone(folder: Path, manifest: dict) -> bool:
+    src = source_path(folder, manifest)
     return not src or not (Path(src) / "config.json").is_file()
 
 
@@ -656,9 +694,9 @@ def tp_figures(folder: Path, index: CheckpointIndex, tps: tuple[int, ...] = (LAU
 
 MAX_REPORTS = 16  # --eval files per card
 MAX_TASKS = 500  # tasks in one eval report (lm-eval's MMLU is 57 subtasks)
-# a task scored on fewer documents is a smoke test: shown in the card's table, marked, and kept out of the
-# Hub's model-index (which would publish it as the model's score)
-SMOKE_ITEMS = 100
+# a task scored on fewer than SMOKE_ITEMS documents (evaluate/smoke.py, the rule eval's report shares) is a
+# smoke test: shown in the card's table, marked, and kept out of the Hub's model-index (which would publish it
+# as the model's score)
 # where a figure was measured (a report's "measured": {role: {...}}): what the card shows of each
 WHERE_KEYS = {"engine": "str", "version": "str?", "launch": "str?", "device": "str?", "url": "str?",
               "startup_s": "nonneg?", "prompts": "str?", "pd_prefill": "str?", "pd_router": "str?"}
@@ -868,9 +906,10 @@ def report_of(d, what: str, fix: str) -> dict:
 
 def load_report(path: str | os.PathLike, folder: Path) -> dict:
     """One ``--eval`` file: a ``quantize eval --out`` report, a ``quantize eval-kld --out``
-    report or ``quantize check --json`` output, detected by its fields and checked key by key; it
-    must be about this checkpoint (a report naming another quantize output with other weights is
-    refused)."""
+    report, a ``calibrate-kv --stats-out`` report or ``quantize check --json`` output, detected by its
+    fields and checked key by key; the first three only as quantize wrote them (``_unsigned``: a
+    hand-written or edited report is refused); it must be about this checkpoint (a report naming
+    another quantize output with other weights is refused)."""
     p = Path(path)
     if not p.exists():
         raise QuantizeError(f"--eval {p}: no such file; pass the JSON that `quantize eval --out` wrote")
@@ -882,10 +921,39 @@ def load_report(path: str | os.PathLike, folder: Path) -> dict:
         d, f"--eval {p}",
         "pass the file `quantize eval --out`, `eval-kld --out`, `calibrate-kv --stats-out` or `check --json` wrote",
     )
+    if why := _unsigned(d, r["kind"]):
+        raise QuantizeError(
+            f"--eval {p}: {why}, so the card would publish figures quantize did not measure; pass the report "
+            f"`{SIGNED_BY[r['kind']][1]}` wrote, as it wrote it"
+        )
     rep = r["report"]
     if r["kind"] != "kv":  # the KV cache may be measured on the source: the card says on which folder
         _same_model(p, rep.get("model") if r["kind"] == "check" else rep.get("candidate"), folder)
     return {"file": str(p), **r}
+
+
+# report kind -> (the ``written_by`` kind its writer signs it with, the command that writes it): the card
+# takes a report only as quantize wrote it (``checkpoint.output.signed_json``: the SHA-256 of the rest of
+# the document), which catches a hand-written or hand-edited report, not a forger.
+SIGNED_BY = {"eval": ("eval", "quantize eval --out"), "kld": ("kld", "quantize eval-kld --out"),
+             "kv": ("kv-stats", "quantize calibrate-kv --stats-out"), "check": ("check", "quantize check --json")}
+
+
+def _unsigned(d: dict, kind: str) -> str | None:
+    """Why ``d`` (a report of ``kind``, parsed) is not one quantize wrote and nobody edited since;
+    None when it is (or when its kind is not signed)."""
+    if kind not in SIGNED_BY:
+        return None
+    want = SIGNED_BY[kind][0]
+    sig = d.get(SIGNATURE)
+    if not isinstance(sig, dict):
+        return f"carries no `{SIGNATURE}` (the proof of origin quantize writes into every report): written by hand"
+    if sig.get("tool") != "quantize" or sig.get("kind") != want:
+        return f"its `{SIGNATURE}` names {_key(sig.get('tool'))} {_key(sig.get('kind'))}, not quantize {want}"
+    body = {k: v for k, v in d.items() if k != SIGNATURE}
+    if json.loads(signed_json(body, want))[SIGNATURE]["sha256"] != sig.get("sha256"):
+        return f"edited since quantize wrote it (the SHA-256 in its `{SIGNATURE}` no longer matches)"
+    return None
 
 
 def _weights_of(m: dict) -> dict:
@@ -1218,7 +1286,7 @@ def render(
         klds=[r["report"] for r in reports if r["kind"] == "kld"],
         model_ref=repo_id or name,
         repo_named=repo_id is not None,
-        n_shared=text_cfg.get("n_shared_experts"),
+        fusion=sglang_shared_fusion(text_cfg, qc),
         version=__version__,
         reports=reports,
     )
@@ -1226,6 +1294,36 @@ def render(
     return CardResult(
         str(given / README), text, ModelCard(text).data.to_dict(), readme_kind(folder, manifest), reports, notes
     )
+
+
+def sglang_shared_fusion(text_cfg: dict, qc: dict) -> str | None:
+    """What SGLang 0.5.23 does with a DeepSeek-class shared expert in this checkpoint at a plain
+    ``--tp`` launch (docs/engines.md, "Shared-expert fusion"; ``shared_experts_fusion_disable_reason``
+    in ``sglang/srt/models/deepseek_v2.py``): None where fusion cannot happen (no single shared expert
+    beside 256 routed ones) or where it is harmless (the shared expert in the routed experts' scheme);
+    "auto-off" where the INT4 W4A16 check turns it off (``is_wint4afp8_or_wint4a16_config``: an INT4
+    "Linear" group with no input activations and a top-level ``pack-quantized`` format); "flag" where it
+    would fuse a shared expert of another scheme into the routed layer, so the launch line needs
+    ``--disable-shared-experts-fusion``."""
+    if not (_int(text_cfg.get("n_shared_experts")) == 1 and _int(text_cfg.get("n_routed_experts")) == 256):
+        return None
+    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
+    linear = next((g for g in groups.values() if isinstance(g, dict) and "Linear" in (g.get("targets") or [])), None)
+    w = (linear or {}).get("weights") or {}
+    if (qc.get("format") == "pack-quantized" and w.get("num_bits") == 4 and w.get("type") == "int"
+            and w.get("symmetric") and not w.get("dynamic") and not linear.get("input_activations")):
+        return "auto-off"
+    if not groups:  # unquantized: the shared and routed experts are both BF16
+        return None
+    layer = _int(text_cfg.get("first_k_dense_replace")) or 0
+    schemes = _SglangSchemes({"ignore": qc.get("ignore") or [], "config_groups": groups})
+    shared = schemes(f"model.layers.{layer}.mlp.shared_experts.gate_proj")
+    routed = schemes(f"model.layers.{layer}.mlp.experts.0.gate_proj")
+    return None if shared == routed else "flag"
+
+
+def _int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _stored_reports(folder: Path) -> list[dict]:
