@@ -39,13 +39,16 @@ from .events import Emit, null_emit
 from .formats import int4 as int4_fmt
 from .formats.int4 import unpack_int4
 from .kernels.cpu import CpuW4A16
-from .kernels.reference import w4a16_reference
+from .kernels.reference import w4a16_reference, w4a8_reference
 from .options import DATA_AWARE, CheckOptions, takes  # DATA_AWARE: the source alone cannot re-derive them
 from .shard import MANIFEST, UNSHARDED, RankReader, _sha, load_manifest, plan_shard, rank_pieces, verify_shard_files
 
 REPORT_KIND = "check"  # the ``written_by`` kind of its JSON report (`check --json`, run's reports/check.json)
 KERNEL_RTOL = 2e-2  # bf16 output of the CPU/Triton kernel vs fp32 reference (relative L2)
 SHARD_RTOL = 1e-5  # fp32 recombination vs fp32 unsharded product (max abs / max |y|)
+# W4AFP8: FP8 e4m3 per-token activations cost a relative L2 error of about 2.5 % on Gaussian inputs (3 mantissa
+# bits: a uniform rounding error of at most 2^-4 relative, about 2^-4 / sqrt(3) r.m.s.); 5 % is twice that
+W4A8_RTOL = 5e-2
 
 
 @dataclass
@@ -57,6 +60,8 @@ class Row:
     source_rel_err: float | None = None
     snr_db: float | None = None
     shard_max_err: float | None = None
+    # W4AFP8: the reference W4A8 product (FP8 per-token activations) against the W4A16 one, relative L2
+    w4a8_rel_err: float | None = None
     failures: list[str] = field(default_factory=list)
 
 
@@ -293,6 +298,21 @@ def _value(v):
     return getattr(v, "value", v)
 
 
+def w4afp8_modules(index: CheckpointIndex, modules: list[str]) -> set[str]:
+    """The INT4 modules whose config group quantizes their input activations (W4AFP8), matched as
+    compressed-tensors matches (``verify_quant_config`` has proven the config first)."""
+    from .plan import _ct_match, _scheme_for
+
+    qc = ModelConfig.from_dict(index.config, "config.json").quantization_config or {}
+    groups = qc.get("config_groups") or {}
+    act = {g for g, sc in groups.items() if isinstance(sc, dict) and sc.get("input_activations")}
+    if not act:
+        return set()
+    view = {"ignore": qc.get("ignore") or [],
+            "config_groups": {g: {"targets": sc.get("targets") or []} for g, sc in groups.items()}}
+    return {m for m in modules if _scheme_for(m, view, _ct_match) in act}
+
+
 def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
     """config.json's ``quantization_config`` describes the tensors, read by compressed-tensors' own
     models and matched by its own ``match_name``: compressed-tensors, pack-quantized, 4-bit symmetric
@@ -302,7 +322,8 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
     from compressed_tensors.quantization import QuantizationConfig
     from pydantic import ValidationError
 
-    from .plan import _ct_match, _names, _scheme_for
+    from .options import W4AFP8_GROUP
+    from .plan import W4AFP8_INPUT, _ct_match, _names, _scheme_for
     from .shard import _int4_modules
 
     where = model / "config.json"
@@ -362,12 +383,16 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
                 ("weights.symmetric", getattr(w, "symmetric", None), True),
                 ("weights.strategy", _value(getattr(w, "strategy", None)), "group"),
                 ("weights.group_size", getattr(w, "group_size", None), g),
-                ("weights.dynamic", getattr(w, "dynamic", None), False),
-                ("input_activations", None if sc.input_activations is None else "set", None))
+                ("weights.dynamic", getattr(w, "dynamic", None), False))
+        a = sc.input_activations
+        if a is not None:  # W4AFP8: exactly what vLLM's `_is_fp8_w4a8` takes, by the group its kernels take
+            says += tuple((f"input_activations.{k}", _value(getattr(a, k, None)), v) for k, v in W4AFP8_INPUT.items())
+            says += (("weights.group_size (W4A8 kernels)", g, W4AFP8_GROUP),)
+        what = "W4AFP8 (INT4 weights, dynamic per-token FP8 activations)" if a is not None else "W4A16"
         for name, got, want in says:
             if got != want:
                 raise CheckFailed(f"{where}: {field}.{name} is {got!r}, but the tensors of {module} are "
-                                  f"{want!r} (INT4 W4A16 pack-quantized, group {g}); convert again")
+                                  f"{want!r} ({what} pack-quantized, group {g}); convert again")
         checked.add(grp)
     for name, ref in index.tensors.items():
         base, _, param = name.rpartition(".")
@@ -597,6 +622,7 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
     if not modules and not fp8_out:
         raise QuantizeError(f"{model}: no INT4 (weight_packed) or FP8 tensors to check; is this a quantize convert "
                             "output?")
+    fp8_act = w4afp8_modules(index, modules)
     emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0, "unit": "modules"})
     for i, m in enumerate(modules):
         packed = read_tensor(model, index.tensors[m + ".weight_packed"])
@@ -614,10 +640,16 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
         if not row.unpack_ok:
             row.failures.append(f"{m}: unpack differs from compressed-tensors' unpack_from_int32")
         x = torch.randn(tokens, shape[1], generator=g).to(torch.bfloat16)
-        row.kernel_rel_err, _ = _kernel_err(x, packed, scale, shape)
+        row.kernel_rel_err, ref = _kernel_err(x, packed, scale, shape)
         if not row.kernel_rel_err <= KERNEL_RTOL:
             row.failures.append(f"{m}: W4A16 kernel differs from the reference "
                                 f"(rel. error {row.kernel_rel_err:.3g} > {KERNEL_RTOL})")
+        if m in fp8_act:
+            y8 = w4a8_reference(x, packed, scale, shape)
+            row.w4a8_rel_err = float((y8 - ref).norm() / ref.norm().clamp_min(1e-30))
+            if not row.w4a8_rel_err <= W4A8_RTOL:
+                row.failures.append(f"{m}: the W4A8 product (FP8 per-token activations) differs from the W4A16 one "
+                                    f"by {row.w4a8_rel_err:.3g} > {W4A8_RTOL}")
         rows.append(row)
         emit({"event": "tensor", "name": m, "done_bytes": i + 1})
     moe_rec = _moe_layer_check(model, index, arch, modules, tokens, seed)

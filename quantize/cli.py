@@ -254,7 +254,7 @@ def convert(json_out: bool, **options):
         f"[bold green]done[/] {res.out}: {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)} in "
         f"{res.seconds:.1f} s"
         + (f" ({res.gbps:.3f} GB/s)" if res.gbps >= 0.0005 else "")  # a run of kept shards read nothing new
-        + f"; {res.tensors_int4} {'FP8 block' if res.plan['options'].get('scheme') else 'INT4'} "
+        + f"; {res.tensors_int4} {'FP8 block' if res.plan['options'].get('scheme') == 'fp8-block' else 'INT4'} "
         f"tensors quantized{err}"
         + (f"; {res.passed_through} INT4 tensors passed through bit for bit" if res.passed_through else "")
         + kept

@@ -347,8 +347,14 @@ def cli_parameters(model: type) -> list[inspect.Parameter]:
 METHODS = ("rtn", "gptq", "autoround")
 DEFAULT_METHOD = "rtn"
 # output schemes: group-wise INT4 (pack-quantized) or 128x128 block FP8 (float-quantized, llm-compressor's FP8_BLOCK)
-SCHEMES = ("w4a16", "fp8-block")
+SCHEMES = ("w4a16", "fp8-block", "w4afp8")
 DEFAULT_SCHEME = "w4a16"
+# --scheme w4afp8 (INT4 routed experts, FP8 activations; docs/engines.md#w4afp8): the engine whose layout is
+# written. vllm: compressed-tensors W4A8-FP8 (dynamic per-token FP8 activations, no scale written). sglang's
+# native `w4afp8` layout (int8 codes, static per-expert activation scales) is not written by this version.
+W4AFP8_ENGINES = ("vllm", "sglang")
+W4AFP8_GROUP = 128  # both engines' CUTLASS W4A8 MoE kernels take group 128 only
+W4AFP8_OBSERVERS = ("minmax", "mse")  # positive scales: the W4A8 scale conversion is not proven on negative ones
 DATA_AWARE = ("gptq", "autoround")
 # GPTQ column order: "static" visits columns by decreasing Hessian diagonal with the groups fixed
 # beforehand (llm-compressor's default, its "static"/"weight"; the file format is unchanged, no
@@ -425,6 +431,13 @@ class ConvertOptions(Options):
         "per 128x128 block, float-quantized as llm-compressor's FP8_BLOCK writes it: the prefill artifact); default: "
         "the recipe's",
         choices=SCHEMES,
+        why="unknown; use one of {choices}",
+    )
+    engine: str | None = opt(
+        None,
+        "--scheme w4afp8: the engine whose W4AFP8 layout is written: vllm (default: compressed-tensors W4A8-FP8, "
+        "dynamic FP8 activations) or sglang (its native w4afp8 layout: not written by this version)",
+        choices=W4AFP8_ENGINES,
         why="unknown; use one of {choices}",
     )
     group_size: int | None = opt(
@@ -627,9 +640,11 @@ class ConvertOptions(Options):
             d.pop("requantize", None)
         if self.scheme in (None, DEFAULT_SCHEME):
             d.pop("scheme", None)
-        else:  # FP8 block has one grid (absmax / 448 per block): INT4's group size and observer do not apply
+        elif self.scheme == "fp8-block":  # one grid (absmax / 448 per block): no INT4 group size or observer
             d.pop("group_size", None)
             d.pop("observer", None)
+        if self.scheme != "w4afp8":
+            d.pop("engine", None)
         if self.base_model is None:
             d.pop("base_model")  # only where given: a manifest without it is what it was before the option
         return d
@@ -667,9 +682,40 @@ class ConvertOptions(Options):
             raise QuantizeError(f"--scheme {self.scheme} conflicts with scheme {rscheme} in {recipe.path}; "
                                 "drop the flag or edit the recipe")
         scheme = self.scheme or rscheme or DEFAULT_SCHEME
+        if self.engine is not None and scheme != "w4afp8":
+            raise QuantizeError(f"--engine {self.engine} picks a W4AFP8 layout, but the scheme is {scheme}; add "
+                                "--scheme w4afp8 or drop --engine")
+        if scheme == "w4afp8":
+            return self._resolve_w4afp8(recipe)
         if scheme != DEFAULT_SCHEME:
             self._check_fp8_block(recipe)
         return replace(self._resolve(recipe), scheme=scheme)
+
+    def _resolve_w4afp8(self, recipe) -> "ConvertOptions":
+        """W4AFP8: routed experts INT4 by group 128 (the engines' CUTLASS W4A8 kernels take no other),
+        FP8 activations at serving time; the source's block-FP8 weights stay FP8 (the engines' W4AFP8
+        methods serve the rest as block FP8). One line for what the engines cannot serve."""
+        engine = self.engine or "vllm"
+        if engine == "sglang":
+            raise QuantizeError("--scheme w4afp8 --engine sglang: SGLang's native w4afp8 layout (int8 codes, fp32 "
+                                "weight_scale_inv, static per-expert activation scales) is not written by this "
+                                "version; use --engine vllm (compressed-tensors W4A8-FP8, docs/engines.md#w4afp8)")
+        if recipe is not None:
+            raise QuantizeError(f"{recipe.path}: a recipe with --scheme w4afp8 is not supported (the scheme fixes the "
+                                "targets: routed experts INT4 by group 128); drop one of them")
+        if self.group_size not in (None, W4AFP8_GROUP):
+            raise QuantizeError(f"--group-size {self.group_size}: the W4A8 MoE kernels of vLLM 0.33 and SGLang 0.5.23 "
+                                f"take group {W4AFP8_GROUP} only; drop --group-size for --scheme w4afp8")
+        if self.profile not in (None, DEFAULT_PROFILE):
+            raise QuantizeError(f"--profile {self.profile}: --scheme w4afp8 quantizes the routed experts only (the "
+                                "engines' W4AFP8 methods serve the rest as block FP8); drop --profile")
+        if self.observer is not None and self.observer not in W4AFP8_OBSERVERS:
+            raise QuantizeError(f"--observer {self.observer}: its negative scales are not proven through the W4A8 "
+                                f"kernels' scale conversion; use one of {', '.join(W4AFP8_OBSERVERS)} with "
+                                "--scheme w4afp8")
+        out = replace(self, group_size=W4AFP8_GROUP, profile=DEFAULT_PROFILE, keep_fp8=True, engine=engine,
+                      observer=self.observer or DEFAULT_OBSERVER)
+        return replace(out._resolve(None), scheme="w4afp8")
 
     def _check_fp8_block(self, recipe) -> None:
         """FP8 block is round-to-nearest on its own grid (absmax / 448 per 128x128 block, as
@@ -779,6 +825,7 @@ class PlanOptions(Options):
     keep_fp8: bool = same(ConvertOptions, "keep_fp8")
     recipe: str | None = same(ConvertOptions, "recipe")
     scheme: str | None = same(ConvertOptions, "scheme")
+    engine: str | None = same(ConvertOptions, "engine")
     requantize: bool = same(ConvertOptions, "requantize")
     gpu_mem_gib: float = opt(
         H200_GIB,

@@ -556,6 +556,15 @@ def _int4_request(asked, options, recipe: Recipe | None, src: Int4Scheme, where:
     if options.scheme == "fp8-block":  # another format asked for by name: the INT4 codes are dequantized
         return options
     g = asked.group_size if asked.group_size is not None else (recipe.group_size if recipe else None)
+    if options.scheme == "w4afp8" and src.group_size != options.group_size:  # the W4A8 kernels' one group size
+        if not options.requantize:
+            raise QuantizeError(
+                f"{where}: the source's tensors are INT4 by group {src.group_size} ({src.describe()}); W4AFP8 needs "
+                f"group {options.group_size} (the engines' CUTLASS W4A8 kernels take no other), so its codes cannot "
+                "pass through: add --requantize (dequantized exactly, then quantized again by group "
+                f"{options.group_size}; scripts/bench_w4afp8.py measures what re-grouping costs)"
+            )
+        return options
     obs = asked.observer or (recipe.observer if recipe else None)
     changes = []
     if g is not None and g != src.group_size:
@@ -772,8 +781,9 @@ def quantization_config(
     groups = {
         "config_group_0": QuantizationScheme(
             targets=view["config_groups"]["config_group_0"]["targets"],
-            format="pack-quantized",
+            format="pack-quantized",  # also for W4AFP8, where compressed-tensors would infer int-quantized
             weights=QuantizationArgs.model_validate(int4.weights_args(options.group_size)),
+            input_activations=QuantizationArgs.model_validate(W4AFP8_INPUT) if options.scheme == "w4afp8" else None,
         )
     }
     kept = "config_group_1" in view["config_groups"]
@@ -802,6 +812,14 @@ def quantization_config(
         "transform_config": {},
         **qc.model_dump(mode="json"),
     }
+
+
+# --scheme w4afp8 (vLLM 0.33 compressed-tensors W4A8-FP8, docs/engines.md#w4afp8): the INT4 group's input
+# activations are FP8 e4m3, dynamic, one scale per token (`_is_fp8_w4a8`, compressed_tensors.py), as the
+# compressed-tensors W4AFP8 preset writes them. Dynamic: no activation scale is written.
+W4AFP8_INPUT = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+# the W4A8 MoE kernel's shape rule (compressed_tensors_moe_w4a8_fp8.py): hidden and intermediate per rank % 256
+W4AFP8_MOE_ALIGN = 256
 
 
 # --keep-fp8: the BF16 indexer head is ignored on its own; everything else of attention is FP8
@@ -915,6 +933,32 @@ def check_with_compressed_tensors(plan: Plan) -> None:
                 )
 
 
+def w4afp8_violation(hidden: int, inter: int, tp: int) -> str | None:
+    """The W4A8 MoE kernels' shape rule at ``tp`` ranks (vLLM 0.33 ``CompressedTensorsW4A8Fp8MoEMethod``:
+    hidden % 256 and intermediate per rank % 256; SGLang's 128 is weaker), or None."""
+    if hidden % W4AFP8_MOE_ALIGN:
+        return f"hidden_size {hidden} is not a multiple of {W4AFP8_MOE_ALIGN}"
+    if inter % tp or (inter // tp) % W4AFP8_MOE_ALIGN:
+        return f"moe_intermediate_size {inter} / TP {tp} is not a multiple of {W4AFP8_MOE_ALIGN}"
+    return None
+
+
+def w4afp8_shape_rule(plan: Plan) -> None:
+    """Every INT4 routed expert fits the W4A8 MoE kernel at the plan's TP, or one line."""
+    experts = [j for j in plan.jobs if j.kind in INT4_KINDS and ".experts." in j.name]
+    if not experts:
+        raise QuantizeError(f"{plan.source}: no routed experts to make INT4; --scheme w4afp8 is for mixture-of-experts "
+                            "models (use --scheme w4a16)")
+    hidden = next(j.wshape[1] for j in experts if ".down_proj." not in j.name)
+    inter = next(j.wshape[1] for j in experts if ".down_proj." in j.name)
+    why = w4afp8_violation(hidden, inter, plan.tp)
+    if why:
+        ok = [t for t in (1, 2, 4, 8) if w4afp8_violation(hidden, inter, t) is None]
+        fix = f"use --tp {ok[-1]}" if ok else "this model's experts cannot run through the W4A8 MoE kernels"
+        raise QuantizeError(f"{plan.source}: --scheme w4afp8 at TP {plan.tp}: {why} (the W4A8 MoE kernel's rule, "
+                            f"docs/engines.md#w4afp8); {fix}")
+
+
 def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> None:
     """Everything that can fail, before any byte is written: group divisibility, uniform schemes
     across engine-fused modules and experts, and an ignore list that holds in the engines."""
@@ -932,6 +976,8 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
                 else "keep it high precision (--profile experts or a recipe ignore)"
             )
             raise QuantizeError(f"{j.src.file}: tensor {j.name} has K={k}, not a multiple of group size {g}; {fix}")
+    if plan.options.scheme == "w4afp8":
+        w4afp8_shape_rule(plan)
     # fused sets and experts share one scheme
     by_layer: dict[str, set[bool]] = defaultdict(set)
     for module, q in decision.items():
@@ -980,7 +1026,7 @@ def _tp_refused(tp: int, heads: int, where: Path) -> QuantizeError:
 
 # ---------------------------------------------------------------------------------------------
 @takes(PlanOptions)
-def plan(source, tp, group_size, profile, keep_fp8, recipe, scheme, requantize, gpu_mem_gib, mem_fraction,
+def plan(source, tp, group_size, profile, keep_fp8, recipe, scheme, engine, requantize, gpu_mem_gib, mem_fraction,
          reserve_gib) -> Plan:
     """``quantize plan``: the conversion plan from headers (or config.json alone), no tensor data,
     with KV-cache capacity per GPU (``Plan.kv``) for the given GPU memory inputs. ``group_size`` /
@@ -990,7 +1036,7 @@ def plan(source, tp, group_size, profile, keep_fp8, recipe, scheme, requantize, 
     p = build_plan(
         Path(source),
         ConvertOptions(group_size=group_size, profile=profile, keep_fp8=keep_fp8, recipe=recipe, scheme=scheme,
-                       requantize=requantize),
+                       engine=engine, requantize=requantize),
         tp=tp,
         allow_config_only=True,
         ct_check=False,
