@@ -119,6 +119,16 @@ def test_w4a16_output_of_group_128_is_not_taken_for_w4afp8(converted):
     assert all(r.w4a8_rel_err is None for r in check(out).rows)
 
 
+def _e4m3_by_hand(xd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 e4m3 in float64: scale amax / 448, codes rounded to 3 mantissa bits (half to
+    even; subnormal steps of 2^-9 below 2^-6). -> (codes, scales)."""
+    sx = xd.abs().amax(-1, keepdim=True) / 448
+    v = xd / sx
+    e = torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -9))).clamp(min=-6)
+    step = 2.0 ** (e - 3)
+    return torch.round(v / step) * step, sx  # torch.round is half-to-even
+
+
 def test_w4a8_reference_against_a_float_computation_of_the_same_quantized_values():
     """The oracle: e4m3 codes rounded by hand (3 mantissa bits, round half to even on the float64
     grid), scales amax / 448, the product in float64; W = code x scale by hand too."""
@@ -130,11 +140,7 @@ def test_w4a8_reference_against_a_float_computation_of_the_same_quantized_values
 
     packed = pack_int4(q.to(torch.int8))
     xd = x.double()
-    sx = xd.abs().amax(-1, keepdim=True) / 448
-    v = xd / sx
-    e = torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -9))).clamp(min=-6)  # e4m3: subnormals below 2^-6
-    step = 2.0 ** (e - 3)
-    codes = torch.round(v / step) * step  # torch.round is half-to-even
+    codes, sx = _e4m3_by_hand(xd)
     w = q.double().view(64, 2, 128) * scale.double().unsqueeze(-1)
     want = (codes * sx) @ w.view(64, 256).t()
     got = w4a8_reference(x, packed, scale, (64, 256))
@@ -232,3 +238,51 @@ def test_vllm_takes_the_experts_as_w4a8_fp8_and_the_rest_as_written(w4afp8, conv
     for m in names[2:4]:
         assert got[m]["w4a8_fp8"] is False and got[m]["weights_bits"] == 8
     assert got["lm_head"] is None
+
+
+def test_a_local_w4afp8_candidate_runs_its_experts_through_fp8_activations(w4afp8, converted):
+    """eval / eval-kld load a W4AFP8 candidate with its experts' GEMM inputs fake-quantized per token
+    (evaluate/w4a8.py); the oracle recomputes one MoE layer's experts by hand in float64."""
+    from quantize.evaluate import w4a8
+    from quantize.evaluate.kld import load_model
+
+    _, out = w4afp8
+    m = load_model(out, torch.float32)
+    experts = [x for x in m.modules() if type(x).__name__.endswith("Experts")]
+    assert experts and all(x.forward.__func__ is w4a8._w4a8_experts_forward for x in experts)
+    ex = experts[0]
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(6, ex.hidden_dim, generator=g)
+    idx = torch.randint(0, ex.num_experts, (6, 2), generator=g)
+    wts = torch.rand(6, 2, generator=g)
+    got = ex(h, idx, wts).double()
+    want = torch.zeros(6, ex.hidden_dim, dtype=torch.float64)
+    for t in range(6):
+        c, s = _e4m3_by_hand(h[t:t + 1].double())
+        x8 = c * s
+        for j in range(2):
+            e = int(idx[t, j])
+            gu = x8 @ ex.gate_up_proj[e].double().t()
+            gate, up = gu.chunk(2, dim=-1)
+            a = torch.nn.functional.silu(gate) * up
+            ca, sa = _e4m3_by_hand(a)
+            want[t] += wts[t, j].double() * ((ca * sa) @ ex.down_proj[e].double().t())[0]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    # the near miss: the same weights with BF16 activations (W4A16) are measurably elsewhere
+    plain = type(ex).forward(ex, h, idx, wts).double()
+    assert not torch.allclose(plain, want, rtol=1e-3, atol=1e-4)
+    # a W4A16 candidate is left as transformers built it
+    m16 = load_model(converted("glm_moe_dsa", group_size=128, keep_fp8=True), torch.float32)
+    assert not [x for x in m16.modules() if getattr(x.forward, "__func__", None) is w4a8._w4a8_experts_forward]
+
+
+def test_a_w4afp8_config_without_an_experts_module_is_not_scored():
+    from quantize.evaluate import w4a8
+
+    cfg = {"quantization_config": {"config_groups": {"g": {"input_activations": {
+        "type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}}}}}
+    with pytest.raises(QuantizeError, match="no fused experts module .* not scored"):
+        w4a8.apply(torch.nn.Linear(2, 2), cfg, "m")
+    near = {"quantization_config": {"config_groups": {"g": {"input_activations": {
+        "type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": True}}}}}
+    assert w4a8.apply(torch.nn.Linear(2, 2), near, "m") == 0

@@ -108,6 +108,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device = torch.devi
     except Exception as e:  # noqa: BLE001 - surface one line naming the model
         raise QuantizeError(f"{path}: transformers cannot load this model "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
+    from . import w4a8
+
+    w4a8.apply(m, cfg, path)  # a W4AFP8 candidate: its experts' activations through FP8, as the engines compute
     return m.to(device=device, dtype=dtype).eval()
 
 
