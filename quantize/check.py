@@ -384,15 +384,20 @@ def verify_quant_config(model: Path, index: CheckpointIndex) -> None:
                 ("weights.strategy", _value(getattr(w, "strategy", None)), "group"),
                 ("weights.group_size", getattr(w, "group_size", None), g),
                 ("weights.dynamic", getattr(w, "dynamic", None), False))
-        a = sc.input_activations
-        if a is not None:  # W4AFP8: exactly what vLLM's `_is_fp8_w4a8` takes, by the group its kernels take
-            says += tuple((f"input_activations.{k}", _value(getattr(a, k, None)), v) for k, v in W4AFP8_INPUT.items())
-            says += (("weights.group_size (W4A8 kernels)", g, W4AFP8_GROUP),)
-        what = "W4AFP8 (INT4 weights, dynamic per-token FP8 activations)" if a is not None else "W4A16"
         for name, got, want in says:
             if got != want:
                 raise CheckFailed(f"{where}: {field}.{name} is {got!r}, but the tensors of {module} are "
-                                  f"{want!r} ({what} pack-quantized, group {g}); convert again")
+                                  f"{want!r} (INT4 pack-quantized, group {g}); convert again")
+        a = sc.input_activations
+        if a is not None and g != W4AFP8_GROUP:
+            raise CheckFailed(f"{where}: {field}.input_activations is set (W4AFP8), but the tensors of {module} are "
+                              f"INT4 by group {g} and the W4A8 kernels take group {W4AFP8_GROUP} only: a W4A16 "
+                              "checkpoint needs input_activations null; convert again")
+        for k, want in W4AFP8_INPUT.items() if a is not None else ():  # exactly what vLLM's `_is_fp8_w4a8` takes
+            got = _value(getattr(a, k, None))
+            if got != want:
+                raise CheckFailed(f"{where}: {field}.input_activations.{k} is {got!r}; W4AFP8 as vLLM 0.33 reads it "
+                                  f"needs {want!r} (dynamic per-token FP8, docs/engines.md#w4afp8); convert again")
         checked.add(grp)
     for name, ref in index.tensors.items():
         base, _, param = name.rpartition(".")

@@ -180,6 +180,23 @@ def _check_fp8_block(arch, index: CheckpointIndex, tp: int) -> None:
                                 f"{' or '.join(map(str, alt))}")
 
 
+def _check_w4a8_rule(index: CheckpointIndex, int4: dict, hidden: int, tp: int) -> None:
+    """A W4AFP8 checkpoint (FP8 per-token input activations): its routed experts under the W4A8 MoE
+    kernel's shape rule at ``tp`` (plan.w4afp8_violation), or one line naming the TP that fits."""
+    from .evaluate.w4a8 import fp8_token_groups
+    from .plan import w4afp8_violation
+
+    downs = [k for m, (n, k, g) in int4.items() if ".experts." in m and m.endswith(".down_proj")]
+    if not downs or not fp8_token_groups(index.config):
+        return
+    why = w4afp8_violation(hidden, downs[0], tp)
+    if why:
+        ok = [t for t in (1, 2, 4, 8, 16) if w4afp8_violation(hidden, downs[0], t) is None]
+        fix = f"use --tp {' or '.join(map(str, ok))}" if ok else "no TP fits the W4A8 MoE kernel"
+        raise QuantizeError(f"{index.folder}: W4AFP8 at TP {tp}: {why} (the W4A8 MoE kernel's rule, "
+                            f"docs/engines.md#w4afp8); {fix}")
+
+
 def _check_rules(arch, index: CheckpointIndex, splits: list[TensorSplit], int4: dict, tp: int) -> None:
     """Marlin / MoE-Marlin shape rules per rank, before any write; a violation names the tensor,
     the rule and a TP that works."""
@@ -200,6 +217,7 @@ def _check_rules(arch, index: CheckpointIndex, splits: list[TensorSplit], int4: 
                    if t != tp and marlin_violation(n, k, g, t, s.split, role, hidden) is None]
             fix = f"use --tp {' or '.join(map(str, alt))}" if alt else "convert with a smaller --group-size"
         raise QuantizeError(f"{index.folder / s.file}: tensor {module} at TP {tp}: {rule}; {fix}")
+    _check_w4a8_rule(index, int4, hidden, tp)
     # fused sets must share one scheme
     for module in int4:
         for member in arch.fused_members(module):

@@ -135,7 +135,8 @@ CASES = [
          _cfg("out", lambda c: c[QC]["ignore"].append("re:.*experts.*")), code=1, needs=("out",)),
     Case("check: targets nothing", OUT_CHECK, "unquantized",
          _group(lambda g: g.__setitem__("targets", ["re:nothing$"])), code=1, needs=("out",)),
-    Case("check: activations quantized", OUT_CHECK, "input_activations is 'set'",
+    Case("check: activations quantized", OUT_CHECK, "input_activations is set (W4AFP8), but the tensors of "
+         "model.layers.1.mlp.experts.0.down_proj are INT4 by group 32",
          _group(lambda g: g.__setitem__("input_activations", {"num_bits": 8, "type": "float"})), code=1,
          needs=("out",)),
     # R3: the manifest against the job record and the folder

@@ -16,6 +16,7 @@ from quantize.checkpoint.index import CheckpointIndex
 from quantize.convert import convert
 from quantize.engines import vllm as V
 from quantize.errors import CheckFailed, QuantizeError
+from quantize.publish.card import card
 from quantize.kernels.reference import dequant_fp32, fp8_per_token, w4a8_reference
 from quantize.testing.tiny import make_tiny
 
@@ -286,3 +287,28 @@ def test_a_w4afp8_config_without_an_experts_module_is_not_scored():
     near = {"quantization_config": {"config_groups": {"g": {"input_activations": {
         "type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": True}}}}}
     assert w4a8.apply(torch.nn.Linear(2, 2), near, "m") == 0
+
+
+def test_a_w4afp8_card_gives_vllm_launch_line_only(tiny, tmp_path):
+    out = tmp_path / "w4afp8"
+    convert(tiny("glm_moe_dsa"), out, scheme="w4afp8")
+    text = card(out).text
+    assert f"vllm serve {out.name} --tensor-parallel-size" in text
+    assert "sglang.launch_server" not in text and "so no SGLang line is given" in text
+    # the near miss: a W4A16 output of the same group size keeps both lines
+    out16 = tmp_path / "w4a16"
+    convert(tiny("glm_moe_dsa"), out16, group_size=128, keep_fp8=True)
+    t16 = card(out16).text
+    assert "sglang.launch_server" in t16 and "no SGLang line" not in t16
+
+
+def test_shard_and_the_card_keep_the_w4a8_rule(tiny, tmp_path):
+    """The tiny model's moe_intermediate_size 256 fits vLLM's W4A8 MoE at TP 1 only (I/tp % 256)."""
+    from quantize.shard import plan_shard
+
+    out = tmp_path / "w4afp8"
+    convert(tiny("glm_moe_dsa"), out, scheme="w4afp8")
+    with pytest.raises(QuantizeError, match="W4AFP8 at TP 2: moe_intermediate_size 256 / TP 2 .* use --tp 1"):
+        plan_shard(out, 2)
+    plan_shard(out, 1)
+    assert f"vllm serve {out.name} --tensor-parallel-size 1 " in card(out).text

@@ -49,6 +49,7 @@ from ..checkpoint.output import (
 from ..errors import QuantizeError
 from ..evaluate.smoke import SMOKE_ITEMS
 from ..hub import repo_id_error  # push reads it from here
+from ..evaluate.w4a8 import fp8_token_groups
 from ..parse import load_json
 from ..plan import _SglangSchemes
 from ..formats.layout import OBSERVERS
@@ -1287,6 +1288,9 @@ def render(
         model_ref=repo_id or name,
         repo_named=repo_id is not None,
         fusion=sglang_shared_fusion(text_cfg, qc),
+        # W4AFP8 with the vendor's FP8 kept (mixed-precision): SGLang's compressed-tensors W4AFP8 route reads
+        # the top-level format as pack-quantized only, so the checkpoint is vLLM's (docs/engines.md#w4afp8)
+        w4afp8_vllm_only=bool(fp8_token_groups(cfg)) and qc.get("format") == "mixed-precision",
         version=__version__,
         reports=reports,
     )
