@@ -551,7 +551,8 @@ def eval_cmd(json_out: bool, **options):
         if rep.kld is not None:
             k = rep.kld
             typer.echo(f"KL divergence {k.kld_mean:.5f} ({k.estimator}, {k.tokens:,} tokens), top-1 agreement "
-                       f"{k.top1_agreement:.4f}, perplexity {k.ppl_baseline:.3f} -> {k.ppl_candidate:.3f}")
+                       f"{k.top1_agreement:.4f}, perplexity {k.ppl_baseline:.3f} -> {k.ppl_candidate:.3f}"
+                       + (f"; KL gate {k.gate['verdict']}" if k.gate is not None else ""))
         wrote = [str(options[k]) for k in ("out", "markdown", "kld_out", "save_baseline") if options[k] is not None]
         if options["save_baseline"] is not None and options["kld_out"] is not None:
             from .evaluate.run import kld_baseline_file
@@ -574,9 +575,25 @@ def eval_kld_cmd(json_out: bool, **options):
     baseline on the same text (repeat --candidate for one table)."""
     from .evaluate.kld import kld_table
 
+    from .evaluate.kld import gate_failures
+
     table = _run(kld_table, **options)
     if table.log:
         typer.echo(f"transformers' own output: {table.log} (--verbose shows it)", err=True)
+    try:
+        _kld_output(json_out, options, table)
+    finally:  # the gate's exit code, after the figures are out: one line per candidate over a bound
+        failed = gate_failures(table.reports)
+        for line in failed:
+            typer.echo(f"gate FAILED: {line}", err=True)
+        if not failed and table.reports[0].gate is not None:
+            typer.echo("gate passed: " + "; ".join(f"{r.candidate}: {r.gate['verdict'][len('pass: '):]}"
+                                                    for r in table.reports))
+    if failed:
+        raise typer.Exit(1)
+
+
+def _kld_output(json_out: bool, options: dict, table) -> None:
     if json_out:
         typer.echo(json.dumps(table.to_dict() if len(table.reports) > 1 else table.reports[0].to_dict(), indent=1))
         return

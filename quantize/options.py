@@ -1097,6 +1097,14 @@ class EvalOptions(Options):
     kld_chunk: int = opt(
         512, "context length per chunk", check=lambda v: 2 <= v <= 1 << 20, why="must be from 2 to 1048576 tokens"
     )
+    max_kld: float | None = opt(
+        None, "gate (with --kld-out): fail when the mean next-token KL(baseline || candidate) exceeds this",
+        check=_nonneg, why="must be 0 or more (nats per token)",
+    )
+    max_flip_rate: float | None = opt(
+        None, "gate (with --kld-out): fail when the share of positions whose top-1 token differs from the "
+        "baseline's exceeds this (0 to 1)", check=lambda v: 0 <= v <= 1, why="must be from 0 to 1",
+    )
     kld_top_k: int = opt(
         100, "log-probabilities per position the served KL estimator reads (--serve: what the engine returns; vLLM "
         "is launched with --max-logprobs to match); a local run reports that estimate beside the full KL",
@@ -1139,6 +1147,10 @@ class KLDOptions(Options):
     serve_log: Path | None = same(EvalOptions, "serve_log")
     verbose: bool = same(EvalOptions, "verbose")
     top_k: int = same(EvalOptions, "kld_top_k")
+    max_kld: float | None = same(EvalOptions, "max_kld", help="gate: fail when the mean next-token "
+                                 "KL(baseline || candidate) exceeds this")
+    max_flip_rate: float | None = same(EvalOptions, "max_flip_rate", help="gate: fail when the share of positions "
+                                       "whose top-1 token differs from the baseline's exceeds this (0 to 1)")
 
 
 @dataclass

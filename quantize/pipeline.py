@@ -82,7 +82,8 @@ SECTIONS = {
     # serve / tp / kv_cache_dtype (baseline_kv_cache_dtype: the source's own) / serve_args / serve_timeout_s: the
     # stage launches that engine on the source and on the model in turn (docs/served-eval.md), as `quantize eval
     # --serve` does
-    "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device", "chat", "thinking", *SERVE_KEYS)),
+    "eval": O.recipe_section((O.EvalOptions, ("max_gen_toks", "device", "chat", "thinking", "max_kld",
+                                              "max_flip_rate", *SERVE_KEYS)),
                              O.EvalStageOptions),
     "push": O.recipe_section(O.PushOptions, defaults={"dry_run": True}),
     "pd": O.recipe_section(O.PDOptions, O.PrefillOptions),
@@ -220,6 +221,11 @@ def load_pipeline(recipe: str | os.PathLike | None = None, out: str | os.PathLik
         )
     if out is None and not opts["out"]:
         raise QuantizeError(f"{path}: pipeline.out is missing; name the run's folder (or pass --out)")
+    ev = opts.get("eval") or {}
+    gated = [k for k in ("max_kld", "max_flip_rate") if ev.get(k) is not None]
+    if gated and not ev.get("kld"):
+        raise QuantizeError(f"{path}: pipeline.eval.{gated[0]} gates the KL divergence, which the eval stage measures "
+                            "only with pipeline.eval.kld: true; set it (or drop the bound)")
     stages = opts["stages"]
     if stages is None:
         stages = list(DEFAULT_STAGES)
@@ -612,6 +618,8 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
         chat=o["eval"]["chat"],
         thinking=o["eval"]["thinking"],
         kld_out=kld_out,
+        max_kld=o["eval"]["max_kld"],
+        max_flip_rate=o["eval"]["max_flip_rate"],
         serve_log=p.out / "reports" / "engine-logs" if o["eval"]["serve"] else None,
         **{k: o["eval"][k] for k in SERVE_KEYS},
     )
@@ -622,7 +630,7 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
     )
     if rep.kld is not None:
         rows += (f"; KL divergence {rep.kld.kld_mean:.4g} ({rep.kld.estimator}), top-1 agreement "
-                 f"{rep.kld.top1_agreement:.4f}")
+                 f"{rep.kld.top1_agreement:.4f}" + (f", KL gate {rep.kld.gate['verdict']}" if rep.kld.gate else ""))
     res = {
         "outputs": {"eval_report": {"path": "reports/eval.json", "id": _file_identity(out)},
                     **({"kld_report": {"path": "reports/kld.json", "id": _file_identity(kld_out)}}

@@ -56,6 +56,7 @@ class KldReport:
     # local models: the served estimator (top_k) on the same log-probabilities, beside the full KL: its bias
     kld_topk_mean: float | None = None
     measured: dict = field(default_factory=dict)  # where each model ran (as EvalReport.measured)
+    gate: dict | None = None  # --max-kld / --max-flip-rate: KlGate.judge's record (bounds, figures, verdict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -517,6 +518,44 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
+class KlGate:
+    """The KL / flip gate (``--max-kld``, ``--max-flip-rate``): the mean next-token KL(baseline ||
+    candidate) and the flip rate (the share of scored positions whose top-1 token differs from the
+    baseline's, 1 - same top-1) each at most its bound; a bound not given is not checked."""
+
+    max_kld: float | None = None
+    max_flip_rate: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.max_kld is not None or self.max_flip_rate is not None
+
+    def judge(self, rep: "KldReport") -> dict:
+        flip = 1.0 - rep.top1_agreement
+        over = []
+        if self.max_kld is not None and not rep.kld_mean <= self.max_kld:
+            over.append(f"KLD mean {rep.kld_mean:.6g} > --max-kld {self.max_kld:g}")
+        if self.max_flip_rate is not None and not flip <= self.max_flip_rate:
+            over.append(f"flip rate {flip:.6g} > --max-flip-rate {self.max_flip_rate:g}")
+        within = ([f"KLD mean {rep.kld_mean:.6g} <= {self.max_kld:g}"] if self.max_kld is not None else []) + (
+            [f"flip rate {flip:.6g} <= {self.max_flip_rate:g}"] if self.max_flip_rate is not None else [])
+        lower = "" if rep.estimator == "full vocabulary" else f" ({rep.estimator}: the KL is a lower bound)"
+        return {"max_kld": self.max_kld, "max_flip_rate": self.max_flip_rate, "kld_mean": rep.kld_mean,
+                "flip_rate": flip, "passed": not over,
+                "verdict": (f"FAIL: {'; '.join(over)}" if over else f"pass: {'; '.join(within)}") + lower}
+
+    def apply(self, reports: list["KldReport"]) -> None:
+        for r in reports:
+            r.gate = self.judge(r) if self.active else None
+
+
+def gate_failures(reports: list["KldReport"]) -> list[str]:
+    """One line per candidate whose KL / flip gate failed."""
+    return [f"{r.candidate}: {r.gate['verdict'].removeprefix('FAIL: ')}" for r in reports
+            if r.gate and not r.gate["passed"]]
+
+
+@dataclass
 class KldTable:
     baseline: str
     reports: list[KldReport]
@@ -529,7 +568,7 @@ class KldTable:
 @takes(KLDOptions)
 def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device, serve,
               engine_python, tp, kv_cache_dtype, baseline_kv_cache_dtype, serve_args, serve_port, serve_timeout_s,
-              serve_log, verbose, top_k, emit: Emit = null_emit) -> KldTable:
+              serve_log, verbose, top_k, max_kld, max_flip_rate, emit: Emit = null_emit) -> KldTable:
     """The table of ``_table`` (below), with transformers' own output in a log file unless
     ``verbose`` (``quantize.quiet``)."""
     from ..quiet import captured, kept, new_log
@@ -539,7 +578,7 @@ def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline
         with captured(log):
             table = _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out,
                            device, serve, engine_python, tp, kv_cache_dtype, baseline_kv_cache_dtype, serve_args,
-                           serve_port, serve_timeout_s, serve_log, top_k, emit)
+                           serve_port, serve_timeout_s, serve_log, top_k, emit, KlGate(max_kld, max_flip_rate))
     except QuantizeError as e:
         log = kept(log)
         raise type(e)(f"{e} (transformers' output: {log})" if log else str(e)) from e.__cause__
@@ -550,7 +589,7 @@ def kld_table(baseline, candidates, text, tokens, chunk, save_baseline, baseline
 
 def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_logits, dtype, out, device, serve,
            engine_python, tp, kv_cache_dtype, baseline_kv_cache_dtype, serve_args, serve_port, serve_timeout_s,
-           serve_log, top_k, emit: Emit = null_emit) -> KldTable:
+           serve_log, top_k, emit: Emit = null_emit, gate: KlGate = KlGate()) -> KldTable:
     """Several candidates of one source, one table: the same text and chunks for all, the baseline
     computed once (kept exactly, fp32, for the others) or read from ``baseline_logits``. One
     candidate gives the same report as ``kld``. ``out``: {"kind": "kld-table", "baseline",
@@ -580,6 +619,7 @@ def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_lo
         table = _served_table(Path(baseline) if baseline is not None else None, [Path(c) for c in candidates], text,
                               tokens, chunk, top_k, srv, emit, save_baseline=save_baseline,
                               baseline_logits=baseline_logits, baseline_kv=baseline_kv_cache_dtype)
+        gate.apply(table.reports)
         if out is not None:
             write_report(out, table.to_dict() if len(table.reports) > 1 else table.reports[0].to_dict(), REPORT_KIND,
                          inputs)
@@ -604,6 +644,7 @@ def _table(baseline, candidates, text, tokens, chunk, save_baseline, baseline_lo
                                dtype=dtype, device=device, emit=emit, keep_baseline=kept if first else None,
                                top_k=top_k))
     table = KldTable(str(baseline or baseline_logits), reports)
+    gate.apply(reports)
     if out is not None:
         write_report(out, table.to_dict() if len(reports) > 1 else reports[0].to_dict(), REPORT_KIND, inputs)
     return table

@@ -94,7 +94,9 @@ class EvalReport:
 
     @property
     def passed(self) -> bool:
-        return all(t.passed for t in self.tasks)
+        """Every task within its max drop, and the KL / flip gate (--max-kld / --max-flip-rate) where set."""
+        kg = getattr(self.kld, "gate", None)
+        return all(t.passed for t in self.tasks) and (kg is None or bool(kg["passed"]))
 
     @property
     def smoke(self) -> bool:
@@ -105,7 +107,8 @@ class EvalReport:
         return {"baseline": self.baseline, "candidate": self.candidate, "limit": self.limit, "max_drop": self.max_drop,
                 "passed": self.passed, "smoke": self.smoke,
                 "tasks": {t.task: {**asdict(t), "smoke": t.smoke, "verdict": t.verdict} for t in self.tasks},
-                "measured": self.measured}
+                "measured": self.measured,
+                **({"kld_gate": self.kld.gate} if getattr(self.kld, "gate", None) is not None else {})}
 
     def markdown(self) -> str:
         rows = ["| task | metric | n | baseline | candidate | delta (95% CI) | gate |",
@@ -332,7 +335,7 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
              device, batch_size, resamples, base_url, baseline_url, concurrency, serve, engine_python, tp,
              kv_cache_dtype, baseline_kv_cache_dtype, serve_args, serve_port, serve_timeout_s, serve_log,
              serve_pd_prefill, verbose, save_baseline, baseline_results, kld_out, kld_tokens, kld_chunk,
-             kld_top_k) -> EvalReport:
+             kld_top_k, max_kld=None, max_flip_rate=None) -> EvalReport:
     """``base_url``: evaluate the candidate as served (SGLang/vLLM OpenAI-compatible server; the
     candidate folder supplies the tokenizer); ``baseline_url`` likewise for the baseline.
     ``serve``: launch that engine on each folder in turn (baseline, then candidate; one model on
@@ -362,6 +365,10 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
         report_target(markdown, MARKDOWN_KIND, inputs, "--markdown")
         if out is not None and Path(out).resolve() == Path(markdown).resolve():
             raise QuantizeError(f"--markdown {markdown}: the same file as --out; name two files")
+    if kld_out is None and (max_kld is not None or max_flip_rate is not None):
+        given = "--max-kld" if max_kld is not None else "--max-flip-rate"
+        raise QuantizeError(f"{given} gates the KL divergence report: add --kld-out FILE (the KL from the same "
+                            "runs), or use quantize eval-kld")
     if kld_out is not None:
         if base_url or baseline_url:
             raise QuantizeError("--kld-out with --base-url/--baseline-url: a server's log-probabilities are asked "
@@ -511,6 +518,9 @@ def evaluate(baseline, candidate, tasks, limit, data_dir, max_drop, out, markdow
     rep = EvalReport(str(baseline), str(candidate), limit, max_drop, results, measured, str(log) if log else None,
                      kld_rep)
     if kld_rep is not None:
+        from .kld import KlGate
+
+        KlGate(max_kld, max_flip_rate).apply([kld_rep])
         write_report(kld_out, kld_rep.to_dict(), KLD_KIND, inputs, "--kld-out")
     if out is not None:
         write_report(out, rep.to_dict(), REPORT_KIND, inputs)

@@ -750,6 +750,8 @@ ROLE_KEYS = {
     "min_snr_db": "num?",
 }
 VERIFIED_KEYS = {k: "int?" for k in ("files_sha256", "tensors_exact_vs_source", "tensors_method_vs_source")}
+KL_GATE_KEYS = {"max_kld": "nonneg?", "max_flip_rate": "frac?", "kld_mean": "nonneg", "flip_rate": "frac",
+                "passed": "bool", "verdict": "str"}
 TYPE_WORDS = {"num": "a finite number", "int": "a whole number (0 or more)", "str": "a string", "bool": "true or false",
               "nonneg": "a finite number, 0 or more", "frac": "a fraction from 0 to 1"}
 
@@ -869,7 +871,12 @@ def report_of(d, what: str, fix: str) -> dict:
             rep["measured"] = _measured(d)
             return {"kind": "eval", "report": rep}
         if isinstance(d, dict) and "kld_mean" in d and "top1_agreement" in d:
-            return {"kind": "kld", "report": {**_pick(d, KLD_KEYS, ""), "measured": _measured(d)}}
+            rep = {**_pick(d, KLD_KEYS, ""), "measured": _measured(d)}
+            if d.get("gate") is not None:  # --max-kld / --max-flip-rate (evaluate/kld.py KlGate)
+                if not isinstance(d["gate"], dict):
+                    raise _Bad(f"gate is {_json_type(d['gate'])}, not an object")
+                rep["gate"] = _pick(d["gate"], KL_GATE_KEYS, "gate.")
+            return {"kind": "kld", "report": rep}
         if isinstance(d, dict) and isinstance(d.get("layers"), list) and "layout" in d and "tokens" in d:
             rep = _pick(d, KV_KEYS, "")
             if len(d["layers"]) > MAX_LAYERS:
