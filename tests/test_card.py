@@ -676,3 +676,27 @@ def test_card_launch_line_disables_fusion_where_sglang_would_fuse_a_foreign_shar
     assert "`--disable-shared-experts-fusion` is needed: the shared expert is not in the routed experts' scheme" in kept_text
     assert "--disable-shared-experts-fusion" not in plain_text
     assert "SGLang turns shared-expert fusion off by itself for this INT4 MoE" in plain_text
+
+
+def test_starved_experts_are_named_per_layer_from_the_method_report():
+    """Only routed experts whose fallback reason is --min-expert-tokens, grouped by layer (the near
+    misses: another reason, a non-expert module); more than STARVED_SHOWN are counted, not listed."""
+    from quantize.publish.card import STARVED_SHOWN, starved_experts, starved_lines
+
+    why = "3 calibration tokens < --min-expert-tokens 16"
+    rep = {"rtn": [
+        {"name": "model.layers.5.mlp.experts.7.down_proj", "reason": why},
+        {"name": "model.layers.5.mlp.experts.7.gate_proj", "reason": why},
+        {"name": "model.layers.5.mlp.experts.2.up_proj", "reason": why},
+        {"name": "model.layers.3.mlp.experts.9.up_proj", "reason": why},
+        {"name": "model.layers.3.mlp.experts.4.up_proj", "reason": "Cholesky failed at every dampening"},
+        {"name": "model.layers.3.mlp.shared_experts.up_proj", "reason": why},
+    ]}
+    assert starved_experts(rep) == [(3, [9]), (5, [2, 7])]
+    assert starved_experts(None) == [] and starved_experts({"rtn": []}) == []
+    many = {"rtn": [{"name": f"model.layers.1.mlp.experts.{e}.gate_proj", "reason": why}
+                    for e in range(STARVED_SHOWN + 3)]}
+    assert starved_experts(many) == [(1, list(range(STARVED_SHOWN + 3)))]
+    assert starved_lines(rep) == ["layer 3: 9 (1 expert)", "layer 5: 2, 7 (2 experts)"]
+    shown = ", ".join(str(e) for e in range(STARVED_SHOWN))
+    assert starved_lines(many) == [f"layer 1: {shown} and 3 more ({STARVED_SHOWN + 3} experts)"]

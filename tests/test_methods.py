@@ -262,6 +262,11 @@ def test_all_experts_feeds_every_token_and_starved_experts_fall_back(dsv3, tmp_p
     rep = _manifest(starved)["method"]
     names = {f["name"] for f in rep["rtn"] if "--min-expert-tokens" in f["reason"]}
     assert len(names) == 2 * 8 * 3  # two MoE layers x 8 experts x gate/up/down
+    from quantize.publish.card import card
+
+    text = card(starved).text  # the card names them, per layer (counted by hand: layers 1 and 2, 8 experts each)
+    assert "Routed experts left at round-to-nearest" in text
+    assert "- layer 1: 0, 1, 2, 3, 4, 5, 6, 7 (8 experts)\n- layer 2: 0, 1, 2, 3, 4, 5, 6, 7 (8 experts)" in text
     rtn = tmp_path / "rtn"
     convert(dsv3, rtn, observer="fullrange")  # RTN on GPTQ's default grid
     a, b = load_dir(starved), load_dir(rtn)

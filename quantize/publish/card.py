@@ -141,6 +141,32 @@ def _method_facts(rep: dict | None) -> tuple[list[tuple[str, int]], list[dict]]:
     return sorted(reasons.items()), [x for x in (rep or {}).get("layers") or [] if x.get("units")]
 
 
+STARVED_SHOWN = 32  # routed experts named per layer on the card; the rest counted
+_LAYER_EXPERT = re.compile(r"\.layers\.(\d+)\..*\.experts\.(\d+)\.")
+
+
+def starved_experts(rep: dict | None) -> list[tuple[int, list[int]]]:
+    """The routed experts a data-aware method left at round-to-nearest because the router sent them
+    fewer calibration tokens than --min-expert-tokens, per layer: [(layer, [expert, ...]), ...]."""
+    by_layer: dict[int, set[int]] = {}
+    for f in (rep or {}).get("rtn") or []:
+        m = _LAYER_EXPERT.search(str(f.get("name", "")))
+        if m and "--min-expert-tokens" in str(f.get("reason", "")):
+            by_layer.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return [(layer, sorted(e)) for layer, e in sorted(by_layer.items())]
+
+
+def starved_lines(rep: dict | None) -> list[str]:
+    """``starved_experts`` as the card lists it: "layer L: e1, e2, ... (N experts)", at most
+    STARVED_SHOWN experts named per layer and the rest counted."""
+    out = []
+    for layer, es in starved_experts(rep):
+        more = f" and {len(es) - STARVED_SHOWN} more" if len(es) > STARVED_SHOWN else ""
+        out.append(f"layer {layer}: {', '.join(map(str, es[:STARVED_SHOWN]))}{more} "
+                   f"({len(es)} expert{'s' if len(es) != 1 else ''})")
+    return out
+
+
 # -- the folder ------------------------------------------------------------------------------
 
 
@@ -1270,6 +1296,7 @@ def render(
         observers=OBSERVERS,
         rtn_reasons=rtn_reasons,
         method_layers=layers,
+        starved=starved_lines(rec.get("method")),
         int4_roles=int4_roles,
         # an INT4 source's tensors written as they were: no method made them (the manifest counts them)
         passed_only=bool((rec.get("passed_through") or {}).get("modules")) and not lin.requantized,
