@@ -6,7 +6,8 @@
    W4AFP8 (g128, the rest kept FP8);
 2. convert throughput of --scheme w4afp8 against W4A16 RTN on the same tiny source (best of --repeat);
 3. KL divergence against the source for W4A16 g128 (FP8 kept) and W4AFP8 at the same weights:
-   the difference is the FP8 activations' own cost (eval-kld, local: evaluate/w4a8.py).
+   the difference is the FP8 activations' own cost (eval-kld, local: evaluate/w4a8.py); and for a
+   Kimi INT4 source (group 32), what re-grouping to W4AFP8's group 128 costs.
 
     python scripts/bench_w4afp8.py [--tokens 4096] [--repeat 3]
 """
@@ -104,6 +105,16 @@ def kld_table(tmp: Path, tokens: int) -> list[str]:
             convert(src, out, **kw)
             r = kld(src, out, tokens=tokens)
             rows.append(f"| tiny {arch} | {label} | {r.kld_mean:.5f} | {r.top1_agreement:.2%} |")
+    # Kimi K2.x ships INT4 by group 32: W4AFP8's group 128 re-groups its codes (--requantize). The source
+    # itself is the baseline, so the W4A16 pass-through is 0 and the rest is what re-grouping (and FP8) cost
+    src = make_tiny("kimi_k25", tmp / "kld-kimi", "vendor", 0, 1, None, False, False)
+    for label, kw in (("W4A16 g32 passed through", {}),
+                      ("W4A16 g128 re-grouped", {"group_size": 128, "requantize": True}),
+                      ("W4AFP8 g128 re-grouped", {"scheme": "w4afp8", "requantize": True})):
+        out = tmp / f"kld-kimi-{len(rows)}"
+        convert(src, out, **kw)
+        r = kld(src, out, tokens=tokens)
+        rows.append(f"| tiny kimi_k25 (INT4 g32) | {label} | {r.kld_mean:.5f} | {r.top1_agreement:.2%} |")
     return rows
 
 
