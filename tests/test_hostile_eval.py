@@ -194,6 +194,13 @@ CASES = [
     Case("kld: --chunk past max_position_embeddings",
          lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.out, "--tokens", "1024", "--chunk", "600"],
          "longer than the candidate's max_position_embeddings 512", needs=SO),
+    # the KL / flip gate's bounds (issue 37)
+    Case("kld: --max-flip-rate 1.5", _kld("--max-flip-rate", "1.5"), "--max-flip-rate 1.5: must be from 0 to 1",
+         needs=SO),
+    Case("kld: --max-kld -0.1", _kld("--max-kld", "-0.1"), "--max-kld -0.1: must be 0 or more", needs=SO),
+    Case("kld: --max-kld nan", _kld("--max-kld", "nan"), "--max-kld nan", needs=SO),
+    Case("eval: --max-kld without --kld-out", _eval("--max-kld", "0.1"),
+         "--max-kld gates the KL divergence report: add --kld-out FILE", needs=SO),
     Case("kld: --tokens 10**12", lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.out, "--tokens",
                                             str(10**12)], "must be from 2 to 16777216 tokens", needs=SO),
     Case("kld: --chunk 10**9", lambda c: ["eval-kld", "--baseline", c.src, "--candidate", c.out, "--chunk",
