@@ -313,6 +313,8 @@ def plan(json_out: bool, **options):
         _table(
             f"{s['architecture']} ({s['source_format']}) -> "
             + ("FP8 block 128x128" if s["options"].get("scheme") == "fp8-block"
+               else f"W4AFP8 (INT4 g{s['options']['group_size']} experts, FP8 activations; "
+               f"{s['options'].get('engine')})" if s["options"].get("scheme") == "w4afp8"
                else f"INT4 g{s['options']['group_size']}")
             + f", profile {s['options']['profile']}",
             ("role", "jobs"),
@@ -559,7 +561,9 @@ def eval_cmd(json_out: bool, **options):
 
             wrote.append(f"{kld_baseline_file(options['save_baseline'])} (the saved baseline's KL side)")
         smoke = smoke_note([r.n for r in rep.tasks])  # a smoke test never concludes (evaluate/smoke.py)
-        typer.echo(f"{'FAIL' if not rep.passed else f'pass ({smoke})' if smoke else 'pass'}: {len(rep.tasks)} "
+        kl_failed = rep.kld is not None and rep.kld.gate is not None and not rep.kld.gate["passed"]
+        typer.echo(f"{'FAIL' if not rep.passed else f'pass ({smoke})' if smoke else 'pass'}"
+                   f"{' (the KL / flip gate)' if kl_failed else ''}: {len(rep.tasks)} "
                    f"task(s), gate max drop "
                    f"{options['max_drop']:g} points; " + (f"wrote {', '.join(wrote)}" if wrote else "no report written "
                                                            "(--out FILE keeps one)"))
@@ -586,9 +590,9 @@ def eval_kld_cmd(json_out: bool, **options):
         failed = gate_failures(table.reports)
         for line in failed:
             typer.echo(f"gate FAILED: {line}", err=True)
-        if not failed and table.reports[0].gate is not None:
+        if not failed and table.reports[0].gate is not None:  # stderr beside --json: stdout is the JSON alone
             typer.echo("gate passed: " + "; ".join(f"{r.candidate}: {r.gate['verdict'][len('pass: '):]}"
-                                                    for r in table.reports))
+                                                    for r in table.reports), err=json_out)
     if failed:
         raise typer.Exit(1)
 

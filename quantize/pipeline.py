@@ -640,7 +640,9 @@ def _run_eval(ctx: Ctx, resume: bool) -> dict:
     }
     if not rep.passed:
         res["state"] = "failed"
-        res["error"] = f"eval: the gate failed (max drop {o['max_drop']} points): {rows}; nothing was pushed ({out})"
+        kg = rep.kld.gate if rep.kld is not None else None
+        which = "the KL / flip gate" if kg is not None and not kg["passed"] else f"max drop {o['max_drop']} points"
+        res["error"] = f"eval: the gate failed ({which}): {rows}; nothing was pushed ({out})"
     return res
 
 

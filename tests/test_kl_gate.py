@@ -89,6 +89,8 @@ def test_eval_kld_exits_1_with_the_figure_and_the_bound_in_one_line(pair, oracle
     res = CliRunner().invoke(app, [*args, "--max-kld", f"{kl * 1.01:.10g}", "--max-flip-rate", f"{flip * 1.01:.10g}"])
     assert res.exit_code == 0, res.output
     assert "gate passed: " in res.output and json.loads(out.read_text())["gate"]["passed"] is True
+    res = CliRunner().invoke(app, [*args, "--json", "--max-kld", f"{kl * 1.01:.10g}"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["gate"]["passed"] is True  # stdout is the JSON alone
     res = CliRunner().invoke(app, [*args, "--max-flip-rate", "1.5"])
     assert res.exit_code != 0 and "--max-flip-rate 1.5: must be from 0 to 1" in res.output
 

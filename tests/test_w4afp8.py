@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 
 from quantize.check import W4A8_RTOL, check, verify_quant_config
@@ -280,13 +281,23 @@ def test_a_local_w4afp8_candidate_runs_its_experts_through_fp8_activations(w4afp
 def test_a_w4afp8_config_without_an_experts_module_is_not_scored():
     from quantize.evaluate import w4a8
 
-    cfg = {"quantization_config": {"config_groups": {"g": {"input_activations": {
+    cfg = {"quantization_config": {"config_groups": {"g": {"weights": {"type": "int", "num_bits": 4},
+                                                           "input_activations": {
         "type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}}}}}
     with pytest.raises(QuantizeError, match="no fused experts module .* not scored"):
         w4a8.apply(torch.nn.Linear(2, 2), cfg, "m")
-    near = {"quantization_config": {"config_groups": {"g": {"input_activations": {
+    near = {"quantization_config": {"config_groups": {"g": {"weights": {"type": "int", "num_bits": 4},
+                                                            "input_activations": {
         "type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": True}}}}}
     assert w4a8.apply(torch.nn.Linear(2, 2), near, "m") == 0
+    # compressed-tensors' FP8_DYNAMIC (FP8 weights, per-token dynamic activations): a W8A8 model, not W4AFP8
+    w8a8 = {"quantization_config": {"config_groups": {"g": {
+        "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+        "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}}}}}
+    assert w4a8.fp8_token_groups(w8a8) == [] and w4a8.apply(torch.nn.Linear(2, 2), w8a8, "m") == 0
+    w4 = {"quantization_config": {"config_groups": {"g": {
+        **w8a8["quantization_config"]["config_groups"]["g"], "weights": {"type": "int", "num_bits": 4}}}}}
+    assert w4a8.fp8_token_groups(w4) == ["g"]
 
 
 def test_a_w4afp8_card_gives_vllm_launch_line_only(tiny, tmp_path):
@@ -295,11 +306,32 @@ def test_a_w4afp8_card_gives_vllm_launch_line_only(tiny, tmp_path):
     text = card(out).text
     assert f"vllm serve {out.name} --tensor-parallel-size" in text
     assert "sglang.launch_server" not in text and "so no SGLang line is given" in text
+    assert "shared-experts-fusion" not in text  # no SGLang advice where no SGLang line is given
+    assert "FP8 e4m3 activations, dynamic per token (W4AFP8)" in text and "(W4A16)" not in text
+    tags = yaml.safe_load(text.split("\n---\n", 1)[0][4:])["tags"]
+    assert "w4afp8" in tags and "w4a16" not in tags
     # the near miss: a W4A16 output of the same group size keeps both lines
     out16 = tmp_path / "w4a16"
     convert(tiny("glm_moe_dsa"), out16, group_size=128, keep_fp8=True)
     t16 = card(out16).text
     assert "sglang.launch_server" in t16 and "no SGLang line" not in t16
+    assert "w4a16" in yaml.safe_load(t16.split("\n---\n", 1)[0][4:])["tags"]
+
+
+def test_sglang_turns_fusion_off_for_a_pack_quantized_w4afp8(w4afp8):
+    """SGLang's is_wint4afp8_or_wint4a16_config: an INT4 "Linear" group with 8-bit dynamic input
+    activations and a top-level pack-quantized format (a BF16 source's W4AFP8) turns fusion off too."""
+    from quantize.publish.card import sglang_shared_fusion
+
+    qc = _qc(w4afp8[1])
+    pack = {**qc, "format": "pack-quantized",
+            "config_groups": {"config_group_0": qc["config_groups"]["config_group_0"]}}
+    eligible = {"n_shared_experts": 1, "n_routed_experts": 256, "first_k_dense_replace": 1}
+    assert sglang_shared_fusion(eligible, pack) == "auto-off"
+    static = {**pack, "config_groups": {"config_group_0": {**pack["config_groups"]["config_group_0"],
+              "input_activations": {**pack["config_groups"]["config_group_0"]["input_activations"],
+                                    "dynamic": False}}}}
+    assert sglang_shared_fusion(eligible, static) != "auto-off"  # static activations: the check does not fire
 
 
 def test_shard_and_the_card_keep_the_w4a8_rule(tiny, tmp_path):

@@ -15,14 +15,17 @@ from ..kernels.reference import fp8_per_token
 
 
 def fp8_token_groups(cfg: dict) -> list[str]:
-    """The config groups of ``cfg``'s quantization_config whose input activations are FP8, dynamic,
-    one scale per token (what ``convert --scheme w4afp8`` writes)."""
+    """The config groups of ``cfg``'s quantization_config that are W4AFP8: INT4 weights with input
+    activations FP8, dynamic, one scale per token (what ``convert --scheme w4afp8`` writes). An FP8
+    weight group with the same activations (compressed-tensors' FP8_DYNAMIC, a W8A8 baseline) is not."""
     qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
     out = []
     for name, g in (qc.get("config_groups") or {}).items():
         a = g.get("input_activations") if isinstance(g, dict) else None
+        w = g.get("weights") if isinstance(g, dict) else None
         if (isinstance(a, dict) and a.get("type") == "float" and a.get("num_bits") == 8
-                and a.get("strategy") == "token" and a.get("dynamic") is True):
+                and a.get("strategy") == "token" and a.get("dynamic") is True
+                and isinstance(w, dict) and w.get("type") == "int" and w.get("num_bits") == 4):
             out.append(name)
     return out
 

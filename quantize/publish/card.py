@@ -1238,7 +1238,8 @@ def render(
     w0 = weights[0] if weights else {}
     # the tags say what the weights are: INT4 only for an INT4 scheme, quantized only where re-quantized
     tags = (("compressed-tensors",) if qc.get("quant_method") == "compressed-tensors" else ()) + (
-        ("int4", "w4a16") if w0.get("num_bits") == 4 and w0.get("type") == "int" else ()
+        ("int4", "w4afp8" if fp8_token_groups(cfg) else "w4a16") if w0.get("num_bits") == 4 and w0.get("type") == "int"
+        else ()
     ) + (("quantized",) if lin.requantized else ())
     license = license or kept_license(folder)
     src_meta = _front_matter(src_text) if src_text else {}
@@ -1325,6 +1326,7 @@ def render(
         # W4AFP8 with the vendor's FP8 kept (mixed-precision): SGLang's compressed-tensors W4AFP8 route reads
         # the top-level format as pack-quantized only, so the checkpoint is vLLM's (docs/engines.md#w4afp8)
         w4afp8_vllm_only=bool(fp8_token_groups(cfg)) and qc.get("format") == "mixed-precision",
+        w4afp8=bool(fp8_token_groups(cfg)),
         version=__version__,
         reports=reports,
     )
@@ -1348,8 +1350,11 @@ def sglang_shared_fusion(text_cfg: dict, qc: dict) -> str | None:
     groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
     linear = next((g for g in groups.values() if isinstance(g, dict) and "Linear" in (g.get("targets") or [])), None)
     w = (linear or {}).get("weights") or {}
+    a = (linear or {}).get("input_activations")
+    # _is_wint4abf16 (no input activations) or _is_wint4afp8 (8-bit dynamic ones): either turns fusion off
     if (qc.get("format") == "pack-quantized" and w.get("num_bits") == 4 and w.get("type") == "int"
-            and w.get("symmetric") and not w.get("dynamic") and not linear.get("input_activations")):
+            and w.get("symmetric") and not w.get("dynamic")
+            and (not a or (isinstance(a, dict) and a.get("num_bits") == 8 and a.get("dynamic") is True))):
         return "auto-off"
     if not groups:  # unquantized: the shared and routed experts are both BF16
         return None
