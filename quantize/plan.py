@@ -943,6 +943,11 @@ def w4afp8_violation(hidden: int, inter: int, tp: int) -> str | None:
     return None
 
 
+def w4afp8_fits(hidden: int, inter: int, tps: tuple[int, ...]) -> list[int]:
+    """The TPs of ``tps`` at which the W4A8 MoE kernel's shape rule holds (what a refusal offers)."""
+    return [t for t in tps if w4afp8_violation(hidden, inter, t) is None]
+
+
 def w4afp8_shape_rule(plan: Plan) -> None:
     """Every INT4 routed expert fits the W4A8 MoE kernel at the plan's TP, or one line."""
     experts = [j for j in plan.jobs if j.kind in INT4_KINDS and ".experts." in j.name]
@@ -953,7 +958,7 @@ def w4afp8_shape_rule(plan: Plan) -> None:
     inter = next(j.wshape[1] for j in experts if ".down_proj." in j.name)
     why = w4afp8_violation(hidden, inter, plan.tp)
     if why:
-        ok = [t for t in (1, 2, 4, 8) if w4afp8_violation(hidden, inter, t) is None]
+        ok = w4afp8_fits(hidden, inter, (1, 2, 4, 8))
         fix = f"use --tp {ok[-1]}" if ok else "this model's experts cannot run through the W4A8 MoE kernels"
         raise QuantizeError(f"{plan.source}: --scheme w4afp8 at TP {plan.tp}: {why} (the W4A8 MoE kernel's rule, "
                             f"docs/engines.md#w4afp8); {fix}")

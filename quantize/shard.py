@@ -184,14 +184,14 @@ def _check_w4a8_rule(index: CheckpointIndex, int4: dict, hidden: int, tp: int) -
     """A W4AFP8 checkpoint (FP8 per-token input activations): its routed experts under the W4A8 MoE
     kernel's shape rule at ``tp`` (plan.w4afp8_violation), or one line naming the TP that fits."""
     from .evaluate.w4a8 import fp8_token_groups
-    from .plan import w4afp8_violation
+    from .plan import w4afp8_fits, w4afp8_violation
 
     downs = [k for m, (n, k, g) in int4.items() if ".experts." in m and m.endswith(".down_proj")]
     if not downs or not fp8_token_groups(index.config):
         return
     why = w4afp8_violation(hidden, downs[0], tp)
     if why:
-        ok = [t for t in (1, 2, 4, 8, 16) if w4afp8_violation(hidden, downs[0], t) is None]
+        ok = w4afp8_fits(hidden, downs[0], (1, 2, 4, 8, 16))
         fix = f"use --tp {' or '.join(map(str, ok))}" if ok else "no TP fits the W4A8 MoE kernel"
         raise QuantizeError(f"{index.folder}: W4AFP8 at TP {tp}: {why} (the W4A8 MoE kernel's rule, "
                             f"docs/engines.md#w4afp8); {fix}")

@@ -1234,11 +1234,12 @@ def render(
     lin = lineage(folder, manifest, base)
     src_text = source_card(folder, manifest)
     name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
+    w4afp8 = bool(fp8_token_groups(cfg))  # INT4 experts with FP8 per-token activations (convert --scheme w4afp8)
     weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
     w0 = weights[0] if weights else {}
     # the tags say what the weights are: INT4 only for an INT4 scheme, quantized only where re-quantized
     tags = (("compressed-tensors",) if qc.get("quant_method") == "compressed-tensors" else ()) + (
-        ("int4", "w4afp8" if fp8_token_groups(cfg) else "w4a16") if w0.get("num_bits") == 4 and w0.get("type") == "int"
+        ("int4", "w4afp8" if w4afp8 else "w4a16") if w0.get("num_bits") == 4 and w0.get("type") == "int"
         else ()
     ) + (("quantized",) if lin.requantized else ())
     license = license or kept_license(folder)
@@ -1325,8 +1326,8 @@ def render(
         fusion=sglang_shared_fusion(text_cfg, qc),
         # W4AFP8 with the vendor's FP8 kept (mixed-precision): SGLang's compressed-tensors W4AFP8 route reads
         # the top-level format as pack-quantized only, so the checkpoint is vLLM's (docs/engines.md#w4afp8)
-        w4afp8_vllm_only=bool(fp8_token_groups(cfg)) and qc.get("format") == "mixed-precision",
-        w4afp8=bool(fp8_token_groups(cfg)),
+        w4afp8_vllm_only=w4afp8 and qc.get("format") == "mixed-precision",
+        w4afp8=w4afp8,
         version=__version__,
         reports=reports,
     )
