@@ -10,7 +10,9 @@ shard, and the manifest is written last of all.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -30,9 +32,9 @@ from . import distributed
 from .distributed import check_nproc
 from .errors import QuantizeError
 from .events import Emit, null_emit
-from .formats import fp8, int4, native
+from .formats import fp8, int4, native, w4afp8
 from .options import DATA_AWARE, ConvertOptions, takes
-from .plan import Job, Plan, build_plan, check_with_compressed_tensors
+from .plan import Job, Plan, build_plan, check_with_compressed_tensors, sglang_native
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
 
@@ -132,7 +134,16 @@ def compute_job(
         _check_finite(job, out)
         return [out.cpu()], None
     if job.kind == "fp8":
-        return _fp8_block_job(job, w, s)
+        return _fp8_block_job(job, w, s, fp32_scale=sglang_native(options))
+    if job.kind == "transcode":  # an INT4 source's codes for SGLang's layout (``sglang_expert``): bit for bit
+        rows, k = job.wshape
+        if tuple(s.shape) != int4.scale_shape((rows, k), w4afp8.GROUP):
+            raise QuantizeError(f"{job.src.file}: {job.name} is not INT4 by group {w4afp8.GROUP} (scales "
+                                f"{list(s.shape)}); add --requantize")
+        if not torch.isfinite(s).all():
+            raise _nan_error(job)
+        return [w.cpu(), s.cpu(), None], {"name": job.name, "role": job.role, "rel_err": 0.0, "max_abs_err": 0.0,
+                                          "passed_through": True}
     if job.kind == "int4":
         rows, k = job.wshape
         g = options.group_size
@@ -193,10 +204,12 @@ def compute_job(
     raise AssertionError(job.kind)
 
 
-def _fp8_block_job(job: Job, w: torch.Tensor, s: torch.Tensor | None) -> tuple[list[torch.Tensor], dict]:
+def _fp8_block_job(job: Job, w: torch.Tensor, s: torch.Tensor | None,
+                   fp32_scale: bool = False) -> tuple[list[torch.Tensor], dict]:
     """``--scheme fp8-block``: the weight as llm-compressor's model_free_ptq sees it (an FP8 source
     dequantized to BF16 as FP8BlockDequantizer does, an INT4 one as CompressedTensorsDequantizer
-    does: code x scale in BF16), then FP8_BLOCK's round to nearest (``fp8.quant_block_ct``)."""
+    does: code x scale in BF16), then FP8_BLOCK's round to nearest (``fp8.quant_block_ct``).
+    ``fp32_scale``: the scale in fp32 (SGLang's ``weight_scale_inv``), the quotient too."""
     if job.scale_format == "int4":
         wb = int4.dequantize_int4(w, s, job.wshape, dtype=torch.bfloat16)
     elif job.scale is not None:
@@ -207,7 +220,7 @@ def _fp8_block_job(job: Job, w: torch.Tensor, s: torch.Tensor | None) -> tuple[l
     else:
         wb = w
     _check_finite(job, wb)
-    q, scale = fp8.quant_block_ct(wb)
+    q, scale = fp8.quant_block_ct(wb.float() if fp32_scale else wb)
     ref = wb.float()
     diff = fp8.dequant_block(q, scale.float(), fp8.DEFAULT_BLOCK, dtype=torch.float32).sub_(ref)
     sq_ref, sq_err = float(ref.pow(2).sum(dtype=torch.float64)), float(diff.pow(2).sum(dtype=torch.float64))
@@ -308,15 +321,15 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
     src, out = Path(options.source), Path(options.out)
     plan = build_plan(src, options, ct_check=False)
     options = plan.options  # a recipe may have set group size / observer / method
-    if device != "cpu" and options.method_name not in DATA_AWARE:
+    if device != "cpu" and options.method_name not in DATA_AWARE and not sglang_native(options):
         what = f"--scheme {options.scheme}" if options.scheme == "fp8-block" else f"--method {options.method_name}"
         raise QuantizeError(RTN_ON_GPU.format(device=device, what=what))
     size = distributed.current().size
-    if size > 1 and options.method_name not in DATA_AWARE:
+    if size > 1 and options.method_name not in DATA_AWARE and not sglang_native(options):
         raise QuantizeError(f"{size} ranks: only the data-aware methods ({', '.join(DATA_AWARE)}) split their work "
                             f"across ranks; run --method {options.method_name} as one process (no --nproc)")
     calib = None
-    if options.method_name != "rtn":
+    if options.method_name != "rtn" or sglang_native(options):  # SGLang's w4afp8: static activation scales
         from . import methods
 
         calib = methods.prepare(src, options, emit)  # bad data / unbuildable layers: one line, nothing written
@@ -345,8 +358,8 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
                 o.check_key(key)
             # by default the cores of this node shared by its ranks (the bytes do not depend on the thread count)
             workers = max(1, workers or (os.cpu_count() or 1) // distributed.current().local_size)
-            cache = None
-            if calib is not None:
+            cache = acts = None
+            if options.method_name != "rtn":
                 from . import methods
 
                 try:
@@ -363,6 +376,12 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
                         memory_budget=int(options.memory_budget_gib * 2**30),
                         emit=emit,
                     )
+                except BaseException as e:
+                    emit({"event": "error", "message": str(e)})
+                    raise
+            if sglang_native(options):
+                try:
+                    acts = activation_scales(plan, src, o, calib, options, device, emit)
                 except BaseException as e:
                     emit({"event": "error", "message": str(e)})
                     raise
@@ -393,10 +412,11 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
             try:
                 with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
                     done_bytes = _execute(
-                        plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache
+                        plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache, acts
                     )
                 ct.result()  # the config and its check, before anything presents the output as complete
-                _finish(plan, src, o, sides, ident, t0, kernels, emit, cache.report if cache is not None else None)
+                _finish(plan, src, o, sides, ident, t0, kernels, emit, cache.report if cache is not None else None,
+                        acts)
             except BaseException as e:
                 emit({"event": "error", "message": str(e)})
                 raise
@@ -437,8 +457,78 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
     return res
 
 
+ACT_SCALES = "act_scales.json"  # OUT/.quantize/: the calibrated scales, kept for a resume
+
+
+def activation_scales(plan: Plan, src: Path, o: Output, calib, options: ConvertOptions, device: str, emit: Emit):
+    """SGLang's static per-expert FP8 input scales (``calibrate.act_scales``), calibrated on the
+    calibration samples through the source's layers (every rank its share under ``--nproc``), or
+    read back on a resume (the job key holds the source, the options and the samples' token ids)."""
+    from .archs.base import EXPERT_ROLES
+    from .calibrate import act_scales
+    from .methods.runner import open_streamer
+
+    path = o.scratch(ACT_SCALES)
+    if o.resumed and path.is_file():
+        try:
+            acts = act_scales.ActScales.from_dict(json.loads(path.read_text()))
+            emit({"event": "skip", "file": ACT_SCALES})
+            return acts
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable: measured again
+    moe: dict[int, set[int]] = {}
+    for j in plan.jobs:
+        m = _EXPERT.search(j.name) if j.role in EXPERT_ROLES else None
+        if m:
+            moe.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    for i, es in moe.items():
+        if es != set(range(len(es))):
+            raise QuantizeError(f"{src}: layer {i}'s routed experts are not numbered 0..{len(es) - 1}; the checkpoint "
+                                "is incomplete")
+    world = distributed.current()
+    budget = int(options.memory_budget_gib * 2**30)
+    if world.size > 1:
+        world.broadcast(("act_scales", {"ids": calib.ids, "device": device, "budget": budget}),
+                        "the activation-scale calibration")
+    streamer = open_streamer(src)
+    try:
+        streamer.device, streamer.expert_budget = _rank_device(device, world), budget
+        emit({"event": "start", "stage": "activation scales", "samples": len(calib.ids), "tokens": calib.tokens})
+        seen = act_scales.observe(streamer, calib.ids, world, emit)
+    finally:
+        streamer.close()
+    acts = act_scales.scales(seen, {i: len(es) for i, es in sorted(moe.items())}, options.min_expert_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from .checkpoint.output import write_text_atomic
+
+    write_text_atomic(path, json.dumps(acts.to_dict()))
+    return acts
+
+
+def _rank_device(device: str, world) -> str:
+    """A rank's device for the calibration: the CPU, or under NCCL each rank's own GPU."""
+    return device if device == "cpu" or world.backend != "nccl" else world.device
+
+
+def sglang_expert(job: Job, tensors: list, acts) -> list[torch.Tensor]:
+    """A routed expert's [weight_packed, weight_scale, ...] as SGLang's native w4afp8 holds it: int8
+    codes (``formats.w4afp8.from_packed``: the same nibbles), the scale in fp32 (the exact values:
+    SGLang casts it to bf16 on load, and the codes were made against the bf16 scale), and the
+    projection's calibrated static input scale (``calibrate.act_scales``)."""
+    m = _EXPERT.search(job.name)
+    if m is None:
+        raise AssertionError(f"not a routed expert projection: {job.name}")
+    layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+    packed, scale = tensors[0], tensors[1]
+    return [w4afp8.from_packed(packed), scale.float(),
+            torch.tensor([acts.of(layer, expert, proj)], dtype=torch.float32)]
+
+
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def _execute(
-    plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu", cache=None
+    plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu", cache=None, acts=None
 ) -> int:
     """Workers compute ahead inside a bounded window; this thread writes in plan order; a
     committer thread makes each finished shard durable (fsync, rename) and records it while the
@@ -456,7 +546,7 @@ def _execute(
             si, j = nxt
             fut = (
                 pool.submit(compute_job, j, src, options, fds, device, cache)
-                if j.kind in ("int4", "dequant", "fp8") else None
+                if j.kind in ("int4", "dequant", "fp8", "transcode") else None
             )
             pending.append((si, j, fut))
 
@@ -482,6 +572,8 @@ def _execute(
                             _copy_checked(writer, entry.name, cached_fd(fds, src / ref.file), ref, copy_buf)
                     else:
                         tensors, st = fut.result()
+                        if acts is not None and job.kind in ("int4", "transcode"):
+                            tensors = sglang_expert(job, tensors, acts)
                         for entry, t in zip(job.outputs, tensors):
                             writer.write_tensor(entry.name, t)
                         if st:
@@ -564,6 +656,7 @@ def _finish(
     kernels: dict,
     emit: Emit,
     method: dict | None = None,
+    acts=None,
 ) -> None:
     copied = o.copy_side_files(sides)
     weight_map = {e.name: s.file for s in plan.shards for e in s.entries}
@@ -601,6 +694,7 @@ def _finish(
         **({"passed_through": passed_through(plan)} if plan.source_int4 is not None else {}),
         "error_summary": _error_summary(stats),
         **({"method": method} if method is not None else {}),
+        **({"activation_scales": acts.report()} if acts is not None else {}),
         "tensors": stats,
         "seconds": round(time.time() - t0, 3),
     }

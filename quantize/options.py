@@ -350,10 +350,13 @@ DEFAULT_METHOD = "rtn"
 SCHEMES = ("w4a16", "fp8-block", "w4afp8")
 DEFAULT_SCHEME = "w4a16"
 # --scheme w4afp8 (INT4 routed experts, FP8 activations; docs/engines.md#w4afp8): the engine whose layout is
-# written. vllm: compressed-tensors W4A8-FP8 (dynamic per-token FP8 activations, no scale written). sglang's
-# native `w4afp8` layout (int8 codes, static per-expert activation scales) is not written by this version.
+# written. vllm: compressed-tensors W4A8-FP8 (dynamic per-token FP8 activations, no scale written). sglang:
+# its native `w4afp8` layout (int8 codes, block FP8 Linears, static per-expert activation scales, calibrated).
 W4AFP8_ENGINES = ("vllm", "sglang")
 W4AFP8_GROUP = 128  # both engines' CUTLASS W4A8 MoE kernels take group 128 only
+# the calibration options SGLang's native w4afp8 uses under any method: its static activation scales
+ACT_CALIBRATION = ("data", "samples", "seq_len", "min_expert_tokens")
+ACT_SAMPLES = 128  # SGLang's w4afp8 without --samples: at most this many samples, fewer if the data holds fewer
 W4AFP8_OBSERVERS = ("minmax", "mse")  # positive scales: the W4A8 scale conversion is not proven on negative ones
 DATA_AWARE = ("gptq", "autoround")
 # GPTQ column order: "static" visits columns by decreasing Hessian diagonal with the groups fixed
@@ -436,7 +439,8 @@ class ConvertOptions(Options):
     engine: str | None = opt(
         None,
         "--scheme w4afp8: the engine whose W4AFP8 layout is written: vllm (default: compressed-tensors W4A8-FP8, "
-        "dynamic FP8 activations) or sglang (its native w4afp8 layout: not written by this version)",
+        "dynamic FP8 activations) or sglang (its native w4afp8 layout: int8 codes, block FP8 elsewhere, static "
+        "per-expert FP8 input scales calibrated from routed tokens: --data / --samples / --seq-len)",
         choices=W4AFP8_ENGINES,
         why="unknown; use one of {choices}",
     )
@@ -649,11 +653,11 @@ class ConvertOptions(Options):
             d.pop("base_model")  # only where given: a manifest without it is what it was before the option
         return d
 
-    def check_method_options(self) -> None:
+    def check_method_options(self, also: tuple[str, ...] = ()) -> None:
         """After ``resolve``: an option of a method that does not run is refused, not ignored (0 is
-        a value: ``--iters 0`` beside RTN is refused too)."""
+        a value: ``--iters 0`` beside RTN is refused too); ``also``: options used whatever the method."""
         for name, methods in method_options().items():
-            if given(self, name) and self.method_name not in methods:
+            if given(self, name) and self.method_name not in methods and name not in also:
                 need = " or ".join(f"--method {m}" for m in methods)
                 raise QuantizeError(
                     f"{flag(name)} is an option of {need}, but the method is {self.method_name}; "
@@ -694,12 +698,11 @@ class ConvertOptions(Options):
     def _resolve_w4afp8(self, recipe) -> "ConvertOptions":
         """W4AFP8: routed experts INT4 by group 128 (the engines' CUTLASS W4A8 kernels take no other),
         FP8 activations at serving time; the source's block-FP8 weights stay FP8 (the engines' W4AFP8
-        methods serve the rest as block FP8). One line for what the engines cannot serve."""
+        methods serve the rest as block FP8). ``--engine sglang`` (SGLang's native layout) reads static
+        per-expert input scales: calibrated from routed tokens (``ACT_CALIBRATION``) whatever the
+        method; vLLM quantizes activations dynamically, so there a calibration option is refused. One
+        line for what the engines cannot serve."""
         engine = self.engine or "vllm"
-        if engine == "sglang":
-            raise QuantizeError("--scheme w4afp8 --engine sglang: SGLang's native w4afp8 layout (int8 codes, fp32 "
-                                "weight_scale_inv, static per-expert activation scales) is not written by this "
-                                "version; use --engine vllm (compressed-tensors W4A8-FP8, docs/engines.md#w4afp8)")
         if recipe is not None:
             raise QuantizeError(f"{recipe.path}: a recipe with --scheme w4afp8 is not supported (the scheme fixes the "
                                 "targets: routed experts INT4 by group 128); drop one of them")
@@ -713,9 +716,21 @@ class ConvertOptions(Options):
             raise QuantizeError(f"--observer {self.observer}: its negative scales are not proven through the W4A8 "
                                 f"kernels' scale conversion; use one of {', '.join(W4AFP8_OBSERVERS)} with "
                                 "--scheme w4afp8")
+        calibrates = engine == "sglang"
+        if not calibrates and self.method_name not in DATA_AWARE:
+            asked = [n for n in ACT_CALIBRATION if given(self, n)]
+            if asked:
+                raise QuantizeError(f"{flag(asked[0])}: --engine vllm quantizes the experts' activations dynamically "
+                                    "(per token, at serving time), so no activation scale is calibrated; drop "
+                                    f"{flag(asked[0])}, or use --engine sglang (static per-expert scales)")
         out = replace(self, group_size=W4AFP8_GROUP, profile=DEFAULT_PROFILE, keep_fp8=True, engine=engine,
                       observer=self.observer or DEFAULT_OBSERVER)
-        return replace(out._resolve(None), scheme="w4afp8")
+        out = out._resolve(None, also=ACT_CALIBRATION if calibrates else ())
+        if calibrates:  # the activation scales' calibration, under any method: its defaults where not given
+            # (--samples left None: up to ACT_SAMPLES, as many as the data holds; a maximum needs fewer texts)
+            out = replace(out, **{n: method_default(n) for n in ACT_CALIBRATION
+                                  if n != "samples" and getattr(out, n) is None and method_default(n) is not None})
+        return replace(out, scheme="w4afp8")
 
     def _check_fp8_block(self, recipe) -> None:
         """FP8 block is round-to-nearest on its own grid (absmax / 448 per 128x128 block, as
@@ -730,7 +745,7 @@ class ConvertOptions(Options):
             raise QuantizeError(f"{recipe.path}: a {recipe.method} modifier with scheme fp8-block; FP8 block is "
                                 "round to nearest, use a QuantizationModifier")
 
-    def _resolve(self, recipe) -> "ConvertOptions":
+    def _resolve(self, recipe, also: tuple[str, ...] = ()) -> "ConvertOptions":
         if recipe is None:
             method = self.method or DEFAULT_METHOD
             out = replace(
@@ -740,7 +755,7 @@ class ConvertOptions(Options):
                 observer=self.observer or default_observer(method),
                 method=None if method == DEFAULT_METHOD else method,
             )
-            out.check_method_options()
+            out.check_method_options(also)
             return out._method_defaults()
         if self.group_size is not None and self.group_size != recipe.group_size:
             raise QuantizeError(
@@ -800,6 +815,11 @@ DEFAULT_GRID = {"rtn": DEFAULT_OBSERVER, "gptq": "fullrange", "autoround": "full
 
 def default_observer(method: str) -> str:
     return DEFAULT_GRID[method]
+
+
+def method_default(name: str):
+    """The default a data-aware option takes under a method that uses it."""
+    return next(spec(f).method_default for f in fields(ConvertOptions) if f.name == name)
 
 
 def method_options() -> dict[str, tuple[str, ...]]:

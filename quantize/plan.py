@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import archs
-from .archs.base import (ENGINE_UNQUANTIZED, IGNORE_PATTERN, PROFILES, ROLE_GROUP, ROLES, Architecture,
+from .archs.base import (ENGINE_UNQUANTIZED, EXPERT_ROLES, IGNORE_PATTERN, PROFILES, ROLE_GROUP, ROLES, Architecture,
                          profile_quantizes)
 from .checkpoint.config import ModelConfig
 from .checkpoint.index import CheckpointIndex, TensorRef, load_config, read_tensor
@@ -24,7 +24,7 @@ from .checkpoint.reader import fp8_scale_format
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError
 from .formats import layout
-from .options import ConvertOptions, PlanOptions, takes  # ConvertOptions: also imported from here by callers
+from .options import W4AFP8_GROUP, ConvertOptions, PlanOptions, takes  # ConvertOptions: also imported from here by callers
 from .recipe import Recipe, load_recipe
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zero_point", "weight_global_scale")
@@ -482,7 +482,9 @@ def build_plan(
         if is_weight2d:
             module = base
             quant = _decide_by_recipe(recipe, module) if recipe else profile_quantizes(options.profile, role)
-            if quant and options.scheme == "fp8-block":
+            if sglang_native(options):
+                _sglang_job(job, module, role, quant, is_fp8, block)
+            elif quant and options.scheme == "fp8-block":
                 job.kind = "fp8"
                 sdt = "BF16" if is_fp8 or ref.dtype == "BF16" else ref.dtype  # the weight's dtype, as llm-compressor
                 job.outputs = [Entry(name, "F8_E4M3", ref.shape),
@@ -539,6 +541,53 @@ def build_plan(
     )
     validate_plan(plan, recipe, ct_check=ct_check)
     return plan
+
+
+# -- SGLang's native w4afp8 (docs/engines.md#w4afp8, route A) ----------------------------------------
+# every LinearBase is served through Fp8LinearMethod (block FP8, ``weight_scale_inv``; there is no ignore
+# list, so a BF16 Linear would be cast into e4m3 and compute garbage: sglang/srt/layers/quantization/
+# w4afp8.py L93-105); what is not a LinearBase there (embeddings, lm_head, the router, DSA weights_proj,
+# MTP eh_proj / shared_head, Kimi K2.5's vision tower and projector, built without quant_config in
+# sglang/srt/models/kimi_k25.py L680-700) stays BF16: exactly the roles a vendor FP8 release keeps high
+# precision (``ROLES``' third field).
+SGLANG_FP8_ROLES = frozenset(r for r, (linear, _, high) in ROLES.items() if linear and not high) - EXPERT_ROLES
+
+
+def sglang_native(options) -> bool:
+    """The output is SGLang's native w4afp8 layout (``--scheme w4afp8 --engine sglang``)."""
+    return options.scheme == "w4afp8" and options.engine == "sglang"
+
+
+def sglang_int4_outputs(module: str, shape: tuple[int, int]) -> list[Entry]:
+    """A routed expert projection in SGLang's native layout (``formats/w4afp8.py``)."""
+    o, k = shape
+    return [Entry(f"{module}.weight", "I8", (o, k // 2)),
+            Entry(f"{module}.weight_scale_inv", "F32", (o, k // W4AFP8_GROUP)),
+            Entry(f"{module}.input_scale", "F32", (1,))]
+
+
+def sglang_fp8_outputs(module: str, shape: tuple[int, int]) -> list[Entry]:
+    """A Linear as SGLang's Fp8LinearMethod reads it: e4m3 ``weight``, fp32 ``weight_scale_inv`` per 128x128."""
+    return [Entry(f"{module}.weight", "F8_E4M3", tuple(shape)),
+            Entry(f"{module}.weight_scale_inv", "F32", layout.block_grid(tuple(shape), layout.DEFAULT_BLOCK))]
+
+
+def _sglang_job(job: Job, module: str, role: str, quant: bool, is_fp8: bool, block: tuple) -> None:
+    """A float or FP8 Linear weight's job for SGLang's native w4afp8: a routed expert INT4 (with its
+    calibrated input scale), another SGLang Linear block FP8 (a 128x128 block-FP8 source kept bit for
+    bit under SGLang's scale name), the rest BF16 (an FP8 one dequantized)."""
+    shape = tuple(job.src.shape)
+    if quant and role in EXPERT_ROLES:
+        job.kind, job.outputs = "int4", sglang_int4_outputs(module, shape)
+    elif role in SGLANG_FP8_ROLES:
+        if is_fp8 and job.scale_format == "block" and tuple(block) == layout.DEFAULT_BLOCK:
+            job.kind = "keep_fp8"
+            job.outputs = [Entry(job.name, job.src.dtype, shape),
+                           Entry(f"{module}.weight_scale_inv", job.scale.dtype, tuple(job.scale.shape))]
+        else:
+            job.kind, job.outputs = "fp8", sglang_fp8_outputs(module, shape)
+    elif is_fp8:
+        job.kind, job.outputs = "dequant", [Entry(job.name, "BF16", shape)]
 
 
 INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
@@ -679,7 +728,13 @@ def _int4_job(module: str, parts: tuple, role: str, quant: bool, options, recipe
                             f"{_keeps_int4_fix(role, options, recipe)}")
     job = Job("pass_int4", module + ".weight", role, packed, scale=scale, scale_format="int4", extra=[shp],
               shape=(o, k))
-    if options.scheme == "fp8-block":  # dequantized as compressed-tensors does (BF16), then FP8 block
+    if sglang_native(options):
+        if role not in EXPERT_ROLES:  # SGLang's w4afp8 serves every other Linear as block FP8
+            job.kind, job.outputs = "fp8", sglang_fp8_outputs(module, (o, k))
+        else:  # g128 codes kept bit for bit (transcoded); another group re-quantized (--requantize)
+            job.kind = "int4" if options.requantize else "transcode"
+            job.outputs = sglang_int4_outputs(module, (o, k))
+    elif options.scheme == "fp8-block":  # dequantized as compressed-tensors does (BF16), then FP8 block
         job.kind = "fp8"
         job.outputs = [Entry(module + ".weight", "F8_E4M3", (o, k)),
                        Entry(module + ".weight_scale", "BF16", layout.block_grid((o, k), layout.DEFAULT_BLOCK))]
@@ -746,6 +801,8 @@ def config_view(
 ) -> dict:
     """What the engines match against their module names: the ignore list and each config group's
     targets (config_group_0: INT4; config_group_1: the FP8 weights --keep-fp8 keeps)."""
+    if sglang_native(options):  # no compressed-tensors groups: SGLang's w4afp8 decides by module class
+        return {"quant_method": "w4afp8", "ignore": [], "config_groups": {}}
     roles = {j.role for s in shards for j in s.jobs}
     fp8_roles = frozenset(j.role for s in shards for j in s.jobs if j.kind == "keep_fp8")
     if recipe:
@@ -763,6 +820,8 @@ def config_view(
 def quantization_config(
     arch: Architecture, config: dict, options: ConvertOptions, recipe: Recipe | None, shards: list[ShardPlan]
 ) -> dict:
+    if sglang_native(options):
+        return sglang_quantization_config()
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     from .formats import int4
@@ -812,6 +871,15 @@ def quantization_config(
         "transform_config": {},
         **qc.model_dump(mode="json"),
     }
+
+
+def sglang_quantization_config() -> dict:
+    """SGLang's native w4afp8 ``quantization_config``: SGLang 0.5.23 reads only ``quant_method``
+    (sglang/srt/model_loader/weight_utils.py L281-312; ``W4AFp8Config.from_config``, w4afp8.py L78-91,
+    forces 128x128 FP8 blocks, group 128 and no ignored layers). The other keys say what the
+    checkpoint holds, for a reader; an engine ignores them."""
+    return {"quant_method": "w4afp8", "activation_scheme": "static", "weight_block_size": [128, 128],
+            "group_size": W4AFP8_GROUP, "moe_activation_scheme": "static", "linear_activation_scheme": "dynamic"}
 
 
 # --scheme w4afp8 (vLLM 0.33 compressed-tensors W4A8-FP8, docs/engines.md#w4afp8): the INT4 group's input
@@ -908,7 +976,7 @@ class _SglangSchemes:
 
 EXPECT = {"int4": "config_group_0", "pass_int4": "config_group_0", "fp8": "config_group_0",
           "keep_fp8": "config_group_1"}
-INT4_KINDS = ("int4", "pass_int4")
+INT4_KINDS = ("int4", "pass_int4", "transcode")  # transcode: an INT4 source's codes into SGLang's native bytes
 QUANT_KINDS = (*INT4_KINDS, "fp8")  # what config_group_0 holds
 
 
@@ -921,7 +989,7 @@ def check_with_compressed_tensors(plan: Plan) -> None:
     """compressed-tensors' own matcher on checkpoint names reproduces every decision of the plan
     (an internal consistency check: the ignore list is ours, the matcher theirs). Imports
     compressed-tensors (seconds), so convert runs it beside the first tensors."""
-    if plan.recipe is not None:
+    if plan.recipe is not None or sglang_native(plan.options):  # no compressed-tensors config to match
         return
     for j in plan.jobs:
         if is_linear_weight(j):
@@ -1001,6 +1069,9 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
                 f"{layer}: some routed experts are INT4 and others are not; fused MoE kernels need one scheme for all "
                 "experts of a layer (fix the recipe's ignore list)"
             )
+    if sglang_native(plan.options):  # SGLang's w4afp8 decides by module class, not by a config to match
+        _sglang_native_rule(plan)
+        return
     # the written config must reproduce the plan's decisions, for compressed-tensors (checkpoint
     # names, exact/regex) and for SGLang (its module names, fused ones included)
     qc = plan.config_view
@@ -1019,6 +1090,20 @@ def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> N
                     f"checkpoint holds it as {want}: SGLang would build the wrong layer and fail to load; fix the "
                     f"ignore list with re:.* patterns that {'match' if want == 'bf16' else 'exclude'} it"
                 )
+
+
+def _sglang_native_rule(plan: Plan) -> None:
+    """SGLang's native w4afp8: every Linear it builds through Fp8LinearMethod is block FP8 in the
+    output and every routed expert INT4 (a BF16 Linear would be cast into e4m3 with no error)."""
+    for j in plan.jobs:
+        if not is_linear_weight(j):
+            continue
+        want = "int4" if j.role in EXPERT_ROLES else "fp8" if j.role in SGLANG_FP8_ROLES else "bf16"
+        got = ("int4" if j.kind in INT4_KINDS else "fp8" if j.kind in ("fp8", "keep_fp8")
+               else "bf16")
+        if got != want:
+            raise QuantizeError(f"{plan.source}: {j.name} would be written {got}, but SGLang's w4afp8 serves it as "
+                                f"{want}; use --engine vllm")
 
 
 def _tp_refused(tp: int, heads: int, where: Path) -> QuantizeError:

@@ -190,9 +190,10 @@ CASES = [
     Case("convert: --min-expert-tokens 0 beside rtn", convert("--min-expert-tokens", "0"), "--min-expert-tokens"),
     Case("convert: --group-size 7", convert("--group-size", "7"), "--group-size 7"),
     # --scheme w4afp8 (issue 36): what the engines' W4A8 kernels cannot serve, one line before OUT opens
-    Case("convert: w4afp8 --engine sglang", convert("--scheme", "w4afp8", "--engine", "sglang"),
-         "SGLang's native w4afp8 layout (int8 codes, fp32 weight_scale_inv, static per-expert activation scales) "
-         "is not written by this version"),
+    Case("convert: w4afp8 --engine vllm with --samples (dynamic activations)",
+         convert("--scheme", "w4afp8", "--samples", "4"),
+         "--samples: --engine vllm quantizes the experts' activations dynamically (per token, at serving time), so "
+         "no activation scale is calibrated"),
     Case("convert: w4afp8 --group-size 32", convert("--scheme", "w4afp8", "--group-size", "32"),
          "--group-size 32: the W4A8 MoE kernels of vLLM 0.33 and SGLang 0.5.23 take group 128 only"),
     Case("convert: w4afp8 --profile all-linear", convert("--scheme", "w4afp8", "--profile", "all-linear"),

@@ -129,29 +129,35 @@ def rows(index: torch.Tensor, e: int):
     return token_idx, top_k_pos
 
 
-def ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn) -> torch.Tensor:
-    """One routed expert on rows ``x``, as transformers' eager experts forward computes it."""
+def ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn, tap=None) -> torch.Tensor:
+    """One routed expert on rows ``x``, as transformers' eager experts forward computes it;
+    ``tap(x, inner)``: shown both GEMM inputs (read only: the result is the same bits)."""
     gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
-    return torch.nn.functional.linear(act_fn(gate) * up, down)
+    inner = act_fn(gate) * up
+    if tap is not None:
+        tap(x, inner)
+    return torch.nn.functional.linear(inner, down)
 
 
-def contributions(r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor, act_fn):
+def contributions(r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor, act_fn, tap=None):
     """Per expert of ``experts`` (ascending; ``gate_up[j]``/``down[j]`` are expert ``experts[j]``)
     that the router sent tokens to: (those tokens' rows, the expert's weighted output for them),
-    computed as transformers' eager experts forward computes them."""
+    computed as transformers' eager experts forward computes them. ``tap(e, x, inner)``: each
+    expert's two GEMM inputs, as they are computed."""
     for j, e in enumerate(experts):
         found = rows(r.index, e)
         if found is None:
             continue
         token_idx, top_k_pos = found
-        out = ffn(r.hidden[token_idx], gate_up[j], down[j], act_fn)
+        out = ffn(r.hidden[token_idx], gate_up[j], down[j], act_fn,
+                  None if tap is None else (lambda x, inner, e=e: tap(e, x, inner)))
         yield token_idx, out * r.weights[token_idx, top_k_pos, None]
 
 
 def accumulate(out: torch.Tensor, r: Routed, experts: range, gate_up: torch.Tensor, down: torch.Tensor,
-               act_fn) -> None:
+               act_fn, tap=None) -> None:
     """Add the outputs of ``experts`` for the tokens routed to them into ``out``, as transformers'
     eager experts forward does for the whole set: the same ops in the same order on the same
     output tensor (``index_add_`` per expert, ascending)."""
-    for token_idx, h in contributions(r, experts, gate_up, down, act_fn):
+    for token_idx, h in contributions(r, experts, gate_up, down, act_fn, tap):
         out.index_add_(0, token_idx, h.to(out.dtype))

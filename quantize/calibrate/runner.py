@@ -58,6 +58,7 @@ class LayerStreamer:
         self.expert_budget = int(expert_budget)  # bytes of routed expert weights held at once
         self.device = "cpu"  # where ``stream`` runs the layers (calibrate-kv's --device); weights are read on the CPU
         self.experts_path = self.arch.hf.get("experts")
+        self.expert_tap = None  # ``expert_tap(layer, expert, x, inner)``: each routed expert's GEMM inputs
 
     def _layer_prefix(self, i: int) -> str:
         return f"{self.arch.prefix}model.layers.{i}."
@@ -147,9 +148,10 @@ class LayerStreamer:
         per = routed.expert_bytes(*self.expert_dims(), self.dtype)
         for g in self.expert_groups(per, range(stand.num_experts)):
             gate_up, down = self.expert_weights(i, g, self.device)
+            tap = None if self.expert_tap is None else (lambda e, x, inner: self.expert_tap(i, e, x, inner))
             with torch.no_grad():
                 for out, r in zip(outs, captured):
-                    routed.accumulate(out, r, g, gate_up, down, stand.act_fn)
+                    routed.accumulate(out, r, g, gate_up, down, stand.act_fn, tap)
             del gate_up, down
         return outs
 

@@ -7,6 +7,8 @@ rank 0's layer pass sends it and computes its share, and rank 0 writes everythin
 - ``("autoround", job)``: an AutoRound layer, built here from the source (a MoE layer's dense part,
   and this rank's routed experts read and trained here), then each of its steps' contiguous share
   of the batch (``tuning.tune_rank``), until rank 0 says ``end``;
+- ``("act_scales", job)``: SGLang's w4afp8 static input scales: this rank's share of the samples
+  streamed through every layer, each expert's input maxima and token counts sent to rank 0;
 - ``("done", result)``: rank 0's pass is over; its result is this rank's too.
 
 What comes back is combined on rank 0 in rank order, which is item order (experts, samples): the
@@ -37,8 +39,16 @@ def serve(src: Path, world):
             tune_rank(world, streamer, _build(streamer, job["layer"], stream_experts=job["stream"]).to(device), job,
                       device)
 
+    def act_scales(job):  # SGLang's w4afp8: this rank's samples through the layers, maxima to rank 0
+        from ..calibrate.act_scales import observe
+
+        streamer.device = job["device"] if job["device"] == "cpu" or world.backend != "nccl" else world.device
+        streamer.expert_budget = job["budget"]
+        observe(streamer, job["ids"], world)
+
     try:
-        return follow(world, {"pass": lambda job: rank_pass(src, job, world), "autoround": autoround})
+        return follow(world, {"pass": lambda job: rank_pass(src, job, world), "autoround": autoround,
+                              "act_scales": act_scales})
     finally:
         torch.set_num_threads(old)
         streamer.close()

@@ -60,8 +60,12 @@ def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
     layer class cannot take is one line, nothing written."""
     from ..calibrate.data import build_samples
 
-    s = build_samples(Path(src), options.data, options.samples, options.seq_len)
-    if len(s.ids) < options.samples:
+    from ..options import ACT_SAMPLES
+
+    s = build_samples(Path(src), options.data, options.samples or ACT_SAMPLES, options.seq_len)
+    if options.samples is None and not s.ids:  # SGLang's activation scales: as many as the data holds
+        raise QuantizeError(f"--data {s.source}: no usable sample ({s.texts_read} texts read); pass calibration text")
+    if options.samples is not None and len(s.ids) < options.samples:
         raise QuantizeError(f"--data {s.source}: {len(s.ids)} usable samples ({s.texts_read} texts read, "
                             f"{s.dropped_short} shorter than 2 tokens), fewer than --samples {options.samples}; "
                             f"pass more text or lower --samples to {len(s.ids)}")
