@@ -498,6 +498,7 @@ def activation_scales(plan: Plan, src: Path, o: Output, calib, options: ConvertO
     finally:
         streamer.close()
     acts = act_scales.scales(seen, {i: len(es) for i, es in sorted(moe.items())}, options.min_expert_tokens)
+    acts.data = {"samples": len(calib.ids), "tokens": calib.tokens, "source": calib.source}
     path.parent.mkdir(parents=True, exist_ok=True)
     from .checkpoint.output import write_text_atomic
 

@@ -100,6 +100,7 @@ class ActScales:
     min_tokens: int
     layers: list[dict] = field(default_factory=list)  # per layer: tokens min/median/max, starved experts
     uncalibrated: list[int] = field(default_factory=list)  # MoE layers no calibration ran through (MTP)
+    data: dict = field(default_factory=dict)  # the calibration: samples, tokens, source
 
     def of(self, layer: int, expert: int, proj: str) -> float:
         """The scale written for ``proj`` (gate_proj / up_proj -> the first GEMM's, down_proj -> the
@@ -113,7 +114,7 @@ class ActScales:
 
     def to_dict(self) -> dict:
         return {"version": VERSION, "min_tokens": self.min_tokens, "layers": self.layers,
-                "uncalibrated": self.uncalibrated,
+                "uncalibrated": self.uncalibrated, "data": self.data,
                 "scales": {str(i): [list(p) for p in v] for i, v in sorted(self.scales.items())}}
 
     @classmethod
@@ -121,11 +122,12 @@ class ActScales:
         if d.get("version") != VERSION:
             raise ValueError("version")
         return cls({int(i): [(float(a), float(b)) for a, b in v] for i, v in d["scales"].items()},
-                   int(d["min_tokens"]), list(d["layers"]), [int(i) for i in d["uncalibrated"]])
+                   int(d["min_tokens"]), list(d["layers"]), [int(i) for i in d["uncalibrated"]], dict(d["data"]))
 
     def report(self) -> dict:
         """What the manifest records (the scales themselves are in the checkpoint)."""
-        return {"min_tokens": self.min_tokens, "layers": self.layers, "uncalibrated": self.uncalibrated}
+        return {"min_tokens": self.min_tokens, "layers": self.layers, "uncalibrated": self.uncalibrated,
+                "data": self.data}
 
     def starved(self) -> list[tuple[int, list[int]]]:
         return [(r["layer"], r["starved"]) for r in self.layers if r["starved"]]

@@ -1,6 +1,6 @@
 """One dequantizing reader: a checkpoint tensor as numbers, whatever its stored scheme (block or
 channel FP8 with ``weight_scale_inv`` / ``weight_scale``, compressed-tensors pack-quantized INT4,
-BF16/FP16/FP32). calibrate-kv's layer streamer, ``quantize check`` and the plan's scale checks all
+SGLang's native w4afp8 INT4, BF16/FP16/FP32). calibrate-kv's layer streamer, ``quantize check`` and the plan's scale checks all
 read through it, so the block-vs-channel decision is made in one place.
 
 FP8 weights come back as ``bf16(fp8 * scale)`` (computed in fp32, as a BF16 checkpoint of the
@@ -89,10 +89,18 @@ class WeightReader:
             if t[name].dtype == "F8_E4M3":
                 sc = self.fp8_scale(name)
                 return f"fp8-{sc[1]}" if sc else "fp8-unscaled"
+            if self.native_int4(name):
+                return "int4-native"
             return "float"
         if name.endswith(".weight") and name[: -len("weight")] + "weight_packed" in t:
             return "int4"
         return "missing"
+
+    def native_int4(self, name: str) -> bool:
+        """``name`` is SGLang's native w4afp8 INT4 (int8 nibble pairs beside a ``weight_scale_inv``)."""
+        t = self.index.tensors
+        return name in t and t[name].dtype == "I8" and name.endswith(".weight") and \
+            f"{name[: -len('.weight')]}.weight_scale_inv" in t
 
     def mismatch(self, name: str, shape: tuple[int, ...]) -> str | None:
         """Why ``weight(name)`` could not give a tensor of ``shape``, from the headers alone (no
@@ -104,6 +112,11 @@ class WeightReader:
             ref = t[name]
             if ref.dtype == "F8_E4M3" and self.fp8_scale(name) is None:
                 return "is FP8 without a weight_scale_inv / weight_scale beside it"
+            if self.native_int4(name):  # two codes per byte
+                sc = t[f"{name[: -len('.weight')]}.weight_scale_inv"]
+                ok = (len(shape) == 2 and tuple(ref.shape) == (shape[0], shape[1] // 2) and shape[1] % 2 == 0
+                      and len(sc.shape) == 2 and sc.shape[0] == shape[0] and sc.shape[1] and not shape[1] % sc.shape[1])
+                return None if ok else f"is INT4 (SGLang w4afp8) as {list(ref.shape)} with scales {list(sc.shape)}"
             return None if tuple(ref.shape) == shape else f"has shape {list(ref.shape)}"
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         packed = t.get(f"{base}.weight_packed") if base else None
@@ -129,6 +142,11 @@ class WeightReader:
         on = (lambda x: x.to(device)) if device is not None else (lambda x: x)  # noqa: E731
         if name in t:
             w = on(self.raw(name))
+            if self.native_int4(name):
+                from ..formats import w4afp8
+
+                s = on(self.raw(f"{name[: -len('.weight')]}.weight_scale_inv"))
+                return w4afp8.dequantize(w, s).to(dtype)
             if w.dtype == torch.float8_e4m3fn:
                 sc = self.fp8_scale(name)
                 if sc is None:

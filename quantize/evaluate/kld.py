@@ -101,7 +101,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device = torch.devi
                   None) \
         or transformers.AutoModelForCausalLM
     try:
-        if _has_fp8_block(cfg):
+        if _has_fp8_block(cfg) or _native_w4afp8(cfg):
             with tempfile.TemporaryDirectory(prefix="quantize-bf16-") as tmp:
                 m = cls.from_pretrained(_dequantized_copy(path, cfg, Path(tmp)), dtype=dtype)
         else:
@@ -139,6 +139,11 @@ def _has_fp8_block(cfg: dict) -> bool:
                for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict))
 
 
+def _native_w4afp8(cfg: dict) -> bool:
+    """SGLang's native w4afp8 (``convert --scheme w4afp8 --engine sglang``): transformers has no loader."""
+    return ((cfg.get("quantization_config") or {}).get("quant_method")) == "w4afp8"
+
+
 def _dequantized_copy(path: Path, cfg: dict, tmp: Path) -> str:
     """The checkpoint as BF16 in ``tmp`` (every FP8 / INT4 weight dequantized by the one reader,
     as compressed-tensors decompresses it: code x scale in the scale dtype, rounded to BF16; config
@@ -154,11 +159,12 @@ def _dequantized_copy(path: Path, cfg: dict, tmp: Path) -> str:
         t = r.index.tensors
         for name in t:
             base, _, part = name.rpartition(".")
-            if part in ("weight_scale", "weight_shape") and (base + ".weight" in t or base + ".weight_packed" in t):
+            if part in ("weight_scale", "weight_shape", "weight_scale_inv", "input_scale") and (
+                    base + ".weight" in t or base + ".weight_packed" in t):
                 continue
             if part == "weight_packed":
                 out[base + ".weight"] = r.weight(base + ".weight", torch.bfloat16)
-            elif part == "weight" and t[name].dtype == "F8_E4M3":
+            elif part == "weight" and (t[name].dtype == "F8_E4M3" or r.native_int4(name)):
                 out[name] = r.weight(name, torch.bfloat16)
             else:
                 out[name] = r.raw(name).clone()
