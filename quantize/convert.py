@@ -142,7 +142,7 @@ def compute_job(
                                 f"{list(s.shape)}); add --requantize")
         if not torch.isfinite(s).all():
             raise _nan_error(job)
-        return [w.cpu(), s.cpu(), None], {"name": job.name, "role": job.role, "rel_err": 0.0, "max_abs_err": 0.0,
+        return [w.clone(), s, None], {"name": job.name, "role": job.role, "rel_err": 0.0, "max_abs_err": 0.0,
                                           "passed_through": True}
     if job.kind == "int4":
         rows, k = job.wshape
