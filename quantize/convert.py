@@ -493,7 +493,7 @@ def activation_scales(plan: Plan, src: Path, o: Output, calib, options: ConvertO
     streamer = open_streamer(src)
     try:
         streamer.device, streamer.expert_budget = _rank_device(device, world), budget
-        emit({"event": "start", "stage": "activation scales", "samples": len(calib.ids), "tokens": calib.tokens})
+        emit({"event": "start", "stage": "activation scales", "unit": "layers", "total_bytes": streamer.num_layers})
         seen = act_scales.observe(streamer, calib.ids, world, emit)
     finally:
         streamer.close()

@@ -284,3 +284,52 @@ def test_kimi_requantized_its_bf16_linears_become_block_fp8(tiny, tmp_path):
                 else torch.bfloat16
             assert v.dtype == want, (n, roles[n], v.dtype)
     assert any(roles[n] in ("vision", "projector") for n in t)
+
+
+def test_two_ranks_and_a_resume_give_the_same_bytes(native, tmp_path):
+    """The calibration's samples split over two ranks (gloo, real processes): the same maxima, so the
+    same checkpoint; a run stopped after the calibration resumes from its kept scales (not measured
+    again) to the same bytes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .conftest import weights_only
+
+    src, one, _ = native
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    two = tmp_path / "two"
+    args = ["--scheme", "w4afp8", "--engine", "sglang", "--samples", "4", "--seq-len", "64"]
+    p = subprocess.run([sys.executable, "-m", "quantize.cli", "convert", str(src), str(two), *args, "--nproc", "2"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert weights_only(two) == weights_only(one)
+    # stopped once the scales are measured, before any shard: --resume reads them back, it does not measure
+    # again (a kept file changed by hand shows which was used)
+    class Stop(Exception):
+        pass
+
+    def stop(ev):
+        if ev.get("event") == "start" and ev.get("stage") == "convert":
+            raise Stop
+
+    three = tmp_path / "three"
+    with pytest.raises(Stop):
+        convert(src, three, emit=stop, **KW)
+    kept = three / ".quantize" / "act_scales.json"
+    assert kept.is_file() and not list(three.glob("*.safetensors"))
+    convert(src, three, resume=True, **KW)
+    assert weights_only(three) == weights_only(one)
+    doc = json.loads(kept.read_text())
+    doc["scales"]["1"][0] = [0.5, 0.25]
+    kept.write_text(json.dumps(doc))
+    four = tmp_path / "four"
+    with pytest.raises(Stop):
+        convert(src, four, emit=stop, **KW)
+    (four / ".quantize" / "act_scales.json").write_text(json.dumps(doc))
+    convert(src, four, resume=True, **KW)
+    t = load_dir(four)
+    assert float(t["model.layers.1.mlp.experts.0.gate_proj.input_scale"]) == 0.5
+    assert float(t["model.layers.1.mlp.experts.0.down_proj.input_scale"]) == 0.25

@@ -74,7 +74,7 @@ def observe(streamer, ids: list[torch.Tensor], world=None, emit: Emit = null_emi
     streamer.expert_tap = tap
     try:
         for i, _ in streamer.stream([ids[k] for k in own]):
-            emit({"event": "progress", "stage": "activation scales", "layer": i, "layers": streamer.num_layers})
+            emit({"event": "tensor", "name": f"layer {i}: the routed experts' input maxima", "done_bytes": i + 1})
     finally:
         streamer.expert_tap = None
     if not split:
