@@ -608,6 +608,11 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
     vendor, failures, manifest = prove_files(model)
     if manifest:
         verify_manifest_record(model, manifest, index)
+    from . import check_native
+
+    if check_native.is_native(index):  # SGLang's native w4afp8: its own layout and loader facts
+        return _check_native(model, index, tp, source, tokens, seed, max_source_rel_err, vendor, failures,
+                             manifest, emit)
     verify_quant_config(model, index)
     verified = {"files_sha256": len(manifest.get("files") or {}) - len(failures)}
     if vendor:
@@ -673,6 +678,35 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
     failures += [f for r in rows for f in r.failures]
     emit({"event": "done"})
     return CheckReport(str(model), tp, False, rows, failures, verified, moe_rec)
+
+
+def _check_native(model: Path, index: CheckpointIndex, tp, source, tokens, seed, max_source_rel_err, vendor,
+                  failures: list[str], manifest: dict, emit: Emit) -> CheckReport:
+    """``check`` of SGLang's native w4afp8 layout (``check_native``): the layout against the loader's
+    facts, each expert's decode and static-scale W4A8 product, and with ``source`` every tensor re-derived."""
+    from . import check_native
+
+    experts = check_native.verify_layout(model, index)
+    verified = {"files_sha256": len(manifest.get("files") or {}) - len(failures), "layout": "sglang w4afp8"}
+    if vendor:
+        verified["files_unrecorded"] = len(index.files)
+    if tp:  # SGLang's W4A8 MoE: K % 128 in both GEMMs per rank (hidden; intermediate / tp), w4afp8.py L178, L190
+        down = index.tensors[next(e for e in experts if e.endswith("down_proj")) + ".weight"]
+        hidden, inter = down.shape[0], 2 * down.shape[1]
+        if hidden % 128 or inter % tp or (inter // tp) % 128:
+            failures.append(f"{model}: at TP {tp} SGLang's W4A8 MoE needs hidden ({hidden}) and intermediate / TP "
+                            f"({inter} / {tp}) to be multiples of 128")
+    rows = check_native.check_experts(model, index, experts, tokens, seed, Row, emit)
+    if source is not None:
+        src = CheckpointIndex.open(source)
+        check_fp8_dtypes(src)
+        bad, proven = check_native.verify_against_source(index, src, manifest.get("options") or {},
+                                                         {r.tensor: r for r in rows}, max_source_rel_err)
+        failures += bad
+        verified["tensors_exact_vs_source"] = proven
+    failures += [f for r in rows for f in r.failures]
+    emit({"event": "done"})
+    return CheckReport(str(model), tp, False, rows, failures, verified, None)
 
 
 def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) -> CheckReport:

@@ -333,3 +333,84 @@ def test_two_ranks_and_a_resume_give_the_same_bytes(native, tmp_path):
     t = load_dir(four)
     assert float(t["model.layers.1.mlp.experts.0.gate_proj.input_scale"]) == 0.5
     assert float(t["model.layers.1.mlp.experts.0.down_proj.input_scale"]) == 0.25
+
+
+# -- check --------------------------------------------------------------------------------------
+
+
+def _tampered(out, tmp_path, edit):
+    """A copy of ``out`` with ``edit(tensors)`` applied to every shard's tensors (the index kept in step)."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    names = {}
+    for f in bad.glob("*.safetensors"):
+        d = load_file(f)
+        edit(d)
+        save_file(d, f, metadata={"format": "pt"})
+        names.update({k: f.name for k in d})
+    idx = json.loads((bad / "model.safetensors.index.json").read_text())
+    idx["weight_map"] = names
+    (bad / "model.safetensors.index.json").write_text(json.dumps(idx))
+    return bad
+
+
+E0 = "model.layers.1.mlp.experts.0."
+
+
+def test_check_proves_the_native_layout_against_the_source(native):
+    from quantize.check import check
+
+    src, out, _ = native
+    r = check(out, source=src)
+    assert r.ok, r.failures[:3]
+    assert r.verified["layout"] == "sglang w4afp8"
+    assert r.verified["tensors_exact_vs_source"] == len(CheckpointIndex.open(src).tensors)  # every one, one for one
+    assert all(row.unpack_ok and row.w4a8_rel_err < 0.05 for row in r.rows) and len(r.rows) == 72
+    assert check(out, tp=2).ok and not check(out, tp=4).ok  # intermediate 256 / 4 = 64: not a multiple of 128
+
+
+def _set(name, f):
+    def edit(d):
+        if name in d:
+            d[name] = f(d[name])
+    return edit
+
+
+def _drop(name):
+    def edit(d):
+        d.pop(name, None)
+    return edit
+
+
+@pytest.mark.parametrize("edit, says", [
+    (_set(E0 + "gate_proj.weight_scale_inv", lambda v: v.t().contiguous()), "weight_scale_inv is F32 \\[2, 256\\]"),
+    (_drop(E0 + "down_proj.input_scale"), "down_proj.input_scale is missing"),
+    (_set(E0 + "up_proj.input_scale", lambda v: v * 2), "differs from its up_proj's"),
+    (_set(E0 + "up_proj.weight", lambda v: W.to_packed(v)), "int8 nibble pairs"),  # compressed-tensors' int32 words
+    (_set("model.layers.1.self_attn.o_proj.weight", lambda v: v.float().to(torch.bfloat16)), "o_proj.weight is BF16"),
+])
+def test_check_refuses_a_layout_sglang_misreads(native, tmp_path, edit, says):
+    from quantize.check import check
+    from quantize.errors import CheckFailed
+
+    _, out, _ = native
+    with pytest.raises(CheckFailed, match=says):
+        check(_tampered(out, tmp_path, edit))
+
+
+def test_check_finds_swapped_nibbles_against_the_source(native, tmp_path):
+    """Nibbles swapped in one expert: the layout still reads, the bytes no longer re-derive."""
+    from quantize.check import check
+
+    src, out, _ = native
+
+    def swap(d):
+        k = E0 + "gate_proj.weight"
+        if k in d:
+            u = d[k].view(torch.uint8)
+            d[k] = ((u << 4) | (u >> 4)).view(torch.int8)
+
+    r = check(_tampered(out, tmp_path, swap), source=src)
+    assert any(f"{E0}gate_proj.weight: INT4 codes/scales differ" in f for f in r.failures), r.failures
