@@ -414,3 +414,24 @@ def test_check_finds_swapped_nibbles_against_the_source(native, tmp_path):
 
     r = check(_tampered(out, tmp_path, swap), source=src)
     assert any(f"{E0}gate_proj.weight: INT4 codes/scales differ" in f for f in r.failures), r.failures
+
+
+def test_the_card_gives_the_sglang_line_and_names_what_the_calibration_did_not_reach(native, tmp_path):
+    import shutil
+
+    from quantize.publish.card import card
+
+    _, out, _ = native
+    d = tmp_path / "c"
+    shutil.copytree(out, d)
+    text = card(d).text
+    assert "python -m sglang.launch_server --model-path" in text and "vllm serve" not in text
+    assert "SGLang's native `w4afp8` layout" in text and "- w4afp8" in text
+    assert "4 \\\ncalibration samples" not in text and "4 calibration samples" in text
+    assert "layer 3: not calibrated (the MTP draft layer" in text
+    man = json.loads((d / "quantize_manifest.json").read_text())
+    starved = [(r["layer"], r["starved"]) for r in man["activation_scales"]["layers"] if r["starved"]]
+    for layer, es in starved:  # named by hand from the manifest
+        assert f"layer {layer}: {', '.join(map(str, es))} ({len(es)} expert" in text
+    if not starved:
+        assert "none: every expert of every calibrated layer was routed enough tokens" in text

@@ -1234,11 +1234,15 @@ def render(
     lin = lineage(folder, manifest, base)
     src_text = source_card(folder, manifest)
     name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
-    w4afp8 = bool(fp8_token_groups(cfg))  # INT4 experts with FP8 per-token activations (convert --scheme w4afp8)
+    native = qc.get("quant_method") == "w4afp8"  # SGLang's native w4afp8 (convert --scheme w4afp8 --engine sglang)
+    # INT4 experts with FP8 activations (convert --scheme w4afp8): per-token dynamic (vLLM) or static (SGLang)
+    w4afp8 = native or bool(fp8_token_groups(cfg))
     weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-    w0 = weights[0] if weights else {}
+    w0 = weights[0] if weights else ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                      "group_size": qc.get("group_size")} if native else {})
     # the tags say what the weights are: INT4 only for an INT4 scheme, quantized only where re-quantized
     tags = (("compressed-tensors",) if qc.get("quant_method") == "compressed-tensors" else ()) + (
+        ("sglang",) if native else ()) + (
         ("int4", "w4afp8" if w4afp8 else "w4a16") if w0.get("num_bits") == 4 and w0.get("type") == "int"
         else ()
     ) + (("quantized",) if lin.requantized else ())
@@ -1328,6 +1332,9 @@ def render(
         # the top-level format as pack-quantized only, so the checkpoint is vLLM's (docs/engines.md#w4afp8)
         w4afp8_vllm_only=w4afp8 and qc.get("format") == "mixed-precision",
         w4afp8=w4afp8,
+        native=native,
+        act=rec.get("activation_scales"),
+        act_starved=act_starved_lines(rec.get("activation_scales")),
         version=__version__,
         reports=reports,
     )
@@ -1335,6 +1342,22 @@ def render(
     return CardResult(
         str(given / README), text, ModelCard(text).data.to_dict(), readme_kind(folder, manifest), reports, notes
     )
+
+
+def act_starved_lines(act: dict | None) -> list[str]:
+    """SGLang's w4afp8 activation scales: the experts that got their layer's scale for too few routed
+    tokens, and the MoE layers no calibration ran through, as the card lists them."""
+    out = []
+    for r in (act or {}).get("layers") or []:
+        es = r.get("starved") or []
+        if es:
+            more = f" and {len(es) - STARVED_SHOWN} more" if len(es) > STARVED_SHOWN else ""
+            out.append(f"layer {r.get('layer')}: {', '.join(map(str, es[:STARVED_SHOWN]))}{more} "
+                       f"({len(es)} expert{'s' if len(es) != 1 else ''}, the layer's scale)")
+    for i in (act or {}).get("uncalibrated") or []:
+        out.append(f"layer {i}: not calibrated (the MTP draft layer: the calibration runs the main layers), "
+                   "the largest scales of the calibrated layers")
+    return out
 
 
 def sglang_shared_fusion(text_cfg: dict, qc: dict) -> str | None:
@@ -1348,6 +1371,8 @@ def sglang_shared_fusion(text_cfg: dict, qc: dict) -> str | None:
     ``--disable-shared-experts-fusion``."""
     if not (_int(text_cfg.get("n_shared_experts")) == 1 and _int(text_cfg.get("n_routed_experts")) == 256):
         return None
+    if qc.get("quant_method") == "w4afp8":  # SGLang's native W4AFP8 (quant_config.get_name() == "w4afp8")
+        return "auto-off"
     groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
     linear = next((g for g in groups.values() if isinstance(g, dict) and "Linear" in (g.get("targets") or [])), None)
     w = (linear or {}).get("weights") or {}
