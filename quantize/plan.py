@@ -24,7 +24,8 @@ from .checkpoint.reader import fp8_scale_format
 from .checkpoint.writer import Entry, file_size
 from .errors import QuantizeError
 from .formats import layout
-from .options import W4AFP8_GROUP, ConvertOptions, PlanOptions, takes  # ConvertOptions: also imported from here by callers
+# ConvertOptions: also imported from here by callers
+from .options import W4AFP8_GROUP, ConvertOptions, PlanOptions, takes
 from .recipe import Recipe, load_recipe
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zero_point", "weight_global_scale")

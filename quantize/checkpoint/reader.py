@@ -1,7 +1,7 @@
 """One dequantizing reader: a checkpoint tensor as numbers, whatever its stored scheme (block or
 channel FP8 with ``weight_scale_inv`` / ``weight_scale``, compressed-tensors pack-quantized INT4,
-SGLang's native w4afp8 INT4, BF16/FP16/FP32). calibrate-kv's layer streamer, ``quantize check`` and the plan's scale checks all
-read through it, so the block-vs-channel decision is made in one place.
+SGLang's native w4afp8 INT4, BF16/FP16/FP32). calibrate-kv's layer streamer, ``quantize check`` and
+the plan's scale checks all read through it, so the block-vs-channel decision is made in one place.
 
 FP8 weights come back as ``bf16(fp8 * scale)`` (computed in fp32, as a BF16 checkpoint of the
 model and ``convert`` hold them), then cast to the requested dtype.
