@@ -363,6 +363,9 @@ DATA_AWARE = ("gptq", "autoround")
 # beforehand (llm-compressor's default, its "static"/"weight"; the file format is unchanged, no
 # g_idx); "off": left to right. The old dynamic "group" order needs g_idx: not written.
 ACTORDERS = ("static", "off")
+# gptq's group scales, fixed before its update: hessian (each group's clip searched against the error weighted
+# by the input Hessian's diagonal, imatrix-style; formats/int4.py weighted_scale) or rtn (the observer's own)
+SCALE_SEARCHES = ("hessian", "rtn")
 KV_TARGETS = ("sglang", "vllm", "compressed-tensors")
 KV_CACHE_DTYPES = ("fp8_e4m3", "bf16")
 SERVE_ENGINES = ("vllm", "sglang")  # quantize.engines.serve.ENGINES
@@ -532,6 +535,16 @@ class ConvertOptions(Options):
         modifier_key="actorder",
         why="use static (columns by decreasing Hessian diagonal, groups fixed: the format is "
         "unchanged) or off; a dynamic group order would need g_idx, which is not written",
+    )
+    scale_search: str | None = opt(
+        None,
+        "gptq: the group scales fixed before the update: hessian (default: each group's clipping, 1 down to 0.8 of "
+        "its range, searched for the least error weighted by the input Hessian's diagonal, imatrix-style) or rtn "
+        "(the observer's own scale, as llm-compressor's GPTQModifier)",
+        methods=("gptq",),
+        method_default="hessian",
+        choices=SCALE_SEARCHES,
+        why="use hessian (activation-weighted clip search) or rtn (the observer's scale)",
     )
     iters: int | None = opt(
         None,

@@ -194,8 +194,8 @@ def test_method_output_catches_changed_codes_or_scales(mout, tiny, part):
     assert not rep.ok
     msgs = [x for x in rep.failures if expert in x]
     assert msgs, rep.failures
-    if how == "gptq" and part == "weight_scale":
-        assert "GPTQ scales differ from the fullrange grid" in msgs[0]  # its default grid, as recorded
+    if how == "gptq" and part == "weight_scale":  # within the searched clip range: the recorded error catches it
+        assert "not the one the conversion recorded" in msgs[0] or "GPTQ group scales lie outside" in msgs[0], msgs
     else:
         assert "not the one the conversion recorded" in msgs[0] or "outside [0.5, 1]" in msgs[0], msgs
 

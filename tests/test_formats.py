@@ -120,3 +120,34 @@ def test_observer_table_names_and_math_agree():
     assert float(s[0, 0]) < 0 and int(q.min()) == -8
     assert [n for n, g in int4.GRIDS.items() if g.signed] == ["fullrange", "fullrange-mse"]
     assert [n for n, g in int4.GRIDS.items() if g.search] == ["mse", "fullrange-mse"]
+
+
+def test_weighted_scale_follows_the_importance():
+    """int4.weighted_scale: zero importance gives the grid's RTN scale (p = 1 wins ties); importance on
+    one column clips the group so that column is rounded best; near miss: without that importance the
+    same group keeps a larger scale; shapes that do not fit are refused."""
+    import pytest
+
+    from quantize.formats import int4
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 64, generator=g)
+    for obs in ("minmax", "fullrange"):
+        rtn_scale = int4.quantize_groups(w, 32, obs)[1]
+        assert torch.equal(int4.weighted_scale(w, torch.zeros(64), 32, obs), rtn_scale)
+        s = int4.weighted_scale(w, torch.ones(64), 32, obs)
+        ratio = s.float() / rtn_scale.float()
+        assert (ratio <= 1).all() and (ratio >= 0.8 * (1 - 2**-7)).all()
+    # one column that matters: its own rounding error is (nearly) the group's weighted error
+    imp = torch.zeros(64)
+    imp[5] = 1.0
+    s = int4.weighted_scale(w, imp, 32, "minmax")
+    wb = w.to(torch.bfloat16).float()
+    err = lambda sc: (wb[:, 5] - (wb[:, 5] / sc).clamp(-8, 7).round() * sc).abs()  # noqa: E731
+    rtn_scale = int4.quantize_groups(w, 32, "minmax")[1]
+    assert (err(s[:, 0].float()) <= err(rtn_scale[:, 0].float()) + 1e-7).all()
+    assert not torch.equal(s, rtn_scale)
+    with pytest.raises(ValueError):
+        int4.weighted_scale(w, torch.ones(63), 32, "minmax")
+    with pytest.raises(ValueError):
+        int4.weighted_scale(w[:, :48], torch.ones(48), 32, "minmax")

@@ -38,6 +38,7 @@ def outs(llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("methods")
     res = {}
     for name, kw in {"rtn": {}, "gptq": dict(method="gptq", **CAL),
+                     "gptq_rtn_scales": dict(method="gptq", scale_search="rtn", **CAL),
                      "autoround": dict(method="autoround", iters=20, **CAL),
                      "autoround0": dict(method="autoround", iters=0, **CAL),
                      "fullrange": dict(observer="fullrange")}.items():
@@ -65,10 +66,18 @@ def test_gptq_format_unchanged_loads_and_differs_from_rtn(outs):
     assert qb == json.loads((outs["rtn"] / "config.json").read_text())["quantization_config"]  # the grid is not in it
     packed = [k for k in a if k.endswith("weight_packed")]
     assert len(packed) == 14
-    # same grid (static full-range scales of the source weight), other codes
+    # the same grid (static full-range scales of the source weight, each group's clip searched within
+    # [0.8, 1] of its range: the same sign, at most RTN's magnitude), other codes
+    searched = 0
     for k in packed:
         m = k[: -len(".weight_packed")]
-        assert torch.equal(a[m + ".weight_scale"], b[m + ".weight_scale"])
+        ra, rb = a[m + ".weight_scale"].float(), b[m + ".weight_scale"].float()
+        ratio = rb / ra
+        assert (ratio >= 0.8 * (1 - 2**-7)).all() and (ratio <= 1 + 2**-7).all(), m
+        searched += int((ratio < 1).sum())
+    assert searched > 0  # the search moved some groups
+    c = load_dir(outs["gptq_rtn_scales"])  # --scale-search rtn: the grid's RTN scales, bit for bit
+    assert all(torch.equal(a[k[: -len("packed")] + "scale"], c[k[: -len("packed")] + "scale"]) for k in packed)
     changed = sum(not torch.equal(a[k], b[k]) for k in packed)
     assert changed == len(packed)
     # transformers (compressed-tensors' decompression) reads back exactly our q * scale
@@ -89,9 +98,10 @@ def test_gptq_defaults_to_the_fullrange_grid(outs, llama, tmp_path):
     out = outs["gptq"]
     man = _manifest(out)
     assert man["options"]["observer"] == "fullrange" and man["method"]["grid"] == "fullrange"
-    a, b = load_dir(outs["fullrange"]), load_dir(out)
+    a, b = load_dir(outs["fullrange"]), load_dir(outs["gptq_rtn_scales"])
     for k in (k for k in a if k.endswith("weight_scale")):
         assert torch.equal(a[k], b[k]), k
+    b = load_dir(out)
     s = b["model.layers.0.mlp.down_proj.weight_scale"]
     assert (s < 0).any() and (s > 0).any()
     codes = int4.unpack_int4(b["model.layers.0.mlp.down_proj.weight_packed"], int(b["model.layers.0.mlp.down_proj.weight_shape"][1]))
@@ -106,7 +116,7 @@ def test_gptq_defaults_to_the_fullrange_grid(outs, llama, tmp_path):
     chk = check(out, source=llama)
     assert chk.ok and chk.verified["tensors_method_vs_source"] == 14, chk.failures
     mm = tmp_path / "gptq-minmax"
-    convert(llama, mm, profile="all-linear", method="gptq", observer="minmax", workers=2, **CAL)
+    convert(llama, mm, profile="all-linear", method="gptq", observer="minmax", scale_search="rtn", workers=2, **CAL)
     c, r = load_dir(mm), load_dir(outs["rtn"])
     assert _manifest(mm)["method"]["grid"] == "minmax"
     for k in (k for k in c if k.endswith("weight_scale")):
@@ -126,6 +136,28 @@ def test_gptq_lowers_layer_loss_and_kld(outs, llama):
     assert k_gptq < 0.8 * k_rtn, (k_gptq, k_rtn)
     # the manifest's per-tensor statistics say which method made each tensor
     assert {t["method"] for t in _manifest(outs["gptq"])["tensors"]} == {"gptq"}
+
+
+def _weighted_oracle(w: torch.Tensor, d: torch.Tensor, g: int) -> torch.Tensor:
+    """One row's full-range group scales chosen by the Hessian-diagonal-weighted error, written out from
+    the definition: the signed extreme e (bf16 weight) shrunk by p, scale = bf16(bf16(e p) / -8), codes =
+    round(clamp(bf16(w / scale), -8, 7)), error sum_j d_j (w_j - q_j scale)^2 in float64; the first p wins ties."""
+    wb = w.to(torch.bfloat16)
+    out = []
+    for k in range(0, w.numel(), g):
+        grp, dj = wb[k: k + g].float(), d[k: k + g].double().clamp_min(0)
+        e = grp[grp.abs().argmax()]
+        best, best_err = None, None
+        for i in range(21):
+            p = 1.0 - i * 0.2 / 20
+            s = (torch.tensor(float(e) * p).to(torch.bfloat16).float() / -8).to(torch.bfloat16)
+            s = s if float(s) != 0 else torch.tensor(torch.finfo(torch.bfloat16).eps, dtype=torch.bfloat16)
+            q = (grp / s.float()).to(torch.bfloat16).float().clamp(-8, 7).round()
+            err = float((dj * (grp.double() - q.double() * float(s)) ** 2).sum())
+            if best_err is None or err < best_err:
+                best, best_err = s, err
+        out.append(best)
+    return torch.stack(out)
 
 
 def test_gptq_codes_are_llm_compressors_update(llama, tmp_path, monkeypatch):
@@ -151,6 +183,7 @@ def test_gptq_codes_are_llm_compressors_update(llama, tmp_path, monkeypatch):
     ours = {k[: -len(".weight_packed")]: int4.unpack_int4(v, int(t[k[: -len("packed")] + "shape"][1])).float()
             for k, v in t.items() if k.endswith(".weight_packed")}
     matched = set()
+    unweighted = 0  # groups where the unweighted error would have picked another scale: the weighting matters
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # as the pass runs it (a Cholesky's last bits depend on the thread count)
     try:
@@ -165,12 +198,19 @@ def test_gptq_codes_are_llm_compressors_update(llama, tmp_path, monkeypatch):
                        and torch.equal(t[m + ".weight_scale"], scale[j])]
                 assert len(hit) == 1
                 matched.add(hit[0])
+            # the static scales: per group, the full-range scale of the range shrunk by p in 1, 0.99, ..., 0.8 with
+            # the least error weighted by the Hessian's diagonal, re-derived here in float64 (a few rows)
+            for c in range(min(2, W.shape[0])):
+                for r in (0, W.shape[1] - 1):
+                    assert torch.equal(_weighted_oracle(W[c, r], H[c].diagonal(), 32), scale[c, r]), (c, r)
+                    unweighted += int((_weighted_oracle(W[c, r], torch.ones(W.shape[-1]), 32) != scale[c, r]).sum())
             # negative control: another Hessian gives other codes
             other = real(W.clone(), torch.eye(W.shape[-1]).expand_as(H).clone(), scale, zp, None, qargs, blocksize=64, percdamp=0.05)[0]
             assert not torch.equal((other / scale.float().repeat_interleave(32, -1)).round(), codes)
     finally:
         torch.set_num_threads(old)
     assert matched == set(ours) and len(matched) == 14
+    assert unweighted > 0
     assert G.CHUNK < 16  # llm-compressor switches to batched Cholesky at 16
 
 
@@ -706,3 +746,35 @@ def test_card_names_experts_that_fell_back(dsv3, tmp_path):
     text = _card_text(out)
     assert "48 weights: " in text and "--min-expert-tokens" in text  # 2 MoE layers x 8 experts x gate/up/down
     assert "experts)" in text  # the tokens-per-expert column is filled for the MoE layers
+
+
+@pytest.mark.parametrize("fullrange", [True, False])
+def test_autoround_trains_on_the_weights_it_exports(fullrange):
+    """The training forward (``Tuned.fake``) is what ``final`` writes, bit for bit: the scale rounded to
+    the scale dtype and the quotient rounded as formats.int4 rounds it (auto-round casts its scale in the
+    forward likewise), while the gradients still reach V, a and b (straight-through). Near miss: the
+    fp32 scale and quotient (the forward before) differ from the export for some weights."""
+    from quantize.methods.tuning import Tuned
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * 0.02
+    t = Tuned("x", w, 32, fullrange, torch.bfloat16)
+    with torch.no_grad():
+        t.V.uniform_(-0.5, 0.5, generator=g)
+        t.a.uniform_(0.5, 1, generator=g)
+        t.b.uniform_(0.5, 1, generator=g)
+    f = t.fake()
+    q, s = t.final()
+    exported = (q.float().view(64, 8, 32) * s.float().unsqueeze(-1)).view(64, 256)
+    assert torch.equal(f.detach(), exported)
+    f.pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in t.params)
+    with torch.no_grad():  # the fp32 forward, re-derived here: not the exported weights
+        hi, lo = t.wmax * t.a, t.wmin * t.b
+        if fullrange:
+            e = torch.where(hi > -lo, hi, torch.where(hi < -lo, lo, torch.where(t.tie_hi, hi, lo)))
+            s32 = e / -8
+        else:
+            s32 = torch.maximum(hi, -lo) / 7.5
+        q32 = (t.wg / s32.unsqueeze(-1) + t.V).round().clamp(-8, 7)
+        assert not torch.equal((q32 * s32.unsqueeze(-1)).view(64, 256), exported)

@@ -125,6 +125,41 @@ def _mse_scale(wg: torch.Tensor, absmax: torch.Tensor, scale_dtype: torch.dtype,
     return best
 
 
+def weighted_scale(w: torch.Tensor, importance: torch.Tensor, group_size: int, observer: str,
+                   scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Per-group scale of ``observer``'s grid (its range shrunk by p in 1, 0.99, ..., 0.8) that
+    minimises the importance-weighted squared error ``sum_j importance_j (w_j - s q_j)^2`` over the
+    group: the imatrix idea (llama.cpp's importance matrix), ``importance`` the diagonal of the layer
+    input's Hessian (mean x_j^2 over the calibration tokens), so the columns the activations drive
+    hardest decide the clipping. ``w`` [out, in], ``importance`` [in] -> scale [out, in/group]. p = 1
+    (plain RTN) wins ties, so a zero importance gives RTN's scale."""
+    if w.ndim != 2 or importance.shape != (w.shape[1],):
+        raise ValueError(f"expected w [out, in] and importance [in], got {tuple(w.shape)} and {tuple(importance.shape)}")
+    out, k = w.shape
+    if k % group_size:
+        raise ValueError(f"input dim {k} is not a multiple of group size {group_size}")
+    grid = GRIDS[observer]
+    wq = w.to(scale_dtype)
+    wg = wq.float().view(out, k // group_size, group_size)
+    imp = importance.float().clamp_min(0).view(1, k // group_size, group_size)
+    rng = grid.range(wq.view(out, k // group_size, group_size))
+    best = grid.scale(rng, scale_dtype)
+    best_err = torch.full(rng.shape, float("inf"), device=w.device)
+    for i in range(WEIGHTED_STEPS + 1):
+        p = 1.0 - i * WEIGHTED_MAXSHRINK / WEIGHTED_STEPS
+        cand = grid.scale((rng.float() * p).to(scale_dtype), scale_dtype)
+        q = _codes(wg, cand, scale_dtype)
+        err = (q.mul_(cand.float().unsqueeze(-1)).sub_(wg)).pow_(2).mul_(imp).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, cand, best)
+    return best
+
+
+WEIGHTED_STEPS = 20  # shrink candidates of ``weighted_scale`` (p from 1 down to 1 - WEIGHTED_MAXSHRINK)
+WEIGHTED_MAXSHRINK = 0.20
+
+
 def _absmax(groups: torch.Tensor) -> torch.Tensor:
     return groups.abs().amax(-1)
 

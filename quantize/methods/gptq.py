@@ -261,13 +261,23 @@ def _chunks(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], size: int) -> 
     return [idx[j: j + size] for idx in by_shape.values() for j in range(0, len(idx), size)]
 
 
+def group_scales(w: torch.Tensor, h: torch.Tensor, group_size: int, observer: str, sdt: torch.dtype,
+                 search: str = "hessian") -> torch.Tensor:
+    """The static group scales GPTQ's update rounds to: ``search`` "hessian", each group's clipping
+    chosen for the least error weighted by the Hessian's diagonal (``int4.weighted_scale``); "rtn",
+    the observer's own scale (llm-compressor's)."""
+    if search == "hessian":
+        return int4.weighted_scale(w, h.diagonal(), group_size, observer, sdt)
+    return rtn(w, group_size, observer, sdt).scale
+
+
 def _update(quantize_weight, qargs, items, chunk: list[int], group_size: int, observer: str, block: int,
-            damp: float) -> list[tuple[int, Result, bool, float]]:
+            damp: float, search: str = "hessian") -> list[tuple[int, Result, bool, float]]:
     """One llm-compressor ``quantize_weight`` call over the stacked ``chunk``: (position, result,
     Hessian failed, loss) per unit."""
     ws = [items[i][1] for i in chunk]
     sdt = items[chunk[0]][0].scale_dtype
-    scales = torch.stack([rtn(w, group_size, observer, sdt).scale for w in ws])
+    scales = torch.stack([group_scales(w, items[i][2], group_size, observer, sdt, search) for i, w in zip(chunk, ws)])
     W = torch.stack([w.to(torch.float32) for w in ws])
     H = torch.stack([items[i][2].to(torch.float32) for i in chunk])
     zp = torch.zeros(scales.shape, dtype=torch.int8, device=scales.device)
@@ -282,7 +292,8 @@ def _update(quantize_weight, qargs, items, chunk: list[int], group_size: int, ob
 
 
 def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
-             block: int, damp: float, workers: int, batched: bool | None = None) -> list[tuple[Result, bool, float]]:
+             block: int, damp: float, workers: int, batched: bool | None = None,
+             search: str = "hessian") -> list[tuple[Result, bool, float]]:
     """``items``: (unit, weight [out, in] fp32, Hessian [in, in]) -> (result, Hessian failed and
     RTN was used, GPTQ loss) per item, in order. ``batched``: the GPU's way (below) on any device;
     None: on a GPU only.
@@ -302,7 +313,7 @@ def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: i
     negative = int4.GRIDS[observer].signed
 
     def run(chunk: list[int]):
-        return _update(quantize_weight, qargs, items, chunk, group_size, observer, block, damp)
+        return _update(quantize_weight, qargs, items, chunk, group_size, observer, block, damp, search)
 
     if gpu:
         with _triton_off(negative):
@@ -330,7 +341,7 @@ class GPTQ(Method):
     source_stream = False
     streams_experts = True  # statistics per unit: a MoE layer's routed experts go a group at a time
     splits_samples = True  # on several ranks each runs its own samples (Hessians combined in a fixed shard tree)
-    report_fields = ("damp", "block", "actorder")
+    report_fields = ("damp", "block", "actorder", "scale_search")
     title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
              "model's own layer-by-layer calibration forward")
     loss_target = "the source layer's output on the same (quantized-path) inputs"
@@ -355,13 +366,27 @@ class GPTQ(Method):
         return Step(results, ref, routed, e_rtn, tot, {"phase_seconds": phases}), acc_q
 
     def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:
-        """GPTQ fixes the RTN scales before its update: they are the source's, bit for bit."""
-        d = int4.bitwise_diff(scale, rtn_scale)
-        return f"GPTQ scales differ from the {observer} grid it fixes before its update ({d})" if d else None
+        """GPTQ fixes its scales before its update: the RTN ones bit for bit (--scale-search rtn), or
+        (hessian) each the grid's scale of the group's range shrunk by at most WEIGHTED_MAXSHRINK, so
+        each |scale| lies within [1 - WEIGHTED_MAXSHRINK, 1] x RTN's (each end widened by the scale
+        dtype's rounding), with the same sign."""
+        if int4.bitwise_diff(scale, rtn_scale) is None:
+            return None
+        tiny = torch.finfo(torch.float32).tiny
+        s, r = scale.float().reshape(-1), rtn_scale.float().reshape(-1)
+        ratio = s / r.abs().clamp_min(tiny) * r.sign()
+        lo, hi = (1 - int4.WEIGHTED_MAXSHRINK) * (1 - 2**-7), 1 + 2**-7
+        bad = int(((ratio < lo) | (ratio > hi)).sum())
+        if not bad:
+            return None
+        return (f"{bad} GPTQ group scales lie outside [{1 - int4.WEIGHTED_MAXSHRINK:g}, 1] x the {observer} grid's "
+                f"(min {float(ratio.min()):.3f}, max {float(ratio.max()):.3f}): not made from this source")
 
     def card_section(self, report: dict) -> str:
+        search = report.get("scale_search") or "rtn"
         return (f"act-order {report.get('actorder') or 'off'} (static groups, no g_idx), "
-                f"dampening {report.get('damp')}, block {report.get('block')}")
+                f"dampening {report.get('damp')}, block {report.get('block')}, group scales "
+                + ("searched against the Hessian-weighted error" if search == "hessian" else "the grid's RTN ones"))
 
     @staticmethod
     def results(x: Layer, hooks: Hessians) -> dict[str, Result]:
@@ -379,7 +404,8 @@ class GPTQ(Method):
                 why[u.key] = f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"
                 continue
             items.append((u, x.originals[u.key], h))
-        done = quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, x.fwd.workers)
+        done = quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, x.fwd.workers,
+                        search=opt.scale_search or "hessian")
         for (u, _, _), (res, failed, _loss) in zip(items, done):
             if failed:
                 res = Result(res.codes, res.scale, "rtn")
