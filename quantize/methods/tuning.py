@@ -121,6 +121,13 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (x.round() - x).detach()
 
 
+def _cast_ste(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` (kept in fp32) in the forward, the identity in the backward: the
+    training forward sees the very values the export writes (auto-round casts its scale to the export
+    dtype inside the forward the same way)."""
+    return x + (x.to(dtype).float() - x).detach()
+
+
 class Tuned:
     """The trainable state of one layer parameter (an nn.Linear weight, or a fused [E, out, in])."""
 
@@ -151,12 +158,17 @@ class Tuned:
         return torch.maximum(hi, -lo)
 
     def _scale(self, e: torch.Tensor) -> torch.Tensor:
-        s = e / int4.QMIN if self.fullrange else e / int4.HALF_RANGE
+        """The group scale as ``final`` exports it: the extreme rounded to the scale dtype, divided
+        (fp32), rounded again (``formats.int4``'s order), each rounding straight-through."""
+        e = _cast_ste(e, self.sdt)
+        s = _cast_ste(e / int4.QMIN if self.fullrange else e / int4.HALF_RANGE, self.sdt)
         return torch.where(s == 0, torch.full_like(s, torch.finfo(self.sdt).eps), s)
 
     def fake(self) -> torch.Tensor:
+        """The layer weight the export writes for the current state (``final``'s codes x scale, bit for
+        bit): the quotient rounded to the scale dtype as ``formats.int4`` rounds it, straight-through."""
         s = self._scale(self._extreme()).unsqueeze(-1)
-        q = torch.clamp(_round_ste(self.wg / s + self.V), int4.QMIN, int4.QMAX)
+        q = torch.clamp(_round_ste(_cast_ste(self.wg / s, self.sdt) + self.V), int4.QMIN, int4.QMAX)
         return (q * s).reshape(self.shape)
 
     def final(self) -> tuple[torch.Tensor, torch.Tensor]:
