@@ -134,7 +134,8 @@ def weighted_scale(w: torch.Tensor, importance: torch.Tensor, group_size: int, o
     hardest decide the clipping. ``w`` [out, in], ``importance`` [in] -> scale [out, in/group]. p = 1
     (plain RTN) wins ties, so a zero importance gives RTN's scale."""
     if w.ndim != 2 or importance.shape != (w.shape[1],):
-        raise ValueError(f"expected w [out, in] and importance [in], got {tuple(w.shape)} and {tuple(importance.shape)}")
+        raise ValueError(f"expected w [out, in] and importance [in], got {tuple(w.shape)} and "
+                         f"{tuple(importance.shape)}")
     out, k = w.shape
     if k % group_size:
         raise ValueError(f"input dim {k} is not a multiple of group size {group_size}")
