@@ -690,12 +690,11 @@ def _check_native(model: Path, index: CheckpointIndex, tp, source, tokens, seed,
     verified = {"files_sha256": len(manifest.get("files") or {}) - len(failures), "layout": "sglang w4afp8"}
     if vendor:
         verified["files_unrecorded"] = len(index.files)
-    if tp:  # SGLang's W4A8 MoE: K % 128 in both GEMMs per rank (hidden; intermediate / tp), w4afp8.py L178, L190
-        down = index.tensors[next(e for e in experts if e.endswith("down_proj")) + ".weight"]
-        hidden, inter = down.shape[0], 2 * down.shape[1]
-        if hidden % 128 or inter % tp or (inter // tp) % 128:
-            failures.append(f"{model}: at TP {tp} SGLang's W4A8 MoE needs hidden ({hidden}) and intermediate / TP "
-                            f"({inter} / {tp}) to be multiples of 128")
+    if tp:
+        try:
+            plan_shard(model, tp)  # the split, and SGLang's W4A8 MoE rule per rank (shard._check_sglang_w4a8)
+        except QuantizeError as e:
+            failures.append(str(e))
     rows = check_native.check_experts(model, index, experts, tokens, seed, Row, emit)
     if source is not None:
         src = CheckpointIndex.open(source)

@@ -1012,6 +1012,16 @@ def w4afp8_violation(hidden: int, inter: int, tp: int) -> str | None:
     return None
 
 
+def sglang_w4a8_violation(hidden: int, inter: int, tp: int) -> str | None:
+    """SGLang 0.5.23's native W4A8 MoE at ``tp`` ranks: K % 128 in both GEMMs per rank, i.e. hidden and
+    intermediate / tp (``W4AFp8MoEMethod.create_weights``, w4afp8.py L178, L190), or None."""
+    if hidden % 128:
+        return f"hidden_size {hidden} is not a multiple of 128"
+    if inter % tp or (inter // tp) % 128:
+        return f"moe_intermediate_size {inter} / TP {tp} is not a multiple of 128"
+    return None
+
+
 def w4afp8_fits(hidden: int, inter: int, tps: tuple[int, ...]) -> list[int]:
     """The TPs of ``tps`` at which the W4A8 MoE kernel's shape rule holds (what a refusal offers)."""
     return [t for t in tps if w4afp8_violation(hidden, inter, t) is None]

@@ -84,8 +84,8 @@ def _int4_modules(index: CheckpointIndex) -> dict[str, tuple[int, int, int]]:
 def _split_of(arch, name: str, ref) -> tuple[str, int | None]:
     role, _ = arch.role_of(name)
     split = ROLES[role][1]
-    if name.endswith(".weight_shape") or role in ("norm", "router_bias") or len(ref.shape) == 0:
-        return "rep", None
+    if name.endswith((".weight_shape", ".input_scale")) or role in ("norm", "router_bias") or len(ref.shape) == 0:
+        return "rep", None  # an input scale (SGLang's w4afp8: [1] per expert) is every rank's
     if split == "rep":
         return "rep", None
     if split in ("col", "vocab"):
@@ -119,7 +119,25 @@ def plan_shard(model: Path, tp: int) -> tuple[CheckpointIndex, list[TensorSplit]
             ts.rank_shapes.append(shape)
         splits.append(ts)
     _check_rules(arch, index, splits, int4, tp)
+    _check_sglang_w4a8(model, index, tp)
     return index, splits, int4
+
+
+def _check_sglang_w4a8(model: Path, index: CheckpointIndex, tp: int) -> None:
+    """SGLang's native w4afp8 (int8 expert pairs): its W4A8 MoE's K % 128 per rank in both GEMMs
+    (``plan.sglang_w4a8_violation``), or one line naming the TPs that fit."""
+    from .plan import sglang_w4a8_violation
+
+    downs = [r for n, r in index.tensors.items()
+             if ".experts." in n and n.endswith("down_proj.weight") and r.dtype == "I8" and len(r.shape) == 2]
+    if not downs:
+        return
+    hidden, inter = downs[0].shape[0], 2 * downs[0].shape[1]
+    why = sglang_w4a8_violation(hidden, inter, tp)
+    if why:
+        ok = [t for t in (1, 2, 4, 8, 16) if sglang_w4a8_violation(hidden, inter, t) is None]
+        raise QuantizeError(f"{model}: SGLang's w4afp8 at TP {tp}: {why} (its W4A8 MoE kernel's rule, "
+                            f"docs/engines.md#w4afp8); {'use --tp ' + ' or '.join(map(str, ok)) if ok else 'no TP fits'}")
 
 
 def marlin_violation(n: int, k: int, g: int, tp: int, split: str, role: str, hidden: int) -> str | None:
@@ -277,6 +295,17 @@ def _no_resume(fn):
     return run
 
 
+def _refuse_native(model: Path) -> None:
+    """SGLang's native w4afp8 is not written per rank (SGLang splits it at load; its checks here are
+    compressed-tensors'): one line before anything is written."""
+    from .parse import load_json
+
+    cfg = load_json(model / "config.json", "config.json", kind="config") if (model / "config.json").is_file() else {}
+    if ((cfg.get("quantization_config") or {}).get("quant_method")) == "w4afp8":
+        raise QuantizeError(f"{model}: SGLang's native w4afp8 layout is not sharded by this version (SGLang splits it "
+                            "at load: serve the folder with --tp); quantize check --tp N checks its TP rule")
+
+
 @takes(ShardOptions)
 @_no_resume
 def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> dict:
@@ -284,6 +313,7 @@ def shard(model, out, tp, max_part_gib, overwrite, emit: Emit = null_emit) -> di
     under ``out/unsharded/``, and ``shard_manifest.json`` (last); no part file over ``max_part_gib``."""
     model, out = Path(model), Path(out)
     max_part_bytes = int(max_part_gib * 2**30)
+    _refuse_native(model)
     index, splits, int4 = plan_shard(model, tp)  # every rule checked before anything is written
     carried = side_files(model, CARRIED)
     by_name = {ts.name: ts for ts in splits}

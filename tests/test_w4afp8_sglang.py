@@ -435,3 +435,31 @@ def test_the_card_gives_the_sglang_line_and_names_what_the_calibration_did_not_r
         assert f"layer {layer}: {', '.join(map(str, es))} ({len(es)} expert" in text
     if not starved:
         assert "none: every expert of every calibrated layer was routed enough tokens" in text
+
+
+def test_shard_refuses_the_native_layout_and_the_card_takes_the_tp_sglang_allows(native, tmp_path):
+    """quantize shard writes no per-rank SGLang w4afp8 (one line, nothing written); the card's launch TP is
+    the largest whose intermediate / TP is a multiple of 128 (tiny: 256 -> TP 2, not 4), the rule check --tp
+    applies."""
+    import shutil
+
+    from quantize.publish.card import card
+    from quantize.shard import plan_shard, shard
+
+    _, out, _ = native
+    with pytest.raises(QuantizeError, match="not sharded by this version"):
+        shard(out, tmp_path / "s", tp=2)
+    assert not (tmp_path / "s").exists()
+    from quantize.plan import sglang_w4a8_violation
+
+    plan_shard(out, 2)
+    with pytest.raises(QuantizeError, match="TP 4"):  # the FP8 block rule says it first here
+        plan_shard(out, 4)
+    assert sglang_w4a8_violation(256, 256, 4) == "moe_intermediate_size 256 / TP 4 is not a multiple of 128"
+    assert sglang_w4a8_violation(256, 256, 2) is None
+    # GLM-5.x / Kimi K2.x (hidden 6144 / 7168, intermediate 2048): TP 16 still fits SGLang (128), not TP 32
+    assert sglang_w4a8_violation(6144, 2048, 16) is None and sglang_w4a8_violation(7168, 2048, 32) is not None
+    assert sglang_w4a8_violation(6208, 2048, 1) == "hidden_size 6208 is not a multiple of 128"
+    d = tmp_path / "c"
+    shutil.copytree(out, d)
+    assert "--model-path c --tp 2 --kv-cache-dtype fp8_e4m3" in card(d).text
