@@ -136,8 +136,9 @@ def _check_sglang_w4a8(model: Path, index: CheckpointIndex, tp: int) -> None:
     why = sglang_w4a8_violation(hidden, inter, tp)
     if why:
         ok = [t for t in (1, 2, 4, 8, 16) if sglang_w4a8_violation(hidden, inter, t) is None]
+        fix = "use --tp " + " or ".join(map(str, ok)) if ok else "no TP fits"
         raise QuantizeError(f"{model}: SGLang's w4afp8 at TP {tp}: {why} (its W4A8 MoE kernel's rule, "
-                            f"docs/engines.md#w4afp8); {'use --tp ' + ' or '.join(map(str, ok)) if ok else 'no TP fits'}")
+                            f"docs/engines.md#w4afp8); {fix}")
 
 
 def marlin_violation(n: int, k: int, g: int, tp: int, split: str, role: str, hidden: int) -> str | None:
