@@ -65,6 +65,15 @@ class Row:
     failures: list[str] = field(default_factory=list)
 
 
+def w4a8_row(row: Row, y8: torch.Tensor, ref: torch.Tensor, how: str) -> None:
+    """The W4A8 product ``y8`` against the W4A16 one ``ref`` (relative L2) into ``row``, a failure
+    past W4A8_RTOL naming ``how`` the activations were quantized."""
+    row.w4a8_rel_err = float((y8 - ref).norm() / ref.norm().clamp_min(1e-30))
+    if not row.w4a8_rel_err <= W4A8_RTOL:
+        row.failures.append(f"{row.tensor}: the W4A8 product ({how}) differs from the W4A16 one by "
+                            f"{row.w4a8_rel_err:.3g} > {W4A8_RTOL}")
+
+
 @dataclass
 class CheckReport:
     model: str
@@ -655,11 +664,7 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
             row.failures.append(f"{m}: W4A16 kernel differs from the reference "
                                 f"(rel. error {row.kernel_rel_err:.3g} > {KERNEL_RTOL})")
         if m in fp8_act:
-            y8 = w4a8_reference(x, packed, scale, shape)
-            row.w4a8_rel_err = float((y8 - ref).norm() / ref.norm().clamp_min(1e-30))
-            if not row.w4a8_rel_err <= W4A8_RTOL:
-                row.failures.append(f"{m}: the W4A8 product (FP8 per-token activations) differs from the W4A16 one "
-                                    f"by {row.w4a8_rel_err:.3g} > {W4A8_RTOL}")
+            w4a8_row(row, w4a8_reference(x, packed, scale, shape), ref, "FP8 per-token activations")
         rows.append(row)
         emit({"event": "tensor", "name": m, "done_bytes": i + 1})
     moe_rec = _moe_layer_check(model, index, arch, modules, tokens, seed)

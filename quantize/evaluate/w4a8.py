@@ -43,11 +43,12 @@ def _fake_fp8(x: torch.Tensor) -> torch.Tensor:
     return (codes.float() * s).to(x.dtype)
 
 
-def _w4a8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+def _experts_forward_through(self, hidden_states, top_k_index, top_k_weights, first, second):
     """transformers' fused-experts forward (GlmMoeDsaExperts / DeepseekV3 experts: gate_up_proj
-    [E, 2I, H], down_proj [E, H, I]) with both GEMM inputs fake-quantized to FP8 per token."""
+    [E, 2I, H], down_proj [E, H, I]) with the first GEMM's input through ``first`` and the second's
+    through ``second`` (each: x -> x fake-quantized)."""
     out = torch.zeros_like(hidden_states)
-    x8 = _fake_fp8(hidden_states)  # per token: the same codes whichever expert a token is routed to
+    x8 = first(hidden_states)  # per token or per layer: the same codes whichever expert a token is routed to
     with torch.no_grad():
         mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
         hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
@@ -57,30 +58,23 @@ def _w4a8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
             continue
         pos, tok = torch.where(mask[e])
         gate, up = torch.nn.functional.linear(x8[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-        h = torch.nn.functional.linear(_fake_fp8(self.act_fn(gate) * up), self.down_proj[e])
+        h = torch.nn.functional.linear(second(self.act_fn(gate) * up), self.down_proj[e])
         out.index_add_(0, tok, (h * top_k_weights[tok, pos, None]).to(out.dtype))
     return out
+
+
+def _w4a8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """vLLM's W4A8-FP8 numerics: both GEMM inputs fake-quantized to FP8 per token."""
+    return _experts_forward_through(self, hidden_states, top_k_index, top_k_weights, _fake_fp8, _fake_fp8)
 
 
 def _w4a8_static_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The same, with SGLang's native w4afp8 numerics: one static scale per GEMM input for the whole
-    layer (the largest of its experts' input scales, as SGLang 0.5.23 reduces them on load, w4afp8.py
-    L271-284), ``self.w4a8_scales`` = (first GEMM's, second GEMM's)."""
+    """SGLang's native w4afp8 numerics: one static scale per GEMM input for the whole layer (the
+    largest of its experts' input scales, as SGLang 0.5.23 reduces them on load, w4afp8.py L271-284),
+    ``self.w4a8_scales`` = (first GEMM's, second GEMM's)."""
     a1, a2 = self.w4a8_scales
-    out = torch.zeros_like(hidden_states)
-    x8 = fake_fp8_static(hidden_states, a1)
-    with torch.no_grad():
-        mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in hit:
-        e = int(e[0])
-        if e == self.num_experts:
-            continue
-        pos, tok = torch.where(mask[e])
-        gate, up = torch.nn.functional.linear(x8[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-        h = torch.nn.functional.linear(fake_fp8_static(self.act_fn(gate) * up, a2), self.down_proj[e])
-        out.index_add_(0, tok, (h * top_k_weights[tok, pos, None]).to(out.dtype))
-    return out
+    return _experts_forward_through(self, hidden_states, top_k_index, top_k_weights,
+                                    lambda x: fake_fp8_static(x, a1), lambda x: fake_fp8_static(x, a2))
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
