@@ -39,6 +39,8 @@ from .events import Emit, null_emit
 from .formats import int4 as int4_fmt
 from .formats.int4 import unpack_int4
 from .kernels.cpu import CpuW4A16
+from . import check_native  # SGLang's native w4afp8: its own layout and loader facts
+from .check_native import W4A8_RTOL, w4a8_row  # noqa: F401 - W4A8_RTOL: the bound both layouts' rows take
 from .kernels.reference import w4a16_reference, w4a8_reference
 from .options import DATA_AWARE, CheckOptions, takes  # DATA_AWARE: the source alone cannot re-derive them
 from .shard import MANIFEST, UNSHARDED, RankReader, _sha, load_manifest, plan_shard, rank_pieces, verify_shard_files
@@ -46,9 +48,6 @@ from .shard import MANIFEST, UNSHARDED, RankReader, _sha, load_manifest, plan_sh
 REPORT_KIND = "check"  # the ``written_by`` kind of its JSON report (`check --json`, run's reports/check.json)
 KERNEL_RTOL = 2e-2  # bf16 output of the CPU/Triton kernel vs fp32 reference (relative L2)
 SHARD_RTOL = 1e-5  # fp32 recombination vs fp32 unsharded product (max abs / max |y|)
-# W4AFP8: FP8 e4m3 per-token activations cost a relative L2 error of about 2.5 % on Gaussian inputs (3 mantissa
-# bits: a uniform rounding error of at most 2^-4 relative, about 2^-4 / sqrt(3) r.m.s.); 5 % is twice that
-W4A8_RTOL = 5e-2
 
 
 @dataclass
@@ -63,15 +62,6 @@ class Row:
     # W4AFP8: the reference W4A8 product (FP8 per-token activations) against the W4A16 one, relative L2
     w4a8_rel_err: float | None = None
     failures: list[str] = field(default_factory=list)
-
-
-def w4a8_row(row: Row, y8: torch.Tensor, ref: torch.Tensor, how: str) -> None:
-    """The W4A8 product ``y8`` against the W4A16 one ``ref`` (relative L2) into ``row``, a failure
-    past W4A8_RTOL naming ``how`` the activations were quantized."""
-    row.w4a8_rel_err = float((y8 - ref).norm() / ref.norm().clamp_min(1e-30))
-    if not row.w4a8_rel_err <= W4A8_RTOL:
-        row.failures.append(f"{row.tensor}: the W4A8 product ({how}) differs from the W4A16 one by "
-                            f"{row.w4a8_rel_err:.3g} > {W4A8_RTOL}")
 
 
 @dataclass
@@ -617,8 +607,6 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
     vendor, failures, manifest = prove_files(model)
     if manifest:
         verify_manifest_record(model, manifest, index)
-    from . import check_native
-
     if check_native.is_native(index):  # SGLang's native w4afp8: its own layout and loader facts
         return _check_native(model, index, tp, source, tokens, seed, max_source_rel_err, vendor, failures,
                              manifest, emit)
@@ -689,8 +677,6 @@ def _check_native(model: Path, index: CheckpointIndex, tp, source, tokens, seed,
                   failures: list[str], manifest: dict, emit: Emit) -> CheckReport:
     """``check`` of SGLang's native w4afp8 layout (``check_native``): the layout against the loader's
     facts, each expert's decode and static-scale W4A8 product, and with ``source`` every tensor re-derived."""
-    from . import check_native
-
     experts = check_native.verify_layout(model, index)
     verified = {"files_sha256": len(manifest.get("files") or {}) - len(failures), "layout": "sglang w4afp8"}
     if vendor:
