@@ -491,6 +491,12 @@ class ConvertOptions(Options):
         why="empty; pass a .jsonl/.txt/.parquet file or folder, or hf:NAME",
         recipe=False,
     )
+    pack: bool = opt(
+        False,
+        "gptq/autoround: calibration samples of exactly --seq-len tokens, the texts joined (EOS between) and cut, "
+        "as auto-round calibrates; default: one text per sample, truncated",
+        methods=DATA_AWARE,
+    )
     samples: int | None = opt(
         None,
         "gptq/autoround: calibration samples",

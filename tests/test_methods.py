@@ -778,3 +778,29 @@ def test_autoround_trains_on_the_weights_it_exports(fullrange):
             s32 = torch.maximum(hi, -lo) / 7.5
         q32 = (t.wg / s32.unsqueeze(-1) + t.V).round().clamp(-8, 7)
         assert not torch.equal((q32 * s32.unsqueeze(-1)).view(64, 256), exported)
+
+
+def test_pack_texts_joins_and_cuts_counted_by_hand():
+    from quantize.calibrate.data import pack_texts
+
+    texts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    got = [t.tolist() for t in pack_texts(iter(texts), 0, 3, 4)]
+    assert got == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]  # EOS after each text, cut every 4
+    assert [t.tolist() for t in pack_texts(iter(texts), 0, 9, 4)] == got  # the partial last one is dropped
+    assert [t.tolist() for t in pack_texts(iter(texts), None, 9, 4)] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert len(pack_texts(iter(texts), 0, 1, 4)) == 1
+
+
+def test_pack_calibrates_on_full_length_samples(llama, tmp_path):
+    """--pack: every calibration sample is exactly --seq-len tokens (the method's report counts them);
+    too little text for the samples asked is one line; beside RTN it is refused (a method option)."""
+    out = tmp_path / "p"
+    convert(llama, out, profile="all-linear", method="gptq", pack=True, samples=4, seq_len=64, workers=1)
+    rep = _manifest(out)["method"]
+    assert rep["samples"] == 4 and rep["tokens"] == 4 * 64
+    assert _manifest(out)["options"]["pack"] is True
+    with pytest.raises(QuantizeError, match="packed samples of 4096 tokens .* fewer than --samples 64"):
+        convert(llama, tmp_path / "q", profile="all-linear", method="gptq", pack=True, samples=64, seq_len=4096)
+    assert not (tmp_path / "q").exists()
+    with pytest.raises(QuantizeError, match="--pack is an option of --method gptq or --method autoround"):
+        convert(llama, tmp_path / "r", pack=True)

@@ -154,9 +154,37 @@ def load_tokenizer(model: Path):
         ) from e
 
 
-def build_samples(model: Path, data: str | None, samples: int, seq_len: int, chat_template: bool = False) -> Samples:
+def pack_texts(encoded, eos: int | None, samples: int, seq_len: int) -> list[torch.Tensor]:
+    """Token lists joined into one stream (each followed by ``eos`` when the tokenizer has one) and cut
+    into ``samples`` samples of exactly ``seq_len`` tokens, in order; a last partial sample is dropped
+    (auto-round's calibration likewise takes only full-length samples). ``encoded``: an iterable of
+    token lists, read only as far as needed."""
+    out: list[torch.Tensor] = []
+    buf: list[int] = []
+    for enc in encoded:
+        buf += list(enc) + ([eos] if eos is not None else [])
+        while len(buf) >= seq_len and len(out) < samples:
+            out.append(torch.tensor(buf[:seq_len], dtype=torch.long))
+            buf = buf[seq_len:]
+        if len(out) >= samples:
+            break
+    return out
+
+
+def build_samples(model: Path, data: str | None, samples: int, seq_len: int, chat_template: bool = False,
+                  pack: bool = False) -> Samples:
+    """Calibration samples: one text per sample (truncated to ``seq_len``), or with ``pack`` the texts
+    joined and cut into samples of exactly ``seq_len`` tokens (``pack_texts``)."""
     texts, source = load_texts(data)
     tok = load_tokenizer(model)
+    if pack:
+        ids = pack_texts((tok(t, add_special_tokens=True)["input_ids"] for t in texts), tok.eos_token_id, samples,
+                         seq_len)
+        if len(ids) < samples:
+            raise QuantizeError(f"--data {source}: {len(ids)} packed samples of {seq_len} tokens from {len(texts)} "
+                                f"texts, fewer than --samples {samples}; pass more text, lower --samples to "
+                                f"{len(ids)} or --seq-len")
+        return Samples(ids, len(texts), 0, source)
     ids: list[torch.Tensor] = []
     dropped = 0
     for text in texts:

@@ -62,7 +62,8 @@ def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
 
     from ..options import ACT_SAMPLES
 
-    s = build_samples(Path(src), options.data, options.samples or ACT_SAMPLES, options.seq_len)
+    s = build_samples(Path(src), options.data, options.samples or ACT_SAMPLES, options.seq_len,
+                      pack=bool(getattr(options, "pack", False)))
     if options.samples is None and not s.ids:  # SGLang's activation scales: as many as the data holds
         raise QuantizeError(f"--data {s.source}: no usable sample ({s.texts_read} texts read); pass calibration text")
     if options.samples is not None and len(s.ids) < options.samples:
