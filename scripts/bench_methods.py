@@ -12,6 +12,7 @@ own process).
 
     python scripts/bench_methods.py --smollm2 /tmp/smollm2 --work /tmp/bench [--groups 32 64]
         [--samples 64] [--seq-len 512] [--iters 50] [--chunks 16] [--chunk 512] [--only gptq,autoround] [--depth]
+        [--pack]   # samples of exactly --seq-len tokens, and the auto-round package itself on the same samples
 """
 
 from __future__ import annotations
@@ -61,6 +62,41 @@ def convert(src: Path, out: Path, args: list[str], reuse: bool) -> dict:
     m = json.loads((out / "quantize_manifest.json").read_text())
     return {"seconds": seconds, "peak_rss_mib": int(hwm.read_text()) / 1024 if hwm.exists() else None,
             "reused": False, "manifest": m}
+
+
+AUTO_ROUND = """import json, sys, time
+from pathlib import Path
+import torch, transformers
+from auto_round import AutoRound
+from quantize.calibrate.data import build_samples
+src, out, g, iters, n, seq, data = sys.argv[1:8]
+ids = build_samples(Path(src), data, int(n), int(seq), pack=True).ids  # convert --pack's very samples
+tok = transformers.AutoTokenizer.from_pretrained(src)
+model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+t = time.time()
+ar = AutoRound(model, tok, bits=4, group_size=int(g), sym=True, iters=int(iters), nsamples=int(n), seqlen=int(seq),
+               batch_size=8, dataset=[x.unsqueeze(0) for x in ids], device_map="cpu")
+ar.quantize_and_save(out, format="fake")
+Path(out, "bench_seconds.json").write_text(json.dumps({"seconds": time.time() - t}))
+"""
+
+
+def auto_round(src: Path, out: Path, g: int, a, reuse: bool) -> dict:
+    """The auto-round package itself (installed with llmcompressor) on ``convert --pack``'s samples, the
+    same group, iterations and batch: its fake-quantized model saved, its source recorded for eval-kld."""
+    from quantize.checkpoint.manifest import MANIFEST, derived_from
+
+    done = out / "bench_seconds.json"
+    if not (reuse and done.exists()):
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        p = subprocess.run([sys.executable, "-c", AUTO_ROUND, str(src), str(out), str(g), str(a.iters),
+                            str(a.samples), str(a.seq_len), str(DATA / "gsm8k" / "train.jsonl")],
+                           capture_output=True, text=True, env=env)
+        if p.returncode:
+            raise SystemExit(f"auto-round failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+        (out / MANIFEST).write_text(json.dumps({"source": derived_from(src)}))  # eval-kld: made from src
+    return {"seconds": json.loads(done.read_text())["seconds"], "peak_rss_mib": None, "reused": reuse,
+            "manifest": {}}
 
 
 def texts(work: Path) -> dict[str, Path]:
@@ -117,7 +153,11 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--only", default=None,
-                    help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq-minmax,gptq,autoround")
+                    help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq-minmax,gptq,autoround,"
+                         "auto-round (the auto-round package itself, on the same --pack samples)")
+    ap.add_argument("--pack", action="store_true",
+                    help="calibrate on samples of exactly --seq-len tokens (convert --pack); auto-round runs only "
+                         "then, as it takes full-length samples only")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--reuse", action="store_true",
                     help="keep finished conversions in --work (their timings are the recorded ones)")
@@ -132,7 +172,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    cal = ["--data", str(DATA / "gsm8k" / "train.jsonl"), "--samples", str(a.samples), "--seq-len", str(a.seq_len)]
+    cal = ["--data", str(DATA / "gsm8k" / "train.jsonl"), "--samples", str(a.samples), "--seq-len", str(a.seq_len),
+           *(["--pack"] if a.pack else [])]
     wk = ["--workers", str(a.workers)] if a.workers else []
     methods = {
         "rtn-minmax": [],
@@ -153,6 +194,13 @@ def main() -> None:
             for name, extra in methods.items():
                 out = a.work / f"smollm2-g{g}-{name}"
                 r = convert(a.smollm2, out, ["--profile", "all-linear", "--group-size", str(g), *extra, *wk], a.reuse)
+                runs[name] = {"out": out, **r}
+                notes.append(f"SmolLM2 g{g} {name}: {r['seconds']:.0f} s"
+                             + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] else "")
+                             + f", per layer {per_layer(r['manifest'])}" + (" (reused)" if r["reused"] else ""))
+            if a.pack and (not a.only or "auto-round" in a.only.split(",")):
+                name, out = "auto-round", a.work / f"smollm2-g{g}-auto-round"
+                r = auto_round(a.smollm2, out, g, a, a.reuse)
                 runs[name] = {"out": out, **r}
                 notes.append(f"SmolLM2 g{g} {name}: {r['seconds']:.0f} s"
                              + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] else "")
