@@ -94,8 +94,10 @@ def auto_round(src: Path, out: Path, g: int, a, reuse: bool) -> dict:
                            capture_output=True, text=True, env=env)
         if p.returncode:
             raise SystemExit(f"auto-round failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
-        (out / MANIFEST).write_text(json.dumps({"source": derived_from(src)}))  # eval-kld: made from src
-    return {"seconds": json.loads(done.read_text())["seconds"], "peak_rss_mib": None, "reused": reuse,
+    # auto-round saves the fake-quantized model in a folder of its own naming under ``out``
+    model = out if (out / "config.json").exists() else next(d for d in out.iterdir() if (d / "config.json").exists())
+    (model / MANIFEST).write_text(json.dumps({"source": derived_from(src)}))  # eval-kld: made from src
+    return {"out": model, "seconds": json.loads(done.read_text())["seconds"], "peak_rss_mib": None, "reused": reuse,
             "manifest": {}}
 
 
