@@ -889,6 +889,7 @@ def sglang_quantization_config() -> dict:
 W4AFP8_INPUT = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
 # the W4A8 MoE kernel's shape rule (compressed_tensors_moe_w4a8_fp8.py): hidden and intermediate per rank % 256
 W4AFP8_MOE_ALIGN = 256
+SGLANG_W4A8_ALIGN = 128  # SGLang's native W4A8 MoE: K % 128 per rank in both GEMMs
 
 
 # --keep-fp8: the BF16 indexer head is ignored on its own; everything else of attention is FP8
@@ -1002,24 +1003,21 @@ def check_with_compressed_tensors(plan: Plan) -> None:
                 )
 
 
-def w4afp8_violation(hidden: int, inter: int, tp: int) -> str | None:
-    """The W4A8 MoE kernels' shape rule at ``tp`` ranks (vLLM 0.33 ``CompressedTensorsW4A8Fp8MoEMethod``:
-    hidden % 256 and intermediate per rank % 256; SGLang's 128 is weaker), or None."""
-    if hidden % W4AFP8_MOE_ALIGN:
-        return f"hidden_size {hidden} is not a multiple of {W4AFP8_MOE_ALIGN}"
-    if inter % tp or (inter // tp) % W4AFP8_MOE_ALIGN:
-        return f"moe_intermediate_size {inter} / TP {tp} is not a multiple of {W4AFP8_MOE_ALIGN}"
+def w4afp8_violation(hidden: int, inter: int, tp: int, align: int = W4AFP8_MOE_ALIGN) -> str | None:
+    """The W4A8 MoE kernels' shape rule at ``tp`` ranks: hidden and intermediate per rank multiples of
+    ``align`` (vLLM 0.33 ``CompressedTensorsW4A8Fp8MoEMethod``: 256; SGLang's is 128,
+    ``sglang_w4a8_violation``), or None."""
+    if hidden % align:
+        return f"hidden_size {hidden} is not a multiple of {align}"
+    if inter % tp or (inter // tp) % align:
+        return f"moe_intermediate_size {inter} / TP {tp} is not a multiple of {align}"
     return None
 
 
 def sglang_w4a8_violation(hidden: int, inter: int, tp: int) -> str | None:
     """SGLang 0.5.23's native W4A8 MoE at ``tp`` ranks: K % 128 in both GEMMs per rank, i.e. hidden and
     intermediate / tp (``W4AFp8MoEMethod.create_weights``, w4afp8.py L178, L190), or None."""
-    if hidden % 128:
-        return f"hidden_size {hidden} is not a multiple of 128"
-    if inter % tp or (inter // tp) % 128:
-        return f"moe_intermediate_size {inter} / TP {tp} is not a multiple of 128"
-    return None
+    return w4afp8_violation(hidden, inter, tp, SGLANG_W4A8_ALIGN)
 
 
 def w4afp8_fits(hidden: int, inter: int, tps: tuple[int, ...]) -> list[int]:
