@@ -85,10 +85,7 @@ def observe(streamer, ids: list[torch.Tensor], world=None, emit: Emit = null_emi
     merged: dict[int, LayerAmax] = {}
     for part in got:  # rank order; max and integer sums: the same for any order
         for i, st in part.items():
-            if i in merged:
-                merged[i].merge(st)
-            else:
-                merged[i] = LayerAmax(list(st.gemm1), list(st.gemm2), list(st.tokens))
+            merged.setdefault(i, LayerAmax.empty(len(st.tokens))).merge(st)
     return merged
 
 
@@ -113,8 +110,8 @@ class ActScales:
         return w2 if proj == "down_proj" else w13
 
     def to_dict(self) -> dict:
-        return {"version": VERSION, "min_tokens": self.min_tokens, "layers": self.layers,
-                "uncalibrated": self.uncalibrated, "data": self.data,
+        """What ``OUT/.quantize/act_scales.json`` keeps for a resume: the report and the scales."""
+        return {"version": VERSION, **self.report(),
                 "scales": {str(i): [list(p) for p in v] for i, v in sorted(self.scales.items())}}
 
     @classmethod
@@ -128,9 +125,6 @@ class ActScales:
         """What the manifest records (the scales themselves are in the checkpoint)."""
         return {"min_tokens": self.min_tokens, "layers": self.layers, "uncalibrated": self.uncalibrated,
                 "data": self.data}
-
-    def starved(self) -> list[tuple[int, list[int]]]:
-        return [(r["layer"], r["starved"]) for r in self.layers if r["starved"]]
 
 
 def scales(seen: dict[int, LayerAmax], moe_layers: dict[int, int], min_tokens: int) -> ActScales:
