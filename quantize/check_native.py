@@ -167,11 +167,9 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
     try:
         for name, ref in out.tensors.items():
             base, _, part = name.rpartition(".")
-            if part != "weight" and name in src.tensors:
-                continue  # a copy's companion (bias, norm...) is compared below as a name of its own
-            where = f"{out.folder}: tensor {name}"
             if part != "weight" or name not in roles:
-                continue
+                continue  # scales go with their weight; copies (norms, biases...) are compared below
+            where = f"{out.folder}: tensor {name}"
             role = roles[name]
             if role in EXPERT_ROLES and ref.dtype == "I8":
                 accounted.update(base + p for p in (".weight", ".weight_scale_inv", ".input_scale"))
