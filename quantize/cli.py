@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 
 from . import options as O
-from .errors import QuantizeError
+from .errors import PeerLost, QuantizeError
 
 _ARGV: list[str] = []  # this command line, as given: what --nproc runs again under torchrun
 
@@ -151,7 +151,7 @@ def _run(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except QuantizeError as e:
-        report(f"error: {e}", e.exit_code)
+        report(f"error: {e}", e.exit_code, isinstance(e, PeerLost))
         raise typer.Exit(e.exit_code)
     except KeyboardInterrupt:
         report(INTERRUPTED, 130)

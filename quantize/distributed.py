@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import QuantizeError
+from .errors import PeerLost, QuantizeError
 from .options import DIST_TIMEOUT_S
 
 DEFAULT_TIMEOUT_S = DIST_TIMEOUT_S  # --dist-timeout-s
@@ -410,10 +410,10 @@ class World:
         who = self._absent()
         at = f"{what!r} ({name})"
         if timed_out:
-            return QuantizeError(f"rank {self.rank}: {who} did not reach {at} within {self.timeout_s:g} s "
+            return PeerLost(f"rank {self.rank}: {who} did not reach {at} within {self.timeout_s:g} s "
                                  f"(--dist-timeout-s): it hangs or stopped without a word; {rerun_hint()}")
         if closed:
-            return QuantizeError(f"rank {self.rank}: {who} stopped during {at}, its connection closed: its own "
+            return PeerLost(f"rank {self.rank}: {who} stopped during {at}, its connection closed: its own "
                                  f"error, if it printed one, says why; {rerun_hint()}")
         return QuantizeError(f"rank {self.rank}: {at} failed: {text[:300]}; {rerun_hint()}")
 
@@ -561,11 +561,11 @@ def check_nproc(nproc: int) -> None:
 # -- saying a rank's error once -------------------------------------------------------------------
 
 
-def report(line: str, exit_code: int) -> None:
+def report(line: str, exit_code: int, consequence: bool = False) -> None:
     """A rank's one-line error (``error: ...``) before it exits with ``exit_code``. On stderr; under
     ``launch``, into torchrun's error file for the rank instead, and the launcher prints the first
-    rank's and exits with its code. Under a user's own torchrun, both: torchrun's failure summary
-    then shows the line."""
+    rank's and exits with its code (``consequence``: a peer's loss, shown only when no rank said
+    why on its own). Under a user's own torchrun, both: torchrun's failure summary then shows the line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
     if path:
         try:
@@ -575,7 +575,7 @@ def report(line: str, exit_code: int) -> None:
                 # torchrun's own layout (torch.distributed.elastic.multiprocessing.errors), which its summary reads
                 "message": {"message": line, "extraInfo": {"timestamp": str(int(now))}},  # no py_callstack: shown
                 # the launcher's: the first failure by a finer clock, and its code (torchrun may stop it first)
-                "quantize": {"line": line, "time": now, "exit_code": exit_code},
+                "quantize": {"line": line, "time": now, "exit_code": exit_code, "consequence": consequence},
             }))
             if os.environ.get(LAUNCHED):
                 return
@@ -589,7 +589,8 @@ def report(line: str, exit_code: int) -> None:
 
 def _first_failure(failures: dict) -> tuple[str, int]:
     """The line and exit code to show for torchrun's failed ranks: the earliest one-line error a
-    rank reported, else the first rank that died (not one torchrun stopped after it)."""
+    rank reported of its own (a peer's loss only when none did), else the first rank that died (not
+    one torchrun stopped after it)."""
     import signal
 
     said = []
@@ -597,9 +598,10 @@ def _first_failure(failures: dict) -> tuple[str, int]:
         data = f.error_file_data if isinstance(getattr(f, "error_file_data", None), dict) else {}
         q = data.get("quantize")
         if isinstance(q, dict) and isinstance(q.get("line"), str):
-            said.append((float(q.get("time", 0)), rank, q["line"], int(q.get("exit_code", 1))))
+            said.append((bool(q.get("consequence")), float(q.get("time", 0)), rank, q["line"],
+                         int(q.get("exit_code", 1))))
     if said:
-        _, _, line, code = min(said)
+        *_, line, code = min(said)
         return line, code
     stopped = -int(signal.SIGTERM)  # what torchrun sends the others once one has failed
     died = sorted(failures.items(), key=lambda kv: (kv[1].exitcode == stopped, kv[1].timestamp, kv[0]))
@@ -705,50 +707,62 @@ def _selftest(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.nproc > 1 and not under_torchrun():
         return launch("quantize.distributed", ["selftest", *argv], a.nproc)
-    t = time.monotonic()
+    a.started = time.monotonic()
     try:
         with world(a.timeout_s, a.backend) as w:
-            ranks = w.gather(w.rank, "selftest ranks")
-            parts = w.gather(list(w.owned(a.items)), "selftest partition")
-            token = w.broadcast(f"from rank {w.rank}", "selftest broadcast")
-            tensors = []
-            # tensors gathered to every rank, to the writer, broadcast from the last rank: in one span,
-            # then in spans of 4 KiB through a staging buffer (the path NCCL's device buffers take)
-            for span, stage in ((w.span, False), (4096, True)):
-                w.span, w.stage = span, stage
-                last = w.size - 1
-                every = w.gather(_message(w.rank), "selftest tensors")
-                to_writer = w.gather(_message(w.rank), "selftest tensors to the writer", to=0)
-                from_last = w.broadcast(_message(w.rank) if w.rank == last else None, "selftest tensors", src=last)
-                at_0 = to_writer is None if w.rank else all(_same(m, _message(r)) for r, m in enumerate(to_writer))
-                tensors.append(all(_same(m, _message(r)) for r, m in enumerate(every))
-                               and _same(from_last, _message(last)) and at_0)
-            w.span, w.stage = EXCHANGE_SPAN, False
-            tensors = w.gather(tensors, "selftest tensors checked", to=0)
-            if w.rank == a.vanish:
-                os._exit(0)  # a process gone without a word or an error code
-            if w.rank == a.hang:
-                time.sleep(10 * a.timeout_s + 60)
-            if w.rank == a.fail:
-                raise QuantizeError(f"rank {w.rank}: a planted failure (selftest --fail {a.fail})")
-            t = time.monotonic()
-            w.barrier("selftest barrier")
-            at_writer = w.gather({"rank": w.rank, "owns": list(w.owned(a.items))}, "selftest results", to=0)
-            if w.is_writer:
-                print(json.dumps({"size": w.size, "ranks": ranks, "parts": parts, "token": token,
-                                  "at_writer": at_writer, "device": w.device, "backend": w.backend,
-                                  "tensors": tensors}), flush=True)
-        return 0
-    except QuantizeError as e:
-        if a.timings is not None:
-            a.timings.mkdir(parents=True, exist_ok=True)
-            (a.timings / f"rank-{os.environ.get('RANK', 0)}.json").write_text(
-                json.dumps({"failed_after_s": time.monotonic() - t}))
-        report(f"error: {e}", e.exit_code)
-        return e.exit_code
+            try:
+                return _selftest_run(w, a)
+            except QuantizeError as e:  # said before leaving: a peer sees the connection close after this line
+                return _selftest_failed(a, e)
+    except QuantizeError as e:  # joining failed
+        return _selftest_failed(a, e)
     except KeyboardInterrupt:
         report("interrupted", 130)
         return 130
+
+
+def _selftest_run(w, a) -> int:
+    """The self-test's exchanges and its planted failures, in the World ``w``."""
+    ranks = w.gather(w.rank, "selftest ranks")
+    parts = w.gather(list(w.owned(a.items)), "selftest partition")
+    token = w.broadcast(f"from rank {w.rank}", "selftest broadcast")
+    tensors = []
+    # tensors gathered to every rank, to the writer, broadcast from the last rank: in one span,
+    # then in spans of 4 KiB through a staging buffer (the path NCCL's device buffers take)
+    for span, stage in ((w.span, False), (4096, True)):
+        w.span, w.stage = span, stage
+        last = w.size - 1
+        every = w.gather(_message(w.rank), "selftest tensors")
+        to_writer = w.gather(_message(w.rank), "selftest tensors to the writer", to=0)
+        from_last = w.broadcast(_message(w.rank) if w.rank == last else None, "selftest tensors", src=last)
+        at_0 = to_writer is None if w.rank else all(_same(m, _message(r)) for r, m in enumerate(to_writer))
+        tensors.append(all(_same(m, _message(r)) for r, m in enumerate(every))
+                       and _same(from_last, _message(last)) and at_0)
+    w.span, w.stage = EXCHANGE_SPAN, False
+    tensors = w.gather(tensors, "selftest tensors checked", to=0)
+    if w.rank == a.vanish:
+        os._exit(0)  # a process gone without a word or an error code
+    if w.rank == a.hang:
+        time.sleep(10 * a.timeout_s + 60)
+    if w.rank == a.fail:
+        raise QuantizeError(f"rank {w.rank}: a planted failure (selftest --fail {a.fail})")
+    a.started = time.monotonic()
+    w.barrier("selftest barrier")
+    at_writer = w.gather({"rank": w.rank, "owns": list(w.owned(a.items))}, "selftest results", to=0)
+    if w.is_writer:
+        print(json.dumps({"size": w.size, "ranks": ranks, "parts": parts, "token": token,
+                          "at_writer": at_writer, "device": w.device, "backend": w.backend,
+                          "tensors": tensors}), flush=True)
+    return 0
+
+
+def _selftest_failed(a, e: QuantizeError) -> int:
+    if a.timings is not None:
+        a.timings.mkdir(parents=True, exist_ok=True)
+        (a.timings / f"rank-{os.environ.get('RANK', 0)}.json").write_text(
+            json.dumps({"failed_after_s": time.monotonic() - a.started}))
+    report(f"error: {e}", e.exit_code)
+    return e.exit_code
 
 
 if __name__ == "__main__":

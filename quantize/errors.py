@@ -17,3 +17,8 @@ class CheckFailed(QuantizeError):
     """A verification found a defect in a written artifact."""
 
     exit_code = 1
+
+
+class PeerLost(QuantizeError):
+    """A rank's collective failed because another rank stopped or hangs: a consequence, so the
+    launcher shows the other rank's own error before this one, whatever the clocks say."""

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from quantize import distributed as D
 from quantize import options as O
 from quantize.cli import app
-from quantize.errors import QuantizeError
+from quantize.errors import PeerLost, QuantizeError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -435,7 +435,7 @@ def test_without_the_store_the_peer_is_another_rank():
             raise RuntimeError("store gone")
 
     w = D.World(rank=1, size=3, backend="gloo", store=Gone({}))
-    with pytest.raises(QuantizeError, match="rank 1: another rank stopped during 'x' "):
+    with pytest.raises(PeerLost, match="rank 1: another rank stopped during 'x' "):
         w._collective("barrier", "x", lambda: (_ for _ in ()).throw(RuntimeError("Connection closed by peer")))
     w2 = D.World(rank=1, size=2, backend="gloo", store=Gone({}))  # of two, the other one
     with pytest.raises(QuantizeError, match="rank 1: rank 0 stopped during 'x' "):
@@ -451,6 +451,11 @@ def test_the_launcher_shows_the_earliest_error_and_else_the_rank_that_died():
     failures = {0: _failure(2, said(10.5, "error: rank 0: rank 1 stopped", 2)),
                 1: _failure(-15, said(10.2, "error: rank 1: bad input", 2))}  # stopped by torchrun after saying it
     assert D._first_failure(failures) == ("error: rank 1: bad input", 2)
+    # a peer's loss said first (clocks of two processes) gives way to the rank's own error said after it
+    lost = {"quantize": {"line": "error: rank 0: rank 1 stopped", "time": 10.1, "exit_code": 2, "consequence": True}}
+    failures[0] = _failure(2, lost)
+    assert D._first_failure(failures) == ("error: rank 1: bad input", 2)
+    assert D._first_failure({0: failures[0], 1: _failure(-15)}) == ("error: rank 0: rank 1 stopped", 2)  # only it
     stopped = -int(signal.SIGTERM)
     assert D._first_failure({0: _failure(stopped, timestamp=1), 1: _failure(-9, timestamp=2)}) == (
         "error: rank 1 was killed by SIGKILL (out of memory?); its output, if any, is above", 1)
