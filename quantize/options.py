@@ -366,6 +366,7 @@ ACTORDERS = ("static", "off")
 # gptq's group scales, fixed before its update: hessian (each group's clip searched against the error weighted
 # by the input Hessian's diagonal, imatrix-style; formats/int4.py weighted_scale) or rtn (the observer's own)
 SCALE_SEARCHES = ("hessian", "rtn")
+INITS = ("rtn", "gptq")  # autoround's start
 KV_TARGETS = ("sglang", "vllm", "compressed-tensors")
 KV_CACHE_DTYPES = ("fp8_e4m3", "bf16")
 SERVE_ENGINES = ("vllm", "sglang")  # quantize.engines.serve.ENGINES
@@ -577,6 +578,16 @@ class ConvertOptions(Options):
         check=lambda v: v >= 1,
         modifier_key="batch_size",
         why="must be at least 1 sample (e.g. 8)",
+    )
+    init: str | None = opt(
+        None,
+        "autoround: where the rounding starts: rtn (default: round-to-nearest on the grid, as auto-round) or gptq "
+        "(the same layer's GPTQ result at --method gptq's defaults: its codes and Hessian-searched clipping; a MoE "
+        "layer's streamed routed experts start from RTN)",
+        methods=("autoround",),
+        method_default="rtn",
+        choices=INITS,
+        why="use rtn (round-to-nearest) or gptq (GPTQ's result)",
     )
     all_experts: bool = opt(
         False,

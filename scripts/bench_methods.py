@@ -184,6 +184,7 @@ def main() -> None:
         "gptq-minmax": ["--method", "gptq", "--observer", "minmax", *cal],
         "gptq": ["--method", "gptq", *cal],  # its default grid: fullrange
         "autoround": ["--method", "autoround", "--iters", str(a.iters), *cal],
+        "autoround-gptq": ["--method", "autoround", "--init", "gptq", "--iters", str(a.iters), *cal],
     }
     if a.only:
         methods = {k: v for k, v in methods.items() if k in a.only.split(",")}

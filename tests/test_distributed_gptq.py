@@ -109,16 +109,17 @@ AR = ["--method", "autoround", "--profile", "all-linear", "--iters", "3", "--bat
       "--seq-len", "24", "--workers", "1", "--memory-budget-gib", "0", "--all-experts"]
 
 
-def test_autoround_on_two_ranks_is_one_process_bit_for_bit(tiny, tmp_path):
+@pytest.mark.parametrize("init", ["rtn", "gptq"])
+def test_autoround_on_two_ranks_is_one_process_bit_for_bit(tiny, tmp_path, init):
     """Each step's samples split across ranks (3 per step over 2 ranks: 2 and 1), each MoE layer's
     routed experts too (4 each: their inputs to every rank, their outputs, input gradients and
     --all-experts terms back), the gradients summed in fixed trees: one process's codes, scales
-    and losses."""
+    and losses (--init gptq: the Linear units' GPTQ start on rank 0, which holds every sample)."""
     src = tiny("glm_moe_dsa")
     one, two = tmp_path / "one", tmp_path / "two"
     convert(src, one, method="autoround", profile="all-linear", iters=3, batch_size=3, samples=4, seq_len=24,
-            workers=1, memory_budget_gib=0.0, all_experts=True)
-    p = _cli("convert", str(src), str(two), *AR, "--nproc", "2")
+            workers=1, memory_budget_gib=0.0, all_experts=True, init=init)
+    p = _cli("convert", str(src), str(two), *AR, "--init", init, "--nproc", "2")
     assert p.returncode == 0, p.stderr[-2000:]
     assert weights_only(two) == weights_only(one)
     assert method_layers(two) == method_layers(one)  # per-step losses (first, last, best) included

@@ -23,7 +23,7 @@ def _items(n: int, rows: int, cols: int, seed: int) -> list:
 
 
 def _bytes(res) -> list[tuple[bytes, bytes, bool]]:
-    return [(r.codes.numpy().tobytes(), r.scale.view(torch.int16).numpy().tobytes(), fb) for r, fb, _ in res]
+    return [(r.codes.numpy().tobytes(), r.scale.view(torch.int16).numpy().tobytes(), fb) for r, fb, *_ in res]
 
 
 def test_batched_gptq_is_byte_identical_to_the_per_chunk_path_on_cpu():

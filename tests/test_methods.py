@@ -41,6 +41,8 @@ def outs(llama, tmp_path_factory):
                      "gptq_rtn_scales": dict(method="gptq", scale_search="rtn", **CAL),
                      "autoround": dict(method="autoround", iters=20, **CAL),
                      "autoround0": dict(method="autoround", iters=0, **CAL),
+                     "autoround_gptq": dict(method="autoround", iters=20, init="gptq", **CAL),
+                     "autoround_gptq0": dict(method="autoround", iters=0, init="gptq", **CAL),
                      "fullrange": dict(observer="fullrange")}.items():
         convert(llama, root / name, profile="all-linear", workers=2, **kw)
         res[name] = root / name
@@ -463,6 +465,33 @@ def test_autoround_iters0_is_fullrange_rtn_bit_for_bit(outs):
     assert _manifest(outs["autoround0"])["method"]["grid"] == "fullrange"  # AutoRound's default grid
 
 
+def test_autoround_init_gptq_iters0_is_gptq_bit_for_bit(outs):
+    """--init gptq starts from the layer's GPTQ result (its codes and searched scales, every scale
+    reproduced by the clip factors: none moved); with no step that is what is written. Near miss:
+    the RTN start is not."""
+    assert weights_only(outs["autoround_gptq0"]) == weights_only(outs["gptq"])
+    assert weights_only(outs["autoround0"]) != weights_only(outs["gptq"])
+    rep = _manifest(outs["autoround_gptq0"])["method"]
+    assert rep["init"] == "gptq" and _manifest(outs["autoround0"])["method"]["init"] == "rtn"
+    assert [x["train"]["moved_scales"] for x in rep["layers"]] == [0, 0]
+    assert "from GPTQ's result" in _card_text(outs["autoround_gptq0"])
+    assert "from round-to-nearest" in _card_text(outs["autoround0"])
+
+
+def test_autoround_init_gptq_keeps_the_best_step_from_gptqs_start(outs):
+    """With steps, --init gptq trains from GPTQ's weights (step 0's loss is theirs) and writes the
+    best step's: the steps move the weights (the last loss is not the first), and where no step beat
+    the start (this fixture: GPTQ is far below RTN and the steps go uphill from it) GPTQ's bytes."""
+    layers = _manifest(outs["autoround_gptq"])["method"]["layers"]
+    for x in layers:
+        t = x["train"]
+        assert t["best_loss"] <= t["first_loss"] != t["last_loss"] and t["moved_scales"] == 0
+    a, g = load_dir(outs["autoround_gptq"]), load_dir(outs["gptq"])
+    packed = [k for k in a if k.endswith("weight_packed")]
+    same = all(torch.equal(a[k], g[k]) for k in packed)
+    assert same == all(x["train"]["best_step"] == 0 for x in layers)
+
+
 def test_autoround_lowers_layer_loss_and_kld(outs, llama):
     rep = _manifest(outs["autoround"])["method"]
     assert rep["method"] == "autoround" and rep["iters"] == 20 and rep["lr"] == pytest.approx(1 / 20) and rep["batch_size"] == 8
@@ -688,9 +717,11 @@ def test_kld_table_of_several_candidates(outs, llama, tmp_path):
     assert len(rows) == 3
 
 
-def test_autoround_interrupted_resumes_byte_identical(llama, outs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("init", ["rtn", "gptq"])
+def test_autoround_interrupted_resumes_byte_identical(llama, outs, tmp_path, monkeypatch, init):
     """AutoRound's targets come from the source model's own hidden states, carried beside the
-    quantized path; a resumed run rebuilds both streams by replaying the recorded layers."""
+    quantized path; a resumed run rebuilds both streams by replaying the recorded layers (and,
+    --init gptq, layer 1's GPTQ start from them)."""
     from quantize.methods import autoround as A
 
     real = A.train_layer
@@ -705,11 +736,12 @@ def test_autoround_interrupted_resumes_byte_identical(llama, outs, tmp_path, mon
     out = tmp_path / "o"
     monkeypatch.setattr(A, "train_layer", dies_in_layer_1)
     with pytest.raises(KeyboardInterrupt):
-        convert(llama, out, profile="all-linear", method="autoround", iters=20, workers=2, **CAL)
+        convert(llama, out, profile="all-linear", method="autoround", iters=20, init=init, workers=2, **CAL)
     assert sorted(json.loads((out / ".quantize" / "job.json").read_text())["layers"]) == ["0000"]
     monkeypatch.setattr(A, "train_layer", real)
-    convert(llama, out, profile="all-linear", method="autoround", iters=20, workers=1, resume=True, **CAL)
-    assert weights_only(out) == weights_only(outs["autoround"])
+    convert(llama, out, profile="all-linear", method="autoround", iters=20, init=init, workers=1, resume=True,
+            **CAL)
+    assert weights_only(out) == weights_only(outs["autoround" if init == "rtn" else "autoround_gptq"])
 
 
 # the model card says what the manifest records about the method, and no more
@@ -778,6 +810,87 @@ def test_autoround_trains_on_the_weights_it_exports(fullrange):
             s32 = torch.maximum(hi, -lo) / 7.5
         q32 = (t.wg / s32.unsqueeze(-1) + t.V).round().clamp(-8, 7)
         assert not torch.equal((q32 * s32.unsqueeze(-1)).view(64, 256), exported)
+
+
+@pytest.mark.parametrize("source_dtype", [torch.bfloat16, torch.float32])
+def test_autoround_start_puts_every_code_where_the_start_has_it(source_dtype):
+    """``Tuned``'s start from another result (GPTQ's): the clip factors at the shrink each scale was
+    searched with (int4.shrink_of, checked here against weighted_scale's own choice), the step-0
+    weight ``codes x scale`` bit for bit, each quotient keeping its own fraction (the offsets are
+    whole codes, but for ties), and gradients reaching V, a and b. A source not in the scale
+    dtype may need another scale for a group (counted in ``moved``); the codes are kept all the same."""
+    from quantize.methods.tuning import Tuned
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(48, 256, generator=g) * 0.02).to(source_dtype).float()
+    imp = torch.rand(256, generator=g)
+    scale = int4.weighted_scale(w, imp, 32, "fullrange", torch.bfloat16)
+    p = int4.shrink_of(w, scale, 32, "fullrange", torch.bfloat16)
+    assert not p.isnan().any() and (p < 1).any() and (p == 1).any()
+    # the shrink found gives the scale back, by weighted_scale's own formula
+    rng = w.to(torch.bfloat16).view(48, 8, 32)
+    ext = rng.gather(-1, rng.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    assert torch.equal(((ext.float() * p).to(torch.bfloat16).float() / -8).to(torch.bfloat16), scale)
+    codes = torch.randint(-8, 8, (48, 256), generator=g, dtype=torch.int8)  # any codes: GPTQ's are its own
+    t = Tuned("x", w, 32, True, torch.bfloat16, (codes, scale))  # nothing rounded given: own fractions
+    q, s = t.final()
+    assert torch.equal(q, codes)
+    if source_dtype == torch.bfloat16:
+        assert t.moved == 0 and torch.equal(s, scale)
+    assert torch.equal(t.fake().detach(), (codes.float().view(48, 8, 32) * s.float().unsqueeze(-1)).view(48, 256))
+    c = (t.wg / s.float().unsqueeze(-1)).to(torch.bfloat16).float()
+    whole = t.off == t.off.round()
+    kept = (c + t.off)[whole] - codes.view(48, 8, 32)[whole]  # exact but where a tiny quotient meets a shift
+    assert whole.float().mean() > 0.99 and torch.allclose(kept, (c - c.round())[whole], rtol=0, atol=2**-20)
+    t.fake().pow(2).sum().backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in t.params)
+    # each weight's optimum given (nan: not known), within half a code of its code: those quotients are
+    # the start's, the codes the same; beyond it, it is held at 0.49 from the code
+    rounded = codes.float() + torch.rand(48, 256, generator=g) * 0.98 - 0.49
+    rounded[1, :4] = codes[1, :4].float() + torch.tensor([0.7, -0.9, 0.5, -0.5])
+    rounded[0, :32] = float("nan")
+    t2 = Tuned("x", w, 32, True, torch.bfloat16, (codes, scale, rounded))
+    assert torch.equal(t2.final()[0], codes)
+    x = (c + t2.off).view(48, 256)
+    assert torch.allclose(x[1, :4], codes[1, :4].float() + torch.tensor([0.49, -0.49, 0.49, -0.49]), atol=2**-18)
+    rounded[1, :4] = x[1, :4]
+    assert torch.allclose(x[1:], rounded[1:], rtol=0, atol=2**-18)
+    assert torch.equal(t2.off.view(48, 256)[0, :32], t.off.view(48, 256)[0, :32])
+    assert not torch.allclose(x[1:], (c + t.off).view(48, 256)[1:], rtol=0, atol=0.01)  # near miss: own fractions
+
+
+def test_gptq_coordinate_optimum_minimises_the_error_one_weight_at_a_time():
+    """``gptq.coordinate_optimum``: each weight's value that minimises the layer error
+    ``tr((w - q) H (w - q)^T)`` with every other weight at ``q``. Oracle: that error computed here in
+    float64 for each weight moved alone over a grid of values around the claimed optimum, whose
+    smallest value is at the grid's middle point; a dead input (zero diagonal) is nan."""
+    from quantize.methods import gptq as G
+
+    g = torch.Generator().manual_seed(3)
+    out, k = 3, 12
+    w = torch.randn(out, k, generator=g, dtype=torch.float64)
+    x = torch.randn(40, k, generator=g, dtype=torch.float64) * torch.linspace(0.3, 2.0, k, dtype=torch.float64)
+    x[:, 5] = 0  # no input reaches column 5
+    h = x.t() @ x
+    q = w.round()  # any other weights: RTN's here
+    t = G.coordinate_optimum(w.float(), h.float(), q.float()).double()
+    assert t[:, 5].isnan().all() and not t[:, :5].isnan().any()
+
+    def err(m):
+        r = w - m
+        return torch.trace(r @ h @ r.t())
+
+    steps = torch.linspace(-0.05, 0.05, 11, dtype=torch.float64)
+    for i in range(out):
+        for j in [c for c in range(k) if c != 5]:
+            losses = []
+            for d in steps:
+                m = q.clone()
+                m[i, j] = t[i, j] + d
+                losses.append(float(err(m)))
+            assert min(range(11), key=losses.__getitem__) == 5, (i, j, losses)
+    # near miss: the source weight is not the optimum once the other weights are rounded
+    assert not torch.allclose(t[:, :5], w[:, :5], atol=1e-3)
 
 
 def test_pack_texts_joins_and_cuts_counted_by_hand():

@@ -146,8 +146,7 @@ def weighted_scale(w: torch.Tensor, importance: torch.Tensor, group_size: int, o
     rng = grid.range(wq.view(out, k // group_size, group_size))
     best = grid.scale(rng, scale_dtype)
     best_err = torch.full(rng.shape, float("inf"), device=w.device)
-    for i in range(WEIGHTED_STEPS + 1):
-        p = 1.0 - i * WEIGHTED_MAXSHRINK / WEIGHTED_STEPS
+    for p in weighted_shrinks():
         cand = grid.scale((rng.float() * p).to(scale_dtype), scale_dtype)
         q = _codes(wg, cand, scale_dtype)
         err = (q.mul_(cand.float().unsqueeze(-1)).sub_(wg)).pow_(2).mul_(imp).sum(-1)
@@ -159,6 +158,26 @@ def weighted_scale(w: torch.Tensor, importance: torch.Tensor, group_size: int, o
 
 WEIGHTED_STEPS = 20  # shrink candidates of ``weighted_scale`` (p from 1 down to 1 - WEIGHTED_MAXSHRINK)
 WEIGHTED_MAXSHRINK = 0.20
+
+
+def weighted_shrinks() -> list[float]:
+    """``weighted_scale``'s shrink candidates, 1 (RTN) first."""
+    return [1.0 - i * WEIGHTED_MAXSHRINK / WEIGHTED_STEPS for i in range(WEIGHTED_STEPS + 1)]
+
+
+def shrink_of(w: torch.Tensor, scale: torch.Tensor, group_size: int, observer: str,
+              scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The inverse of ``weighted_scale``'s choice: per group of ``w`` [out, in], the largest shrink
+    candidate whose scale on ``observer``'s grid is ``scale`` [out, in/group] bit for bit (1 for
+    RTN's own scale), nan where none is. float32 [out, in/group]."""
+    out, k = w.shape
+    grid = GRIDS[observer]
+    rng = grid.range(w.to(scale_dtype).view(out, k // group_size, group_size))
+    found = torch.full(rng.shape, float("nan"), device=w.device)
+    for p in reversed(weighted_shrinks()):  # the larger p written last: it wins
+        cand = grid.scale((rng.float() * p).to(scale_dtype), scale_dtype)
+        found = torch.where(cand == scale.to(cand.device), torch.tensor(p, device=w.device), found)
+    return found
 
 
 def _absmax(groups: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 
 from .base import Layer, Method, Step
 from .forward import Collector
-from .tuning import CLIP_RANGE, V_RANGE, Tuned, stream_step, train as train_layer  # noqa: F401 - the grid, as trained
+from .tuning import CLIP_RANGE, V_RANGE, Tuned, gptq_start, stream_step, train as train_layer  # noqa: F401 - the grid
 from .units import Unit
 
 # what `quantize check --source` proves of an AutoRound tensor: the published clip range, written apart
@@ -85,7 +85,7 @@ class AutoRound(Method):
     source_stream = True
     streams_experts = True  # a MoE layer's routed experts: each rank trains its own (methods/tuning.py)
     splits_samples = False  # rank 0 holds every sample; each step's samples are split (tune_rank)
-    report_fields = ("iters", "lr", "batch_size")
+    report_fields = ("iters", "lr", "batch_size", "init")
     title = ("AutoRound-class tuning: learnable rounding offsets and per-group min/max scale factors trained by "
              "signed gradient descent on each decoder layer's output error (Cheng et al.)")
     loss_target = "the source model's own output of this layer (so it includes the error the layers before it left)"
@@ -93,6 +93,7 @@ class AutoRound(Method):
     def layer_step(self, layer: Layer) -> Step:
         x = layer
         ref = x.targets
+        start = gptq_start(x, x.module, x.units) if x.options.init == "gptq" else None
         counter = RouteCounter(x.module, x.units)  # the routing the quantized path sees
         x.put(x.rtn)
         try:
@@ -101,7 +102,7 @@ class AutoRound(Method):
         finally:
             counter.remove()
         x.put(x.originals)
-        results, _, train = train_layer(x.fwd, x.module, None, x, counter.routed)
+        results, _, train = train_layer(x.fwd, x.module, None, x, counter.routed, start)
         return Step(results, ref, counter.routed, e_rtn, tot, report={"train": train})
 
     def streamed_step(self, fwd, module, stand, layer: Layer, write_group):
@@ -121,4 +122,6 @@ class AutoRound(Method):
                 f"(min {float(ratio.min()):.3f}, max {float(ratio.max()):.3f}): not made from this source")
 
     def card_section(self, report: dict) -> str:
-        return f"{report.get('iters')} iterations, lr {report.get('lr')}, batch {report.get('batch_size')}"
+        start = ("from GPTQ's result (a MoE layer's streamed routed experts from RTN)" if report.get("init") == "gptq"
+                 else "from round-to-nearest")
+        return f"{report.get('iters')} iterations, lr {report.get('lr')}, batch {report.get('batch_size')}, {start}"

@@ -271,13 +271,25 @@ def group_scales(w: torch.Tensor, h: torch.Tensor, group_size: int, observer: st
     return rtn(w, group_size, observer, sdt).scale
 
 
+def coordinate_optimum(w: torch.Tensor, h: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """Per weight of ``w`` [..., out, in], the value that minimises the layer's error under the
+    Hessian ``h`` [..., in, in], ``tr((w - wq) h (w - wq)^T)``, with every other weight at ``wq``
+    (GPTQ's output): ``wq + ((w - wq) h) / diag(h)``. Its distance to a rounding boundary is what
+    moving that one code to its neighbour costs (nan where the diagonal is 0: no input reached it)."""
+    r = (w - wq).to(torch.float32)
+    d = torch.diagonal(h, dim1=-2, dim2=-1).to(torch.float32).unsqueeze(-2)
+    return wq.to(torch.float32) + (r @ h.to(torch.float32)) / torch.where(d > 0, d, torch.nan)
+
+
 def _update(quantize_weight, qargs, items, chunk: list[int], group_size: int, observer: str, block: int,
-            damp: float, search: str = "hessian") -> list[tuple[int, Result, bool, float]]:
+            damp: float, search: str = "hessian", quotients: bool = False) -> list[tuple]:
     """One llm-compressor ``quantize_weight`` call over the stacked ``chunk``: (position, result,
-    Hessian failed, loss) per unit."""
+    Hessian failed, loss) per unit, and (``quotients``) each weight's ``coordinate_optimum`` in codes
+    (/ scale: [out, in] float32)."""
     ws = [items[i][1] for i in chunk]
     sdt = items[chunk[0]][0].scale_dtype
     scales = torch.stack([group_scales(w, items[i][2], group_size, observer, sdt, search) for i, w in zip(chunk, ws)])
+
     W = torch.stack([w.to(torch.float32) for w in ws])
     H = torch.stack([items[i][2].to(torch.float32) for i in chunk])
     zp = torch.zeros(scales.shape, dtype=torch.int8, device=scales.device)
@@ -286,17 +298,22 @@ def _update(quantize_weight, qargs, items, chunk: list[int], group_size: int, ob
     del W, H
     s = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
     codes = (wq.to(torch.float32) / s).round_().clamp_(int4.QMIN, int4.QMAX).to(torch.int8)
+    quot = None
+    if quotients:  # the inputs again: quantize_weight worked in W and H
+        with torch.no_grad():
+            quot = torch.stack([coordinate_optimum(w.to(torch.float32), items[i][2], wq[j])
+                                for j, (i, w) in enumerate(zip(chunk, ws))]) / s
     fallback, losses = fallback.tolist(), losses.tolist()
-    return [(i, Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]))
-            for j, i in enumerate(chunk)]
+    return [(i, Result(codes[j].cpu(), scales[j].cpu(), "gptq"), bool(fallback[j]), float(losses[j]),
+             None if quot is None else quot[j].cpu()) for j, i in enumerate(chunk)]
 
 
 def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: int, observer: str, actorder: str | None,
              block: int, damp: float, workers: int, batched: bool | None = None,
-             search: str = "hessian") -> list[tuple[Result, bool, float]]:
+             search: str = "hessian", quotients: bool = False) -> list[tuple]:
     """``items``: (unit, weight [out, in] fp32, Hessian [in, in]) -> (result, Hessian failed and
-    RTN was used, GPTQ loss) per item, in order. ``batched``: the GPU's way (below) on any device;
-    None: on a GPU only.
+    RTN was used, GPTQ loss, with ``quotients`` each weight's ``coordinate_optimum`` in codes, else
+    None) per item, in order. ``batched``: the GPU's way (below) on any device; None: on a GPU only.
 
     On the CPU: chunks of ``CHUNK`` same-shape units go to llm-compressor in a fixed partition,
     each on one torch thread (a Cholesky factorization differs in its last bits between thread
@@ -313,7 +330,7 @@ def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: i
     negative = int4.GRIDS[observer].signed
 
     def run(chunk: list[int]):
-        return _update(quantize_weight, qargs, items, chunk, group_size, observer, block, damp, search)
+        return _update(quantize_weight, qargs, items, chunk, group_size, observer, block, damp, search, quotients)
 
     if gpu:
         with _triton_off(negative):
@@ -328,8 +345,8 @@ def quantize(items: list[tuple[Unit, torch.Tensor, torch.Tensor]], group_size: i
             torch.set_num_threads(old)
     out: list = [None] * len(items)
     for res in done:
-        for i, r, fb, loss in res:
-            out[i] = (r, fb, loss)
+        for i, *got in res:
+            out[i] = tuple(got)
     return out
 
 
@@ -389,9 +406,10 @@ class GPTQ(Method):
                 + ("searched against the Hessian-weighted error" if search == "hessian" else "the grid's RTN ones"))
 
     @staticmethod
-    def results(x: Layer, hooks: Hessians) -> dict[str, Result]:
+    def results(x: Layer, hooks: Hessians, quotients: dict | None = None) -> dict[str, Result]:
         """GPTQ per unit; RTN (named in ``x.fallbacks``) for an expert below --min-expert-tokens,
-        a unit no token reached, or a Hessian llm-compressor could not factorize."""
+        a unit no token reached, or a Hessian llm-compressor could not factorize. ``quotients``:
+        filled per unit it ran with each weight's ``coordinate_optimum`` in codes."""
         opt = x.options
         results: dict[str, Result] = {}
         items = []
@@ -405,11 +423,13 @@ class GPTQ(Method):
                 continue
             items.append((u, x.originals[u.key], h))
         done = quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, x.fwd.workers,
-                        search=opt.scale_search or "hessian")
-        for (u, _, _), (res, failed, _loss) in zip(items, done):
+                        search=opt.scale_search or "hessian", quotients=quotients is not None)
+        for (u, _, _), (res, failed, _loss, quot) in zip(items, done):
             if failed:
                 res = Result(res.codes, res.scale, "rtn")
                 why[u.key] = "Hessian not positive definite after dampening (raise --damp or add samples)"
+            elif quot is not None:
+                quotients[u.key] = quot
             results[u.key] = res
         for u in x.units:
             if u.key in why:

@@ -112,6 +112,7 @@ def check_memory(streamer, device: str, world, free: int | None = None) -> None:
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
+HALF = 0.49  # a start's quotient lies within this of its code (``Tuned._start``)
 # a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
 DIVERGED = 100.0
 SEED = 20240
@@ -131,7 +132,8 @@ def _cast_ste(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Tuned:
     """The trainable state of one layer parameter (an nn.Linear weight, or a fused [E, out, in])."""
 
-    def __init__(self, path: str, w0: torch.Tensor, group: int, fullrange: bool, scale_dtype: torch.dtype):
+    def __init__(self, path: str, w0: torch.Tensor, group: int, fullrange: bool, scale_dtype: torch.dtype,
+                 start: tuple | None = None):
         self.path, self.group, self.fullrange, self.sdt = path, group, fullrange, scale_dtype
         *lead, out, k = w0.shape
         self.shape = w0.shape
@@ -145,6 +147,41 @@ class Tuned:
         self.a = torch.ones_like(self.wmax, requires_grad=True)
         self.b = torch.ones_like(self.wmax, requires_grad=True)
         self.mask = torch.ones(lead[0], dtype=torch.float32, device=w0.device) if lead else None  # per expert
+        self.off: torch.Tensor | None = None  # fixed code offsets: where a start other than RTN put the codes
+        self.moved = 0  # groups whose start scale is not the given one (``start``)
+        if start is not None:
+            self._start(*start)
+
+    def _start(self, codes: torch.Tensor, scale: torch.Tensor, optimum: torch.Tensor | None = None) -> None:
+        """Start from another method's result (``--init gptq``): each group's clip factors at the
+        shrink its scale was chosen with (``int4.shrink_of``: the same scale, bit for bit, from a
+        source in the scale dtype; ``moved`` counts the groups where it is not), and fixed offsets
+        that put every quotient at ``optimum`` (in codes: GPTQ's ``coordinate_optimum`` / scale, the
+        value each weight would best take with every other code fixed; nan, or not given: the
+        quotient's own fraction on the start's code), kept within half a code of the start's, so
+        the step-0 weight is ``codes x scale`` bit for bit and the offsets ``V`` act on what moving a
+        code to its neighbour costs."""
+        *lead, out, k = self.shape
+        observer = "fullrange" if self.fullrange else "minmax"
+        w2 = self.wg.reshape(-1, k)
+        p = int4.shrink_of(w2, scale.reshape(-1, k // self.group).to(w2.device), self.group, observer, self.sdt)
+        p = p.reshape(self.a.shape)
+        with torch.no_grad():
+            self.a.copy_(torch.nan_to_num(p, nan=1.0))
+            self.b.copy_(self.a)
+            s = self._scale(self._extreme())
+            self.moved = int((s.to(self.sdt) != scale.to(s.device, self.sdt)).sum())
+            c = (self.wg / s.unsqueeze(-1)).to(self.sdt).float()
+            q = codes.to(c.device, torch.float32).reshape(c.shape)
+            self.off = q - c.round()  # no optimum given: this quotient's fraction, on the start's code
+            if optimum is not None:  # within half a code of the start's (a code the optimum rounds away from)
+                x = optimum.to(c.device, torch.float32).reshape(c.shape)
+                x = torch.minimum(torch.maximum(x, q - HALF), q + HALF)
+                self.off = torch.where(x.isnan(), self.off, x - c)
+            # where that does not round to the code (a tie, a clamped or a recovered quotient's last bits), the
+            # quotient is put on the code itself
+            off = (c + self.off).round().clamp(int4.QMIN, int4.QMAX) != q
+            self.off[off] = (q - c)[off]
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -168,7 +205,10 @@ class Tuned:
         """The layer weight the export writes for the current state (``final``'s codes x scale, bit for
         bit): the quotient rounded to the scale dtype as ``formats.int4`` rounds it, straight-through."""
         s = self._scale(self._extreme()).unsqueeze(-1)
-        q = torch.clamp(_round_ste(_cast_ste(self.wg / s, self.sdt) + self.V), int4.QMIN, int4.QMAX)
+        x = _cast_ste(self.wg / s, self.sdt)
+        if self.off is not None:
+            x = x + self.off
+        q = torch.clamp(_round_ste(x + self.V), int4.QMIN, int4.QMAX)
         return (q * s).reshape(self.shape)
 
     def final(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +217,10 @@ class Tuned:
         with torch.no_grad():
             e = self._extreme().to(self.sdt)
             s = int4._fullrange_scale(e, self.sdt) if self.fullrange else int4._minmax_scale(e, self.sdt)
-            x = (self.wg / s.float().unsqueeze(-1)).to(self.sdt).float() + self.V
+            x = (self.wg / s.float().unsqueeze(-1)).to(self.sdt).float()
+            if self.off is not None:
+                x = x + self.off
+            x = x + self.V
             q = x.round().clamp(int4.QMIN, int4.QMAX).to(torch.int8)
             return q.reshape(self.shape), s
 
@@ -557,10 +600,12 @@ def _rtn_weights(by_expert: dict[int, list[Unit]], opt):
     return weights
 
 
-def _train(world, tuning: Tuning, x, tuned: dict[str, Tuned], layer) -> dict:
+def _train(world, tuning: Tuning, x, tuned: dict[str, Tuned], layer, rtn_start: bool = True) -> dict:
     """Rank 0's loop over the steps: picks each batch, sends the other ranks their shares with the
     Linear units' quantized weights, sums the losses, steps the Linear units, and says whether a
-    step is the best so far. Returns the training report."""
+    step is the best so far. Returns the training report. ``rtn_start``: a last loss DIVERGED times
+    the first is refused (from another method's start, far below RTN's loss, the steps may climb
+    that far without the learning rate being wrong: the best step, the start at worst, is kept)."""
     opt, i, hidden, topk, targets = x.options, x.index, x.hidden, x.topk, x.targets
     n = len(hidden)
     bs = min(opt.batch_size, n)
@@ -618,7 +663,7 @@ def _train(world, tuning: Tuning, x, tuned: dict[str, Tuned], layer) -> dict:
             t.step(lr_t)
     if world.size > 1:
         world.broadcast(("end", None), f"layer {i} AutoRound")
-    if losses and losses[-1] > DIVERGED * losses[0]:
+    if rtn_start and losses and losses[-1] > DIVERGED * losses[0]:
         raise QuantizeError(f"decoder layer {i}: the AutoRound loss diverged ({losses[0]:.4g} at step 0, "
                             f"{losses[-1]:.4g} at the last step); lower --lr (now {opt.lr:g}) or --iters")
     for path, t in tuned.items():  # the layer's own parameters back (the caller installs the results)
@@ -640,20 +685,72 @@ def _combine(world, tuning: Tuning, tree, what: str):
                         receive=lambda v: [None if g is None else g.to(dev) for g in v])
 
 
-def train(fwd, layer, stand, x, routed: dict) -> tuple[dict[str, Result], dict[str, Result], dict]:
+def gptq_start(x, module, units: list[Unit], **replay) -> tuple[dict, dict]:
+    """``--init gptq``: GPTQ's result (at its own defaults: Hessian-searched clipping, static
+    act-order, dampening, block) for ``units`` from the statistics of ``module`` (the layer holding
+    the source weights; ``replay``: a streamed layer's stand-in and its experts' outputs) on the
+    quantized-path inputs, as ``--method gptq`` makes it, on this rank (it holds every sample). A
+    unit GPTQ leaves at RTN starts from RTN; the fallbacks it names are not AutoRound's and are
+    dropped (AutoRound names its own). Returns (per unit key its result, and for the units it ran
+    each weight's ``gptq.coordinate_optimum`` in codes)."""
+    from dataclasses import fields, replace
+    from types import SimpleNamespace
+
+    from .gptq import GPTQ, Hessians
+
+    gptq = GPTQ()
+    opt = x.options
+    hooks = Hessians(module, units, opt.all_experts, x.fwd.total or len(x.hidden))
+    try:
+        x.fwd(module, x.hidden, x.topk, x.index, "of the source layer (GPTQ's statistics for --init gptq)",
+              keep=False, collector=hooks, **replay)
+    finally:
+        hooks.remove()
+    hooks.combine(None, f"layer {x.index} Hessians")
+    own = {f.name: getattr(opt, f.name) for f in fields(opt)}
+    with_defaults = SimpleNamespace(**(own | {k: v for k, v in gptq.defaults.items() if own.get(k) is None}))
+    optimum: dict = {}
+    results = gptq.results(replace(x, units=units, options=with_defaults, fallbacks=[]), hooks, optimum)
+    return results, optimum
+
+
+def _start_of(w: torch.Tensor, units: list[Unit], start: tuple[dict, dict], opt) -> tuple:
+    """One parameter's start (codes, scale, each weight's optimum in codes) from ``start`` (per unit key its
+    result, and GPTQ's ``coordinate_optimum`` in codes where it ran): a Linear unit's own, or a fused experts
+    parameter's stacked per expert (RTN for an expert without a unit; nan where none is known)."""
+    results, optimum = start
+
+    def quot(key, like):
+        r = optimum.get(key)
+        return r.to(w.device) if r is not None else torch.full(like.shape, float("nan"), device=w.device)
+
+    if w.ndim == 2:
+        r = results[units[0].key]
+        return r.codes, r.scale, quot(units[0].key, r.codes)
+    by_e = {u.expert: u.key for u in units}
+    parts = [results[by_e[e]] if e in by_e else rtn(w[e], opt.group_size, opt.observer, units[0].scale_dtype)
+             for e in range(w.shape[0])]
+    return (torch.stack([r.codes.to(w.device) for r in parts]), torch.stack([r.scale.to(w.device) for r in parts]),
+            torch.stack([quot(by_e.get(e), r.codes) for e, r in enumerate(parts)]))
+
+
+def train(fwd, layer, stand, x, routed: dict, start: tuple[dict, dict] | None = None
+          ) -> tuple[dict[str, Result], dict[str, Result], dict]:
     """Rank 0's AutoRound of layer ``x`` (the built ``layer`` holding the source weights; a MoE
     layer's routed experts in ``stand``'s place, each rank training its own): the other ranks told
     to build it, the experts the router starves (below --min-expert-tokens) named in
-    ``x.fallbacks`` and kept at RTN, the steps. Returns (the results of the units the built layer
-    holds, rank 0's own experts' results, the training report)."""
+    ``x.fallbacks`` and kept at their start, the steps. ``start``: ``gptq_start``'s, for the units of
+    the built layer (``--init gptq``; else they start from RTN). Returns (the results of the units the built
+    layer holds, rank 0's own experts' results, the training report)."""
     opt, i, world = x.options, x.index, distributed.current()
     fullrange = int4.GRIDS[opt.observer].signed
     tuned: dict[str, Tuned] = {}
     held = [u for u in x.units if stand is None or u.expert is None]
     for u in held:
         if u.path not in tuned:
-            tuned[u.path] = Tuned(u.path, layer.get_parameter(u.path).detach().clone(), opt.group_size, fullrange,
-                                  u.scale_dtype)
+            w = layer.get_parameter(u.path).detach().clone()
+            first = _start_of(w, [v for v in held if v.path == u.path], start, opt) if start else None
+            tuned[u.path] = Tuned(u.path, w, opt.group_size, fullrange, u.scale_dtype, first)
     starved: set[str] = set()
     for u in x.units:
         if u.expert is None or opt.all_experts or u.key in starved:
@@ -672,7 +769,9 @@ def train(fwd, layer, stand, x, routed: dict) -> tuple[dict[str, Result], dict[s
                                        "stream": stand is not None}), f"layer {i} AutoRound")
     tuning = Tuning(world, fwd.streamer, fwd.ctx, layer, stand, i, x.units, opt, routed, fwd.device, fwd.pool,
                     fwd.workers)
-    report = _train(world, tuning, x, tuned, layer)
+    report = _train(world, tuning, x, tuned, layer, rtn_start=not start)
+    if start:
+        report["moved_scales"] = sum(t.moved for t in tuned.values())
     finals = {path: t.final() for path, t in tuned.items()}
     results = {}
     for u in held:
@@ -710,9 +809,12 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
     cap.clear()
     _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
                              replay=v.acc)
-    v.acc.clear()
     put(None)
-    results, own, report = train(fwd, layer, stand, x, routed)
+    start = None
+    if opt.init == "gptq" and linear:  # the Linear units' inputs do not depend on the routed experts' outputs
+        start = gptq_start(x, layer, linear, stand=stand, replay=v.acc)
+    v.acc.clear()
+    results, own, report = train(fwd, layer, stand, x, routed, start)
     put(results)
     cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
     cur: dict[str, Result] = {}
