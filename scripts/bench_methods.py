@@ -229,10 +229,12 @@ def main() -> None:
             if not (src / "quantize_manifest.json").exists():
                 make_tiny(arch, src, layout="bf16", overwrite=True)
             runs = {}
-            for name, extra in (("rtn-minmax", []),
-                                ("gptq", ["--method", "gptq", "--samples", "16", "--seq-len", "128"]),
-                                ("autoround", ["--method", "autoround", "--iters", str(a.iters), "--samples", "16",
-                                               "--seq-len", "128"])):
+            tiny_cal = ["--samples", "16", "--seq-len", "128"]
+            for name, extra in (("rtn-minmax", []), ("rtn-fullrange", ["--observer", "fullrange"]),
+                                ("gptq", ["--method", "gptq", *tiny_cal]),
+                                ("autoround", ["--method", "autoround", "--iters", str(a.iters), *tiny_cal]),
+                                ("autoround-gptq", ["--method", "autoround", "--init", "gptq", "--iters", str(a.iters),
+                                                    *tiny_cal])):
                 out = a.work / f"tiny-{arch}-{name}"
                 r = convert(src, out, extra + wk, a.reuse)
                 runs[name] = {"out": out, **r}
@@ -242,7 +244,7 @@ def main() -> None:
                         rows, "rtn-minmax")
             results["tiny"][arch] = {"kld": [dict(zip(("method", "kld_mean", "top1", "kld_p99", "ratio"), r))
                                              for r in rows]}
-            for name in ("gptq", "autoround"):
+            for name in ("gptq", "autoround", "autoround-gptq"):
                 rep = runs[name]["manifest"]["method"]
                 for x in rep["layers"]:
                     t = x.get("tokens_per_expert")

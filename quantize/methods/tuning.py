@@ -178,7 +178,7 @@ class Tuned:
                 x = optimum.to(c.device, torch.float32).reshape(c.shape)
                 x = torch.minimum(torch.maximum(x, q - HALF), q + HALF)
                 self.off = torch.where(x.isnan(), self.off, x - c)
-            # where that does not round to the code (a tie, a clamped or a recovered quotient's last bits), the
+            # where that does not round to the code (a tie, a clamped code, the last bits of a sum), the
             # quotient is put on the code itself
             off = (c + self.off).round().clamp(int4.QMIN, int4.QMAX) != q
             self.off[off] = (q - c)[off]
