@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import signal
 import subprocess
 import sys
 import time
@@ -389,9 +390,18 @@ def test_a_pd_pool_that_fails_or_dies_is_one_line_and_the_pair_is_stopped(models
         os.killpg(p.prefill.proc.pid, 9)
         time.sleep(30)
 
-    with sv.Pair(base, cand, python=py, log_dir=tmp_path / "l2") as pair:
-        with pytest.raises(QuantizeError) as e:
-            sv.run_served(pair, work)
+    # as in a process started with SIGINT ignored (a shell's background job): the watchdog's interrupt
+    # must still reach the main thread, well before the 30 s of work end
+    was = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with sv.Pair(base, cand, python=py, log_dir=tmp_path / "l2") as pair:
+            t0 = time.monotonic()
+            with pytest.raises(QuantizeError) as e:
+                sv.run_served(pair, work)
+            assert time.monotonic() - t0 < 20
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # the process's own setting back
+    finally:
+        signal.signal(signal.SIGINT, was)
     msg = str(e.value)
     assert "\n" not in msg and f"the PD pair's prefill server for {Path(base).resolve()} was killed by signal 9" in msg
     assert all(s.proc.poll() is not None for s in pair.servers)

@@ -683,14 +683,23 @@ class Pair:
 def run_served(served: Served, fn):
     """``fn(served)``, with a server that dies during it said in one line (``Served.died``), not
     as the client's error: a watchdog notices the death within a second and interrupts the main
-    thread, instead of the client retrying a dead port."""
-    import _thread
+    thread, instead of the client retrying a dead port. The interrupt is a real SIGINT sent to the
+    main thread (``_thread.interrupt_main`` only flags it: a client blocked in a read or a sleep
+    would not see it until that returned), handled by Python's own handler while ``fn`` runs (a
+    process started with SIGINT ignored, as a shell's background job is, would otherwise drop it)."""
+    import signal
     import threading
 
     dead = threading.Event()
     done = threading.Event()
     lock = threading.Lock()  # no interrupt once fn has returned
     main = threading.current_thread() is threading.main_thread()
+    main_id = threading.main_thread().ident
+    restore = signal.getsignal(signal.SIGINT) if main else None
+    if restore in (signal.SIG_IGN, signal.SIG_DFL, None):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    else:
+        restore = None
 
     def watch():
         while not done.wait(POLL_S):
@@ -699,7 +708,7 @@ def run_served(served: Served, fn):
                     if not done.is_set():
                         dead.set()
                         if main:
-                            _thread.interrupt_main()
+                            signal.pthread_kill(main_id, signal.SIGINT)
                 return
 
     watcher = threading.Thread(target=watch, name="serve-watchdog", daemon=True)
@@ -724,3 +733,5 @@ def run_served(served: Served, fn):
         with lock:
             done.set()
         watcher.join(timeout=5)
+        if restore is not None:
+            signal.signal(signal.SIGINT, restore)
