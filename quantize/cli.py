@@ -901,7 +901,15 @@ def _run_verdict(res) -> str:
 
 
 def main():  # pragma: no cover
-    app()
+    from .distributed import end_process
+
+    try:
+        app()
+    except SystemExit as e:  # a rank of several ends here, without the interpreter's teardown
+        if e.code is None or isinstance(e.code, int):
+            end_process(e.code)
+        raise
+    end_process(0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -446,6 +446,21 @@ def _failure(exitcode, data=None, timestamp=100):
     return SimpleNamespace(exitcode=exitcode, error_file_data=data or {"message": "<NONE>"}, timestamp=timestamp)
 
 
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_rank_that_joined_ends_without_the_interpreters_teardown(tmp_path, joined):
+    """``end_process``: a process that joined a group of ranks exits with its code at once, its
+    output flushed and no atexit handler run (the teardown where torch.distributed's threads can
+    abort a finished rank); one that never joined returns and ends as usual."""
+    code = (f"import atexit, sys\nfrom quantize import distributed as D\nD._JOINED = {joined}\n"
+            "atexit.register(lambda: print('teardown', flush=True))\nprint('written')\n"
+            "sys.stderr.write('said')\nD.end_process(3)\nprint('returned')\nsys.exit(5)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    if joined:
+        assert (p.returncode, p.stdout, p.stderr) == (3, "written\n", "said")
+    else:
+        assert (p.returncode, p.stdout, p.stderr) == (5, "written\nreturned\nteardown\n", "said")
+
+
 def test_the_launcher_shows_the_earliest_error_and_else_the_rank_that_died():
     said = lambda t, line, code: {"quantize": {"line": line, "time": t, "exit_code": code}}  # noqa: E731
     failures = {0: _failure(2, said(10.5, "error: rank 0: rank 1 stopped", 2)),
