@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 
 from . import options as O
-from .errors import PeerLost, QuantizeError
+from .errors import QuantizeError
 
 _ARGV: list[str] = []  # this command line, as given: what --nproc runs again under torchrun
 
@@ -146,12 +146,12 @@ INTERRUPTED = (
 def _run(fn, *args, **kwargs):
     """Call a library function; a user error becomes one line on stderr and a non-zero exit (a
     rank that --nproc started hands the line to its launcher, which prints the first rank's)."""
-    from .distributed import report
+    from .distributed import report, report_error
 
     try:
         return fn(*args, **kwargs)
     except QuantizeError as e:
-        report(f"error: {e}", e.exit_code, isinstance(e, PeerLost))
+        report_error(e)
         raise typer.Exit(e.exit_code)
     except KeyboardInterrupt:
         report(INTERRUPTED, 130)

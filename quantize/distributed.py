@@ -411,10 +411,10 @@ class World:
         at = f"{what!r} ({name})"
         if timed_out:
             return PeerLost(f"rank {self.rank}: {who} did not reach {at} within {self.timeout_s:g} s "
-                                 f"(--dist-timeout-s): it hangs or stopped without a word; {rerun_hint()}")
+                            f"(--dist-timeout-s): it hangs or stopped without a word; {rerun_hint()}")
         if closed:
             return PeerLost(f"rank {self.rank}: {who} stopped during {at}, its connection closed: its own "
-                                 f"error, if it printed one, says why; {rerun_hint()}")
+                            f"error, if it printed one, says why; {rerun_hint()}")
         return QuantizeError(f"rank {self.rank}: {at} failed: {text[:300]}; {rerun_hint()}")
 
     def _absent(self) -> str:
@@ -606,6 +606,12 @@ def report(line: str, exit_code: int, consequence: bool = False) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def report_error(e: QuantizeError) -> None:
+    """``report`` of a user error: its line and exit code, a peer's loss (``PeerLost``) marked as
+    the consequence it is."""
+    report(f"error: {e}", e.exit_code, isinstance(e, PeerLost))
+
+
 # -- the --nproc launcher -------------------------------------------------------------------------
 
 
@@ -783,7 +789,7 @@ def _selftest_failed(a, e: QuantizeError) -> int:
         a.timings.mkdir(parents=True, exist_ok=True)
         (a.timings / f"rank-{os.environ.get('RANK', 0)}.json").write_text(
             json.dumps({"failed_after_s": time.monotonic() - a.started}))
-    report(f"error: {e}", e.exit_code)
+    report_error(e)
     return e.exit_code
 
 

@@ -461,6 +461,19 @@ def test_a_rank_that_joined_ends_without_the_interpreters_teardown(tmp_path, joi
         assert (p.returncode, p.stdout, p.stderr) == (5, "written\nreturned\nteardown\n", "said")
 
 
+def test_a_peers_loss_is_reported_as_a_consequence(tmp_path, monkeypatch):
+    """``report_error`` writes the rank's line into torchrun's error file, a ``PeerLost`` marked as a
+    consequence (what the launcher ranks after a rank's own error), any other error not."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv(D.LAUNCHED, "1")
+    for err, consequence in ((PeerLost("rank 0: rank 1 stopped"), True), (QuantizeError("rank 1: bad input"), False)):
+        path = tmp_path / f"{consequence}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        D.report_error(err)
+        q = json.loads(path.read_text())["quantize"]
+        assert (q["line"], q["exit_code"], q["consequence"]) == (f"error: {err}", 2, consequence)
+
+
 def test_the_launcher_shows_the_earliest_error_and_else_the_rank_that_died():
     said = lambda t, line, code: {"quantize": {"line": line, "time": t, "exit_code": code}}  # noqa: E731
     failures = {0: _failure(2, said(10.5, "error: rank 0: rank 1 stopped", 2)),

@@ -289,7 +289,6 @@ def _update(quantize_weight, qargs, items, chunk: list[int], group_size: int, ob
     ws = [items[i][1] for i in chunk]
     sdt = items[chunk[0]][0].scale_dtype
     scales = torch.stack([group_scales(w, items[i][2], group_size, observer, sdt, search) for i, w in zip(chunk, ws)])
-
     W = torch.stack([w.to(torch.float32) for w in ws])
     H = torch.stack([items[i][2].to(torch.float32) for i in chunk])
     zp = torch.zeros(scales.shape, dtype=torch.int8, device=scales.device)
