@@ -146,8 +146,7 @@ def weighted_scale(w: torch.Tensor, importance: torch.Tensor, group_size: int, o
     rng = grid.range(wq.view(out, k // group_size, group_size))
     best = grid.scale(rng, scale_dtype)
     best_err = torch.full(rng.shape, float("inf"), device=w.device)
-    for p in weighted_shrinks():
-        cand = grid.scale((rng.float() * p).to(scale_dtype), scale_dtype)
+    for _, cand in _shrunk_scales(rng, grid, scale_dtype):
         q = _codes(wg, cand, scale_dtype)
         err = (q.mul_(cand.float().unsqueeze(-1)).sub_(wg)).pow_(2).mul_(imp).sum(-1)
         better = err < best_err
@@ -160,9 +159,12 @@ WEIGHTED_STEPS = 20  # shrink candidates of ``weighted_scale`` (p from 1 down to
 WEIGHTED_MAXSHRINK = 0.20
 
 
-def weighted_shrinks() -> list[float]:
-    """``weighted_scale``'s shrink candidates, 1 (RTN) first."""
-    return [1.0 - i * WEIGHTED_MAXSHRINK / WEIGHTED_STEPS for i in range(WEIGHTED_STEPS + 1)]
+def _shrunk_scales(rng: torch.Tensor, grid: "Grid", scale_dtype: torch.dtype):
+    """``weighted_scale``'s candidates: (p, the grid's scale of the range ``rng`` shrunk by p) for p
+    in 1 (RTN), 0.99, ..., 1 - WEIGHTED_MAXSHRINK."""
+    for i in range(WEIGHTED_STEPS + 1):
+        p = 1.0 - i * WEIGHTED_MAXSHRINK / WEIGHTED_STEPS
+        yield p, grid.scale((rng.float() * p).to(scale_dtype), scale_dtype)
 
 
 def shrink_of(w: torch.Tensor, scale: torch.Tensor, group_size: int, observer: str,
@@ -174,9 +176,8 @@ def shrink_of(w: torch.Tensor, scale: torch.Tensor, group_size: int, observer: s
     grid = GRIDS[observer]
     rng = grid.range(w.to(scale_dtype).view(out, k // group_size, group_size))
     found = torch.full(rng.shape, float("nan"), device=w.device)
-    for p in reversed(weighted_shrinks()):  # the larger p written last: it wins
-        cand = grid.scale((rng.float() * p).to(scale_dtype), scale_dtype)
-        found = torch.where(cand == scale.to(cand.device), torch.tensor(p, device=w.device), found)
+    for p, cand in _shrunk_scales(rng, grid, scale_dtype):
+        found = torch.where(found.isnan() & (cand == scale.to(cand.device)), torch.tensor(p, device=w.device), found)
     return found
 
 
