@@ -553,6 +553,17 @@ class ConvertOptions(Options):
         choices=SCALE_SEARCHES,
         why="use hessian (activation-weighted clip search) or rtn (the observer's scale)",
     )
+    asym: float | None = opt(
+        None,
+        "gptq: asymmetric calibration, GPTAQ-style: each Linear that reads the residual stream (q/k/v, MLA's "
+        "q_a/kv_a, gate/up; not routed experts) targets the source layer's output on the source model's own "
+        "inputs, its weight moved this fraction of the way to that least-squares target before the update "
+        "(0: off, llm-compressor's target, the source layer on the quantized-path inputs; 0.5 measured best)",
+        methods=("gptq",),
+        method_default=0.0,
+        check=lambda v: 0 <= v <= 1,
+        why="must be a fraction from 0 (off) to 1 (e.g. 0.5)",
+    )
     iters: int | None = opt(
         None,
         "autoround: signed-gradient steps per layer (0 = RTN on the grid)",

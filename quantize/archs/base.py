@@ -49,6 +49,11 @@ ROLES: dict[str, tuple[bool, str, bool]] = {
 }
 
 EXPERT_ROLES = frozenset({"expert_gate", "expert_up", "expert_down"})
+# roles whose input is the layer's own (normed) residual stream, which carries the earlier layers' error;
+# the others (q_b, kv_b, o, down) read another projection of the same layer, which is what GPTQ's
+# asymmetric calibration corrects (convert --asym: those would be corrected twice)
+RESIDUAL_INPUT_ROLES = frozenset({"attn_q_a", "attn_kv_a", "attn_q", "attn_k", "attn_v", "dense_gate", "dense_up",
+                                  "shared_gate", "shared_up", "expert_gate", "expert_up"})
 # roles the engines build without a quant method whatever quantization_config says: the MoE router
 # (SGLang 0.5.23 sglang/srt/models/deepseek_v2.py MoEGate holds a plain nn.Parameter; vLLM 0.33.0
 # vllm/model_executor/models/deepseek_v2.py builds GateLinear with no quant_config), so a "Linear"

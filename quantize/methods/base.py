@@ -32,6 +32,14 @@ class Layer:
     fallbacks: list[dict]  # a step appends {"name", "reason"} for each weight it leaves at RTN
     options: object  # the plan's ConvertOptions
     fwd: Forward  # every sample through a layer, on the pass's pool and stores
+    sources: HiddenStore | None = None  # the source model's own inputs of this layer (GPTQ --asym)
+    source_topk: list | None = None  # and their DSA top-k
+
+    @property
+    def paired(self) -> bool:
+        """Whether GPTQ pairs this layer's inputs with the source stream's (``--asym`` above 0, and the
+        source stream differs from the quantized path: before the first quantized layer it is the same)."""
+        return bool(getattr(self.options, "asym", 0)) and self.sources is not None and self.sources is not self.hidden
 
     def put(self, res: dict) -> None:
         """Install ``res`` (results, or ``originals``) as the layer's weights: ``q * scale`` as the

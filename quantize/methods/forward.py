@@ -98,6 +98,13 @@ class Collector:
     def _part(self) -> dict:
         return self._tls.part
 
+    def source_side(self, on: bool) -> None:
+        """Whether the hooks now see the source stream's sample (paired with the next call's)."""
+        self._tls.source = on
+
+    def on_source(self) -> bool:
+        return getattr(self._tls, "source", False)
+
 
 def _finite(t: torch.Tensor, i: int, what: str) -> None:
     if not torch.isfinite(t).all():
@@ -112,6 +119,15 @@ def _sq(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     d = (a.float() - b.float()).pow(2).sum(-1).double().reshape(-1)
     r = b.float().pow(2).sum(-1).double().reshape(-1)
     return float(d.sum()), float(r.sum())
+
+
+def _source_side(streamer, ctx: Context, layer, collector: Collector, h: torch.Tensor, topk) -> None:
+    """One sample of the source stream through ``layer`` with ``collector``'s hooks on its source side."""
+    collector.source_side(True)
+    try:
+        call_layer(streamer, ctx, layer, h, topk)
+    finally:
+        collector.source_side(False)
 
 
 class Forward:
@@ -144,14 +160,16 @@ class Forward:
 
     def __call__(self, layer, hidden: HiddenStore, topk: list, i: int, what: str,
                  keep: bool = True, ref: HiddenStore | None = None, collector=None,
-                 stand=None, replay: HiddenStore | None = None):
+                 stand=None, replay: HiddenStore | None = None, source: HiddenStore | None = None,
+                 source_topk: list | None = None):
         """Every sample through ``layer``: (outputs store or None, top-k[, (sq err, sq ref) vs ``ref``]).
         Samples run in parallel threads (``workers``), each op on one torch thread, in windows of
         ``workers`` samples whose results are taken in sample order: the figures do not depend
         on the thread count, and at most a window of outputs is held beside the store.
 
         ``stand``: the layer's routed experts stand-in (``calibrate/experts.py``), given each
-        sample's experts output from ``replay``."""
+        sample's experts output from ``replay``. ``source``: each sample of the source stream runs
+        first, its hooks told so (``Collector.source_side``), so ``collector`` pairs the two."""
         out = HiddenStore(self.budget, self.spill, f"l{i}") if keep else None
         new_topk, errs = [], []
 
@@ -161,6 +179,8 @@ class Forward:
             if stand is not None:
                 stand.replay(replay[s])
             with torch.no_grad():
+                if source is not None:
+                    _source_side(self.streamer, self.ctx, layer, collector, source[s], source_topk[s])
                 o, t2 = call_layer(self.streamer, self.ctx, layer, hidden[s], topk[s])
                 e = _sq(o, ref[s].to(o.device)) if ref is not None else None
             return o, t2, e, collector.end() if collector is not None else None
@@ -178,17 +198,23 @@ class Forward:
             return out, new_topk, self.errors(errs, f"layer {i} error {what}")
         return out, new_topk
 
-    def capture(self, layer, stand, hidden: HiddenStore, topk: list, i: int, collector=None) -> "Captured":
+    def capture(self, layer, stand, hidden: HiddenStore, topk: list, i: int, collector=None,
+                source: HiddenStore | None = None, source_topk: list | None = None) -> "Captured":
         """Every sample through ``layer`` with its routed experts captured (``stand``): what the
         router hands them, per sample, and the DSA top-k for the next layer (the layer's own
-        outputs are not the layer's and are dropped). ``collector``'s hooks observe this pass."""
+        outputs are not the layer's and are dropped). ``collector``'s hooks observe this pass
+        (``source``: paired with the source stream's sample, as in ``__call__``)."""
         cap = Captured(HiddenStore(self.budget, self.spill, f"x{i}"))
 
         def one(s: int):
             if collector is not None:
                 collector.begin()
-            stand.capture()
             with torch.no_grad():
+                if source is not None:
+                    stand.capture()
+                    _source_side(self.streamer, self.ctx, layer, collector, source[s], source_topk[s])
+                    stand.take()  # the source stream's routing: not this capture's
+                stand.capture()
                 call_layer(self.streamer, self.ctx, layer, hidden[s], topk[s])
             return stand.take(), collector.end() if collector is not None else None
 

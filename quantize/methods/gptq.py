@@ -76,11 +76,14 @@ def _accumulate(H: dict, n: dict, tokens: dict, key: str, x: torch.Tensor, count
 class Hessians(Collector):
     """Forward pre-hooks that accumulate every unit's Hessian during one calibration forward."""
 
-    def __init__(self, layer: torch.nn.Module, units: list[Unit], all_experts: bool, samples: int = 0):
+    def __init__(self, layer: torch.nn.Module, units: list[Unit], all_experts: bool, samples: int = 0,
+                 asym: bool = False):
         super().__init__()
         self.layer = layer
         self.units = units
         self.all_experts = all_experts
+        # --asym: the units whose inputs are paired with the source stream's (``cross``)
+        self.asym = {u.key for u in units if asym and corrects(u)}
         self.H: dict[str, torch.Tensor] = {}
         # the hooked samples' terms: per sample in sample order within each of the run's fixed sample
         # shards (distributed.sample_shards of ``samples``), then the shards' sums in one fixed tree
@@ -106,6 +109,7 @@ class Hessians(Collector):
             self._handles.append(mod.register_forward_pre_hook(self._experts_hook(path, mod, us)))
 
     def merge(self, part: dict, sample: int) -> None:
+        part.pop("source", None)
         _add_counts(self, part, ("n", "tokens", "routed"))
         terms = part.get("H", {})
         routed = {k: terms.pop(k) for k in [k for k in terms if k in self._experts]}
@@ -134,7 +138,8 @@ class Hessians(Collector):
         stack = self.tree.stack
         for o in sorted(set(owners.values()) | {0}):  # the same ranks on every rank (a rank may hold no sample)
             tree = TreeSum(self.shards, _add_all)
-            tree.stack = [(node, {k: h for k, h in sums.items() if owners.get(k, 0) == o}) for node, sums in stack]
+            tree.stack = [(node, {k: h for k, h in sums.items() if owners.get(unit_key(k), 0) == o})
+                          for node, sums in stack]
             root = tree.combine(world, f"{what} for rank {o}" if o else what, send=_on_cpu,
                                 receive=lambda sums: {k: h.to(dev) for k, h in sums.items()}, to=o)
             if root is not None:
@@ -153,8 +158,30 @@ class Hessians(Collector):
 
     def _linear_hook(self, u: Unit):
         def hook(module, args):
+            if self.on_source():  # the source stream's sample: kept for the quantized-path call that follows
+                if u.key in self.asym:
+                    self._part().setdefault("source", {})[u.key] = args[0]
+                return
             self._add(u.key, args[0], 1)
+            src = self._part().get("source", {}).pop(u.key, None)
+            if src is not None:
+                self._add_cross(u.key, args[0], src)
         return hook
+
+    def _add_cross(self, key: str, x: torch.Tensor, src: torch.Tensor) -> None:
+        """One sample's ``2 x^T src`` (the quantized-path inputs against the source stream's, token by
+        token, [in, in]) under ``cross_key(key)``, divided like the Hessian (per sample)."""
+        part = self._part()
+        a = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        b = src.reshape(-1, src.shape[-1]).to(torch.float32)
+        if a.shape != b.shape:
+            raise ValueError(f"{key}: the source stream's input {tuple(b.shape)} does not pair with {tuple(a.shape)}")
+        k = cross_key(key)
+        prod = a.t().matmul(b).mul_(2)
+        H = part.setdefault("H", {})
+        H[k] = H[k] + prod if k in H else prod
+        n = part.setdefault("n", {})
+        n[k] = n.get(k, 0) + 1
 
     def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[Unit]):
         gate_up = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
@@ -357,16 +384,17 @@ class GPTQ(Method):
     source_stream = False
     streams_experts = True  # statistics per unit: a MoE layer's routed experts go a group at a time
     splits_samples = True  # on several ranks each runs its own samples (Hessians combined in a fixed shard tree)
-    report_fields = ("damp", "block", "actorder", "scale_search")
+    report_fields = ("damp", "block", "actorder", "scale_search", "asym")
     title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
              "model's own layer-by-layer calibration forward")
     loss_target = "the source layer's output on the same (quantized-path) inputs"
 
     def layer_step(self, layer: Layer) -> Step:
         x = layer
-        hooks = Hessians(x.module, x.units, x.options.all_experts, x.fwd.total or len(x.hidden))
+        hooks = Hessians(x.module, x.units, x.options.all_experts, x.fwd.total or len(x.hidden), x.paired)
         try:
-            ref, _ = x.fwd(x.module, x.hidden, x.topk, x.index, "of the source layer", collector=hooks)
+            ref, _ = x.fwd(x.module, x.hidden, x.topk, x.index, "of the source layer", collector=hooks,
+                           source=x.sources if hooks.asym else None, source_topk=x.source_topk)
         finally:
             hooks.remove()
         results = shared_results(self, x, hooks)
@@ -402,7 +430,9 @@ class GPTQ(Method):
         search = report.get("scale_search") or "rtn"
         return (f"act-order {report.get('actorder') or 'off'} (static groups, no g_idx), "
                 f"dampening {report.get('damp')}, block {report.get('block')}, group scales "
-                + ("searched against the Hessian-weighted error" if search == "hessian" else "the grid's RTN ones"))
+                + ("searched against the Hessian-weighted error" if search == "hessian" else "the grid's RTN ones")
+                + (f"; asymmetric calibration {report['asym']:g} (the Linears that read the residual stream aim "
+                   "at the source model's own outputs)" if report.get("asym") else ""))
 
     @staticmethod
     def results(x: Layer, hooks: Hessians, quotients: dict | None = None) -> dict[str, Result]:
@@ -420,7 +450,11 @@ class GPTQ(Method):
                 results[u.key] = rtn(x.originals[u.key], opt.group_size, opt.observer, u.scale_dtype)
                 why[u.key] = f"{n} calibration tokens < --min-expert-tokens {opt.min_expert_tokens}"
                 continue
-            items.append((u, x.originals[u.key], h))
+            w = x.originals[u.key]
+            c = hooks.normalized(cross_key(u.key))
+            if c is not None:  # --asym: the update aims at the source stream's output
+                w = asym_target(w, h, c, opt.damp, opt.asym)
+            items.append((u, w, h))
         done = quantize(items, opt.group_size, opt.observer, opt.actorder, opt.block, opt.damp, x.fwd.workers,
                         search=opt.scale_search or "hessian", quotients=quotients is not None)
         for (u, _, _), (res, failed, _loss, quot) in zip(items, done):
@@ -434,6 +468,37 @@ class GPTQ(Method):
             if u.key in why:
                 x.fallbacks.extend({"name": name, "reason": why[u.key]} for name, _, _ in u.names)
         return {u.key: results[u.key] for u in x.units}
+
+
+def corrects(u: Unit) -> bool:
+    """Whether ``--asym`` corrects unit ``u``: an ``nn.Linear`` whose roles all read the residual
+    stream (``archs.base.RESIDUAL_INPUT_ROLES``); routed experts are not paired (not done)."""
+    from ..archs.base import RESIDUAL_INPUT_ROLES
+
+    return u.expert is None and bool(u.roles) and all(r in RESIDUAL_INPUT_ROLES for r in u.roles)
+
+
+def cross_key(key: str) -> str:
+    return key + "|cross"
+
+
+def unit_key(key: str) -> str:
+    """The unit a statistics key belongs to (its Hessian's or its cross term's)."""
+    return key[:-len("|cross")] if key.endswith("|cross") else key
+
+
+def asym_target(w: torch.Tensor, h: torch.Tensor, c: torch.Tensor, damp: float, alpha: float) -> torch.Tensor:
+    """GPTAQ's asymmetric target (Li et al. 2025): the weight whose outputs on the quantized-path inputs
+    X~ best match the source weight's on the source stream's inputs X, argmin ||X~ T^T - X W^T||,
+    T = W C^T H^-1 = W + W (C - H)^T H^-1 (``h`` = 2 X~^T X~ / n, ``c`` = 2 X~^T X / n, [in, in]; H
+    dampened by ``damp`` of its mean diagonal as GPTQ's update is, so equal streams give W itself);
+    -> W + ``alpha`` (T - W), in float64, in ``w``'s dtype. Then GPTQ rounds it against H."""
+    hd = h.double().clone()
+    d = hd.diagonal()
+    d += damp * float(d.mean())
+    wd = w.double()
+    step = torch.linalg.solve(hd, (c.double() - h.double()) @ wd.t()).t()
+    return (wd + alpha * step).to(w.dtype)
 
 
 def gptq_cost(w: torch.Tensor) -> float:

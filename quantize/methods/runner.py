@@ -287,9 +287,9 @@ class Pass:
             for s in own:
                 hidden.append(streamer.embed(self.calib.ids[s].unsqueeze(0)).to(torch.float32))
         topk: list = [None] * len(hidden)
-        # a source_stream method's targets (AutoRound's): the source model's own hidden states, carried
-        # beside the quantized path (the same store until the first quantized layer)
-        fp_stream = self.method.source_stream
+        # a source_stream method's targets (AutoRound's), or GPTQ --asym's paired inputs: the source model's
+        # own hidden states, carried beside the quantized path (the same store until the first quantized layer)
+        fp_stream = self.method.source_stream or bool(getattr(self.opt, "asym", 0))
         fp_hidden, fp_topk = hidden, topk
         for i, jobs in enumerate(jobs_by_layer):
             t = time.time()
@@ -310,7 +310,7 @@ class Pass:
                 self.emit({"event": "layer", "layer": i, "of": len(jobs_by_layer), "replayed": True})
             else:
                 out, new_topk = self._layer(fwd, layer, i, units, rtn_named, hidden, topk, t, targets=fp_next,
-                                            stand=stand)
+                                            stand=stand, sources=(fp_hidden, fp_topk))
             clear(hidden, fp_hidden)
             if fp_next is not None:
                 fp_hidden, fp_topk = fp_next, fp_next_topk
@@ -345,7 +345,8 @@ class Pass:
         return carry(streamer, fwd, layer, stand, i, hidden, topk, what,
                               result=lambda u: cache.result(u, k[u.path]), units_by_expert=by_expert)
 
-    def _layer(self, fwd: Forward, layer, i, units, rtn_named, hidden, topk, t0, targets=None, stand=None):
+    def _layer(self, fwd: Forward, layer, i, units, rtn_named, hidden, topk, t0, targets=None, stand=None,
+               sources=(None, None)):
         """Quantize one layer: the method's step (``self.method.layer_step``: its statistics and its
         quantization, from the RTN start on the same grid), then the quantized layer's outputs for
         the next layer and its error against the step's reference, recorded with the report. A
@@ -367,7 +368,7 @@ class Pass:
         originals = {u.key: param(layer, u).detach().clone() for u in held}
         # the loss before: RTN on the same grid, through the real quantized layer (q * scale)
         rtn_init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in held}
-        x = Layer(i, layer, units, originals, rtn_init, hidden, topk, targets, fallbacks, opt, fwd)
+        x = Layer(i, layer, units, originals, rtn_init, hidden, topk, targets, fallbacks, opt, fwd, *sources)
         parts: list[dict] = []
         part_modules: dict[str, str] = {}
         modules: dict[str, str] = {}

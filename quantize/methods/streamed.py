@@ -314,9 +314,10 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
         if u.expert is not None:
             by_expert.setdefault(u.expert, []).append(u)
     phases = Phases(fwd.device)
-    hooks = Hessians(layer, linear, opt.all_experts, fwd.total or len(x.hidden))
+    hooks = Hessians(layer, linear, opt.all_experts, fwd.total or len(x.hidden), x.paired)
     try:
-        cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i, collector=hooks)
+        cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i, collector=hooks,
+                            source=x.sources if hooks.asym else None, source_topk=x.source_topk)
     finally:
         hooks.remove()
 
