@@ -11,7 +11,8 @@ import torch
 
 from quantize.convert import convert
 from quantize.errors import QuantizeError
-from quantize.methods.gptq import Hessians, asym_target, corrects, cross_key
+from quantize.methods.gptq import Hessians, asym_target, corrects
+from quantize.methods.units import cross_key
 from quantize.methods.units import Unit
 
 from .conftest import load_dir, method_layers, weights_only
@@ -65,8 +66,8 @@ def test_corrected_units_are_those_reading_the_residual_stream():
     no = [u("self_attn.o_proj.weight", ["attn_o"]), u("self_attn.q_b_proj.weight", ["attn_q_b"]),
           u("self_attn.kv_b_proj.weight", ["attn_kv_b"]), u("mlp.down_proj.weight", ["dense_down"]),
           u("mlp.shared_experts.down_proj.weight", ["shared_down"]),
-          u("mlp.experts.gate_up_proj", ["expert_gate", "expert_up"], expert=3),  # routed experts: not paired
-          u("x.weight", [])]
+          u("mlp.experts.down_proj", ["expert_down"], expert=3), u("x.weight", [])]
+    yes.append(u("mlp.experts.gate_up_proj", ["expert_gate", "expert_up"], expert=3))
     assert [corrects(x) for x in yes] == [True] * len(yes)
     assert [corrects(x) for x in no] == [False] * len(no)
 
@@ -147,6 +148,28 @@ def test_asym_lowers_the_error_against_the_source_models_own_outputs(llama_runs,
     r_off = kld(src, root / "off", tokens=256, chunk=64)
     r_half = kld(src, root / "half", tokens=256, chunk=64)
     assert r_half.kld_mean < r_off.kld_mean, (r_half.kld_mean, r_off.kld_mean)
+
+
+def test_routed_experts_gate_up_change_where_the_streams_first_differ_and_down_does_not(tiny, tmp_path):
+    """--profile experts on the tiny GLM-5: only routed experts are INT4. The first MoE layer after a
+    quantized one gets the same quantized-path inputs in both runs: each expert's gate/up moves, its
+    down_proj (its Hessian from the source gate/up on those inputs) keeps its bytes; the first MoE layer
+    (equal streams) is unchanged."""
+    src = tiny("glm_moe_dsa")
+    kw = dict(KW, profile="experts")
+    convert(src, tmp_path / "off", asym=0.0, **kw)
+    convert(src, tmp_path / "half", asym=0.5, **kw)
+    off, half = _tensors(tmp_path / "off"), _tensors(tmp_path / "half")
+    changed = {k for k in off if not torch.equal(off[k], half[k])}
+    layers = sorted({int(k.split(".layers.")[1].split(".")[0]) for k in off if ".experts." in k})
+    first, second = layers[0], layers[1]
+    assert not [k for k in changed if f".layers.{first}." in k]
+    moved = {k.split(".experts.")[1].split(".")[1] for k in changed if f".layers.{second}." in k}
+    assert moved == {"gate_proj", "up_proj"}, moved
+    n_experts = len({k.split(".experts.")[1].split(".")[0] for k in off if f".layers.{second}.mlp.experts." in k})
+    gate = {k.split(".experts.")[1].split(".")[0] for k in changed
+            if f".layers.{second}." in k and ".gate_proj.weight_packed" in k}
+    assert len(gate) >= n_experts // 2, (len(gate), n_experts)  # the fed experts moved (a starved one stays RTN)
 
 
 def test_asym_on_a_streamed_moe_layer_and_two_ranks_give_one_process_bytes(tiny, tmp_path):

@@ -4,6 +4,7 @@ on --device cuda refused in one line. What needs a GPU is in tests/test_gpu.py (
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quantize.errors import QuantizeError
@@ -134,11 +135,13 @@ def test_gpu_outputs_add_each_tokens_experts_as_the_per_sample_path(tmp_path):
     assert not all(torch.allclose(v2.acc[s], want[s], rtol=1e-5, atol=1e-6) for s in range(len(cap)))
 
 
-def test_the_gpu_branches_run_end_to_end_on_the_cpu(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("asym", [0.0, 0.5])
+def test_the_gpu_branches_run_end_to_end_on_the_cpu(tiny, tmp_path, monkeypatch, asym):
     """The GPU's ways (samples batched through a group's experts for Hessians and outputs, GPTQ's
     units stacked into one call) forced on the CPU through a whole GPTQ convert: the same routing
     and fallbacks as the CPU's way, each layer's error within 10 % of it, most codes the same (the
-    other product blocking moves last bits, and GPTQ's error feedback other roundings after them)."""
+    other product blocking moves last bits, and GPTQ's error feedback other roundings after them).
+    ``asym``: with --asym the source stream's expert inputs are batched beside them."""
     import json
 
     from quantize.convert import convert
@@ -146,7 +149,7 @@ def test_the_gpu_branches_run_end_to_end_on_the_cpu(tiny, tmp_path, monkeypatch)
     from .conftest import load_dir, method_layers
 
     src = tiny("deepseek_v3")
-    cal = dict(method="gptq", observer="fullrange", samples=8, seq_len=96, workers=1)
+    cal = dict(method="gptq", observer="fullrange", samples=8, seq_len=96, workers=1, asym=asym)
     convert(src, tmp_path / "cpu", **cal)
     monkeypatch.setattr(streamed, "batched", lambda dev: True)
     monkeypatch.setattr(streamed, "GPU_OUTPUT_TOKENS", 200)  # several chunks of samples

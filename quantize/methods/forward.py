@@ -203,26 +203,31 @@ class Forward:
         """Every sample through ``layer`` with its routed experts captured (``stand``): what the
         router hands them, per sample, and the DSA top-k for the next layer (the layer's own
         outputs are not the layer's and are dropped). ``collector``'s hooks observe this pass
-        (``source``: paired with the source stream's sample, as in ``__call__``)."""
-        cap = Captured(HiddenStore(self.budget, self.spill, f"x{i}"))
+        (``source``: paired with the source stream's sample, as in ``__call__``, whose expert inputs
+        at the same tokens are kept too, ``Captured.source``)."""
+        cap = Captured(HiddenStore(self.budget, self.spill, f"x{i}"),
+                       HiddenStore(self.budget, self.spill, f"xs{i}") if source is not None else None)
 
         def one(s: int):
             if collector is not None:
                 collector.begin()
             with torch.no_grad():
+                src = None
                 if source is not None:
                     stand.capture()
                     _source_side(self.streamer, self.ctx, layer, collector, source[s], source_topk[s])
-                    stand.take()  # the source stream's routing: not this capture's
+                    src = stand.take().hidden  # the source stream's expert inputs, at the same tokens
                 stand.capture()
                 call_layer(self.streamer, self.ctx, layer, hidden[s], topk[s])
-            return stand.take(), collector.end() if collector is not None else None
+            return stand.take(), src, collector.end() if collector is not None else None
 
-        for s, (r, part) in enumerate(in_order(self.pool, self.workers, one, range(len(hidden)))):
+        for s, (r, src, part) in enumerate(in_order(self.pool, self.workers, one, range(len(hidden)))):
             _finite(r.hidden, i, "before the routed experts")
             if collector is not None:
                 collector.merge(part, self.first + s)
             cap.append(r)
+            if src is not None:
+                cap.source.append(src)
         return cap
 
 
@@ -230,8 +235,9 @@ class Captured:
     """What the router handed a layer's routed experts, per sample (the inputs on the store's
     budget, the routing beside them)."""
 
-    def __init__(self, hidden: HiddenStore):
+    def __init__(self, hidden: HiddenStore, source: HiddenStore | None = None):
         self.hidden = hidden
+        self.source = source  # GPTQ --asym: the source stream's expert inputs, token for token
         self.index: list[torch.Tensor] = []
         self.weights: list[torch.Tensor] = []
 
@@ -250,5 +256,7 @@ class Captured:
 
     def clear(self) -> None:
         self.hidden.clear()
+        if self.source is not None:
+            self.source.clear()
         self.index.clear()
         self.weights.clear()

@@ -27,7 +27,7 @@ from ..distributed import TreeSum, owner_of, sample_shards
 from ..formats import int4
 from .base import Layer, Method, Step
 from .forward import Collector
-from .units import Result, Unit, rtn
+from .units import Result, Unit, cross_key, rtn, unit_key
 
 CHUNK = 8  # units per quantize_weight call: fixed (not memory-dependent), below its batched-Cholesky switch (16)
 # on a GPU: same-shape units (a group's experts) stacked into one call on one stream, at most this many
@@ -60,17 +60,29 @@ def _on_cpu(sums: dict) -> dict:
     return {k: h.cpu() for k, h in sums.items()}
 
 
-def _accumulate(H: dict, n: dict, tokens: dict, key: str, x: torch.Tensor, count: int) -> None:
+def _accumulate(H: dict, n: dict, tokens: dict, key: str, x: torch.Tensor, count: int,
+                src: torch.Tensor | None = None) -> None:
     """``2 x^T x`` (fp32, llm-compressor's accumulate_hessian) added to ``H[key]`` (or its first
-    term), ``count`` to the divisor and the rows to the token count."""
+    term), ``count`` to the divisor and the rows to the token count. ``src`` (GPTQ --asym): the source
+    stream's inputs at the same tokens, and ``2 x^T src`` goes to ``cross_key(key)`` instead, divided
+    like the Hessian (its count, no tokens)."""
     inp = math.sqrt(2) * x.reshape(-1, x.shape[-1]).to(torch.float32)
-    prod = inp.t().matmul(inp)
+    if src is None:
+        prod = inp.t().matmul(inp)
+    else:
+        other = math.sqrt(2) * src.reshape(-1, src.shape[-1]).to(torch.float32)
+        if other.shape != inp.shape:
+            raise ValueError(f"{key}: the source stream's input {tuple(other.shape)} does not pair with "
+                             f"{tuple(inp.shape)}")
+        prod = inp.t().matmul(other)
+        key = cross_key(key)
     if key in H:
         H[key] += prod
     else:
         H[key] = prod
     n[key] = n.get(key, 0) + count
-    tokens[key] = tokens.get(key, 0) + inp.shape[0]
+    if src is None:
+        tokens[key] = tokens.get(key, 0) + inp.shape[0]
 
 
 class Hessians(Collector):
@@ -82,8 +94,10 @@ class Hessians(Collector):
         self.layer = layer
         self.units = units
         self.all_experts = all_experts
-        # --asym: the units whose inputs are paired with the source stream's (``cross``)
-        self.asym = {u.key for u in units if asym and corrects(u)}
+        # --asym: the units whose inputs are paired with the source stream's (``cross``); routed experts
+        # are paired per group from the captures (``expert``) when ``pairs``
+        self.pairs = asym
+        self.asym = {u.key for u in units if asym and corrects(u) and u.expert is None}
         self.H: dict[str, torch.Tensor] = {}
         # the hooked samples' terms: per sample in sample order within each of the run's fixed sample
         # shards (distributed.sample_shards of ``samples``), then the shards' sums in one fixed tree
@@ -146,15 +160,17 @@ class Hessians(Collector):
                 _add_all(self.H, root)
         self.tree = TreeSum(self.shards, _add_all)
 
-    def _add(self, key: str, x: torch.Tensor, count: int) -> None:
-        """One sample's ``2 x^T x`` of ``key`` into this thread's part (merged in sample order)."""
+    def _add(self, key: str, x: torch.Tensor, count: int, src: torch.Tensor | None = None) -> None:
+        """One sample's ``2 x^T x`` of ``key`` (``src``: its cross term) into this thread's part (merged in
+        sample order)."""
         part = self._part()
-        _accumulate(part.setdefault("H", {}), part.setdefault("n", {}), part.setdefault("tokens", {}), key, x, count)
+        _accumulate(part.setdefault("H", {}), part.setdefault("n", {}), part.setdefault("tokens", {}), key, x, count,
+                    src)
 
-    def observe_one(self, key: str, x: torch.Tensor, count: int) -> None:
+    def observe_one(self, key: str, x: torch.Tensor, count: int, src: torch.Tensor | None = None) -> None:
         """The same, straight into the totals: the same sums in the same sample order as a part
         merged, without the part. Distinct keys may be observed in parallel threads."""
-        _accumulate(self.H, self.n, self.tokens, key, x, count)
+        _accumulate(self.H, self.n, self.tokens, key, x, count, src)
 
     def _linear_hook(self, u: Unit):
         def hook(module, args):
@@ -170,24 +186,16 @@ class Hessians(Collector):
 
     def _add_cross(self, key: str, x: torch.Tensor, src: torch.Tensor) -> None:
         """One sample's ``2 x^T src`` (the quantized-path inputs against the source stream's, token by
-        token, [in, in]) under ``cross_key(key)``, divided like the Hessian (per sample)."""
-        part = self._part()
-        a = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        b = src.reshape(-1, src.shape[-1]).to(torch.float32)
-        if a.shape != b.shape:
-            raise ValueError(f"{key}: the source stream's input {tuple(b.shape)} does not pair with {tuple(a.shape)}")
-        k = cross_key(key)
-        prod = a.t().matmul(b).mul_(2)
-        H = part.setdefault("H", {})
-        H[k] = H[k] + prod if k in H else prod
-        n = part.setdefault("n", {})
-        n[k] = n.get(k, 0) + 1
+        token, [in, in]) into this thread's part, under ``cross_key(key)``."""
+        self._add(key, x, 1, src)
 
     def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[Unit]):
         gate_up = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
         down = {u.expert: u for u in us if u.path.endswith("down_proj")}
 
         def hook(module, args):
+            if self.on_source():  # the source stream's side of a paired pass: no statistics of its own
+                return
             hidden = args[0].reshape(-1, args[0].shape[-1])
             routed_part = self._part().setdefault("routed", {})
             for e in sorted(set(gate_up) | set(down)):
@@ -197,18 +205,22 @@ class Hessians(Collector):
         return hook
 
     def expert(self, e: int, gate_up: Unit | None, down: Unit | None, w_gate_up: torch.Tensor, act_fn,
-               hidden: torch.Tensor, top_k_index: torch.Tensor, add) -> int:
+               hidden: torch.Tensor, top_k_index: torch.Tensor, add, source: torch.Tensor | None = None) -> int:
         """One sample's statistics of routed expert ``e`` (its ``gate_up`` / ``down`` units, either
         None when not INT4) from the tokens the router sends it (every token with ``--all-experts``):
         ``add(key, x, count)`` takes ``x`` (``act(gate) * up`` of the source ``w_gate_up`` for the
         down_proj Hessian). Returns the tokens the router sent it. The hook's body per expert, and
-        what a streamed layer runs per expert of a group (``methods/streamed.py``)."""
+        what a streamed layer runs per expert of a group (``methods/streamed.py``). ``source`` (GPTQ
+        --asym): the source stream's expert inputs at the same tokens, paired with gate/up's
+        (``add(key, x, count, src)``)."""
         routed = (top_k_index == e).any(-1).reshape(-1)
         x = hidden if self.all_experts else hidden[routed]
         if x.shape[0]:
             with torch.no_grad():
                 if gate_up is not None:
                     add(gate_up.key, x, x.shape[0])
+                    if source is not None and self.pairs and corrects(gate_up):
+                        add(gate_up.key, x, x.shape[0], source if self.all_experts else source[routed])
                 if down is not None:
                     g, up = torch.nn.functional.linear(x, w_gate_up).chunk(2, dim=-1)
                     add(down.key, act_fn(g) * up, x.shape[0])
@@ -471,20 +483,12 @@ class GPTQ(Method):
 
 
 def corrects(u: Unit) -> bool:
-    """Whether ``--asym`` corrects unit ``u``: an ``nn.Linear`` whose roles all read the residual
-    stream (``archs.base.RESIDUAL_INPUT_ROLES``); routed experts are not paired (not done)."""
+    """Whether ``--asym`` corrects unit ``u``: one whose roles all read the residual stream
+    (``archs.base.RESIDUAL_INPUT_ROLES``: an attention or MLP input projection, a routed expert's
+    gate/up), not one that reads another projection of the layer (o, q_b, kv_b, down)."""
     from ..archs.base import RESIDUAL_INPUT_ROLES
 
-    return u.expert is None and bool(u.roles) and all(r in RESIDUAL_INPUT_ROLES for r in u.roles)
-
-
-def cross_key(key: str) -> str:
-    return key + "|cross"
-
-
-def unit_key(key: str) -> str:
-    """The unit a statistics key belongs to (its Hessian's or its cross term's)."""
-    return key[:-len("|cross")] if key.endswith("|cross") else key
+    return bool(u.roles) and all(r in RESIDUAL_INPUT_ROLES for r in u.roles)
 
 
 def asym_target(w: torch.Tensor, h: torch.Tensor, c: torch.Tensor, damp: float, alpha: float) -> torch.Tensor:

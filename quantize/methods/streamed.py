@@ -30,7 +30,7 @@ from ..calibrate.experts import accumulate, expert_bytes
 from .base import Layer
 from .forward import Captured, in_order
 from .store import HiddenStore
-from .units import Result, Unit, dequant, install, rtn, split
+from .units import Result, Unit, cross_key, dequant, install, rtn, split
 
 FP32 = 4
 
@@ -152,17 +152,23 @@ def _sample_chunks(cap, dev):
 
 
 def _routed_batches(cap, dev):
-    """What the router handed the experts, as (hidden [T, H], top-k index [T, K]) on ``dev``: per
-    sample on the CPU (the whole layer's hooks' sums, in their order, bit for bit); on a GPU the
-    samples concatenated (``_sample_chunks``), so that each expert's Hessian term is one product
-    over thousands of tokens instead of one per sample (the same sum, other roundings)."""
+    """What the router handed the experts, as (hidden [T, H], top-k index [T, K], the source stream's
+    hidden at the same tokens or None: ``Captured.source``) on ``dev``: per sample on the CPU (the
+    whole layer's hooks' sums, in their order, bit for bit); on a GPU the samples concatenated
+    (``_sample_chunks``), so that each expert's Hessian term is one product over thousands of tokens
+    instead of one per sample (the same sum, other roundings)."""
+    src = cap.source
+
+    def flat(t):
+        return t.to(dev).reshape(-1, t.shape[-1])
+
     if not batched(dev):
         for s in range(len(cap)):
             r = cap[s]
-            yield r.hidden.to(dev).reshape(-1, r.hidden.shape[-1]), r.index.to(dev)
+            yield flat(r.hidden), r.index.to(dev), flat(src[s]) if src is not None else None
         return
-    for _, _, r in _sample_chunks(cap, dev):
-        yield r.hidden, r.index
+    for chunk, _, r in _sample_chunks(cap, dev):
+        yield r.hidden, r.index, torch.cat([flat(src[s]) for s in chunk]) if src is not None else None
 
 
 def _outputs_on_gpu(v: Variant, g: range, gu, dn, act_fn, dev) -> None:
@@ -217,13 +223,16 @@ def expert_budget(device: str, host_budget: int) -> int:
     return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * GPU_EXPERT_SHARE)
 
 
-def per_expert_bytes(streamer, hessians: bool) -> int:
+def per_expert_bytes(streamer, hessians: bool, paired: bool = False) -> int:
     """What one routed expert costs a group: its source weights and two variants' copies, plus
-    (GPTQ) its Hessians with their normalised and factorised copies."""
+    (GPTQ) its Hessians with their normalised and factorised copies (``paired``, GPTQ --asym: and
+    gate/up's cross term)."""
     h_dim, i_dim = streamer.expert_dims()
     w = expert_bytes(h_dim, i_dim, torch.float32)
     if not hessians:
         return 2 * w
+    if paired:
+        w += h_dim * h_dim * FP32
     # the accumulators, llm-compressor's stacked copy of a chunk and its factorisation's working copies
     # (measured at DeepSeek-V3's width: 4 copies per expert left a 16-expert layer at 6.4 GiB, over budget)
     return 3 * w + 6 * (h_dim * h_dim + i_dim * i_dim) * FP32
@@ -255,11 +264,11 @@ def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit]
     gate_up_units = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
     down_units = {u.expert: u for u in us if u.path.endswith("down_proj")}
     experts = sorted(set(gate_up_units) | set(down_units))
-    for hidden, index in _routed_batches(cap_s, fwd.device):
+    for hidden, index, source in _routed_batches(cap_s, fwd.device):
 
-        def obs(e: int, hidden=hidden, index=index):
+        def obs(e: int, hidden=hidden, index=index, source=source):
             return e, hooks.expert(e, gate_up_units.get(e), down_units.get(e), gate_up[e - g.start], act_fn, hidden,
-                                   index, hooks.observe_one)
+                                   index, hooks.observe_one, source)
 
         for e, n in fwd.pool.map(obs, experts):
             hooks.routed[(path, e)] = hooks.routed.get((path, e), 0) + n
@@ -271,6 +280,7 @@ def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit]
     for u in us:
         for d in (hooks.H, hooks.n, hooks.tokens):
             d.pop(u.key, None)
+            d.pop(cross_key(u.key), None)
     if phases is not None:
         phases.lap("expert_gptq")
     return res, init
@@ -317,7 +327,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     hooks = Hessians(layer, linear, opt.all_experts, fwd.total or len(x.hidden), x.paired)
     try:
         cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i, collector=hooks,
-                            source=x.sources if hooks.asym else None, source_topk=x.source_topk)
+                            source=x.sources if hooks.pairs else None, source_topk=x.source_topk)
     finally:
         hooks.remove()
 
@@ -358,7 +368,8 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
         variants = [Variant(cap_s, source_weights),
                     Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
                     Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
-        run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True), before_outputs=group_step,
+        run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True, hooks.pairs),
+                   before_outputs=group_step,
                    phases=phases)
         accs = [v.acc for v in variants]
     for c in caps:
@@ -407,7 +418,10 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
     -> (the three captures, each sample's input (shape, dtype), its bytes, its top-k)."""
     from .forward import Captured
 
-    full = [Captured(HiddenStore(fwd.budget, fwd.spill, f"x{v}-{i}")) for v in range(len(caps))]
+    src = caps[0].source  # GPTQ --asym: the source stream's expert inputs travel with the source capture
+    full = [Captured(HiddenStore(fwd.budget, fwd.spill, f"x{v}-{i}"),
+                     HiddenStore(fwd.budget, fwd.spill, f"xs-{i}") if v == 0 and src is not None else None)
+            for v in range(len(caps))]
     shapes, sizes, topk = [], [], []
     for o in range(world.size):
         s, held, more = 0, None, True
@@ -416,7 +430,8 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
             if world.rank == o:
                 items, n = [], 0
                 while s < len(caps[0]):
-                    r = held or [(c.hidden[s], c.index[s], c.weights[s]) for c in caps]
+                    r = held or [(c.hidden[s], c.index[s], c.weights[s]) for c in caps] + (
+                        [(src[s], None, None)] if src is not None else [])
                     b = sum(_nbytes(x[0]) for x in r)
                     held = None
                     if items and n + b > limit:
@@ -428,10 +443,12 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
                 msg = (items, s < len(caps[0]))
             items, more = world.broadcast(msg, f"layer {i} routed experts' inputs from rank {o}", src=o)
             for r in items:
-                for v, (hidden, index, weights) in enumerate(r):
+                for v, (hidden, index, weights) in enumerate(r[:len(full)]):
                     full[v].hidden.append(hidden)
                     full[v].index.append(index)
                     full[v].weights.append(weights)
+                if src is not None:
+                    full[0].source.append(r[len(full)][0])
                 shapes.append((r[0][0].shape, r[0][0].dtype))
                 sizes.append(_nbytes(r[0][0]))
                 topk.append(r[0][1].shape[-1])
@@ -465,7 +482,7 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
     outs = [HiddenStore(fwd.budget, fwd.spill, f"o{v}-{i}") for v in range(nv)]  # this rank's experts' outputs
     where: list[list[list]] = [[[] for _ in range(n)] for _ in range(nv)]  # [v][s] -> [(position, rows, counts)]
     mine = {"groups": [], "fallbacks": [], "routed": {}}
-    for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(stand.num_experts)):
+    for g in streamer.expert_groups(per_expert_bytes(streamer, True, hooks.pairs), world.owned(stand.num_experts)):
         gate_up, down = streamer.expert_weights(i, g, dev)
         us = [u for e in g for u in by_expert.get(e, ())]
         res, init = ({}, {})
@@ -519,7 +536,7 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
                                 a.index_add_(0, t.to(a.device), h.to(a.device, a.dtype))
                     accs[v].append(a)
             del got
-    for store in (*outs, *(c.hidden for c in full)):
+    for store in (*outs, *full):
         store.clear()
     del full, where
     got = world.gather(mine, f"layer {i} routed experts' results", to=0)

@@ -38,6 +38,16 @@ class Unit:
         return self.path.rsplit(".", 1)[0]
 
 
+def cross_key(key: str) -> str:
+    """Where a unit's GPTQ --asym cross term is summed beside its Hessian (``gptq.Hessians``)."""
+    return key + "|cross"
+
+
+def unit_key(key: str) -> str:
+    """The unit a statistics key belongs to (its Hessian's or its cross term's)."""
+    return key[:-len("|cross")] if key.endswith("|cross") else key
+
+
 @dataclass
 class Result:
     codes: torch.Tensor  # int8 [out, in] in [-8, 7]
