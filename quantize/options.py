@@ -555,10 +555,10 @@ class ConvertOptions(Options):
     )
     asym: float | None = opt(
         None,
-        "gptq: asymmetric calibration, GPTAQ-style: each Linear that reads the residual stream (q/k/v, MLA's "
-        "q_a/kv_a, gate/up; not routed experts) targets the source layer's output on the source model's own "
-        "inputs, its weight moved this fraction of the way to that least-squares target before the update "
-        "(0: off, llm-compressor's target, the source layer on the quantized-path inputs; 0.5 measured best)",
+        "gptq: asymmetric calibration, GPTAQ-style: each weight that reads the residual stream (q/k/v, MLA's "
+        "q_a/kv_a, gate/up, routed experts' gate/up) targets the source layer's output on the source model's own "
+        "inputs, moved this fraction of the way to that least-squares target before the update (0: off, "
+        "llm-compressor's target, the source layer on the quantized-path inputs; 0.5 measured best)",
         methods=("gptq",),
         method_default=0.0,
         check=lambda v: 0 <= v <= 1,

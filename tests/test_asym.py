@@ -236,3 +236,29 @@ def test_interrupted_then_resumed_gives_the_same_bytes_and_another_fraction_is_a
     convert(src, out, asym=0.5, resume=True, emit=events.append, **KW)
     assert [e["layer"] for e in events if e.get("event") == "layer" and e.get("replayed")] == [0]
     assert weights_only(out) == weights_only(root / "half")
+
+
+def test_the_card_says_asymmetric_calibration_only_when_it_was_used(llama_runs):
+    from quantize.publish.card import render
+
+    _, root = llama_runs
+
+    def card(name):
+        d = root / name
+        return render(d, json.loads((d / "quantize_manifest.json").read_text()), [], None, 0).text
+
+    assert "asymmetric calibration 0.5 (the weights that read the residual stream aim at the source model's" \
+        in card("half")
+    assert "asymmetric calibration" not in card("off")
+    assert "against the source model's own output of this layer (--asym aims there" in card("half")
+    assert "against the source layer's output on the same (quantized-path) inputs" in card("off")
+
+
+def test_an_asym_runs_layer_loss_is_against_the_source_models_own_output(llama_runs):
+    """Layer 0 sees equal streams: the same reference, the same RTN error. From layer 1 on the reference
+    is the source model's own output, which also holds what the layers before left: RTN's error against it
+    is not the symmetric run's (same quantized-path inputs in layer 1, same RTN weights)."""
+    _, root = llama_runs
+    off, half = method_layers(root / "off"), method_layers(root / "half")
+    assert half[0]["loss_rtn"] == off[0]["loss_rtn"]
+    assert half[1]["loss_rtn"] != off[1]["loss_rtn"]

@@ -36,6 +36,12 @@ class Layer:
     source_topk: list | None = None  # and their DSA top-k
 
     @property
+    def source_target(self) -> bool:
+        """Whether the layer's loss is measured against the source model's own output of it (``targets``):
+        GPTQ --asym aims there."""
+        return bool(getattr(self.options, "asym", 0)) and self.targets is not None
+
+    @property
     def paired(self) -> bool:
         """Whether GPTQ pairs this layer's inputs with the source stream's (``--asym`` above 0, and the
         source stream differs from the quantized path: before the first quantized layer it is the same)."""
@@ -100,6 +106,10 @@ class Method(Protocol):
         """The card's words for this method's settings, from the run report (the manifest's
         ``method``)."""
         ...
+
+    def target_of(self, report: dict) -> str:
+        """What the run's per-layer loss was measured against (``loss_target`` unless its options moved it)."""
+        return self.loss_target
 
     def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:
         """What ``quantize check --source`` proves of a tensor this method made, against the

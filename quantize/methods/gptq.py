@@ -410,6 +410,9 @@ class GPTQ(Method):
         finally:
             hooks.remove()
         results = shared_results(self, x, hooks)
+        if x.source_target:  # --asym: the loss against what it aims at, the source model's own output
+            ref.clear()
+            ref = x.targets
         x.put(x.rtn)
         _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
         return Step(results, ref, hooks.routed, e_rtn, tot)
@@ -420,6 +423,12 @@ class GPTQ(Method):
         results, ref, routed, e_rtn, tot, acc_q, phases = gptq_step(self, fwd.streamer, fwd, module, stand, layer,
                                                                     write_group, Hessians, shared_results)
         return Step(results, ref, routed, e_rtn, tot, {"phase_seconds": phases}), acc_q
+
+    def target_of(self, report: dict) -> str:
+        if report.get("asym"):
+            return "the source model's own output of this layer (--asym aims there; it includes the error the " \
+                   "layers before it left)"
+        return self.loss_target
 
     def grid_proof(self, scale: torch.Tensor, rtn_scale: torch.Tensor, observer: str) -> str | None:
         """GPTQ fixes its scales before its update: the RTN ones bit for bit (--scale-search rtn), or
@@ -443,7 +452,7 @@ class GPTQ(Method):
         return (f"act-order {report.get('actorder') or 'off'} (static groups, no g_idx), "
                 f"dampening {report.get('damp')}, block {report.get('block')}, group scales "
                 + ("searched against the Hessian-weighted error" if search == "hessian" else "the grid's RTN ones")
-                + (f"; asymmetric calibration {report['asym']:g} (the Linears that read the residual stream aim "
+                + (f"; asymmetric calibration {report['asym']:g} (the weights that read the residual stream aim "
                    "at the source model's own outputs)" if report.get("asym") else ""))
 
     @staticmethod

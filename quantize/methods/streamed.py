@@ -375,7 +375,10 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     for c in caps:
         c.clear()
     put(None)
-    ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=accs[0])
+    if x.source_target:  # --asym: the loss against the source model's own output, which it aims at
+        ref = x.targets
+    else:
+        ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=accs[0])
     accs[0].clear()
     put(x.rtn)
     _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,

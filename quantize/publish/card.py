@@ -123,7 +123,7 @@ def _method_words(rep: dict | None) -> dict | None:
     m = METHODS.get(rep.get("method"))
     if m is None:
         return {"title": "see the quantize documentation", "settings": "", "loss_target": LOSS_FALLBACK}
-    return {"title": m.title, "settings": m.card_section(rep), "loss_target": m.loss_target}
+    return {"title": m.title, "settings": m.card_section(rep), "loss_target": m.target_of(rep)}
 
 
 # an unknown method's loss is described as AutoRound's was (the previous card's fallback)
