@@ -8,9 +8,14 @@
 3. KL divergence against the source for W4A16 g128 (FP8 kept) and W4AFP8 at the same weights:
    the difference is the FP8 activations' own cost (eval-kld, local: evaluate/w4a8.py), dynamic per
    token (vLLM's W4A8-FP8) and static per layer (SGLang's native w4afp8, scales calibrated from routed
-   tokens); and for a Kimi INT4 source (group 32), what re-grouping to W4AFP8's group 128 costs.
+   tokens); and for a Kimi INT4 source (group 32), what re-grouping to W4AFP8's group 128 costs;
+4. with --smollm2 (a trained model, every decoder Linear INT4 g64 RTN: 576 is not a multiple of 128): KL
+   against the source on GSM8K test and ARC text for W4A16 and for the same weights with every decoder
+   Linear's input through FP8 e4m3, dynamic per token (vLLM's dense W4A8-FP8) and static per tensor
+   (amax over GSM8K-train text / 448, rounded up to bf16, as the SGLang calibration does): the
+   activations' cost where the random tiny models have no outliers.
 
-    python scripts/bench_w4afp8.py [--tokens 4096] [--repeat 3]
+    python scripts/bench_w4afp8.py [--tokens 4096] [--repeat 3] [--smollm2 DIR --data-dir DATA]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_methods' texts
 
 GiB = 2**30
 
@@ -149,15 +155,96 @@ def _dynamic_what_if(name: str, src: Path, out: Path, tokens: int) -> str:
             f"{r.top1_agreement:.2%} |")
 
 
+def _fp8_inputs(model, scales: dict[str, float] | None) -> list:
+    """Every decoder ``nn.Linear`` of ``model`` (not the LM head) gets its input through FP8 e4m3:
+    per token (``scales`` None) or with ``scales[name]``, one static scale per tensor. -> the hooks."""
+    import torch
+
+    from quantize.evaluate.w4a8 import _fake_fp8
+    from quantize.formats.w4afp8 import fake_fp8_static
+
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}":
+            fq = _fake_fp8 if scales is None else (lambda x, s=scales[name]: fake_fp8_static(x, s))
+            hooks.append(m.register_forward_pre_hook(lambda mod, args, fq=fq: (fq(args[0]),) + args[1:]))
+    return hooks
+
+
+def _static_scales(src: Path, train: Path, samples: int, seq_len: int) -> dict[str, float]:
+    """Per decoder Linear of the source model: the largest |input| over ``samples`` GSM8K-train texts
+    (at most ``seq_len`` tokens each) / 448, rounded up to a bf16 value (SGLang's calibration rule)."""
+    import torch
+
+    from quantize.evaluate.kld import _tokenizer, load_model
+    from quantize.formats.w4afp8 import input_scale
+
+    model, tok = load_model(src, torch.float32), _tokenizer(src)
+    amax: dict[str, float] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: amax.__setitem__(
+                 n, max(amax.get(n, 0.0), float(args[0].abs().max()))))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}"]
+    recs = [json.loads(line) for line in train.read_text().splitlines() if line.strip()][:samples]
+    with torch.no_grad():
+        for r in recs:
+            ids = tok(f"{r['question']}\n{r['answer']}", return_tensors="pt").input_ids[:, :seq_len]
+            model(ids)
+    for h in hooks:
+        h.remove()
+    return {n: input_scale(a) for n, a in amax.items()}
+
+
+def smollm2_table(tmp: Path, smollm2: Path, data: Path, tokens: int) -> list[str]:
+    """SmolLM2 W4A16 RTN against the same weights with FP8 inputs, dynamic and static, and the source's own
+    weights with FP8 inputs (what the activations cost alone). Group 64: its
+    hidden size (576) is not a multiple of W4AFP8's 128, so the engines' W4AFP8 layout cannot hold it; the
+    activations' own cost is what this measures, and it does not depend on the weights' group."""
+    import torch
+
+    import bench_methods
+    from quantize.convert import convert
+    from quantize.evaluate.kld import kld, load_model, model_key
+
+    bench_methods.DATA = data
+    text = bench_methods.texts(tmp / "text")
+    out = tmp / "smollm2-g64"
+    convert(smollm2, out, profile="all-linear", group_size=64)
+    static = _static_scales(smollm2, data / "gsm8k" / "train.jsonl", 128, 512)
+    rows = ["| SmolLM2-135M, every decoder Linear INT4 g64 (RTN) | text | KLD mean | same top-1 |",
+            "|---|---|---:|---:|"]
+    for label, scales, weights in (
+            ("W4A16", False, out), ("W4AFP8, dynamic per-token FP8 inputs (same weights)", None, out),
+            ("W4AFP8, static per-tensor FP8 inputs (same weights)", static, out),
+            ("BF16 weights, dynamic per-token FP8 inputs (the activations alone)", None, smollm2),
+            ("BF16 weights, static per-tensor FP8 inputs (the activations alone)", static, smollm2)):
+        # bench only: the model scored as the candidate is ``weights`` (the source itself for the last two)
+        model = load_model(weights, torch.float32)
+        if scales is not False:
+            _fp8_inputs(model, scales)
+        for name, path in text.items():
+            r = kld(smollm2, out, text=path, tokens=tokens, loaded={model_key(out, torch.float32, "cpu"): model})
+            rows.append(f"| {label} | {name} | {r.kld_mean:.4f} | {r.top1_agreement:.2%} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--smollm2", type=Path, help="SmolLM2 transformers checkpoint (scripts/smollm2_to_hf.py OUT)")
+    ap.add_argument("--data-dir", type=Path, help="local eval data (GSM8K train/test, ARC), with --smollm2")
+    ap.add_argument("--only-smollm2", action="store_true", help="only the SmolLM2 table")
     a = ap.parse_args()
+    if a.smollm2 and not a.data_dir:
+        ap.error("--smollm2 needs --data-dir")
     with tempfile.TemporaryDirectory(prefix="bench-w4afp8-") as t:
         tmp = Path(t)
-        for block in (plan_table(tmp), convert_speed(tmp, a.repeat), kld_table(tmp, a.tokens)):
-            print("\n".join(block), end="\n\n", flush=True)
+        blocks = [] if a.only_smollm2 else [lambda: plan_table(tmp), lambda: convert_speed(tmp, a.repeat),
+                                             lambda: kld_table(tmp, a.tokens)]
+        if a.smollm2:
+            blocks.append(lambda: smollm2_table(tmp, a.smollm2, a.data_dir, a.tokens))
+        for block in blocks:
+            print("\n".join(block()), end="\n\n", flush=True)
 
 
 if __name__ == "__main__":
