@@ -2,8 +2,8 @@
 """Fidelity of the INT4 methods, side by side in one run (a benchmark, not a test).
 
 SmolLM2-135M-Instruct (scripts/smollm2_to_hf.py), every decoder Linear INT4, at each --groups size:
-RTN (minmax, mse, fullrange), GPTQ (minmax and its default full-range grid) and AutoRound, calibrated on GSM8K
-train; KL divergence against the BF16 source over --chunks x --chunk tokens of GSM8K test (in
+RTN (minmax, mse, fullrange), GPTQ (minmax, its default full-range grid, and with --asym) and AutoRound,
+calibrated on GSM8K train; KL divergence against the BF16 source over --chunks x --chunk tokens of GSM8K test (in
 domain) and of ARC questions with their choices (out of domain), one table per text with each
 method's ratio to RTN minmax. Then the tiny glm_moe_dsa and deepseek_v3 fixtures (BF16 sources,
 routed experts INT4): KLD against the source and the tokens-per-expert report of each MoE layer. The
@@ -13,6 +13,7 @@ own process).
     python scripts/bench_methods.py --smollm2 /tmp/smollm2 --work /tmp/bench [--groups 32 64]
         [--samples 64] [--seq-len 512] [--iters 50] [--chunks 16] [--chunk 512] [--only gptq,autoround] [--depth]
         [--pack]   # samples of exactly --seq-len tokens, and the auto-round package itself on the same samples
+        [--only gptq,gptq-asym,auto-round]   # ours one text per sample, auto-round on --pack's samples
 """
 
 from __future__ import annotations
@@ -155,11 +156,13 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--only", default=None,
-                    help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq-minmax,gptq,autoround,"
-                         "auto-round (the auto-round package itself, on the same --pack samples)")
+                    help="comma-separated subset of rtn-minmax,rtn-mse,rtn-fullrange,gptq-minmax,gptq,gptq-asym,"
+                         "autoround,autoround-gptq,auto-round (the auto-round package itself, on the same --pack "
+                         "samples)")
+    ap.add_argument("--asym", type=float, default=0.5, help="gptq-asym's --asym fraction")
     ap.add_argument("--pack", action="store_true",
-                    help="calibrate on samples of exactly --seq-len tokens (convert --pack); auto-round runs only "
-                         "then, as it takes full-length samples only")
+                    help="calibrate our methods on samples of exactly --seq-len tokens (convert --pack); auto-round "
+                         "(run with --pack, or named in --only) always takes such samples, its only kind")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--reuse", action="store_true",
                     help="keep finished conversions in --work (their timings are the recorded ones)")
@@ -183,6 +186,7 @@ def main() -> None:
         "rtn-fullrange": ["--observer", "fullrange"],
         "gptq-minmax": ["--method", "gptq", "--observer", "minmax", *cal],
         "gptq": ["--method", "gptq", *cal],  # its default grid: fullrange
+        "gptq-asym": ["--method", "gptq", "--asym", str(a.asym), *cal],
         "autoround": ["--method", "autoround", "--iters", str(a.iters), *cal],
         "autoround-gptq": ["--method", "autoround", "--init", "gptq", "--iters", str(a.iters), *cal],
     }
@@ -201,7 +205,8 @@ def main() -> None:
                 notes.append(f"SmolLM2 g{g} {name}: {r['seconds']:.0f} s"
                              + (f", peak RSS {r['peak_rss_mib']:.0f} MiB" if r["peak_rss_mib"] else "")
                              + f", per layer {per_layer(r['manifest'])}" + (" (reused)" if r["reused"] else ""))
-            if a.pack and (not a.only or "auto-round" in a.only.split(",")):
+            # auto-round takes full-length samples only: it runs on --pack's samples whether ours are packed or not
+            if (a.pack and not a.only) or (a.only and "auto-round" in a.only.split(",")):
                 name, out = "auto-round", a.work / f"smollm2-g{g}-auto-round"
                 r = auto_round(a.smollm2, out, g, a, a.reuse)
                 runs[name] = {"out": out, **r}
@@ -232,6 +237,7 @@ def main() -> None:
             tiny_cal = ["--samples", "16", "--seq-len", "128"]
             for name, extra in (("rtn-minmax", []), ("rtn-fullrange", ["--observer", "fullrange"]),
                                 ("gptq", ["--method", "gptq", *tiny_cal]),
+                                ("gptq-asym", ["--method", "gptq", "--asym", str(a.asym), *tiny_cal]),
                                 ("autoround", ["--method", "autoround", "--iters", str(a.iters), *tiny_cal]),
                                 ("autoround-gptq", ["--method", "autoround", "--init", "gptq", "--iters", str(a.iters),
                                                     *tiny_cal])):
