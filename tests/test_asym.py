@@ -140,8 +140,9 @@ def test_only_the_residual_stream_units_change_where_the_streams_first_differ(ll
 
 
 def test_asym_lowers_the_error_against_the_source_models_own_outputs(llama_runs, tmp_path):
-    """The point of it: the last layer's output against the source model's, on the calibration text
-    itself, is closer than the symmetric run's (a KL over held-out text is the benchmark's job)."""
+    """The point of it: on the tiny llama, the KL against the source over the shipped text is strictly
+    below the symmetric run's (equal figures fail; how much it gains on held-out text of a trained model
+    is the benchmark's job, scripts/bench_methods.py)."""
     from quantize.evaluate.kld import kld
 
     src, root = llama_runs
