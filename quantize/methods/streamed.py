@@ -347,7 +347,8 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     phases.lap("capture")
     caps = (cap_s, cap_r, cap_q)
     if world is not None and world.size > 1:
-        accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert, x, write_group)
+        accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert, x, write_group,
+                              reference=not x.source_target)
         phases.lap("experts")  # the routed experts' phases and the exchanges between ranks together
     else:
         cur: dict[str, Result] = {}  # this group's results
@@ -365,13 +366,14 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
             cur_rtn.update(init)
             write_group(g.start, *_tensors(us, res))
 
-        variants = [Variant(cap_s, source_weights),
-                    Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
+        variants = [Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
                     Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
+        if not x.source_target:  # the source weights' outputs: the reference (--asym has its own, the targets)
+            variants.insert(0, Variant(cap_s, source_weights))
         run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True, hooks.pairs),
                    before_outputs=group_step,
                    phases=phases)
-        accs = [v.acc for v in variants]
+        accs = [None] * x.source_target + [v.acc for v in variants]
     for c in caps:
         c.clear()
     put(None)
@@ -379,7 +381,8 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
         ref = x.targets
     else:
         ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=accs[0])
-    accs[0].clear()
+    if accs[0] is not None:
+        accs[0].clear()
     put(x.rtn)
     _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
                              replay=accs[1])
@@ -462,7 +465,7 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
 
 
 def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: dict[int, list[Unit]], x: Layer,
-                   write_group) -> list[HiddenStore]:
+                   write_group, reference: bool = True) -> list[HiddenStore | None]:
     """The routed experts of a streamed GPTQ layer on several ranks, each holding its own samples'
     captures (``caps``: source, RTN, quantized Linear units). Every rank gets every rank's captures
     (rank order = sample order; ``_all_captures``), takes its contiguous range of experts a group at
@@ -474,7 +477,8 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
     process's ``accumulate``. What any collective carries is bounded (``exchange_slices``), and
     what a rank holds lives on its --memory-budget-gib (disk beyond). Rank 0 writes every group
     file and gets every rank's fallbacks and token counts. Returns this rank's samples' three
-    expert-output stores."""
+    expert-output stores (``reference`` False: the first, the source weights' outputs, not computed
+    and None; GPTQ --asym measures against the source model's own outputs instead)."""
     from ..calibrate.experts import contributions
     from ..distributed import samples_of
 
@@ -500,6 +504,8 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
         weights = [source_weights, with_results(lambda u: init.get(u.key), by_expert),
                    with_results(lambda u: res.get(u.key), by_expert)]
         for v, (c, w) in enumerate(zip(full, weights)):
+            if v == 0 and not reference:
+                continue
             gu, dn = w(g, gate_up, down)
             with torch.no_grad():
                 for s in range(n):
@@ -529,7 +535,7 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
                     where[v][s] = None  # sent
             if got is None:
                 continue
-            for v in range(nv):
+            for v in range(0 if reference else 1, nv):
                 for k, s in enumerate(samples):
                     shape, dtype = shapes[s]
                     a = torch.zeros(shape, dtype=dtype)
@@ -542,6 +548,9 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
     for store in (*outs, *full):
         store.clear()
     del full, where
+    if not reference:
+        accs[0].clear()
+        accs[0] = None
     got = world.gather(mine, f"layer {i} routed experts' results", to=0)
     if got is not None:
         x.fallbacks.extend(mine["fallbacks"])
