@@ -155,19 +155,23 @@ def _dynamic_what_if(name: str, src: Path, out: Path, tokens: int) -> str:
             f"{r.top1_agreement:.2%} |")
 
 
+def _decoder_linears(model):
+    """(name, module) of every ``nn.Linear`` inside the decoder layers (not the LM head)."""
+    import torch
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}"]
+
+
 def _fp8_inputs(model, scales: dict[str, float] | None) -> list:
     """Every decoder ``nn.Linear`` of ``model`` (not the LM head) gets its input through FP8 e4m3:
     per token (``scales`` None) or with ``scales[name]``, one static scale per tensor. -> the hooks."""
-    import torch
-
     from quantize.evaluate.w4a8 import _fake_fp8
     from quantize.formats.w4afp8 import fake_fp8_static
 
     hooks = []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}":
-            fq = _fake_fp8 if scales is None else (lambda x, s=scales[name]: fake_fp8_static(x, s))
-            hooks.append(m.register_forward_pre_hook(lambda mod, args, fq=fq: (fq(args[0]),) + args[1:]))
+    for name, m in _decoder_linears(model):
+        fq = _fake_fp8 if scales is None else (lambda x, s=scales[name]: fake_fp8_static(x, s))
+        hooks.append(m.register_forward_pre_hook(lambda mod, args, fq=fq: (fq(args[0]),) + args[1:]))
     return hooks
 
 
@@ -183,7 +187,7 @@ def _static_scales(src: Path, train: Path, samples: int, seq_len: int) -> dict[s
     amax: dict[str, float] = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: amax.__setitem__(
                  n, max(amax.get(n, 0.0), float(args[0].abs().max()))))
-             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}"]
+             for n, m in _decoder_linears(model)]
     recs = [json.loads(line) for line in train.read_text().splitlines() if line.strip()][:samples]
     with torch.no_grad():
         for r in recs:

@@ -36,16 +36,21 @@ class Layer:
     source_topk: list | None = None  # and their DSA top-k
 
     @property
+    def asym(self) -> bool:
+        """GPTQ --asym above 0 (a method without the option: off)."""
+        return bool(getattr(self.options, "asym", 0))
+
+    @property
     def source_target(self) -> bool:
         """Whether the layer's loss is measured against the source model's own output of it (``targets``):
         GPTQ --asym aims there."""
-        return bool(getattr(self.options, "asym", 0)) and self.targets is not None
+        return self.asym and self.targets is not None
 
     @property
     def paired(self) -> bool:
-        """Whether GPTQ pairs this layer's inputs with the source stream's (``--asym`` above 0, and the
-        source stream differs from the quantized path: before the first quantized layer it is the same)."""
-        return bool(getattr(self.options, "asym", 0)) and self.sources is not None and self.sources is not self.hidden
+        """Whether GPTQ pairs this layer's inputs with the source stream's (``--asym``, and the source
+        stream differs from the quantized path: before the first quantized layer it is the same)."""
+        return self.asym and self.sources is not None and self.sources is not self.hidden
 
     def put(self, res: dict) -> None:
         """Install ``res`` (results, or ``originals``) as the layer's weights: ``q * scale`` as the

@@ -180,14 +180,9 @@ class Hessians(Collector):
                 return
             self._add(u.key, args[0], 1)
             src = self._part().get("source", {}).pop(u.key, None)
-            if src is not None:
-                self._add_cross(u.key, args[0], src)
+            if src is not None:  # its cross term, under cross_key
+                self._add(u.key, args[0], 1, src)
         return hook
-
-    def _add_cross(self, key: str, x: torch.Tensor, src: torch.Tensor) -> None:
-        """One sample's ``2 x^T src`` (the quantized-path inputs against the source stream's, token by
-        token, [in, in]) into this thread's part, under ``cross_key(key)``."""
-        self._add(key, x, 1, src)
 
     def _experts_hook(self, path: str, mod: torch.nn.Module, us: list[Unit]):
         gate_up = {u.expert: u for u in us if u.path.endswith("gate_up_proj")}
@@ -405,13 +400,14 @@ class GPTQ(Method):
         x = layer
         hooks = Hessians(x.module, x.units, x.options.all_experts, x.fwd.total or len(x.hidden), x.paired)
         try:
-            ref, _ = x.fwd(x.module, x.hidden, x.topk, x.index, "of the source layer", collector=hooks,
-                           source=x.sources if hooks.asym else None, source_topk=x.source_topk)
+            # --asym measures the loss against what it aims at, the source model's own output (``targets``):
+            # this pass's outputs are then not kept
+            ref, _ = x.fwd(x.module, x.hidden, x.topk, x.index, "of the source layer", keep=not x.source_target,
+                           collector=hooks, source=x.sources if hooks.asym else None, source_topk=x.source_topk)
         finally:
             hooks.remove()
         results = shared_results(self, x, hooks)
-        if x.source_target:  # --asym: the loss against what it aims at, the source model's own output
-            ref.clear()
+        if x.source_target:
             ref = x.targets
         x.put(x.rtn)
         _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
@@ -506,11 +502,12 @@ def asym_target(w: torch.Tensor, h: torch.Tensor, c: torch.Tensor, damp: float, 
     T = W C^T H^-1 = W + W (C - H)^T H^-1 (``h`` = 2 X~^T X~ / n, ``c`` = 2 X~^T X / n, [in, in]; H
     dampened by ``damp`` of its mean diagonal as GPTQ's update is, so equal streams give W itself);
     -> W + ``alpha`` (T - W), in float64, in ``w``'s dtype. Then GPTQ rounds it against H."""
-    hd = h.double().clone()
+    hd = h.double().clone()  # dampened in place below: never the caller's tensor
+    wd = w.double()
+    rhs = (c.double() - hd) @ wd.t()
     d = hd.diagonal()
     d += damp * float(d.mean())
-    wd = w.double()
-    step = torch.linalg.solve(hd, (c.double() - h.double()) @ wd.t()).t()
+    step = torch.linalg.solve(hd, rhs).t()
     return (wd + alpha * step).to(w.dtype)
 
 
