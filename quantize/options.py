@@ -593,8 +593,8 @@ class ConvertOptions(Options):
     init: str | None = opt(
         None,
         "autoround: where the rounding starts: rtn (default: round-to-nearest on the grid, as auto-round) or gptq "
-        "(the same layer's GPTQ result at --method gptq's defaults: its codes and Hessian-searched clipping; a MoE "
-        "layer's streamed routed experts start from RTN)",
+        "(the same layer's GPTQ result at --method gptq's defaults, routed experts included: its codes and "
+        "Hessian-searched clipping)",
         methods=("autoround",),
         method_default="rtn",
         choices=INITS,

@@ -11,7 +11,7 @@ from quantize.calibrate import experts as ex
 from quantize.calibrate.runner import LayerStreamer
 from quantize.convert import convert
 
-from .conftest import method_layers, weights_only
+from .conftest import load_dir, method_layers, weights_only
 
 CAL = dict(samples=4, seq_len=48, workers=1)
 ARCHS = [("deepseek_v3", "vendor"), ("glm_moe_dsa", "vendor"), ("kimi_k25", "vendor")]
@@ -237,6 +237,50 @@ def test_autoround_experts_gradients_added_in_another_order_are_caught(top4, ar_
     grads = _step_grads(monkeypatch)
     convert(top4, tmp_path / "asc", **AR)
     assert _same_linear_grads(ar_whole[1], grads)
+
+
+@pytest.fixture(scope="module")
+def ar_gptq(top4, tmp_path_factory):
+    """--init gptq on the layers built whole: their routed experts start from the fused parameters' GPTQ
+    result, every expert's statistics hooked in the one layer forward (``start.gptq_start``)."""
+    mp = pytest.MonkeyPatch()
+    try:
+        _whole_layer(mp)
+        out = tmp_path_factory.mktemp("arg") / "whole"
+        convert(top4, out, init="gptq", **AR)
+    finally:
+        mp.undo()
+    return out
+
+
+def test_autoround_init_gptq_streamed_experts_start_as_the_whole_layer_bit_for_bit(top4, ar_gptq, tmp_path):
+    """Streamed, each rank GPTQs the routed experts it trains from the captured inputs, a group at a time
+    (one expert, budget 0), and starts them one at a time (``Tuned.start_at``): the codes, scales and
+    losses (first, best, last, moved scales) of the layer built whole, where GPTQ and the start run on
+    the fused parameters at once."""
+    out = tmp_path / "ep"
+    convert(top4, out, init="gptq", **AR)
+    assert weights_only(out) == weights_only(ar_gptq)
+    layers = method_layers(out)
+    assert layers == method_layers(ar_gptq)
+    assert [x["train"]["moved_scales"] for x in layers] == [0, 0, 0]
+
+
+def test_autoround_init_gptq_iters0_writes_gptqs_routed_experts(top4, tmp_path):
+    """With no step the start is what is written: --method gptq's bytes, routed experts included (the
+    oracle: --method gptq itself). Near miss: the RTN start's routed experts are not GPTQ's."""
+    kw = {**AR, "iters": 0}
+    gptq = {k: v for k, v in AR.items() if k not in ("method", "iters", "batch_size")}
+    convert(top4, tmp_path / "g", method="gptq", **gptq)
+    convert(top4, tmp_path / "a", init="gptq", **kw)
+    convert(top4, tmp_path / "r", **kw)
+    g, a, r = (weights_only(tmp_path / n) for n in "gar")
+    assert a == g
+    gl, rl = load_dir(tmp_path / "g"), load_dir(tmp_path / "r")
+    tensors = json.loads((tmp_path / "g" / "quantize_manifest.json").read_text())["tensors"]
+    ran = [t["name"] for t in tensors if ".mlp.experts." in t["name"] and t["method"] == "gptq"]
+    assert len(ran) > 8  # routed experts GPTQ ran on (the others no token reached: RTN in both)
+    assert all(not torch.equal(gl[k + "_packed"], rl[k + "_packed"]) for k in ran)
 
 
 def test_a_rank_reads_and_holds_only_its_own_experts(tiny):

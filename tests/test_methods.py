@@ -233,11 +233,11 @@ def _spy_gptq(monkeypatch):
     layer_of: list[int] = []
     real, real_results = G.quantize, G.GPTQ.results
 
-    def results(x, hooks):
+    def results(x, hooks, quotients=None):
         if not seen or layer_of[-1] != x.index:
             layer_of.append(x.index)
             seen.append({})
-        return real_results(x, hooks)
+        return real_results(x, hooks, quotients)
 
     def spy(items, *a, **kw):
         seen[-1].update({u.key: h.clone() for u, _, h in items})
@@ -398,10 +398,10 @@ def test_interrupted_mid_layer_redoes_that_layer_only(dsv3, tmp_path, monkeypatc
     out = tmp_path / "out"
     real = G.GPTQ.results
 
-    def dies_in_second_moe_layer(x, hooks):
+    def dies_in_second_moe_layer(x, hooks, quotients=None):
         if x.index == 2 and any(u.expert == 3 for u in x.units):
             raise KeyboardInterrupt  # a kill in the middle of layer 2's GPTQ (some expert groups done)
-        return real(x, hooks)
+        return real(x, hooks, quotients)
 
     monkeypatch.setattr(G.GPTQ, "results", staticmethod(dies_in_second_moe_layer))
     with pytest.raises(KeyboardInterrupt):

@@ -35,7 +35,8 @@ import torch
 
 from .base import Layer, Method, Step
 from .forward import Collector
-from .tuning import CLIP_RANGE, V_RANGE, Tuned, gptq_start, stream_step, train as train_layer  # noqa: F401 - the grid
+from .start import gptq_start
+from .tuning import CLIP_RANGE, V_RANGE, Tuned, stream_step, train as train_layer  # noqa: F401 - the grid
 from .units import Unit
 
 # what `quantize check --source` proves of an AutoRound tensor: the published clip range, written apart
@@ -122,6 +123,5 @@ class AutoRound(Method):
                 f"(min {float(ratio.min()):.3f}, max {float(ratio.max()):.3f}): not made from this source")
 
     def card_section(self, report: dict) -> str:
-        start = ("from GPTQ's result (a MoE layer's streamed routed experts from RTN)" if report.get("init") == "gptq"
-                 else "from round-to-nearest")
+        start = "from GPTQ's result" if report.get("init") == "gptq" else "from round-to-nearest"
         return f"{report.get('iters')} iterations, lr {report.get('lr')}, batch {report.get('batch_size')}, {start}"

@@ -141,6 +141,7 @@ class Forward:
         # the calibration samples this process's stores hold (run-wide indices) of ``total``, and the
         # World they are split over (None: this process holds them all)
         self.samples, self.total, self.world = samples, total, world
+        self.out: str | None = None  # the output folder, where another rank's scratch folder goes (RankScratch)
 
     @property
     def first(self) -> int:

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.output import RankScratch
 from ..distributed import follow
 from .tuning import tune_rank
 from .forward import deterministic
-from .runner import _build, open_streamer, rank_pass
+from .runner import HIDDEN_DIR, _build, open_streamer, rank_pass
 
 
 def serve(src: Path, world):
@@ -35,9 +36,15 @@ def serve(src: Path, world):
     torch.set_num_threads(1)  # as rank 0's pass: one torch thread per op, samples side by side
     def autoround(job):
         device = world.device if str(job["options"].device).startswith("cuda") else "cpu"
-        with deterministic(device):  # as rank 0's pass: the same bytes every run on the same GPUs
-            tune_rank(world, streamer, _build(streamer, job["layer"], stream_experts=job["stream"]).to(device), job,
-                      device)
+        # --init gptq: rank 0's captures beyond the memory budget spill to this rank's scratch folder
+        scratch = RankScratch(Path(job["out"]), world.rank) if job.get("out") else None
+        try:
+            with deterministic(device):  # as rank 0's pass: the same bytes every run on the same GPUs
+                tune_rank(world, streamer, _build(streamer, job["layer"], stream_experts=job["stream"]).to(device),
+                          job, device, scratch.scratch(HIDDEN_DIR) if scratch is not None else None)
+        finally:
+            if scratch is not None:
+                scratch.close()
 
     def act_scales(job):  # SGLang's w4afp8: this rank's samples through the layers, maxima to rank 0
         from ..calibrate.act_scales import observe

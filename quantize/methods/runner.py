@@ -80,9 +80,9 @@ def prepare(src: Path, options, emit: Emit = null_emit) -> Calibration:
         streamer.check_ids(s.ids)
         if getattr(options, "method_name", None) == "autoround":  # its experts' training state is held whole
             from ..distributed import current
-            from .tuning import check_memory
+            from .tuning import check_memory, state_copies
 
-            check_memory(streamer, getattr(options, "device", "cpu"), current())
+            check_memory(streamer, getattr(options, "device", "cpu"), current(), copies=state_copies(options))
     finally:
         streamer.close()
     return Calibration(s.ids, s.source, h.hexdigest(), sum(len(i) for i in s.ids), s.texts_read, s.dropped_short)
@@ -282,6 +282,7 @@ class Pass:
         own = self.world.samples(n) if self.split else range(n)
         fwd = Forward(streamer, Context(streamer, self.device), self.pool, self.workers, self.device, self.budget,
                       self.spill, samples=own, total=n, world=self.world if self.split else None)
+        fwd.out = str(self.o.path)
         hidden = HiddenStore(self.budget, self.spill, "in")
         with torch.no_grad():
             for s in own:

@@ -254,10 +254,12 @@ def carry(streamer, fwd, layer, stand, i: int, hidden, topk, what: str, result=N
 
 
 def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit], cap_s, opt, fwd, fallbacks,
-                act_fn, i: int, phases: Phases | None = None) -> tuple[dict[str, Result], dict[str, Result]]:
+                act_fn, i: int, phases: Phases | None = None, quotients: dict | None = None
+                ) -> tuple[dict[str, Result], dict[str, Result]]:
     """One group of routed experts under GPTQ: their Hessians from the source capture (per sample,
     merged in sample order, as the whole layer's hooks; on a GPU a chunk of samples at a time,
-    ``_routed_batches``), then GPTQ per unit: (results, RTN start)."""
+    ``_routed_batches``), then GPTQ per unit: (results, RTN start). ``quotients``: filled as
+    ``GPTQ.results`` fills it (AutoRound's start, ``methods/start.py``)."""
     # per sample in order, the group's experts side by side (each thread its own accumulator), each
     # product added as it is made: the whole layer's sums without a per-sample copy of the group's Hessians
     path = streamer.experts_path
@@ -276,7 +278,7 @@ def _group_gptq(method, streamer, hooks, g: range, gate_up, down, us: list[Unit]
         phases.lap("expert_hessians")
     originals = {u.key: (gate_up if u.path.endswith("gate_up_proj") else down)[u.expert - g.start] for u in us}
     init = {u.key: rtn(originals[u.key], opt.group_size, opt.observer, u.scale_dtype) for u in us}
-    res = method.results(Layer(i, None, us, originals, init, None, None, None, fallbacks, opt, fwd), hooks)
+    res = method.results(Layer(i, None, us, originals, init, None, None, None, fallbacks, opt, fwd), hooks, quotients)
     for u in us:
         for d in (hooks.H, hooks.n, hooks.tokens):
             d.pop(u.key, None)

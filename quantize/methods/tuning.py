@@ -54,6 +54,7 @@ from ..errors import QuantizeError
 from ..formats import int4
 from .base import Step
 from .forward import Context, call_layer, in_order
+from .start import expert_starts, gptq_start, start_of
 from .streamed import Variant, _tensors, per_expert_bytes, put_linear, run_groups, with_results
 from .units import Result, Unit, dequant, rtn
 
@@ -63,14 +64,22 @@ from .units import Result, Unit, dequant, rtn
 # sums, the best step's snapshot): measured at DeepSeek-V3's width, 8 experts, as peak RSS, 17.17 GiB on one
 # rank and 9.35 GiB on each of 2 (docs/methods.md): 1.96 GiB per expert of 0.16 GiB in fp32
 STATE_COPIES = 12
+# --init gptq adds, counted (not measured): the fixed code offsets (one fp32 copy) and the GPTQ start held
+# until the training state takes it (codes int8 and each weight's optimum fp32: 1.25 copies), rounded up
+START_COPIES = 3
 
 
-def state_bytes(hidden: int, intermediate: int, experts: int) -> int:
-    """What ``experts`` routed experts' AutoRound training state costs a rank, about (``STATE_COPIES``)."""
-    return STATE_COPIES * experts * expert_bytes(hidden, intermediate, torch.float32)
+def state_bytes(hidden: int, intermediate: int, experts: int, copies: int = STATE_COPIES) -> int:
+    """What ``experts`` routed experts' AutoRound training state costs a rank, about (``copies`` fp32
+    copies of their weights: ``STATE_COPIES``, plus ``START_COPIES`` with --init gptq)."""
+    return copies * experts * expert_bytes(hidden, intermediate, torch.float32)
 
 
-def check_memory(streamer, device: str, world, free: int | None = None) -> None:
+def state_copies(options) -> int:
+    return STATE_COPIES + (START_COPIES if getattr(options, "init", None) == "gptq" else 0)
+
+
+def check_memory(streamer, device: str, world, free: int | None = None, copies: int = STATE_COPIES) -> None:
     """Before any weight is read: the routed experts' training state a rank holds under AutoRound
     (its share of the largest MoE layer's experts, ``state_bytes``) fits in the memory it has: the
     GPU's free memory (``--device cuda``), or this node's free memory shared by its ranks. One line
@@ -90,7 +99,7 @@ def check_memory(streamer, device: str, world, free: int | None = None) -> None:
     from ..distributed import partition
 
     def share(ranks: int) -> int:  # the largest share's state: rank 0's (World.owned)
-        return state_bytes(h, i, len(partition(n, ranks, 0)))
+        return state_bytes(h, i, len(partition(n, ranks, 0)), copies)
 
     owned = len(partition(n, world.size, 0))
     need = share(world.size)
@@ -98,7 +107,7 @@ def check_memory(streamer, device: str, world, free: int | None = None) -> None:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     what = (f"--method autoround: a rank would hold about {gib(need)} of a MoE layer's routed-expert training state "
-            f"({n} experts over {world.size} rank(s): {owned} each, x {STATE_COPIES} fp32 copies of {h} x {i} "
+            f"({n} experts over {world.size} rank(s): {owned} each, x {copies} fp32 copies of {h} x {i} "
             f"gate|up|down), more than the {gib(free)} free {'on its GPU' if gpu else 'for it on this node'}")
     if gpu:
         ranks = next(r for r in range(world.size + 1, n + 1) if share(r) <= free) if share(n) <= free else None
@@ -149,48 +158,55 @@ class Tuned:
         self.mask = torch.ones(lead[0], dtype=torch.float32, device=w0.device) if lead else None  # per expert
         self.off: torch.Tensor | None = None  # fixed code offsets: where a start other than RTN put the codes
         self.moved = 0  # groups whose start scale is not the given one (``start``)
-        if start is not None:
-            self._start(*start)
+        if start is not None:  # (codes, scale[, optimum]) of the whole parameter: started expert by expert
+            codes, scale, *rest = start
+            optimum = rest[0] if rest else None
+            for j in range(lead[0]) if lead else [Ellipsis]:
+                self.start_at(j, codes[j], scale[j], None if optimum is None else optimum[j])
 
-    def _start(self, codes: torch.Tensor, scale: torch.Tensor, optimum: torch.Tensor | None = None) -> None:
-        """Start from another method's result (``--init gptq``): each group's clip factors at the
-        shrink its scale was chosen with (``int4.shrink_of``: the same scale, bit for bit, from a
+    def start_at(self, j, codes: torch.Tensor, scale: torch.Tensor, optimum: torch.Tensor | None = None) -> None:
+        """Start expert ``j`` of a fused parameter (or the whole of a Linear weight: ``j`` Ellipsis)
+        from another method's result (``--init gptq``, ``methods/start.py``): each group's clip factors
+        at the shrink its scale was chosen with (``int4.shrink_of``: the same scale, bit for bit, from a
         source in the scale dtype; ``moved`` counts the groups where it is not), and fixed offsets
         that put every quotient at ``optimum`` (in codes: GPTQ's ``coordinate_optimum`` / scale, the
         value each weight would best take with every other code fixed; nan, or not given: the
         quotient's own fraction on the start's code), kept within half a code of the start's, so
         the step-0 weight is ``codes x scale`` bit for bit and the offsets ``V`` act on what moving a
-        code to its neighbour costs."""
-        *lead, out, k = self.shape
+        code to its neighbour costs. One expert at a time: the working copies are one expert's."""
+        k = self.shape[-1]
         observer = "fullrange" if self.fullrange else "minmax"
-        w2 = self.wg.reshape(-1, k)
+        wg = self.wg[j]
+        w2 = wg.reshape(-1, k)
         p = int4.shrink_of(w2, scale.reshape(-1, k // self.group).to(w2.device), self.group, observer, self.sdt)
-        p = p.reshape(self.a.shape)
+        if self.off is None:
+            self.off = torch.zeros_like(self.wg)
         with torch.no_grad():
-            self.a.copy_(torch.nan_to_num(p, nan=1.0))
-            self.b.copy_(self.a)
-            s = self._scale(self._extreme())
-            self.moved = int((s.to(self.sdt) != scale.to(s.device, self.sdt)).sum())
-            c = (self.wg / s.unsqueeze(-1)).to(self.sdt).float()
+            self.a[j].copy_(torch.nan_to_num(p.reshape(self.a[j].shape), nan=1.0))
+            self.b[j].copy_(self.a[j])
+            s = self._scale(self._extreme(j))
+            self.moved += int((s.to(self.sdt) != scale.to(s.device, self.sdt).reshape(s.shape)).sum())
+            c = (wg / s.unsqueeze(-1)).to(self.sdt).float()
             q = codes.to(c.device, torch.float32).reshape(c.shape)
-            self.off = q - c.round()  # no optimum given: this quotient's fraction, on the start's code
+            off = q - c.round()  # no optimum given: this quotient's fraction, on the start's code
             if optimum is not None:  # within half a code of the start's (a code the optimum rounds away from)
                 x = optimum.to(c.device, torch.float32).reshape(c.shape)
                 x = torch.minimum(torch.maximum(x, q - HALF), q + HALF)
-                self.off = torch.where(x.isnan(), self.off, x - c)
+                off = torch.where(x.isnan(), off, x - c)
             # where that does not round to the code (a tie, a clamped code, the last bits of a sum), the
             # quotient is put on the code itself
-            off = (c + self.off).round().clamp(int4.QMIN, int4.QMAX) != q
-            self.off[off] = (q - c)[off]
+            bad = (c + off).round().clamp(int4.QMIN, int4.QMAX) != q
+            off[bad] = (q - c)[bad]
+            self.off[j] = off
 
     @property
     def params(self) -> list[torch.Tensor]:
         return [self.V, self.a, self.b]
 
-    def _extreme(self):
-        hi, lo = self.wmax * self.a, self.wmin * self.b
+    def _extreme(self, j=Ellipsis):
+        hi, lo = self.wmax[j] * self.a[j], self.wmin[j] * self.b[j]
         if self.fullrange:
-            pick_hi = torch.where(hi > -lo, True, torch.where(hi < -lo, False, self.tie_hi))
+            pick_hi = torch.where(hi > -lo, True, torch.where(hi < -lo, False, self.tie_hi[j]))
             return torch.where(pick_hi, hi, lo)
         return torch.maximum(hi, -lo)
 
@@ -266,7 +282,8 @@ class Owned:
     ``down_proj``) the ``Tuned`` state of the owned range, the experts that train, and each
     step's per-expert leaves."""
 
-    def __init__(self, streamer, i: int, units: list[Unit], opt, routed: dict, owned: range, device: str):
+    def __init__(self, streamer, i: int, units: list[Unit], opt, routed: dict, owned: range, device: str,
+                 start: tuple[dict, dict] | None = None):
         self.range, self.device = owned, device
         self.units = [u for u in units if u.expert is not None and u.expert in owned]
         self.paths = sorted({u.path for u in self.units})
@@ -291,7 +308,11 @@ class Owned:
                 self.source[name] = w
                 continue
             sdt = next(u.scale_dtype for u in self.units if u.path == path)
-            self.tuned[name] = Tuned(path, w, opt.group_size, fullrange, sdt)
+            t = self.tuned[name] = Tuned(path, w, opt.group_size, fullrange, sdt)
+            if start is not None:  # --init gptq: this rank's experts' GPTQ results (``start.expert_starts``)
+                for j, codes, scale, optimum in start_of(w, [u for u in self.units if u.path == path], start, opt,
+                                                         owned.start):
+                    t.start_at(j, codes, scale, optimum)
             del w
         del src, gate_up, down
         # starved experts keep their RTN initialisation (their updates are masked)
@@ -300,6 +321,8 @@ class Owned:
             if not opt.all_experts and routed.get((u.module, u.expert), 0) < opt.min_expert_tokens:
                 self.tuned[u.path.rsplit(".", 1)[1]].mask[u.expert - owned.start] = 0
                 self.starved.add(u.key)
+        self.moved = sum(t.moved for t in self.tuned.values())
+        self.how = {k: r.how for k, r in start[0].items()} if start is not None else {}  # a starved unit keeps it
         self.trained_all = {e for e in owned if all((p, e) in self.unit for p in self.paths) and len(self.paths) == 2}
         self.fakes: dict[str, torch.Tensor] = {}
         self.leaves: dict[tuple[str, int], torch.Tensor] = {}
@@ -340,7 +363,7 @@ class Owned:
             codes, scale = finals[u.path.rsplit(".", 1)[1]]
             j = u.expert - self.range.start
             out[u.key] = Result(codes[j].cpu().contiguous(), scale[j].cpu().contiguous(),
-                                "rtn" if u.key in self.starved else "autoround")
+                                self.how.get(u.key, "rtn") if u.key in self.starved else "autoround")
         return out
 
 
@@ -361,15 +384,19 @@ class Tuning:
     experts, and the phases of a step, which every rank runs in the same order."""
 
     def __init__(self, world, streamer, ctx, layer, stand, i: int, units: list[Unit], opt, routed: dict,
-                 device: str, pool, workers: int):
+                 device: str, pool, workers: int, start: tuple[dict, dict] | None = None):
         self.world, self.streamer, self.ctx, self.layer, self.stand = world, streamer, ctx, layer, stand
         self.i, self.opt, self.device, self.pool, self.workers = i, opt, device, pool, max(1, workers)
         # the parameters the built layer holds and rank 0 trains (its leaves each step)
         self.held = list(dict.fromkeys(u.path for u in units if stand is None or u.expert is None))
         self.grad_in = bool(self.held)  # gradients flow back through the experts' inputs to them
         layer.requires_grad_(False)
-        self.own = Owned(streamer, i, units, opt, routed, world.owned(stand.num_experts), device) \
+        self.own = Owned(streamer, i, units, opt, routed, world.owned(stand.num_experts), device, start) \
             if stand is not None else None
+        self.moved = None  # --init gptq on streamed experts: every rank's experts' moved scales, on rank 0
+        if start is not None:
+            got = world.gather(self.own.moved, f"layer {i} AutoRound experts' start", to=0)
+            self.moved = sum(got) if got is not None else None
         self.best = self._snapshot()
 
     def _snapshot(self) -> list:
@@ -685,63 +712,16 @@ def _combine(world, tuning: Tuning, tree, what: str):
                         receive=lambda v: [None if g is None else g.to(dev) for g in v])
 
 
-def gptq_start(x, module, units: list[Unit], **replay) -> tuple[dict, dict]:
-    """``--init gptq``: GPTQ's result (at its own defaults: Hessian-searched clipping, static
-    act-order, dampening, block) for ``units`` from the statistics of ``module`` (the layer holding
-    the source weights; ``replay``: a streamed layer's stand-in and its experts' outputs) on the
-    quantized-path inputs, as ``--method gptq`` makes it, on this rank (it holds every sample). A
-    unit GPTQ leaves at RTN starts from RTN; the fallbacks it names are not AutoRound's and are
-    dropped (AutoRound names its own). Returns (per unit key its result, and for the units it ran
-    each weight's ``gptq.coordinate_optimum`` in codes)."""
-    from dataclasses import fields, replace
-    from types import SimpleNamespace
-
-    from .gptq import GPTQ, Hessians
-
-    gptq = GPTQ()
-    opt = x.options
-    hooks = Hessians(module, units, opt.all_experts, x.fwd.total or len(x.hidden))
-    try:
-        x.fwd(module, x.hidden, x.topk, x.index, "of the source layer (GPTQ's statistics for --init gptq)",
-              keep=False, collector=hooks, **replay)
-    finally:
-        hooks.remove()
-    hooks.combine(None, f"layer {x.index} Hessians")
-    own = {f.name: getattr(opt, f.name) for f in fields(opt)}
-    with_defaults = SimpleNamespace(**(own | {k: v for k, v in gptq.defaults.items() if own.get(k) is None}))
-    optimum: dict = {}
-    results = gptq.results(replace(x, units=units, options=with_defaults, fallbacks=[]), hooks, optimum)
-    return results, optimum
-
-
-def _start_of(w: torch.Tensor, units: list[Unit], start: tuple[dict, dict], opt) -> tuple:
-    """One parameter's start (codes, scale, each weight's optimum in codes) from ``start`` (per unit key its
-    result, and GPTQ's ``coordinate_optimum`` in codes where it ran): a Linear unit's own, or a fused experts
-    parameter's stacked per expert (RTN for an expert without a unit; nan where none is known)."""
-    results, optimum = start
-
-    def quot(key, like):
-        r = optimum.get(key)
-        return r.to(w.device) if r is not None else torch.full(like.shape, float("nan"), device=w.device)
-
-    if w.ndim == 2:
-        r = results[units[0].key]
-        return r.codes, r.scale, quot(units[0].key, r.codes)
-    by_e = {u.expert: u.key for u in units}
-    parts = [results[by_e[e]] if e in by_e else rtn(w[e], opt.group_size, opt.observer, units[0].scale_dtype)
-             for e in range(w.shape[0])]
-    return (torch.stack([r.codes.to(w.device) for r in parts]), torch.stack([r.scale.to(w.device) for r in parts]),
-            torch.stack([quot(by_e.get(e), r.codes) for e, r in enumerate(parts)]))
-
-
-def train(fwd, layer, stand, x, routed: dict, start: tuple[dict, dict] | None = None
+def train(fwd, layer, stand, x, routed: dict, start: tuple[dict, dict] | None = None, expert_cap=None
           ) -> tuple[dict[str, Result], dict[str, Result], dict]:
     """Rank 0's AutoRound of layer ``x`` (the built ``layer`` holding the source weights; a MoE
     layer's routed experts in ``stand``'s place, each rank training its own): the other ranks told
     to build it, the experts the router starves (below --min-expert-tokens) named in
     ``x.fallbacks`` and kept at their start, the steps. ``start``: ``gptq_start``'s, for the units of
-    the built layer (``--init gptq``; else they start from RTN). Returns (the results of the units the built
-    layer holds, rank 0's own experts' results, the training report)."""
+    the built layer (``--init gptq``; else they start from RTN); ``expert_cap`` (``--init gptq`` on a
+    streamed layer): what the router handed the routed experts through the source layer, from which
+    every rank GPTQs the experts it trains (``start.expert_starts``). Returns (the results of the units
+    the built layer holds, rank 0's own experts' results, the training report)."""
     opt, i, world = x.options, x.index, distributed.current()
     fullrange = int4.GRIDS[opt.observer].signed
     tuned: dict[str, Tuned] = {}
@@ -749,8 +729,11 @@ def train(fwd, layer, stand, x, routed: dict, start: tuple[dict, dict] | None = 
     for u in held:
         if u.path not in tuned:
             w = layer.get_parameter(u.path).detach().clone()
-            first = _start_of(w, [v for v in held if v.path == u.path], start, opt) if start else None
-            tuned[u.path] = Tuned(u.path, w, opt.group_size, fullrange, u.scale_dtype, first)
+            t = tuned[u.path] = Tuned(u.path, w, opt.group_size, fullrange, u.scale_dtype)
+            for j, codes, scale, optimum in start_of(w, [v for v in held if v.path == u.path], start, opt) \
+                    if start else ():
+                t.start_at(j, codes, scale, optimum)
+    how = {k: r.how for k, r in start[0].items()} if start else {}  # what a starved unit keeps: its start
     starved: set[str] = set()
     for u in x.units:
         if u.expert is None or opt.all_experts or u.key in starved:
@@ -766,12 +749,15 @@ def train(fwd, layer, stand, x, routed: dict, start: tuple[dict, dict] | None = 
     if world.size > 1:  # the other ranks build this layer and compute their share of each step (tune_rank)
         world.broadcast(("autoround", {"layer": i, "units": x.units, "options": opt, "routed": routed,
                                        "workers": fwd.workers, "budget": fwd.streamer.expert_budget,
-                                       "stream": stand is not None}), f"layer {i} AutoRound")
+                                       "stream": stand is not None, "expert_start": expert_cap is not None,
+                                       "memory": fwd.budget.limit, "out": fwd.out}), f"layer {i} AutoRound")
+    own_start = expert_starts(world, fwd, stand, i, x.units, opt, expert_cap) if expert_cap is not None else None
     tuning = Tuning(world, fwd.streamer, fwd.ctx, layer, stand, i, x.units, opt, routed, fwd.device, fwd.pool,
-                    fwd.workers)
-    report = _train(world, tuning, x, tuned, layer, rtn_start=not start)
-    if start:
-        report["moved_scales"] = sum(t.moved for t in tuned.values())
+                    fwd.workers, own_start)
+    del own_start
+    report = _train(world, tuning, x, tuned, layer, rtn_start=not (start or expert_cap is not None))
+    if start or expert_cap is not None:
+        report["moved_scales"] = sum(t.moved for t in tuned.values()) + (tuning.moved or 0)
     finals = {path: t.final() for path, t in tuned.items()}
     results = {}
     for u in held:
@@ -779,7 +765,7 @@ def train(fwd, layer, stand, x, routed: dict, start: tuple[dict, dict] | None = 
         if u.expert is not None:
             codes, scale = codes[u.expert], scale[u.expert]
         results[u.key] = Result(codes.cpu().contiguous(), scale.cpu().contiguous(),
-                                "rtn" if u.key in starved else "autoround")
+                                how.get(u.key, "rtn") if u.key in starved else "autoround")
     return results, tuning.results(), report
 
 
@@ -810,11 +796,14 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
     _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
                              replay=v.acc)
     put(None)
-    start = None
-    if opt.init == "gptq" and linear:  # the Linear units' inputs do not depend on the routed experts' outputs
-        start = gptq_start(x, layer, linear, stand=stand, replay=v.acc)
+    start = cap_s = None
+    if opt.init == "gptq":  # the source layer's statistics, as --method gptq takes them
+        if linear:  # the Linear units' inputs do not depend on the routed experts' outputs
+            start = gptq_start(x, layer, linear, stand=stand, replay=v.acc)
+        if by_expert:
+            cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i)
     v.acc.clear()
-    results, own, report = train(fwd, layer, stand, x, routed, start)
+    results, own, report = train(fwd, layer, stand, x, routed, start, cap_s)
     put(results)
     cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
     cur: dict[str, Result] = {}
@@ -836,12 +825,17 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
     return Step(results, ref, routed, e_rtn, tot, report={"train": report}), vq.acc
 
 
-def tune_rank(world, streamer, layer, job: dict, device: str) -> None:
+def tune_rank(world, streamer, layer, job: dict, device: str, spill=None) -> None:
     """A rank other than 0 of an AutoRound layer (``train`` sends ``job``): this rank's build of
-    the layer (a MoE layer's dense part and this rank's routed experts), each step's phases for
-    its share of the batch, and its experts' results sent to rank 0. ``layer``: this rank's build
-    of it on ``device`` (``runner._build(..., stream_experts=job["stream"])``)."""
+    the layer (a MoE layer's dense part and this rank's routed experts), with ``--init gptq`` its
+    experts' GPTQ start (``start.expert_starts``: rank 0's captures held on the job's memory budget,
+    ``spill`` beyond it), each step's phases for its share of the batch, and its experts' results
+    sent to rank 0. ``layer``: this rank's build of it on ``device`` (``runner._build(...,
+    stream_experts=job["stream"])``)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from .forward import Captured, Forward
+    from .store import Budget, HiddenStore
 
     i, opt = job["layer"], job["options"]
     streamer.expert_budget = job["budget"]
@@ -849,8 +843,14 @@ def tune_rank(world, streamer, layer, job: dict, device: str) -> None:
     ctx = Context(streamer, device)
     on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
     with ThreadPoolExecutor(max(1, job["workers"]), thread_name_prefix="autoround") as pool:
+        start = None
+        if job.get("expert_start"):
+            fwd = Forward(streamer, ctx, pool, job["workers"], device, Budget(job["memory"]), spill)
+            start = expert_starts(world, fwd, stand, i, job["units"], opt,
+                                  Captured(HiddenStore(fwd.budget, spill, f"xs-{i}")))
         tuning = Tuning(world, streamer, ctx, layer, stand, i, job["units"], opt, job["routed"], device, pool,
-                        job["workers"])
+                        job["workers"], start)
+        del start
         while True:
             kind, step = world.broadcast(None, f"layer {i} AutoRound's next step")
             if kind == "end":
