@@ -266,6 +266,28 @@ def test_autoround_init_gptq_streamed_experts_start_as_the_whole_layer_bit_for_b
     assert [x["train"]["moved_scales"] for x in layers] == [0, 0, 0]
 
 
+def test_autoround_init_gptq_killed_in_an_experts_start_resumes_byte_identical(top4, ar_gptq, tmp_path, monkeypatch):
+    """A run interrupted while layer 2's routed experts are GPTQ'd for their start keeps layers 0 and 1;
+    --resume replays them and redoes layer 2's start from the replayed stream: the uninterrupted bytes."""
+    from quantize.methods import tuning
+
+    real = tuning.expert_starts
+
+    def dies_in_layer_2(world, fwd, stand, i, *a):
+        if i == 2:
+            raise KeyboardInterrupt
+        return real(world, fwd, stand, i, *a)
+
+    out = tmp_path / "o"
+    monkeypatch.setattr(tuning, "expert_starts", dies_in_layer_2)
+    with pytest.raises(KeyboardInterrupt):
+        convert(top4, out, init="gptq", **AR)
+    assert sorted(json.loads((out / ".quantize" / "job.json").read_text())["layers"]) == ["0000", "0001"]
+    monkeypatch.setattr(tuning, "expert_starts", real)
+    convert(top4, out, init="gptq", resume=True, **AR)
+    assert weights_only(out) == weights_only(ar_gptq)
+
+
 def test_autoround_init_gptq_iters0_writes_gptqs_routed_experts(top4, tmp_path):
     """With no step the start is what is written: --method gptq's bytes, routed experts included (the
     oracle: --method gptq itself). Near miss: the RTN start's routed experts are not GPTQ's."""
