@@ -86,6 +86,17 @@ def test_autoround_on_cuda_is_deterministic_and_close_to_the_cpu(tiny, tmp_path)
     _close_layers(outs["cuda1"], outs["cpu"])
 
 
+def test_autoround_init_gptq_iters0_on_cuda_writes_gptqs_bytes(tiny, tmp_path):
+    """--init gptq with no step writes --method gptq's result on the GPU as on the CPU, routed experts
+    included (each GPTQ'd for its start a group at a time, as --method gptq does them)."""
+    from quantize.convert import convert
+
+    src = tiny("deepseek_v3")
+    convert(src, tmp_path / "g", method="gptq", device="cuda", **CAL)
+    convert(src, tmp_path / "a", method="autoround", iters=0, init="gptq", device="cuda", **CAL)
+    assert weights_only(tmp_path / "a") == weights_only(tmp_path / "g")
+
+
 def test_calibrate_kv_on_cuda_matches_the_cpu(tiny, tmp_path):
     from quantize.calibrate.kv import calibrate_kv
 
