@@ -8,11 +8,11 @@ ranks 1536/512, block FP8 weights as DeepSeek ships them (128x128 ``weight_scale
 8 groups / 4 kept / 8 experts per token, a small vocabulary. Each measured run is its own
 process (peak RSS = its VmHWM; GPTQ with --min-expert-tokens 0, so that every expert of the 32
 calibration tokens runs GPTQ; AutoRound 2 steps of 2 samples, ``autoround-N`` as N ranks on gloo,
-peak RSS the largest rank's). ``--before PATH`` runs the same command with another checkout of
+``autoround-gptq-N`` the same from GPTQ's start, peak RSS the largest rank's). ``--before PATH`` runs the same command with another checkout of
 this tool on PYTHONPATH (e.g. a worktree at an older commit), side by side. Not a test.
 
     python scripts/bench_experts.py [--experts 16 64] [--layers 2]
-                                    [--commands calibrate-kv gptq autoround-1 autoround-2]
+                                    [--commands calibrate-kv gptq autoround-1 autoround-2 autoround-gptq-1]
                                     [--memory-budget-gib 1] [--before /path/to/old/checkout]
 """
 
@@ -47,8 +47,8 @@ elif cmd.startswith("autoround-"):  # as N ranks (torchrun's agent in this proce
     import resource, subprocess
     args = [sys.executable, "-m", "quantize.cli", "convert", src, out, "--method", "autoround", "--iters", "2",
             "--batch-size", "2", "--lr", "0.005", "--samples", "2", "--seq-len", "16", "--min-expert-tokens", "0",
-            "--nproc",
-            cmd.split("-")[1]] + (["--memory-budget-gib", budget] if budget != "-" else [])
+            "--nproc", cmd.rsplit("-", 1)[1]] + (["--memory-budget-gib", budget] if budget != "-" else []) + (
+            ["--init", "gptq"] if cmd.startswith("autoround-gptq-") else [])
     p = subprocess.run(args, capture_output=True, text=True)
     if p.returncode:
         sys.exit(p.stderr.strip().splitlines()[-1])
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--layers", type=int, default=2, help="MoE decoder layers")
     ap.add_argument("--commands", nargs="+", default=["calibrate-kv", "gptq"],
-                    help="calibrate-kv, gptq, autoround-N (N ranks)")
+                    help="calibrate-kv, gptq, autoround-N (N ranks), autoround-gptq-N (--init gptq)")
     ap.add_argument("--memory-budget-gib", default="-", help="passed to both commands ('-': their default)")
     ap.add_argument("--before", help="another checkout of this tool, run side by side (its default budget)")
     ap.add_argument("--work", help="folder for the fixtures (default: a temporary folder; several GB)")

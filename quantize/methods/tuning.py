@@ -64,9 +64,10 @@ from .units import Result, Unit, dequant, rtn
 # sums, the best step's snapshot): measured at DeepSeek-V3's width, 8 experts, as peak RSS, 17.17 GiB on one
 # rank and 9.35 GiB on each of 2 (docs/methods.md): 1.96 GiB per expert of 0.16 GiB in fp32
 STATE_COPIES = 12
-# --init gptq adds, counted (not measured): the fixed code offsets (one fp32 copy) and the GPTQ start held
-# until the training state takes it (codes int8 and each weight's optimum fp32: 1.25 copies), rounded up
-START_COPIES = 3
+# --init gptq adds the fixed code offsets (one fp32 copy) and, until the training state takes it, the GPTQ
+# start (codes int8 and each weight's optimum fp32): measured at DeepSeek-V3's width, 8 experts on 2 ranks,
+# as peak RSS, 9.42 -> 10.36 GiB per rank, 1.43 copies (docs/methods.md); rounded up
+START_COPIES = 2
 
 
 def state_bytes(hidden: int, intermediate: int, experts: int, copies: int = STATE_COPIES) -> int:
