@@ -114,7 +114,8 @@ def test_autoround_on_two_ranks_is_one_process_bit_for_bit(tiny, tmp_path, init)
     """Each step's samples split across ranks (3 per step over 2 ranks: 2 and 1), each MoE layer's
     routed experts too (4 each: their inputs to every rank, their outputs, input gradients and
     --all-experts terms back), the gradients summed in fixed trees: one process's codes, scales
-    and losses (--init gptq: the Linear units' GPTQ start on rank 0, which holds every sample)."""
+    and losses (--init gptq: the Linear units' GPTQ start on rank 0, which holds every sample, and each rank's
+    routed experts' on that rank, from rank 0's captures)."""
     src = tiny("glm_moe_dsa")
     one, two = tmp_path / "one", tmp_path / "two"
     convert(src, one, method="autoround", profile="all-linear", iters=3, batch_size=3, samples=4, seq_len=24,
@@ -168,3 +169,16 @@ def test_bad_input_on_two_ranks_is_rank_0s_one_line(tiny, tmp_path):
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no tokenizer files" in lines[0], p.stderr[-1500:]
     assert not (tmp_path / "o" / "quantize_manifest.json").exists()
+
+
+def test_autoround_init_gptq_iters0_on_two_ranks_writes_gptqs_bytes(one_rank, tmp_path):
+    """--init gptq on 2 ranks: each GPTQs the routed experts it trains from rank 0's captures, sent to it a
+    slice at a time (budget 0: spilled to its scratch folder). With no step: --method gptq's one-process
+    bytes (the oracle), and no rank's scratch folder is left behind."""
+    src, gptq = one_rank
+    out = tmp_path / "two"
+    p = _cli("convert", str(src), str(out), "--method", "autoround", "--iters", "0", "--init", "gptq", *ARGS[2:],
+             "--nproc", "2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert weights_only(out) == weights_only(gptq)
+    assert not (out / ".quantize" / "hidden").exists()

@@ -305,6 +305,38 @@ def test_autoround_init_gptq_iters0_writes_gptqs_routed_experts(top4, tmp_path):
     assert all(not torch.equal(gl[k + "_packed"], rl[k + "_packed"]) for k in ran)
 
 
+def test_a_starved_expert_keeps_its_starts_method(top4, tmp_path, monkeypatch):
+    """An expert the router starves (below --min-expert-tokens: 28 to 44 of these tokens) is not trained
+    and keeps its start: an RTN fallback, named, where the start is RTN (GPTQ too had too few tokens), and
+    labelled with the start's method, not named a fallback, where GPTQ ran it. The second case is made
+    here by relabelling the starts (the router's count through the RTN Linear units, which AutoRound
+    uses, and GPTQ's through the source ones can differ); the bytes are the same either way."""
+    from quantize.methods import tuning
+    from quantize.methods.units import Result
+
+    kw = {**AR, "min_expert_tokens": 50, "init": "gptq"}
+    convert(top4, tmp_path / "a", **kw)
+    starved = [f["name"] for x in method_layers(tmp_path / "a") for f in x["fallbacks"] if ".experts." in f["name"]]
+    assert len(starved) == 21  # experts 1, 3, 5, 7 of layer 1 and 1, 3, 4 of layer 2, 3 weights each
+
+    def method(out):
+        tensors = json.loads((out / "quantize_manifest.json").read_text())["tensors"]
+        return {t["name"].removesuffix(".weight"): t["method"] for t in tensors}
+
+    assert {method(tmp_path / "a")[n] for n in starved} == {"rtn"}
+    real = tuning.expert_starts
+
+    def gptq_ran_all(*a):
+        results, optimum = real(*a)
+        return {k: Result(r.codes, r.scale, "gptq") for k, r in results.items()}, optimum
+
+    monkeypatch.setattr(tuning, "expert_starts", gptq_ran_all)
+    convert(top4, tmp_path / "b", **kw)
+    assert weights_only(tmp_path / "b") == weights_only(tmp_path / "a")
+    assert not [f for x in method_layers(tmp_path / "b") for f in x["fallbacks"] if ".experts." in f["name"]]
+    assert {method(tmp_path / "b")[n] for n in starved} == {"gptq"}
+
+
 def test_a_rank_reads_and_holds_only_its_own_experts(tiny):
     """Rank 1 of 2 (``World.owned``: experts 4-7 of 8) reads those experts, one at a time within a
     budget of one, and its training state holds them and no other."""

@@ -6,8 +6,8 @@ in codes beside it, which ``tuning.Tuned.start_at`` turns into the trained param
 - The Linear units, and a layer built whole (``gptq_start``): on rank 0, which holds every sample.
 - A MoE layer's streamed routed experts (``expert_starts``): on every rank, for the experts it owns
   and trains (``World.owned``). The experts' inputs through the source layer (rank 0's capture, the
-  one ``--method gptq`` takes its expert Hessians from) go to every rank a slice at a time
-  (``streamed._all_captures``); each rank then reads its experts a group at a time within
+  one ``--method gptq`` takes its expert Hessians from) go to every other rank a slice at a time
+  (``_from_rank0``); each rank then reads its experts a group at a time within
   --memory-budget-gib and runs ``streamed._group_gptq`` on them: the same sums in the same sample
   order as ``--method gptq`` on one process, so ``--iters 0`` writes ``--method gptq``'s bytes for
   any number of ranks. Only the captures travel (tokens x hidden per sample, once per layer), not the
@@ -56,17 +56,53 @@ def gptq_start(x, module, units: list[Unit], **replay) -> tuple[dict, dict]:
     return results, optimum
 
 
+def _from_rank0(world, cap, fwd, i: int):
+    """Rank 0's capture (every sample) on every rank: rank 0 keeps its own and broadcasts it a slice
+    at a time (at most ``streamed._exchange_limit`` bytes per collective, one sample at least); the
+    others store it on their budget (their scratch folder beyond it)."""
+    from .forward import Captured
+    from .store import HiddenStore
+    from .streamed import _exchange_limit, _nbytes
+
+    limit = _exchange_limit(fwd)
+    mine = world.rank == 0
+    full = cap if mine else Captured(HiddenStore(fwd.budget, fwd.spill, f"xs-{i}"))
+    s, held, more = 0, None, True
+    while more:
+        msg = None
+        if mine:
+            items, n = [], 0
+            while s < len(cap):
+                r = held or (cap.hidden[s], cap.index[s], cap.weights[s])
+                held = None
+                if items and n + _nbytes(r[0]) > limit:
+                    held = r  # the next slice's first sample, already read
+                    break
+                items.append(r)
+                n += _nbytes(r[0])
+                s += 1
+            msg = (items, s < len(cap))
+        items, more = world.broadcast(msg, f"layer {i} routed experts' inputs (--init gptq)", src=0)
+        if not mine:
+            for hidden, index, weights in items:
+                full.hidden.append(hidden)
+                full.index.append(index)
+                full.weights.append(weights)
+        del items
+    return full
+
+
 def expert_starts(world, fwd, stand, i: int, units: list[Unit], opt, cap) -> tuple[dict, dict]:
     """Every rank (each calls it in turn): GPTQ's result for the routed experts of layer ``i`` this
     rank owns (``units``: the layer's; ``cap``: what the router handed the experts through the
-    source layer, every sample on rank 0 and none elsewhere; cleared here). Returns (per unit key
-    its result on the CPU, and for the units GPTQ ran each weight's optimum in codes), as
-    ``gptq_start`` does."""
+    source layer, every sample, on rank 0; None elsewhere; cleared here). Returns (per unit key its
+    result on the CPU, and for the units GPTQ ran each weight's optimum in codes), as ``gptq_start``
+    does."""
     from .gptq import Hessians
-    from .streamed import _all_captures, _exchange_limit, _group_gptq, per_expert_bytes
+    from .streamed import _group_gptq, per_expert_bytes
 
     if world.size > 1:
-        (cap,), *_ = _all_captures(world, [cap], fwd, i, _exchange_limit(fwd))
+        cap = _from_rank0(world, cap, fwd, i)
     gptq, with_defaults = _gptq_options(opt)
     by_expert: dict[int, list[Unit]] = {}
     for u in units:

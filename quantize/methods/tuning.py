@@ -122,7 +122,7 @@ def check_memory(streamer, device: str, world, free: int | None = None, copies: 
 
 V_RANGE = 0.5
 CLIP_RANGE = (0.5, 1.0)
-HALF = 0.49  # a start's quotient lies within this of its code (``Tuned._start``)
+HALF = 0.49  # a start's quotient lies within this of its code (``Tuned.start_at``)
 # a last-step loss this many times the first one: diverging (the bounded parameters cannot get there by noise)
 DIVERGED = 100.0
 SEED = 20240
@@ -316,7 +316,7 @@ class Owned:
                     t.start_at(j, codes, scale, optimum)
             del w
         del src, gate_up, down
-        # starved experts keep their RTN initialisation (their updates are masked)
+        # starved experts keep their start (RTN, or --init gptq's), their updates masked
         self.starved: set[str] = set()
         for u in self.units:
             if not opt.all_experts and routed.get((u.module, u.expert), 0) < opt.min_expert_tokens:
@@ -394,10 +394,16 @@ class Tuning:
         layer.requires_grad_(False)
         self.own = Owned(streamer, i, units, opt, routed, world.owned(stand.num_experts), device, start) \
             if stand is not None else None
-        self.moved = None  # --init gptq on streamed experts: every rank's experts' moved scales, on rank 0
+        # --init gptq on streamed experts, on rank 0: every rank's experts' moved scales, and what each starved
+        # expert keeps (its start's method: GPTQ's, or RTN where GPTQ too had too few tokens)
+        self.moved, self.kept = None, {}
         if start is not None:
-            got = world.gather(self.own.moved, f"layer {i} AutoRound experts' start", to=0)
-            self.moved = sum(got) if got is not None else None
+            got = world.gather((self.own.moved, {k: self.own.how.get(k, "rtn") for k in self.own.starved}),
+                               f"layer {i} AutoRound experts' start", to=0)
+            if got is not None:
+                self.moved = sum(m for m, _ in got)
+                for _, kept in got:
+                    self.kept.update(kept)
         self.best = self._snapshot()
 
     def _snapshot(self) -> list:
@@ -735,18 +741,15 @@ def train(fwd, layer, stand, x, routed: dict, start: tuple[dict, dict] | None = 
                     if start else ():
                 t.start_at(j, codes, scale, optimum)
     how = {k: r.how for k, r in start[0].items()} if start else {}  # what a starved unit keeps: its start
-    starved: set[str] = set()
+    starved: dict[str, int] = {}  # unit key -> the tokens the router sent it
     for u in x.units:
         if u.expert is None or opt.all_experts or u.key in starved:
             continue
         c = routed.get((u.module, u.expert), 0)
         if c < opt.min_expert_tokens:
-            starved.add(u.key)
+            starved[u.key] = c
             if u.path in tuned:  # a fused parameter of a layer built whole
                 tuned[u.path].mask[u.expert] = 0
-            for name, _, _ in u.names:
-                x.fallbacks.append({"name": name, "reason": f"{c} routed calibration tokens < --min-expert-tokens "
-                                                            f"{opt.min_expert_tokens}"})
     if world.size > 1:  # the other ranks build this layer and compute their share of each step (tune_rank)
         world.broadcast(("autoround", {"layer": i, "units": x.units, "options": opt, "routed": routed,
                                        "workers": fwd.workers, "budget": fwd.streamer.expert_budget,
@@ -756,6 +759,12 @@ def train(fwd, layer, stand, x, routed: dict, start: tuple[dict, dict] | None = 
     tuning = Tuning(world, fwd.streamer, fwd.ctx, layer, stand, i, x.units, opt, routed, fwd.device, fwd.pool,
                     fwd.workers, own_start)
     del own_start
+    kept = how | tuning.kept
+    for u in x.units:  # a starved unit keeps its start: an RTN fallback, named, unless it is GPTQ's result
+        if u.key in starved and kept.get(u.key, "rtn") == "rtn":
+            for name, _, _ in u.names:
+                x.fallbacks.append({"name": name, "reason": f"{starved[u.key]} routed calibration tokens < "
+                                                            f"--min-expert-tokens {opt.min_expert_tokens}"})
     report = _train(world, tuning, x, tuned, layer, rtn_start=not (start or expert_cap is not None))
     if start or expert_cap is not None:
         report["moved_scales"] = sum(t.moved for t in tuned.values()) + (tuning.moved or 0)
@@ -798,12 +807,11 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
                              replay=v.acc)
     put(None)
     start = cap_s = None
-    if opt.init == "gptq":  # the source layer's statistics, as --method gptq takes them
-        if linear:  # the Linear units' inputs do not depend on the routed experts' outputs
-            start = gptq_start(x, layer, linear, stand=stand, replay=v.acc)
-        if by_expert:
-            cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i)
+    if opt.init == "gptq" and linear:  # the source layer's statistics, as --method gptq takes them (the Linear
+        start = gptq_start(x, layer, linear, stand=stand, replay=v.acc)  # units' do not depend on the experts')
     v.acc.clear()
+    if opt.init == "gptq" and by_expert:
+        cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i)
     results, own, report = train(fwd, layer, stand, x, routed, start, cap_s)
     put(results)
     cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
@@ -835,8 +843,8 @@ def tune_rank(world, streamer, layer, job: dict, device: str, spill=None) -> Non
     stream_experts=job["stream"])``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .forward import Captured, Forward
-    from .store import Budget, HiddenStore
+    from .forward import Forward
+    from .store import Budget
 
     i, opt = job["layer"], job["options"]
     streamer.expert_budget = job["budget"]
@@ -847,8 +855,7 @@ def tune_rank(world, streamer, layer, job: dict, device: str, spill=None) -> Non
         start = None
         if job.get("expert_start"):
             fwd = Forward(streamer, ctx, pool, job["workers"], device, Budget(job["memory"]), spill)
-            start = expert_starts(world, fwd, stand, i, job["units"], opt,
-                                  Captured(HiddenStore(fwd.budget, spill, f"xs-{i}")))
+            start = expert_starts(world, fwd, stand, i, job["units"], opt, None)
         tuning = Tuning(world, streamer, ctx, layer, stand, i, job["units"], opt, job["routed"], device, pool,
                         job["workers"], start)
         del start
