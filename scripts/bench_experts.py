@@ -9,7 +9,8 @@ ranks 1536/512, block FP8 weights as DeepSeek ships them (128x128 ``weight_scale
 process (peak RSS = its VmHWM; GPTQ with --min-expert-tokens 0, so that every expert of the 32
 calibration tokens runs GPTQ; AutoRound 2 steps of 2 samples, ``autoround-N`` as N ranks on gloo,
 ``autoround-gptq-N`` the same from GPTQ's start, peak RSS the largest rank's). ``--before PATH`` runs
-the same command with another checkout of this tool on PYTHONPATH (e.g. a worktree at an older commit), side by side. Not a test.
+the same command with another checkout of this tool on PYTHONPATH (e.g. a worktree at an older commit),
+side by side. Not a test.
 
     python scripts/bench_experts.py [--experts 16 64] [--layers 2]
                                     [--commands calibrate-kv gptq autoround-1 autoround-2 autoround-gptq-1]
