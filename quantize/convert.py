@@ -410,11 +410,14 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
             )
             fds: dict = {}
             try:
+                phases: dict[str, float] = {}
                 with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
                     done_bytes = _execute(
-                        plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache, acts
+                        plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache, acts,
+                        phases
                     )
                 ct.result()  # the config and its check, before anything presents the output as complete
+                kernels = {**kernels, "workers": workers, "phase_seconds": phases}
                 _finish(plan, src, o, sides, ident, t0, kernels, emit, cache.report if cache is not None else None,
                         acts)
             except BaseException as e:
@@ -528,12 +531,25 @@ def sglang_expert(job: Job, tensors: list, acts) -> list[torch.Tensor]:
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def _timed_job(*args):
+    t = time.perf_counter()
+    got = compute_job(*args)
+    return got, time.perf_counter() - t
+
+
 def _execute(
-    plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu", cache=None, acts=None
+    plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu", cache=None, acts=None,
+    phases: dict | None = None,
 ) -> int:
     """Workers compute ahead inside a bounded window; this thread writes in plan order; a
     committer thread makes each finished shard durable (fsync, rename) and records it while the
-    next shard is being computed and written."""
+    next shard is being computed and written. ``phases`` gets where the time went, in seconds
+    (what a slow run is bound by): ``compute`` (the workers' conversions, summed over them),
+    ``wait`` (this thread waiting for the next result), ``write`` (this thread's writes, copies and
+    hashing), ``commit`` (fsync and rename, on the committer thread, beside the rest)."""
+    phases = {} if phases is None else phases
+    phases.update({"compute": 0.0, "wait": 0.0, "write": 0.0, "commit": 0.0})
+    clock = time.perf_counter
     window = 2 * workers
     jobs = [(si, j) for si, s in enumerate(todo) for j in s.jobs]
     pending: deque[tuple[int, Job, Future | None]] = deque()
@@ -546,13 +562,15 @@ def _execute(
                 return
             si, j = nxt
             fut = (
-                pool.submit(compute_job, j, src, options, fds, device, cache)
+                pool.submit(_timed_job, j, src, options, fds, device, cache)
                 if j.kind in ("int4", "dequant", "fp8", "transcode") else None
             )
             pending.append((si, j, fut))
 
     def commit(writer: StreamWriter, shard, sha: str, stats: list[dict]) -> None:
+        t = clock()
         writer.commit()
+        phases["commit"] += clock() - t
         output.mark_done(shard.file, sha, writer.bytes_written, stats)
         emit({"event": "shard", "file": shard.file, "bytes": writer.bytes_written, "sha256": sha})
 
@@ -569,14 +587,21 @@ def _execute(
                     psi, job, fut = pending.popleft()
                     assert psi == si
                     if fut is None:  # copy / keep_fp8 / pass_int4: stream bytes, no tensor in memory
+                        t0 = clock()
                         for ref, entry in zip(job.inputs, job.outputs):
                             _copy_checked(writer, entry.name, cached_fd(fds, src / ref.file), ref, copy_buf)
+                        phases["write"] += clock() - t0
                     else:
-                        tensors, st = fut.result()
+                        t0 = clock()
+                        (tensors, st), took = fut.result()
+                        t1 = clock()
+                        phases["wait"] += t1 - t0
+                        phases["compute"] += took
                         if acts is not None and job.kind in ("int4", "transcode"):
                             tensors = sglang_expert(job, tensors, acts)
                         for entry, t in zip(job.outputs, tensors):
                             writer.write_tensor(entry.name, t)
+                        phases["write"] += clock() - t1
                         if st:
                             stats.append(st)
                     done_bytes += job.in_bytes
@@ -604,6 +629,8 @@ def _execute(
             commits.append(committer.submit(commit, writer, shard, sha, stats))
         for c in commits:
             c.result()
+    for k in ("compute", "wait", "write", "commit"):
+        phases[k] = round(phases[k], 3)
     return done_bytes
 
 

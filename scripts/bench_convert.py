@@ -92,9 +92,10 @@ def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 
 
 
 RUNNER = r"""
-import json, resource, sys, time
+import json, os, resource, sys, time
 t0 = time.time()
 kind, src, out = sys.argv[1], sys.argv[2], sys.argv[3]
+extra = {}
 if kind == "floor":
     import os
     from pathlib import Path
@@ -110,6 +111,8 @@ if kind == "floor":
 elif kind == "quantize":
     from quantize.convert import convert
     convert(src, out, group_size=32)
+    m = json.load(open(os.path.join(out, "quantize_manifest.json")))
+    extra = {"own_seconds": m["seconds"], "kernels": m["kernels"]}
 elif kind == "model_free_ptq":
     import torch
     from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
@@ -122,7 +125,7 @@ elif kind == "model_free_ptq":
                    converter=FP8BlockDequantizer(ignore=["re:.*mlp\\.gate$", "re:.*layernorm.*"]), max_workers=2,
                    device="cpu")
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
-print(json.dumps({"seconds": time.time() - t0, "peak_rss": int(hwm) * 1024}))
+print(json.dumps({"seconds": time.time() - t0, "peak_rss": int(hwm) * 1024, **extra}))
 """
 
 
@@ -165,6 +168,14 @@ def main() -> None:
     print(f"\nquantize / floor throughput: {res['floor']['seconds'] / q:.2f}")
     if "model_free_ptq" in res:
         print(f"quantize / model_free_ptq throughput: {res['model_free_ptq']['seconds'] / q:.1f}x")
+    r = res["quantize"]
+    k, ph = r["kernels"], r["kernels"]["phase_seconds"]
+    why = f" ({k['reason']})" if k.get("reason") else ""
+    print(f"quantize, where the time went: {q - r['own_seconds']:.1f} s start-up (imports) and "
+          f"{r['own_seconds']:.1f} s converting; {k['path']} kernels{why}, {k['workers']} workers computing "
+          f"{ph['compute']:.1f} s in all ({ph['compute'] / k['workers']:.1f} s each); the writer thread writing "
+          f"and hashing {ph['write']:.1f} s, waiting for results {ph['wait']:.1f} s; fsync and rename "
+          f"{ph['commit']:.1f} s beside them")
     for k in ("floor", "quantize", "mfp"):
         shutil.rmtree(a.work / k, ignore_errors=True)
     if not a.keep:

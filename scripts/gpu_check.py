@@ -76,6 +76,20 @@ def _tail(text: str, n: int = 1) -> str:
     return " | ".join(lines[-n:])[:300] if lines else ""
 
 
+def _where(out: Path) -> str:
+    """Where an RTN convert's time went, from its manifest (``kernels``: the path and the shard phase's
+    ``phase_seconds``): what the node's CPU side is bound by."""
+    try:
+        m = json.loads((out / "quantize_manifest.json").read_text())
+        k, ph = m["kernels"], m["kernels"]["phase_seconds"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"no phase figures ({type(e).__name__})"
+    why = f" ({k['reason']})" if k.get("reason") else ""
+    return (f"own {m['seconds']:.1f} s, {k['path']} kernels{why}: {k['workers']} workers compute {ph['compute']:.1f} s "
+            f"in all, writer {ph['write']:.1f} s writing and hashing, {ph['wait']:.1f} s waiting, commit "
+            f"{ph['commit']:.1f} s")
+
+
 def _quantize(*args) -> list[str]:
     return [sys.executable, "-m", "quantize.cli", *map(str, args)]
 
@@ -169,8 +183,8 @@ def main() -> int:
                                                 f"FAIL rc {rc}: {_tail(text)}"), sec)
         rc, sec, text = c.run("rtn cpu", _quantize("convert", src, a.work / "rtn-cpu", "--json"), 120)
         if rc is not None:
-            c.row("convert RTN --device cpu", f"{disk / sec / 1e9:.3f} GB/s of source" if rc == 0 else
-                  f"FAIL rc {rc}: {_tail(text)}", sec)
+            c.row("convert RTN --device cpu", f"{disk / sec / 1e9:.3f} GB/s of source; {_where(a.work / 'rtn-cpu')}"
+                  if rc == 0 else f"FAIL rc {rc}: {_tail(text)}", sec)
         shutil.rmtree(a.work / "rtn-cpu", ignore_errors=True)
 
         # 6. two ranks over NCCL, where two GPUs exist

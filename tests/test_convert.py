@@ -127,6 +127,31 @@ def test_deterministic_across_worker_counts(tiny, tmp_path):
     assert a == b
 
 
+def test_manifest_says_where_the_shard_phase_went(tiny, tmp_path, monkeypatch):
+    """The manifest's ``kernels`` records the workers and the shard phase's seconds (what a slow node is
+    bound by: the workers' conversions, the writer's writes, its waits, the commits). The workers'
+    ``compute`` is their conversions' time summed: with each conversion made to take 20 ms or more, it
+    is at least 20 ms x the INT4 tensors the manifest counts (the oracle; one worker's share alone, or
+    the wall, would be about half); the writer waits for them, so ``wait`` grows."""
+    import time
+
+    from quantize import convert as C
+
+    src = tiny("glm_moe_dsa")
+    convert(src, tmp_path / "a", workers=2)
+    m = json.loads((tmp_path / "a" / "quantize_manifest.json").read_text())
+    k = m["kernels"]
+    assert k["workers"] == 2 and set(k["phase_seconds"]) == {"compute", "wait", "write", "commit"}
+    assert all(v >= 0 for v in k["phase_seconds"].values())
+    real = C.compute_job
+    monkeypatch.setattr(C, "compute_job", lambda *a: (time.sleep(0.02), real(*a))[1])
+    convert(src, tmp_path / "b", workers=2)
+    slow = json.loads((tmp_path / "b" / "quantize_manifest.json").read_text())["kernels"]["phase_seconds"]
+    n = len(m["tensors"])
+    assert n > 10 and slow["compute"] >= 0.02 * n
+    assert slow["wait"] > k["phase_seconds"]["wait"]
+
+
 def test_mse_observer_lowers_weight_error_and_reports_it(converted):
     mm = json.loads((converted("glm_moe_dsa", group_size=32) / "quantize_manifest.json").read_text())
     ms = json.loads((converted("glm_moe_dsa", group_size=32, observer="mse") / "quantize_manifest.json").read_text())
