@@ -25,7 +25,7 @@ from pathlib import Path
 HIDDEN, MOE_I, KV_A = 6144, 2048, 576
 
 
-def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 0) -> int:
+def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 0, codes: str = "vendor") -> int:
     import torch
     from safetensors.torch import save_file
 
@@ -35,6 +35,10 @@ def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 
     g = torch.Generator().manual_seed(seed)
 
     def fp8(shape):
+        if codes == "uniform":  # every finite e4m3 code equally likely: 1/16 of them subnormal
+            raw = torch.randint(0, 0x7E, shape, generator=g, dtype=torch.uint8)
+            sign = torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7
+            return (raw | sign).view(torch.float8_e4m3fn)
         # codes as a vendor's block quantization makes them: Gaussian weights, each block's extreme near
         # e4m3's 448, so subnormal codes are rare (uniformly random codes are 1/16 subnormal, whose
         # fp32 arithmetic costs the CPU a microcode assist each: 3.4x the conversion time measured)
@@ -150,11 +154,14 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("bench-out"))
     ap.add_argument("--skip-baseline", action="store_true", help="skip model_free_ptq (slow)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint between runs")
+    ap.add_argument("--codes", choices=("vendor", "uniform"), default="vendor",
+                    help="FP8 codes as a vendor's block quantization makes them (default), or uniformly random "
+                         "(1/16 subnormal: what the conversion costs on a source full of tiny values)")
     a = ap.parse_args()
     src = a.work / "src"
     if not (src / "config.json").exists():
         t = time.time()
-        total = make_checkpoint(src, a.gb)
+        total = make_checkpoint(src, a.gb, codes=a.codes)
         print(f"made {total / 1e9:.2f} GB synthetic FP8 checkpoint in {time.time() - t:.0f} s")
     total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     res = {"floor": run("floor", src, a.work / "floor")}

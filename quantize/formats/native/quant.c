@@ -95,17 +95,22 @@ static inline float rbf_nn(float f) {
 }
 
 /* float8_e4m3fn -> fp32 exactly, vectorizable: normal 2^(e-7)(1+m/8), subnormal m*2^-9, 0x7F/0xFF NaN.
- * Relies on fp32 subnormals not being flushed (no -ffast-math, FTZ/DAZ off): tested for all 256 codes. */
+ * No fp32 subnormal is formed or operated on: arithmetic on one costs a microcode assist on many x86
+ * cores (a source of uniformly random codes, 1/16 of them subnormal, converted 3.4x slower per element).
+ * A normal code's fp32 bits are built directly (its exponent rebiased by 127 - 7 = 120); a subnormal code
+ * (or zero) is decoded as if its exponent were 1, 2^-6 (1 + m/8), and 2^-6 taken off: m * 2^-9, exact.
+ * The 2^-6 (or 0) is made from its bits: an int-to-float conversion here keeps gcc from vectorizing the
+ * loop. Sign and NaN patched in. Tested for all 256 codes. */
 static inline float fp8_dec(uint8_t c) {
-    /* magnitude: reinterpret e.m as the top bits of an fp32 with exponent bias 127, then scale by
-       2^(127-7) = 2^120 (exact: subnormals become normal fp32); sign and NaN patched in */
     int32_t cc = c;
-    fu32 mag, out;
-    mag.u = (uint32_t)(cc & 0x7F) << 20;
-    out.f = mag.f * 1.329227995784916e36f; /* 2^120 */
-    out.u |= (uint32_t)(cc & 0x80) << 24;
-    out.u = (cc & 0x7F) == 0x7F ? 0x7FC00000u : out.u;
-    return out.f;
+    uint32_t sub = 1u - ((((uint32_t)cc >> 3 & 15u) + 15u) >> 4); /* 1 for exponent bits 0, else 0 */
+    fu32 x, k;
+    x.u = ((uint32_t)(cc & 0x7F) << 20) + ((120u + sub) << 23);
+    k.u = sub * 0x3C800000u; /* 2^-6, or +0 */
+    x.f -= k.f;
+    x.u |= (uint32_t)(cc & 0x80) << 24;
+    x.u = (cc & 0x7F) == 0x7F ? 0x7FC00000u : x.u;
+    return x.f;
 }
 
 #define MAXK 65536
