@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .units import Result, Unit
+from .units import Result, Unit, by_expert
 
 
 def _gptq_options(opt):
@@ -104,16 +104,13 @@ def expert_starts(world, fwd, stand, i: int, units: list[Unit], opt, cap) -> tup
     if world.size > 1:
         cap = _from_rank0(world, cap, fwd, i)
     gptq, with_defaults = _gptq_options(opt)
-    by_expert: dict[int, list[Unit]] = {}
-    for u in units:
-        if u.expert is not None:
-            by_expert.setdefault(u.expert, []).append(u)
+    experts = by_expert(units)
     hooks = Hessians(None, [], opt.all_experts, len(cap))
     streamer = fwd.streamer
     results: dict[str, Result] = {}
     optimum: dict = {}
     for g in streamer.expert_groups(per_expert_bytes(streamer, True), world.owned(stand.num_experts)):
-        us = [u for e in g for u in by_expert.get(e, ())]
+        us = [u for e in g for u in experts.get(e, ())]
         if not us:
             continue
         gate_up, down = streamer.expert_weights(i, g, fwd.device)

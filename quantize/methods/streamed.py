@@ -30,7 +30,7 @@ from ..calibrate.experts import accumulate, expert_bytes
 from .base import Layer
 from .forward import Captured, in_order
 from .store import HiddenStore
-from .units import Result, Unit, cross_key, dequant, install, rtn, split
+from .units import Result, Unit, by_expert, cross_key, dequant, install, rtn, split
 
 FP32 = 4
 
@@ -321,10 +321,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     opt, i = x.options, x.index
     world = fwd.world
     linear = [u for u in x.units if u.expert is None]
-    by_expert: dict[int, list[Unit]] = {}
-    for u in x.units:
-        if u.expert is not None:
-            by_expert.setdefault(u.expert, []).append(u)
+    experts = by_expert(x.units)
     phases = Phases(fwd.device)
     hooks = Hessians(layer, linear, opt.all_experts, fwd.total or len(x.hidden), x.paired)
     try:
@@ -349,7 +346,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     phases.lap("capture")
     caps = (cap_s, cap_r, cap_q)
     if world is not None and world.size > 1:
-        accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert, x, write_group,
+        accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, experts, x, write_group,
                               reference=not x.source_target)
         phases.lap("experts")  # the routed experts' phases and the exchanges between ranks together
     else:
@@ -359,7 +356,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
         def group_step(g, gate_up, down):
             cur.clear()
             cur_rtn.clear()
-            us = [u for e in g for u in by_expert.get(e, ())]
+            us = [u for e in g for u in experts.get(e, ())]
             if not us:
                 return
             res, init = _group_gptq(method, streamer, hooks, g, gate_up, down, us, cap_s, opt, fwd, x.fallbacks,
@@ -368,8 +365,8 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
             cur_rtn.update(init)
             write_group(g.start, *_tensors(us, res))
 
-        variants = [Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), by_expert)),
-                    Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))]
+        variants = [Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), experts)),
+                    Variant(cap_q, with_results(lambda u: cur.get(u.key), experts))]
         if not x.source_target:  # the source weights' outputs: the reference (--asym has its own, the targets)
             variants.insert(0, Variant(cap_s, source_weights))
         run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True, hooks.pairs),

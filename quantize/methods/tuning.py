@@ -56,7 +56,7 @@ from .base import Step
 from .forward import Context, call_layer, in_order
 from .start import expert_starts, gptq_start, start_of
 from .streamed import Variant, _tensors, per_expert_bytes, put_linear, run_groups, with_results
-from .units import Result, Unit, dequant, rtn
+from .units import Result, Unit, by_expert, dequant, rtn
 
 
 # fp32 copies of its routed experts' weights a rank holds while AutoRound trains a MoE layer (the
@@ -612,14 +612,6 @@ def _send_results(world, streamer, stand, results: dict[str, Result], by_expert:
         world.gather(payload, f"layer {i} AutoRound experts' results", to=0)
 
 
-def _by_expert(units: list[Unit]) -> dict[int, list[Unit]]:
-    out: dict[int, list[Unit]] = {}
-    for u in units:
-        if u.expert is not None:
-            out.setdefault(u.expert, []).append(u)
-    return out
-
-
 def _rtn_weights(by_expert: dict[int, list[Unit]], opt):
     """A variant's weights (``streamed.Variant``): the group's experts at RTN on the method's grid."""
 
@@ -787,7 +779,7 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
     opt, i = x.options, x.index
     world = distributed.current()
     linear = [u for u in x.units if u.expert is None]
-    by_expert = _by_expert(x.units)
+    experts = by_expert(x.units)
 
     def put(res):
         put_linear(layer, linear, x.originals, res, fwd.device)
@@ -800,7 +792,7 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
         idx = cap.index[s]
         for key in routed:
             routed[key] += int((idx == key[1]).any(-1).sum())
-    v = Variant(cap, _rtn_weights(by_expert, opt))
+    v = Variant(cap, _rtn_weights(experts, opt))
     run_groups(streamer, fwd, i, stand, [v], per_expert_bytes(streamer, False))
     cap.clear()
     _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
@@ -810,7 +802,7 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
     if opt.init == "gptq" and linear:  # the source layer's statistics, as --method gptq takes them (the Linear
         start = gptq_start(x, layer, linear, stand=stand, replay=v.acc)  # units' do not depend on the experts')
     v.acc.clear()
-    if opt.init == "gptq" and by_expert:
+    if opt.init == "gptq" and experts:
         cap_s = fwd.capture(layer, stand, x.hidden, x.topk, i)
     results, own, report = train(fwd, layer, stand, x, routed, start, cap_s)
     put(results)
@@ -819,15 +811,15 @@ def stream_step(streamer, fwd, layer, stand, x, write_group):
 
     def receive(g, gate_up, down):
         owner = distributed.owner_of(g.start, stand.num_experts, world.size)
-        mine = {u.key: own[u.key] for e in g for u in by_expert.get(e, ())} if owner == 0 else None
+        mine = {u.key: own[u.key] for e in g for u in experts.get(e, ())} if owner == 0 else None
         got = world.gather(mine, f"layer {i} AutoRound experts' results", to=0)
         cur.clear()
         cur.update(got[owner])
-        us = [u for e in g for u in by_expert.get(e, ())]
+        us = [u for e in g for u in experts.get(e, ())]
         if us:
             write_group(g.start, *_tensors(us, cur))
 
-    vq = Variant(cap_q, with_results(lambda u: cur.get(u.key), by_expert))
+    vq = Variant(cap_q, with_results(lambda u: cur.get(u.key), experts))
     run_groups(streamer, fwd, i, stand, [vq], per_expert_bytes(streamer, False), before_outputs=receive,
                groups=_write_groups(streamer, stand.num_experts, world.size))
     cap_q.clear()
@@ -876,4 +868,4 @@ def tune_rank(world, streamer, layer, job: dict, device: str, spill=None) -> Non
             tuning.update(upd["best"], upd["lr"])
         own = tuning.results()
     if stand is not None:
-        _send_results(world, streamer, stand, own, _by_expert(job["units"]), i)
+        _send_results(world, streamer, stand, own, by_expert(job["units"]), i)

@@ -55,6 +55,15 @@ class Result:
     how: str  # "gptq" | "autoround" | "rtn"
 
 
+def by_expert(units: list[Unit]) -> dict[int, list[Unit]]:
+    """The routed experts' units by expert index (the Linear units left out)."""
+    out: dict[int, list[Unit]] = {}
+    for u in units:
+        if u.expert is not None:
+            out.setdefault(u.expert, []).append(u)
+    return out
+
+
 def param(layer: torch.nn.Module, unit: Unit) -> torch.Tensor:
     p = layer.get_parameter(unit.path)
     return p if unit.expert is None else p[unit.expert]
