@@ -62,33 +62,18 @@ def _from_rank0(world, cap, fwd, i: int):
     others store it on their budget (their scratch folder beyond it)."""
     from .forward import Captured
     from .store import HiddenStore
-    from .streamed import _exchange_limit, _nbytes
+    from .streamed import _exchange_limit, _nbytes, broadcast_slices
 
-    limit = _exchange_limit(fwd)
     mine = world.rank == 0
     full = cap if mine else Captured(HiddenStore(fwd.budget, fwd.spill, f"xs-{i}"))
-    s, held, more = 0, None, True
-    while more:
-        msg = None
-        if mine:
-            items, n = [], 0
-            while s < len(cap):
-                r = held or (cap.hidden[s], cap.index[s], cap.weights[s])
-                held = None
-                if items and n + _nbytes(r[0]) > limit:
-                    held = r  # the next slice's first sample, already read
-                    break
-                items.append(r)
-                n += _nbytes(r[0])
-                s += 1
-            msg = (items, s < len(cap))
-        items, more = world.broadcast(msg, f"layer {i} routed experts' inputs (--init gptq)", src=0)
+    for items in broadcast_slices(world, 0, len(cap) if mine else 0,
+                                  lambda s: (cap.hidden[s], cap.index[s], cap.weights[s]), lambda r: _nbytes(r[0]),
+                                  _exchange_limit(fwd), f"layer {i} routed experts' inputs (--init gptq)"):
         if not mine:
             for hidden, index, weights in items:
                 full.hidden.append(hidden)
                 full.index.append(index)
                 full.weights.append(weights)
-        del items
     return full
 
 

@@ -416,6 +416,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def broadcast_slices(world, o: int, count: int, read, nbytes, limit: int, what: str):
+    """Rank ``o``'s items ``read(0 .. count - 1)`` (``count`` matters on ``o`` alone) broadcast to every
+    rank, a slice of consecutive items at a time (at most ``limit`` bytes by ``nbytes(item)`` per
+    collective, one item at least): yields each slice's items, on every rank, until ``o`` has sent them all."""
+    s, held, more = 0, None, True
+    while more:
+        msg = None
+        if world.rank == o:
+            items, n = [], 0
+            while s < count:
+                r = held or read(s)
+                b = nbytes(r)
+                held = None
+                if items and n + b > limit:
+                    held = r  # the next slice's first item, already read
+                    break
+                items.append(r)
+                n += b
+                s += 1
+            msg = (items, s < count)
+        items, more = world.broadcast(msg, what, src=o)
+        yield items
+
+
 def _all_captures(world, caps, fwd, i: int, limit: int):
     """Every rank's samples' captures (``caps``: source, RTN, quantized Linear units) on every rank,
     in sample order (rank by rank), sent by each rank a slice at a time (at most ``limit`` bytes
@@ -428,25 +452,14 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
                      HiddenStore(fwd.budget, fwd.spill, f"xs-{i}") if v == 0 and src is not None else None)
             for v in range(len(caps))]
     shapes, sizes, topk = [], [], []
+
+    def read(s: int) -> list:
+        return [(c.hidden[s], c.index[s], c.weights[s]) for c in caps] + (
+            [(src[s], None, None)] if src is not None else [])
+
     for o in range(world.size):
-        s, held, more = 0, None, True
-        while more:
-            msg = None
-            if world.rank == o:
-                items, n = [], 0
-                while s < len(caps[0]):
-                    r = held or [(c.hidden[s], c.index[s], c.weights[s]) for c in caps] + (
-                        [(src[s], None, None)] if src is not None else [])
-                    b = sum(_nbytes(x[0]) for x in r)
-                    held = None
-                    if items and n + b > limit:
-                        held = r  # the next slice's first sample, already read
-                        break
-                    items.append(r)
-                    n += b
-                    s += 1
-                msg = (items, s < len(caps[0]))
-            items, more = world.broadcast(msg, f"layer {i} routed experts' inputs from rank {o}", src=o)
+        for items in broadcast_slices(world, o, len(caps[0]), read, lambda r: sum(_nbytes(x[0]) for x in r), limit,
+                                      f"layer {i} routed experts' inputs from rank {o}"):
             for r in items:
                 for v, (hidden, index, weights) in enumerate(r[:len(full)]):
                     full[v].hidden.append(hidden)
