@@ -832,7 +832,8 @@ def test_autoround_start_puts_every_code_where_the_start_has_it(source_dtype):
     ext = rng.gather(-1, rng.abs().argmax(-1, keepdim=True)).squeeze(-1)
     assert torch.equal(((ext.float() * p).to(torch.bfloat16).float() / -8).to(torch.bfloat16), scale)
     codes = torch.randint(-8, 8, (48, 256), generator=g, dtype=torch.int8)  # any codes: GPTQ's are its own
-    t = Tuned("x", w, 32, True, torch.bfloat16, (codes, scale))  # nothing rounded given: own fractions
+    t = Tuned("x", w, 32, True, torch.bfloat16)
+    t.start_at(Ellipsis, codes, scale)  # nothing rounded given: own fractions
     q, s = t.final()
     assert torch.equal(q, codes)
     if source_dtype == torch.bfloat16:
@@ -849,7 +850,8 @@ def test_autoround_start_puts_every_code_where_the_start_has_it(source_dtype):
     rounded = codes.float() + torch.rand(48, 256, generator=g) * 0.98 - 0.49
     rounded[1, :4] = codes[1, :4].float() + torch.tensor([0.7, -0.9, 0.5, -0.5])
     rounded[0, :32] = float("nan")
-    t2 = Tuned("x", w, 32, True, torch.bfloat16, (codes, scale, rounded))
+    t2 = Tuned("x", w, 32, True, torch.bfloat16)
+    t2.start_at(Ellipsis, codes, scale, rounded)
     assert torch.equal(t2.final()[0], codes)
     x = (c + t2.off).view(48, 256)
     assert torch.allclose(x[1, :4], codes[1, :4].float() + torch.tensor([0.49, -0.49, 0.49, -0.49]), atol=2**-18)

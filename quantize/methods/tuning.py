@@ -142,8 +142,7 @@ def _cast_ste(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Tuned:
     """The trainable state of one layer parameter (an nn.Linear weight, or a fused [E, out, in])."""
 
-    def __init__(self, path: str, w0: torch.Tensor, group: int, fullrange: bool, scale_dtype: torch.dtype,
-                 start: tuple | None = None):
+    def __init__(self, path: str, w0: torch.Tensor, group: int, fullrange: bool, scale_dtype: torch.dtype):
         self.path, self.group, self.fullrange, self.sdt = path, group, fullrange, scale_dtype
         *lead, out, k = w0.shape
         self.shape = w0.shape
@@ -158,12 +157,7 @@ class Tuned:
         self.b = torch.ones_like(self.wmax, requires_grad=True)
         self.mask = torch.ones(lead[0], dtype=torch.float32, device=w0.device) if lead else None  # per expert
         self.off: torch.Tensor | None = None  # fixed code offsets: where a start other than RTN put the codes
-        self.moved = 0  # groups whose start scale is not the given one (``start``)
-        if start is not None:  # (codes, scale[, optimum]) of the whole parameter: started expert by expert
-            codes, scale, *rest = start
-            optimum = rest[0] if rest else None
-            for j in range(lead[0]) if lead else [Ellipsis]:
-                self.start_at(j, codes[j], scale[j], None if optimum is None else optimum[j])
+        self.moved = 0  # groups whose start scale is not the given one (``start_at``)
 
     def start_at(self, j, codes: torch.Tensor, scale: torch.Tensor, optimum: torch.Tensor | None = None) -> None:
         """Start expert ``j`` of a fused parameter (or the whole of a Linear weight: ``j`` Ellipsis)
