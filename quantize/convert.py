@@ -414,7 +414,7 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
                 with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
                     done_bytes = _execute(
                         plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache, acts,
-                        phases
+                        phases=phases
                     )
                 ct.result()  # the config and its check, before anything presents the output as complete
                 kernels = {**kernels, "workers": workers, "phase_seconds": phases}
@@ -539,7 +539,7 @@ def _timed_job(*args):
 
 def _execute(
     plan, todo, src, out, options, output, pool, workers, fds, emit, done_bytes, device="cpu", cache=None, acts=None,
-    phases: dict | None = None,
+    *, phases: dict,
 ) -> int:
     """Workers compute ahead inside a bounded window; this thread writes in plan order; a
     committer thread makes each finished shard durable (fsync, rename) and records it while the
@@ -547,7 +547,6 @@ def _execute(
     (what a slow run is bound by): ``compute`` (the workers' conversions, summed over them),
     ``wait`` (this thread waiting for the next result), ``write`` (this thread's writes, copies and
     hashing), ``commit`` (fsync and rename, on the committer thread, beside the rest)."""
-    phases = {} if phases is None else phases
     phases.update({"compute": 0.0, "wait": 0.0, "write": 0.0, "commit": 0.0})
     clock = time.perf_counter
     window = 2 * workers
