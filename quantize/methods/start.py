@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .units import Result, Unit, by_expert
+from .units import Result, Unit, by_expert, rtn
 
 
 def _gptq_options(opt):
@@ -112,8 +112,6 @@ def start_of(w: torch.Tensor, units: list[Unit], start: tuple[dict, dict], opt, 
     whole of a Linear weight [out, in]: ``j`` Ellipsis) its start (codes, scale, each weight's optimum
     in codes or None) from ``start`` (per unit key its result, and the optimum where GPTQ ran): a
     unit's own, RTN for an expert without a unit. Yields (j, codes, scale, optimum)."""
-    from .units import rtn
-
     results, optimum = start
     if w.ndim == 2:
         r = results[units[0].key]
