@@ -25,7 +25,7 @@ import torch
 
 from .checkpoint.config import ModelConfig
 from .checkpoint.index import INDEX_NAME, TensorRef, cached_fd, hub_revision, read_tensor
-from .checkpoint.manifest import lineage, shown_path, source_identity, tool_versions, write_manifest
+from .checkpoint.manifest import build_key, lineage, shown_path, source_identity, tool_versions, write_manifest
 from .checkpoint.output import Output, side_files
 from .checkpoint.writer import COPY_CHUNK, StreamWriter
 from . import distributed
@@ -278,7 +278,8 @@ def _torch_threads(n: int):
 
 def _job_key(plan: Plan, ident: dict) -> dict:
     # key_dict: the options the bytes depend on (a resume may add or correct --base-model)
-    return {"options": plan.options.key_dict(), "plan": plan.fingerprint(), "source": ident}
+    # build: a run resumed under another build of this tool or its libraries would mix two builds' bytes
+    return {"options": plan.options.key_dict(), "plan": plan.fingerprint(), "source": ident, "build": build_key()}
 
 
 @takes(ConvertOptions)

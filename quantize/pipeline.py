@@ -48,6 +48,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import options as O
+from .checkpoint.manifest import build_key
 from .checkpoint.output import (
     Output,
     RECORD_DIR,
@@ -1019,6 +1020,7 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
                 f"point it at the vendor's release, or tiny:glm_moe_dsa"
             )
     rerun: set[str] = set()  # artifacts that were (or, planning, would be) rewritten in this run
+    build = build_key()  # an interrupted stage continues only under the build that started it
     plans: list[StagePlan] = []
     # artifacts a stage not listed this time made in an earlier run (e.g. convert done, stages: [eval])
     for name in STAGES:
@@ -1081,6 +1083,8 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
             break
         if rec is None:
             state, why = "pending", ""  # the state says it; the run's header shows no reason
+        elif rec.get("hash") == h and not upstream and rec.get("state") == "running" and rec.get("build") != build:
+            state, why = "pending", "interrupted under another build of quantize or its libraries: starts over"
         elif rec.get("hash") == h and not upstream and rec.get("state") == "running":
             state, why = "pending", "interrupted: continues" + (" (convert --resume)" if name == "convert" else "")
         elif rec.get("hash") == h and not upstream:
@@ -1107,6 +1111,7 @@ def _walk(p: Pipeline, record: dict, execute, emit: Emit) -> list[StagePlan]:
         if execute is None:
             continue
         resume = rec is not None and rec.get("hash") == h and rec.get("state") == "running"
+        resume = resume and rec.get("build") == build
         res = execute(ctx, name, st, opts, inputs, h, resume, does, why)
         plans[-1].state = res.get("state", "done")
         plans[-1].seconds = res.get("seconds")
@@ -1165,7 +1170,10 @@ def run(recipe, out, source, data, data_dir, sets, plan, overwrite, emit: Emit =
 
         def execute(ctx, name, st, opts, inputs, h, resume, does, why):
             recs = o.record.setdefault("stages", {})
-            recs[name] = {"state": "running", "hash": h, "options": opts, "inputs": inputs, "started": time.time()}
+            recs[name] = {
+                "state": "running", "hash": h, "options": opts, "inputs": inputs, "started": time.time(),
+                "build": build_key(),
+            }
             o.save()
             emit({"event": "stage", "stage": name, "state": "start", "does": does, "why": why, "resume": resume})
             t = time.time()

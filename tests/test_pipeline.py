@@ -284,6 +284,41 @@ def test_killed_convert_is_continued_with_resume(tmp_path, monkeypatch):
     assert cli.exit_code == 0, cli.output
 
 
+def test_killed_convert_under_another_build_starts_over(tmp_path, monkeypatch):
+    """An interrupted convert stage continues (convert --resume) only under the build that started
+    it: under another, the plan says why and convert starts over (convert itself would refuse)."""
+    import quantize.convert as conv
+    from quantize.checkpoint import manifest
+
+    r = _recipe(tmp_path, stages=["convert"])
+    real = conv.convert
+    seen = []
+
+    def killed_after_first_shard(*a, **kw):
+        inner = kw["emit"]
+
+        def emit(e):
+            inner(e)
+            if e.get("event") == "shard":
+                raise KeyboardInterrupt
+
+        return real(*a, **{**kw, "emit": emit})
+
+    monkeypatch.setattr(conv, "convert", killed_after_first_shard)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(r)
+    monkeypatch.setattr(manifest, "_CODE_ID", ["0" * 16])  # the tool was upgraded meanwhile
+    plan = {s.stage: s for s in pipeline.run(r, plan=True).stages}["convert"]
+    assert (plan.state, plan.why) == ("pending", "interrupted under another build of quantize or its libraries: "
+                                                 "starts over")
+    monkeypatch.setattr(conv, "convert", lambda *a, **kw: (seen.append(kw["resume"]), real(*a, **kw))[1])
+    res = pipeline.run(r)
+    assert seen == [False] and [s.state for s in res.stages] == ["done", "done"]
+    rec = json.loads((tmp_path / "run" / ".quantize" / "job.json").read_text())
+    assert rec["stages"]["convert"]["result"]["resumed_shards"] == 0
+    assert rec["stages"]["convert"]["build"]["quantize"] == "0" * 16
+
+
 def test_cli_interrupt_says_how_to_continue(tmp_path, monkeypatch):
     def interrupted(*a, **kw):
         raise KeyboardInterrupt

@@ -156,20 +156,58 @@ def derived_from(folder: Path) -> dict:
             "lineage": lineage(folder)[: MAX_LINEAGE - 1]}
 
 
-def tool_versions() -> dict:
-    """Versions of the libraries that shaped the output, from package metadata (no imports: a
-    manifest must not cost seconds of start-up)."""
+# the libraries whose code computes or lays out the output's bytes (llmcompressor: GPTQ's Hessian
+# factorisation), by distribution name and the key a manifest lists them under
+_SHAPING = (("torch", "torch"), ("safetensors", "safetensors"), ("transformers", "transformers"),
+            ("compressed-tensors", "compressed_tensors"), ("llmcompressor", "llmcompressor"))
+_CODE_ID: list[str] = []
+
+
+def code_id() -> str:
+    """SHA-256 (first 16 hex digits) of this package's own files (its sources, the C kernels, the
+    embedded data; not caches or built libraries), by relative path: two builds with the same id run
+    the same code, whatever their version string says. An editable install's uncommitted edit
+    changes it too. Computed once per process (about 1.3 MB read)."""
+    if not _CODE_ID:
+        _CODE_ID.append(tree_id(Path(__file__).resolve().parents[1]))
+    return _CODE_ID[0]
+
+
+def tree_id(root: Path) -> str:
+    """``code_id`` of the package folder ``root``: each file's path relative to it, length and
+    bytes, in path order; ``__pycache__``, ``.pyc``, ``.so`` and ``.o`` files left out."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*"), key=lambda q: q.relative_to(root).as_posix()):
+        if not p.is_file() or "__pycache__" in p.relative_to(root).parts or p.suffix in (".pyc", ".so", ".o"):
+            continue
+        data = p.read_bytes()
+        h.update(f"{p.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def build_key() -> dict:
+    """What a resume must find unchanged besides the options and inputs: this package's code
+    (``code_id``) and the versions of the libraries that shape the bytes. A run killed under one
+    build and resumed under another would write a checkpoint whose shards or layers come from two
+    builds, which neither build reproduces."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
-
-    v = {"quantize": __version__, "python": platform.python_version()}
-    for dist, key in (("torch", "torch"), ("safetensors", "safetensors"), ("transformers", "transformers"),
-                      ("compressed-tensors", "compressed_tensors")):
+    v = {"quantize": code_id()}
+    for dist, key in _SHAPING:
         try:
             v[key] = version(dist)
         except PackageNotFoundError:
             v[key] = None
+    return v
+
+
+def tool_versions() -> dict:
+    """Versions of the libraries that shaped the output, from package metadata (no imports: a
+    manifest must not cost seconds of start-up), and this package's ``code_id``."""
+    from .. import __version__
+
+    v = {**build_key(), "quantize": __version__, "quantize_code": code_id(), "python": platform.python_version()}
     try:
         here = Path(__file__).resolve().parents[2]
         sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)

@@ -355,6 +355,15 @@ class Output:
         """On resume: the options and inputs must be the interrupted run's."""
         old = self.record.get("key") or {}
         diff = [k for k in sorted(set(old) | set(key)) if old.get(k) != key.get(k)]
+        if diff == ["build"]:  # the same options and inputs, another build of the tool or its libraries
+            was, now = old.get("build") or {}, key["build"]
+            changed = ", ".join(
+                f"{k} {was.get(k) or 'unrecorded'} -> {now.get(k)}" for k in sorted(now) if was.get(k) != now.get(k)
+            )
+            raise QuantizeError(
+                f"{self.record_path}: the interrupted run was written by another build ({changed}); resuming "
+                "would mix two builds' bytes: resume with the build that started it, or --overwrite to start over"
+            )
         if diff:
             raise QuantizeError(
                 f"{self.record_path}: --resume with different {', '.join(diff)} than the interrupted "
