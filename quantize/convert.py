@@ -320,7 +320,16 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise QuantizeError(f"--device {device}: no CUDA device is available here; use --device cpu (the default)")
     src, out = Path(options.source), Path(options.out)
+    wall: dict[str, float] = {}  # where the run's wall time went, step by step (the manifest's wall_seconds)
+    last = [t0]
+
+    def lap(step: str) -> None:
+        now = time.time()
+        wall[step] = round(wall.get(step, 0.0) + now - last[0], 3)
+        last[0] = now
+
     plan = build_plan(src, options, ct_check=False)
+    lap("plan")
     options = plan.options  # a recipe may have set group size / observer / method
     if device != "cpu" and options.method_name not in DATA_AWARE and not sglang_native(options):
         what = f"--scheme {options.scheme}" if options.scheme == "fp8-block" else f"--method {options.method_name}"
@@ -334,6 +343,7 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
         from . import methods
 
         calib = methods.prepare(src, options, emit)  # bad data / unbuildable layers: one line, nothing written
+        lap("calibration_data")
     # compressed-tensors (seconds to import) is needed only for the config written at the end and an
     # internal check of it: for RTN both run on a thread beside the first tensors. A data-aware
     # method imports llm-compressor (and so compressed-tensors) on this thread: two threads importing
@@ -357,6 +367,7 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
         with Output.open(out, "convert", inputs, resume=resume, overwrite=overwrite, key=key) as o:
             if o.resumed:
                 o.check_key(key)
+            lap("setup")  # the config (data-aware: its import), the source's identity, the output folder
             # by default the cores of this node shared by its ranks (the bytes do not depend on the thread count)
             workers = max(1, workers or (os.cpu_count() or 1) // distributed.current().local_size)
             cache = acts = None
@@ -380,13 +391,16 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
                 except BaseException as e:
                     emit({"event": "error", "message": str(e)})
                     raise
+                lap("layers")
             if sglang_native(options):
                 try:
                     acts = activation_scales(plan, src, o, calib, options, device, emit)
                 except BaseException as e:
                     emit({"event": "error", "message": str(e)})
                     raise
+                lap("activation_scales")
             kept = o.kept([s.file for s in plan.shards], workers)
+            lap("resume_check")
             todo = [s for s in plan.shards if s.file not in kept]
             resumed = len(plan.shards) - len(todo)
             for s in plan.shards:
@@ -417,10 +431,12 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
                         plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache, acts,
                         phases=phases
                     )
+                lap("shards")
                 ct.result()  # the config and its check, before anything presents the output as complete
+                lap("config_wait")
                 kernels = {**kernels, "workers": workers, "phase_seconds": phases}
                 _finish(plan, src, o, sides, ident, t0, kernels, emit, cache.report if cache is not None else None,
-                        acts)
+                        acts, wall)
             except BaseException as e:
                 emit({"event": "error", "message": str(e)})
                 raise
@@ -683,8 +699,9 @@ def _finish(
     t0: float,
     kernels: dict,
     emit: Emit,
-    method: dict | None = None,
-    acts=None,
+    method: dict | None,
+    acts,
+    wall: dict,
 ) -> None:
     copied = o.copy_side_files(sides)
     weight_map = {e.name: s.file for s in plan.shards for e in s.entries}
@@ -725,6 +742,8 @@ def _finish(
         **({"activation_scales": acts.report()} if acts is not None else {}),
         "tensors": stats,
         "seconds": round(time.time() - t0, 3),
+        # the steps before this manifest (the process's own start-up and imports come before them)
+        "wall_seconds": wall,
     }
     o.complete()
     write_manifest(o, manifest)

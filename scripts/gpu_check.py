@@ -150,17 +150,21 @@ def main() -> int:
             ok = rc == 0
             extra = {}
             if ok:
-                man = json.loads((gout / "quantize_manifest.json").read_text())["method"]
+                whole = json.loads((gout / "quantize_manifest.json").read_text())
+                man = whole["method"]
                 phases: dict[str, float] = {}
                 for x in man["layers"]:
                     for k, v in (x.get("phase_seconds") or {}).items():
                         phases[k] = round(phases.get(k, 0.0) + v, 2)
                 extra = {"phases": phases, "layers": [{k: x.get(k) for k in ("layer", "rel_err_rtn", "rel_err",
                                                                             "seconds")} for x in man["layers"]],
-                         "fallbacks": len(man.get("rtn", []))}
+                         "fallbacks": len(man.get("rtn", [])),
+                         # the whole wall: the process's start-up (imports, CUDA) before convert's own steps
+                         "wall": {"process_start": round(sec - whole["seconds"], 2), **whole["wall_seconds"]}}
             c.row("convert --method gptq --device cuda (100 GSM8K, <= 512 tokens)",
                   (f"ok, target <= 60 s: {'MET' if sec <= 60 else 'MISSED'}; log {len(lines)} lines, "
-                   f"{'plain' if plain else 'CONTROL CHARACTERS'}; phases {extra.get('phases')}") if ok else
+                   f"{'plain' if plain else 'CONTROL CHARACTERS'}; wall {extra.get('wall')}; "
+                   f"layer phases {extra.get('phases')}") if ok else
                   f"FAIL rc {rc}: {_tail(text, 3)}", sec, **extra)
 
             # 3. check, on what GPTQ wrote

@@ -143,13 +143,22 @@ def test_manifest_says_where_the_shard_phase_went(tiny, tmp_path, monkeypatch):
     k = m["kernels"]
     assert k["workers"] == 2 and set(k["phase_seconds"]) == {"compute", "wait", "write", "commit"}
     assert all(v >= 0 for v in k["phase_seconds"].values())
-    real = C.compute_job
+    # and the run's wall, step by step: RTN has no calibration data, layers or activation scales
+    assert set(m["wall_seconds"]) == {"plan", "setup", "resume_check", "shards", "config_wait"}
+    assert sum(m["wall_seconds"].values()) <= m["seconds"]
+    real, real_plan = C.compute_job, C.build_plan
     monkeypatch.setattr(C, "compute_job", lambda *a: (time.sleep(0.02), real(*a))[1])
+    monkeypatch.setattr(C, "build_plan", lambda *a, **kw: (time.sleep(0.5), real_plan(*a, **kw))[1])
     convert(src, tmp_path / "b", workers=2)
-    slow = json.loads((tmp_path / "b" / "quantize_manifest.json").read_text())["kernels"]["phase_seconds"]
+    mb = json.loads((tmp_path / "b" / "quantize_manifest.json").read_text())
+    slow, wall = mb["kernels"]["phase_seconds"], mb["wall_seconds"]
     n = len(m["tensors"])
     assert n > 10 and slow["compute"] >= 0.02 * n
     assert slow["wait"] > k["phase_seconds"]["wait"]
+    # each slowed step is charged where it ran: the plan its 0.5 s (not the step after it), the
+    # shards at least half the workers' 20 ms each (2 workers)
+    assert wall["plan"] >= 0.5 and wall["setup"] < 0.5 + m["wall_seconds"]["setup"]
+    assert wall["shards"] >= 0.01 * n
 
 
 def test_mse_observer_lowers_weight_error_and_reports_it(converted):

@@ -138,6 +138,10 @@ def test_gptq_lowers_layer_loss_and_kld(outs, llama):
     assert k_gptq < 0.8 * k_rtn, (k_gptq, k_rtn)
     # the manifest's per-tensor statistics say which method made each tensor
     assert {t["method"] for t in _manifest(outs["gptq"])["tensors"]} == {"gptq"}
+    # and its wall, step by step, has the data-aware steps (the layer pass at least its layers' seconds)
+    wall = _manifest(outs["gptq"])["wall_seconds"]
+    assert set(wall) == {"plan", "calibration_data", "setup", "layers", "resume_check", "shards", "config_wait"}
+    assert wall["layers"] >= sum(r["seconds"] for r in rep["layers"])
 
 
 def _weighted_oracle(w: torch.Tensor, d: torch.Tensor, g: int) -> torch.Tensor:
