@@ -104,7 +104,7 @@ def test_served_eval_and_kld_are_what_transformers_gives(smollm2, smol_dequantiz
     otherwise said in the output), the INT4 checkpoint itself: vLLM CPU's INT4 kernel takes 16-bit
     activations only (fp32: ``NotImplementedError: "cpu_gemm_wna16" not implemented for 'Float'``,
     0.32.0), so it is served in float16, against the fp32 baseline's served log-probs, saved by the
-    first eval-kld run and not served again."""
+    served eval (`--save-baseline`, its KL side) and not served again."""
     import quantize.evaluate.run as run
     from quantize.evaluate.tasks import task_configs
     from quantize.evaluate.thinking import Thinking
@@ -121,7 +121,8 @@ def test_served_eval_and_kld_are_what_transformers_gives(smollm2, smol_dequantiz
                   kld_chunk=256)
     local = evaluate(base, candidate, kld_out=tmp_path / "kld-local.json", **common)
     served = evaluate(base, candidate, serve="vllm", serve_args=SERVE_ARGS, serve_log=tmp_path / "logs",
-                      out=tmp_path / "served.json", kld_out=tmp_path / "kld-served.json", **common)
+                      out=tmp_path / "served.json", kld_out=tmp_path / "kld-served.json",
+                      save_baseline=tmp_path / "base.json", **common)
     # the runs: per model, GSM8K through the template, then ARC without it; the last four through the servers
     assert [(p == str(candidate), url, chat) for p, url, chat, _ in calls] == [
         (m, url, chat) for url in (False, True) for m in (False, True) for chat in (True, False)]
@@ -155,14 +156,15 @@ def test_served_eval_and_kld_are_what_transformers_gives(smollm2, smol_dequantiz
     assert json.loads((tmp_path / "kld-served.json").read_text())["kld_mean"] == sk.kld_mean
     pairs = [(candidate, lk, sk)]
     if SERVES_INT4:
-        saved = tmp_path / "served-baseline.safetensors"
+        # the baseline's served top-100 rows, kept by the served eval's --save-baseline (its KL side):
+        # eval-kld reuses them and serves the INT4 candidate alone
+        saved = run.kld_baseline_file(tmp_path / "base.json")
         kw = dict(tokens=512, chunk=256)
         lo4 = kld_table(smollm2, [smol_w4a16], **kw).reports[0]
-        kld_table(smollm2, [candidate], serve="vllm", serve_args=SERVE_ARGS, save_baseline=saved,
-                  serve_log=tmp_path / "logs", **kw)
         sv4 = kld_table(None, [smol_w4a16], baseline_logits=saved, serve="vllm", serve_log=tmp_path / "logs",
                         serve_args=SERVE_ARGS.replace("float32", "float16"), **kw).reports[0]
         assert sv4.measured["baseline"]["reused"] == str(saved)
+        assert len(list((tmp_path / "logs").glob("vllm-*.log"))) == 3  # the candidate's launch only
         pairs.append((smol_w4a16, lo4, sv4))
     else:
         print("(vLLM's x86 CPU build serves INT4 only with AVX-512 or AMX, which this CPU lacks: the INT4 "
