@@ -88,6 +88,14 @@ def main(argv: list[str]) -> int:
         mode = os.environ.get("FAKE_ENGINE_PREFILL_MODE", mode)
     model = _value(argv, "--model") or _value(argv, "--model-path")
     print(f"fake engine: serving {model} on {host}:{port} ({mode})", flush=True)
+    ipc = os.environ.get("VLLM_RPC_BASE_PATH")
+    if ipc and "--model" in argv:  # as vLLM does (vllm/utils/network_utils.py): a ZMQ socket there, never unlinked
+        import socket
+        import uuid
+
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(os.path.join(ipc, str(uuid.uuid4())))
+        print(f"fake engine: ipc {sock.getsockname()}", flush=True)
     if mode == "fail":
         print("INFO loading weights", flush=True)
         print("ValueError: fake engine refuses this model", flush=True)

@@ -182,6 +182,42 @@ def test_a_server_killed_mid_run_is_one_line_and_leaves_no_process(models, tmp_p
     assert kids and not any(_alive(k) for k in kids)
 
 
+def _ipc_sockets(log_dir: Path) -> list[Path]:
+    return [Path(m) for p in log_dir.glob("vllm-*.log") for m in re.findall(r"fake engine: ipc (\S+)", p.read_text())]
+
+
+@pytest.mark.parametrize("mode", ["ok", "die"])
+def test_a_launch_leaves_no_ipc_sockets_behind(models, tmp_path, monkeypatch, mode):
+    """vLLM puts its ZMQ sockets in VLLM_RPC_BASE_PATH (default: the temp folder) and a server stopped
+    by a signal leaves them there, three a launch: each launch gets a private folder, removed once its
+    process group is gone, after a clean run or a server that died; a folder the caller named is theirs
+    and is kept (the near miss)."""
+    import tempfile
+
+    base, cand = models
+    monkeypatch.setenv("FAKE_ENGINE_MODE", mode)
+    kw = dict(tasks="arc_easy", limit=2, data_dir=_data(tmp_path), serve="vllm", engine_python=_fake_python(tmp_path))
+    logs = tmp_path / "logs"
+    if mode == "ok":
+        evaluate(base, cand, serve_log=logs, **kw)
+    else:
+        with pytest.raises(QuantizeError, match="was killed by signal 9"):
+            evaluate(base, cand, serve_log=logs, **kw)
+    socks = _ipc_sockets(logs)
+    assert len(socks) == (2 if mode == "ok" else 1)  # one per launch: the baseline's and the candidate's
+    for p in socks:
+        assert p.parent.parent == Path(tempfile.gettempdir()) and p.parent.name.startswith("quantize-ipc-")
+        assert not p.parent.exists(), p
+    assert len({p.parent for p in socks}) == len(socks)  # private to each launch
+    if mode == "ok":
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
+        evaluate(base, cand, serve_log=tmp_path / "logs2", **kw)
+        socks = _ipc_sockets(tmp_path / "logs2")
+        assert len(socks) == 2 and all(p.parent == mine and p.is_socket() for p in socks)
+
+
 def test_an_engine_that_answers_500_is_named_by_its_logged_cause_not_a_limit(models, tmp_path, monkeypatch):
     """vLLM's API server stays up after its engine core died and answers 500: the one line quotes the
     root cause from the log (seen with vLLM CPU 0.32.0: INT4 weights served in fp32), not the advice to

@@ -109,6 +109,15 @@ def test_served_eval_and_kld_are_what_transformers_gives(smollm2, smol_dequantiz
     from quantize.evaluate.tasks import task_configs
     from quantize.evaluate.thinking import Thinking
 
+    import re
+    import tempfile
+
+    uuid = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+    def sockets() -> set:  # vLLM's ZMQ sockets, where it puts them by default (uuid4 names)
+        return {p.name for p in Path(tempfile.gettempdir()).iterdir() if uuid.fullmatch(p.name) and p.is_socket()}
+
+    before = sockets()
     base = _switched(smollm2, tmp_path / "base")
     candidate = _switched(smol_dequantized, tmp_path / "cand")  # fp32 weights: vLLM's and transformers' numerics
     data = _arc_data(tmp_path)
@@ -182,3 +191,4 @@ def test_served_eval_and_kld_are_what_transformers_gives(smollm2, smol_dequantiz
         assert abs(sv.top1_agreement - lo.top1_agreement) <= 0.01
         assert abs(sv.ppl_candidate / lo.ppl_candidate - 1) <= 0.005
         assert abs(sv.ppl_baseline / lo.ppl_baseline - 1) <= 0.005
+    assert sockets() <= before  # each launch's sockets went with its private folder (three a launch before)

