@@ -271,7 +271,8 @@ def convert(json_out: bool, **options):
                 str(r["units"]),
                 f"{tpe['min']} / {tpe['median']:g} / {tpe['max']}" if tpe else "-",
                 str(len(r.get("fallbacks", []))),
-                f"{r['loss_rtn']:.4g} -> {r['loss']:.4g}" if r.get("units") else "-",
+                ("-" if r.get("loss_rtn") is None else f"{r['loss_rtn']:.4g}") + f" -> {r['loss']:.4g}"
+                if r.get("units") else "-",
                 f"{r['seconds']:.1f}",
             )
         )

@@ -218,6 +218,8 @@ def _layer_tail(e: dict) -> str:
     parts = [f"layer {i}: {e['units']} INT4 weights"]
     if e.get("loss") is not None and e.get("loss_rtn") is not None:
         parts[0] += f", loss RTN {e['loss_rtn']:.4g} -> {e.get('method', 'method')} {e['loss']:.4g}"
+    elif e.get("loss") is not None:
+        parts[0] += f", loss {e.get('method', 'method')} {e['loss']:.4g} (RTN's not measured)"
     if e.get("seconds") is not None:
         parts[0] += f", {e['seconds']:.1f} s"
     if e.get("experts"):

@@ -613,6 +613,13 @@ class ConvertOptions(Options):
         check=lambda v: v >= 0,
         why="must be 0 or more tokens (e.g. 16)",
     )
+    skip_rtn_loss: bool = opt(
+        False,
+        "gptq: do not measure each layer's loss with RTN weights (the report's RTN column): a streamed MoE layer "
+        "then runs two attention captures and expert-output passes instead of three, and one replay instead of two; "
+        "the same bytes",
+        methods=("gptq",),
+    )
     requantize: bool = opt(
         False,
         "an INT4 source (e.g. Kimi K2.6): dequantize its INT4 tensors exactly and quantize them again with the "

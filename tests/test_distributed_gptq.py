@@ -182,3 +182,17 @@ def test_autoround_init_gptq_iters0_on_two_ranks_writes_gptqs_bytes(one_rank, tm
     assert p.returncode == 0, p.stderr[-2000:]
     assert weights_only(out) == weights_only(gptq)
     assert not (out / ".quantize" / "hidden").exists()
+
+
+def test_skip_rtn_loss_on_two_ranks_is_one_processs_bytes(one_rank, tmp_path):
+    """Two ranks exchange two captures instead of three under --skip-rtn-loss: the same bytes and
+    losses as one process without it, the RTN figures not measured, and the log says so."""
+    src, one = one_rank
+    two = tmp_path / "two"
+    p = _cli("convert", str(src), str(two), *ARGS, "--nproc", "2", "--skip-rtn-loss")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert weights_only(two) == weights_only(one)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("loss_rtn", "rel_err_rtn")} for r in rows]  # noqa: E731
+    assert strip(method_layers(two)) == strip(method_layers(one))
+    assert all(r["loss_rtn"] is None for r in method_layers(two) if r.get("units"))
+    assert "(RTN's not measured)" in p.stdout + p.stderr

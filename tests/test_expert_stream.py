@@ -357,3 +357,47 @@ def test_a_rank_reads_and_holds_only_its_own_experts(tiny):
     assert {n: tuple(t.shape)[0] for n, t in own.tuned.items()} == {"gate_up_proj": 4, "down_proj": 4}
     assert sorted(u.expert for u in own.units) == [4, 4, 5, 5, 6, 6, 7, 7]
     st.close()
+
+
+def _without_rtn(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("loss_rtn", "rel_err_rtn")} for r in rows]
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_skip_rtn_loss_writes_the_same_bytes_without_the_rtn_passes(gptq_outs, tmp_path, monkeypatch, whole):
+    """--skip-rtn-loss leaves out the passes that serve the report's RTN loss alone: the same bytes,
+    the same loss and relative error (the reference's norm then from the quantized pass), the RTN
+    figures None; per MoE layer two captures instead of three (streamed) and no pass "after the RTN
+    layer" (streamed replay or whole layer). Counted in the same test on the default run (the near
+    miss: three captures and an RTN pass per layer)."""
+    from quantize.methods.forward import Forward
+
+    src, outs = gptq_outs
+    if whole:
+        _whole_layer(monkeypatch)
+    seen: list[str] = []
+    real_capture, real_call = Forward.capture, Forward.__call__
+    monkeypatch.setattr(Forward, "capture", lambda self, *a, **kw: (seen.append("capture"),
+                                                                    real_capture(self, *a, **kw))[1])
+    monkeypatch.setattr(Forward, "__call__", lambda self, *a, **kw: (seen.append(a[4]), real_call(self, *a, **kw))[1])
+    runs = {}
+    for name, skip in (("default", False), ("skip", True)):
+        seen.clear()
+        out = tmp_path / name
+        convert(src, out, method="gptq", profile="all-linear", all_experts=False, memory_budget_gib=0.0,
+                skip_rtn_loss=skip, **CAL)
+        runs[name] = (out, list(seen))
+    (d, seen_d), (s, seen_s) = runs["default"], runs["skip"]
+    assert weights_only(s) == weights_only(d) == weights_only(outs["one"])
+    layers = method_layers(s)
+    assert _without_rtn(layers) == _without_rtn(method_layers(d))
+    quantized = [r for r in layers if r.get("units")]
+    moe = sum(r.get("tokens_per_expert") is not None for r in quantized)
+    assert quantized and moe and all(r["loss_rtn"] is None and r["rel_err_rtn"] is None for r in quantized)
+    assert all(r["loss_rtn"] is not None for r in method_layers(d) if r.get("units"))
+    rtn_passes = [w.count("after the RTN layer") for w in (seen_d, seen_s)]
+    assert rtn_passes == [len(quantized), 0], rtn_passes
+    captures = [w.count("capture") for w in (seen_d, seen_s)]
+    assert captures == ([0, 0] if whole else [3 * moe, 2 * moe]), captures
+    m = json.loads((s / "quantize_manifest.json").read_text())["method"]
+    assert m["skip_rtn_loss"] is True

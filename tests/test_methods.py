@@ -923,3 +923,9 @@ def test_pack_calibrates_on_full_length_samples(llama, tmp_path):
     assert not (tmp_path / "q").exists()
     with pytest.raises(QuantizeError, match="--pack is an option of --method gptq or --method autoround"):
         convert(llama, tmp_path / "r", pack=True)
+
+
+def test_skip_rtn_loss_is_gptqs_alone(llama, tmp_path):
+    with pytest.raises(QuantizeError, match="skip-rtn-loss"):
+        convert(llama, tmp_path / "ar", method="autoround", skip_rtn_loss=True, **CAL)
+    assert not (tmp_path / "ar").exists()

@@ -391,7 +391,7 @@ class GPTQ(Method):
     source_stream = False
     streams_experts = True  # statistics per unit: a MoE layer's routed experts go a group at a time
     splits_samples = True  # on several ranks each runs its own samples (Hessians combined in a fixed shard tree)
-    report_fields = ("damp", "block", "actorder", "scale_search", "asym")
+    report_fields = ("damp", "block", "actorder", "scale_search", "asym", "skip_rtn_loss")
     title = ("GPTQ: llm-compressor's `quantize_weight` (its GPTQ update) on static groups, Hessians from this "
              "model's own layer-by-layer calibration forward")
     loss_target = "the source layer's output on the same (quantized-path) inputs"
@@ -409,6 +409,8 @@ class GPTQ(Method):
         results = shared_results(self, x, hooks)
         if x.source_target:
             ref = x.targets
+        if x.options.skip_rtn_loss:  # the report's RTN loss not measured (the pass takes the norm from its own)
+            return Step(results, ref, hooks.routed, None, None)
         x.put(x.rtn)
         _, _, (e_rtn, tot) = x.fwd(x.module, x.hidden, x.topk, x.index, "after the RTN layer", keep=False, ref=ref)
         return Step(results, ref, hooks.routed, e_rtn, tot)

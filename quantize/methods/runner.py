@@ -378,7 +378,7 @@ class Pass:
             report.update(step.report)
             results, ref, routed, e_rtn, tot = step.results, step.ref, step.routed, step.err_rtn, step.ref_sq
             x.put(results)
-            out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref)
+            out, new_topk, (e_q, tot_q) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref)
         else:
             def write_group(start, tensors, how):
                 modules.update(how)
@@ -391,11 +391,13 @@ class Pass:
             step, acc_q = self.method.streamed_step(fwd, layer, stand, x, write_group)
             report.update(step.report)
             results, ref, routed, e_rtn, tot = step.results, step.ref, step.routed, step.err_rtn, step.ref_sq
-            out, new_topk, (e_q, _) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref, stand=stand,
+            out, new_topk, (e_q, tot_q) = fwd(layer, hidden, topk, i, "after the quantized layer", ref=ref, stand=stand,
                                           replay=acc_q)
             acc_q.clear()
         if ref is not targets:
             ref.clear()
+        if e_rtn is None:  # --skip-rtn-loss: no RTN pass; the reference's norm from the quantized one
+            tot = tot_q
         numel = hidden.numel
         if fwd.world is not None:  # every rank's samples
             numel = sum(fwd.world.gather(numel, f"layer {i} sizes", to=0) or [1])
@@ -418,8 +420,9 @@ class Pass:
             tokens_per_expert={"experts": len(counts), "min": counts[0], "median": statistics.median(counts),
                                "max": counts[-1], "counts": per_module} if counts else None,
             fallbacks=fallbacks,
-            loss_rtn=e_rtn / numel, loss=e_q / numel,
-            rel_err_rtn=(e_rtn / tot) ** 0.5 if tot else 0.0, rel_err=(e_q / tot) ** 0.5 if tot else 0.0,
+            loss_rtn=e_rtn / numel if e_rtn is not None else None, loss=e_q / numel,
+            rel_err_rtn=((e_rtn / tot) ** 0.5 if tot else 0.0) if e_rtn is not None else None,
+            rel_err=(e_q / tot) ** 0.5 if tot else 0.0,
             seconds=round(time.time() - t0, 3),
         )
         self._write(i, tensors, report, modules, parts, part_modules)

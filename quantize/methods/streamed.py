@@ -16,6 +16,9 @@ what the router hands them, or returns their output). Per layer, for GPTQ:
 3. **replay** the three passes with those outputs: the source layer's output (the reference),
    the RTN error, and the quantized layer's output for the next layer.
 
+The RTN pass serves the report alone (its RTN loss): ``--skip-rtn-loss`` leaves it out, two
+captures, expert outputs and replays instead of three, the same bytes.
+
 Every number is the whole layer's, bit for bit (tests/test_expert_stream.py): the attention runs
 twice as often (capture and replay), the routed experts' weights are read once.
 """
@@ -333,9 +336,12 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     def put(res):
         put_linear(layer, linear, x.originals, res, fwd.device)
 
-    put(x.rtn)
-    cap_r = fwd.capture(layer, stand, x.hidden, x.topk, i)
-    phases.lap("capture")
+    rtn_loss = not opt.skip_rtn_loss  # the report's RTN loss: its own capture, expert outputs and replay
+    cap_r = None
+    if rtn_loss:
+        put(x.rtn)
+        cap_r = fwd.capture(layer, stand, x.hidden, x.topk, i)
+        phases.lap("capture")
     results = shared_results(method, Layer(i, layer, linear, x.originals, x.rtn, x.hidden, x.topk, None, x.fallbacks,
                                            opt, fwd), hooks)
     for u in linear:
@@ -344,9 +350,10 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
     put(results)
     cap_q = fwd.capture(layer, stand, x.hidden, x.topk, i)
     phases.lap("capture")
-    caps = (cap_s, cap_r, cap_q)
+    kinds = ("source", "rtn", "quantized") if rtn_loss else ("source", "quantized")
+    caps = (cap_s, cap_r, cap_q) if rtn_loss else (cap_s, cap_q)
     if world is not None and world.size > 1:
-        accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, experts, x, write_group,
+        accs = _split_experts(world, method, streamer, fwd, stand, hooks, caps, kinds, experts, x, write_group,
                               reference=not x.source_target)
         phases.lap("experts")  # the routed experts' phases and the exchanges between ranks together
     else:
@@ -365,30 +372,31 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
             cur_rtn.update(init)
             write_group(g.start, *_tensors(us, res))
 
-        variants = [Variant(cap_r, with_results(lambda u: cur_rtn.get(u.key), experts)),
-                    Variant(cap_q, with_results(lambda u: cur.get(u.key), experts))]
-        if not x.source_target:  # the source weights' outputs: the reference (--asym has its own, the targets)
-            variants.insert(0, Variant(cap_s, source_weights))
-        run_groups(streamer, fwd, i, stand, variants, per_expert_bytes(streamer, True, hooks.pairs),
+        weights = {"source": source_weights, "rtn": with_results(lambda u: cur_rtn.get(u.key), experts),
+                   "quantized": with_results(lambda u: cur.get(u.key), experts)}
+        # the source weights' outputs: the reference (--asym has its own, the targets)
+        variants = {k: Variant(c, weights[k]) for k, c in zip(kinds, caps) if k != "source" or not x.source_target}
+        run_groups(streamer, fwd, i, stand, list(variants.values()), per_expert_bytes(streamer, True, hooks.pairs),
                    before_outputs=group_step,
                    phases=phases)
-        accs = [None] * x.source_target + [v.acc for v in variants]
+        accs = {k: v.acc for k, v in variants.items()}
     for c in caps:
         c.clear()
     put(None)
     if x.source_target:  # --asym: the loss against the source model's own output, which it aims at
         ref = x.targets
     else:
-        ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=accs[0])
-    if accs[0] is not None:
-        accs[0].clear()
-    put(x.rtn)
-    _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
-                             replay=accs[1])
-    accs[1].clear()
+        ref, _ = fwd(layer, x.hidden, x.topk, i, "of the source layer", stand=stand, replay=accs["source"])
+        accs["source"].clear()
+    e_rtn = tot = None  # --skip-rtn-loss: not measured (the pass takes the norm from its own replay)
+    if rtn_loss:
+        put(x.rtn)
+        _, _, (e_rtn, tot) = fwd(layer, x.hidden, x.topk, i, "after the RTN layer", keep=False, ref=ref, stand=stand,
+                                 replay=accs["rtn"])
+        accs["rtn"].clear()
     put(results)
     phases.lap("replay")
-    return results, ref, hooks.routed, e_rtn, tot, accs[2], phases.seconds
+    return results, ref, hooks.routed, e_rtn, tot, accs["quantized"], phases.seconds
 
 
 EXCHANGE_BYTES = 256 << 20  # the most of one exchange between ranks in flight at once (less under a small budget)
@@ -444,7 +452,7 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
     """Every rank's samples' captures (``caps``: source, RTN, quantized Linear units) on every rank,
     in sample order (rank by rank), sent by each rank a slice at a time (at most ``limit`` bytes
     per collective, one sample at least) into stores on this rank's budget (spilled beyond it).
-    -> (the three captures, each sample's input (shape, dtype), its bytes, its top-k)."""
+    -> (the captures, each sample's input (shape, dtype), its bytes, its top-k)."""
     from .forward import Captured
 
     src = caps[0].source  # GPTQ --asym: the source stream's expert inputs travel with the source capture
@@ -476,21 +484,23 @@ def _all_captures(world, caps, fwd, i: int, limit: int):
     return full, shapes, sizes, topk
 
 
-def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: dict[int, list[Unit]], x: Layer,
-                   write_group, reference: bool = True) -> list[HiddenStore | None]:
+def _split_experts(world, method, streamer, fwd, stand, hooks, caps, kinds: tuple[str, ...],
+                   by_expert: dict[int, list[Unit]], x: Layer, write_group,
+                   reference: bool = True) -> dict[str, HiddenStore | None]:
     """The routed experts of a streamed GPTQ layer on several ranks, each holding its own samples'
-    captures (``caps``: source, RTN, quantized Linear units). Every rank gets every rank's captures
+    captures (``caps``, of ``kinds``: source, RTN (absent under --skip-rtn-loss), quantized Linear
+    units). Every rank gets every rank's captures
     (rank order = sample order; ``_all_captures``), takes its contiguous range of experts a group at
     a time, their Hessians from the source capture of every sample (the same sums in the same sample
     order as one process), GPTQ, and each expert's weighted output for the tokens routed to it in the
-    three captures (``contributions``, kept per sample in stores on the budget). Those go to the rank
+    captures (``contributions``, kept per sample in stores on the budget). Those go to the rank
     holding the sample, a slice of its samples at a time, which adds them rank by rank, i.e. expert
     by expert ascending, into zeros: transformers' ``index_add_`` sequence, the same as one
     process's ``accumulate``. What any collective carries is bounded (``exchange_slices``), and
     what a rank holds lives on its --memory-budget-gib (disk beyond). Rank 0 writes every group
-    file and gets every rank's fallbacks and token counts. Returns this rank's samples' three
-    expert-output stores (``reference`` False: the first, the source weights' outputs, not computed
-    and None; GPTQ --asym measures against the source model's own outputs instead)."""
+    file and gets every rank's fallbacks and token counts. Returns this rank's samples' expert-output
+    stores by kind (``reference`` False: the source weights' outputs not computed and None; GPTQ
+    --asym measures against the source model's own outputs instead)."""
     from ..calibrate.experts import contributions
     from ..distributed import samples_of
 
@@ -513,9 +523,9 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
             else:  # CPU tensors travel (an RTN fallback's are on this rank's device)
                 tensors, how = _tensors(us, res)
                 mine["groups"].append((g.start, {k: t.cpu() for k, t in tensors.items()}, how))
-        weights = [source_weights, with_results(lambda u: init.get(u.key), by_expert),
-                   with_results(lambda u: res.get(u.key), by_expert)]
-        for v, (c, w) in enumerate(zip(full, weights)):
+        weights = {"source": source_weights, "rtn": with_results(lambda u: init.get(u.key), by_expert),
+                   "quantized": with_results(lambda u: res.get(u.key), by_expert)}
+        for v, (c, w) in enumerate(zip(full, [weights[k] for k in kinds])):
             if v == 0 and not reference:
                 continue
             gu, dn = w(g, gate_up, down)
@@ -563,6 +573,7 @@ def _split_experts(world, method, streamer, fwd, stand, hooks, caps, by_expert: 
     if not reference:
         accs[0].clear()
         accs[0] = None
+    accs = dict(zip(kinds, accs))
     got = world.gather(mine, f"layer {i} routed experts' results", to=0)
     if got is not None:
         x.fallbacks.extend(mine["fallbacks"])
