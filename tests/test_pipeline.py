@@ -253,12 +253,12 @@ def test_eval_without_data_is_skipped_with_the_reason_or_refused(tmp_path):
         pipeline.run(r2)
 
 
-def test_killed_convert_is_continued_with_resume(tmp_path, monkeypatch):
+def _kill_convert_after_first_shard(r, monkeypatch, seen: list):
+    """Run recipe ``r`` with its convert stage interrupted after its first shard (``seen``: each
+    convert call's ``resume``); -> the real convert."""
     import quantize.convert as conv
 
-    r = _recipe(tmp_path, stages=["convert"])
     real = conv.convert
-    seen = []
 
     def killed_after_first_shard(*a, **kw):
         seen.append(kw["resume"])
@@ -274,6 +274,15 @@ def test_killed_convert_is_continued_with_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(conv, "convert", killed_after_first_shard)
     with pytest.raises(KeyboardInterrupt):
         pipeline.run(r)
+    return real
+
+
+def test_killed_convert_is_continued_with_resume(tmp_path, monkeypatch):
+    import quantize.convert as conv
+
+    r = _recipe(tmp_path, stages=["convert"])
+    seen = []
+    real = _kill_convert_after_first_shard(r, monkeypatch, seen)
     assert _states(tmp_path / "run")["convert"] == "running"
     monkeypatch.setattr(conv, "convert", lambda *a, **kw: (seen.append(kw["resume"]), real(*a, **kw))[1])
     res = pipeline.run(r)
@@ -291,29 +300,15 @@ def test_killed_convert_under_another_build_starts_over(tmp_path, monkeypatch):
     from quantize.checkpoint import manifest
 
     r = _recipe(tmp_path, stages=["convert"])
-    real = conv.convert
     seen = []
-
-    def killed_after_first_shard(*a, **kw):
-        inner = kw["emit"]
-
-        def emit(e):
-            inner(e)
-            if e.get("event") == "shard":
-                raise KeyboardInterrupt
-
-        return real(*a, **{**kw, "emit": emit})
-
-    monkeypatch.setattr(conv, "convert", killed_after_first_shard)
-    with pytest.raises(KeyboardInterrupt):
-        pipeline.run(r)
+    real = _kill_convert_after_first_shard(r, monkeypatch, seen)
     monkeypatch.setattr(manifest, "_CODE_ID", ["0" * 16])  # the tool was upgraded meanwhile
     plan = {s.stage: s for s in pipeline.run(r, plan=True).stages}["convert"]
     assert (plan.state, plan.why) == ("pending", "interrupted under another build of quantize or its libraries: "
                                                  "starts over")
     monkeypatch.setattr(conv, "convert", lambda *a, **kw: (seen.append(kw["resume"]), real(*a, **kw))[1])
     res = pipeline.run(r)
-    assert seen == [False] and [s.state for s in res.stages] == ["done", "done"]
+    assert seen == [False, False] and [s.state for s in res.stages] == ["done", "done"]
     rec = json.loads((tmp_path / "run" / ".quantize" / "job.json").read_text())
     assert rec["stages"]["convert"]["result"]["resumed_shards"] == 0
     assert rec["stages"]["convert"]["build"]["quantize"] == "0" * 16
