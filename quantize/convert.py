@@ -245,13 +245,29 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
             "the layer cache is corrupt, rerun with --overwrite"
         )
     sq_err = sq_ref = max_err = sq_rtn = 0.0
-    for r0 in range(0, rows, ROW_CHUNK):
-        r1 = min(rows, r0 + ROW_CHUNK)
-        wr = _weight_rows(job, w, s, r0, r1)
-        _check_finite(job, wr)
-        e, r, m = int4.error_sums(wr, packed[r0:r1], scale[r0:r1])
-        sq_err, sq_ref, max_err = sq_err + e, sq_ref + r, max(max_err, m)
-        sq_rtn += int4.quantize_pack(wr, options.group_size, options.observer, scale.dtype).sq_err
+    g = options.group_size
+    if (  # the C kernels: the same decoded rows, the same sums (to ~1e-15), RTN's codes bit for bit
+        native.lib() is not None
+        and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+        and job.scale_format != "int4"
+        and scale.dtype == torch.bfloat16
+        and options.observer in int4.NATIVE_OBSERVERS
+        and native.supports(k, g)
+        and (job.scale_format != "block" or job.block[1] % g == 0)
+    ):
+        (sq_err, sq_ref, max_err), bad = native.error_rows(w, s, job.scale_format, packed, scale, job.block)
+        if bad:
+            raise _nan_error(job)
+        mse = (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM)
+        sq_rtn = native.quant_rows(w, s, job.scale_format, g, options.observer, mse, job.block)[2][0]
+    else:
+        for r0 in range(0, rows, ROW_CHUNK):
+            r1 = min(rows, r0 + ROW_CHUNK)
+            wr = _weight_rows(job, w, s, r0, r1)
+            _check_finite(job, wr)
+            e, r, m = int4.error_sums(wr, packed[r0:r1], scale[r0:r1])
+            sq_err, sq_ref, max_err = sq_err + e, sq_ref + r, max(max_err, m)
+            sq_rtn += int4.quantize_pack(wr, g, options.observer, scale.dtype).sq_err
     stats = {
         "name": job.name,
         "role": job.role,

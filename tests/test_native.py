@@ -90,11 +90,46 @@ def test_mse_agrees_with_reference():
 
 
 @needs_native
+@pytest.mark.parametrize("source", ["fp8", "bf16", "fp32"])
+@pytest.mark.parametrize("shape,group", [((256, 384), 32), ((130, 512), 64), ((64, 1024), 128)])
+def test_fullrange_and_stored_tensor_errors_equal_the_reference(shape, group, source):
+    """quant.c's fullrange grid (the signed extreme on code -8) gives int4.quantize_pack's codes and
+    scales bit for bit, ties and all-zero groups included; its error_rows gives int4.error_sums of the
+    decoded rows for a stored tensor (here GPTQ-like: fullrange codes with some nibbles moved): the
+    same max exactly, the sums to 1e-12 (another order of addition), and a moved nibble is seen."""
+    g = torch.Generator().manual_seed(shape[0] + group)
+    w = torch.randn(shape, generator=g) * 0.03
+    w[5, :group] = 0  # an all-zero group
+    w[6, :group] = 0.25
+    w[6, 7] = -0.25  # a tie of magnitudes: the first (positive) one is the extreme
+    if source == "fp8":
+        q, s = fp8.quant_block(w)
+        rows, args = fp8.dequant_block(q, s), (q, s, "block")
+    else:
+        x = w.to(torch.bfloat16 if source == "bf16" else torch.float32)
+        rows, args = x, (x, None, None)
+    ref = int4.quantize_pack(rows, group, "fullrange")
+    assert ref.scale[6, 0] < 0  # the positive extreme put on code -8
+    packed, scale, _, bad = native.quant_rows(*args, group, "fullrange")
+    assert not bad and torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
+    stored = ref.packed.clone()
+    stored.view(torch.uint8)[::3, ::5] ^= 0x11
+    want = int4.error_sums(rows, stored, ref.scale)
+    (se, sr, me), bad = native.error_rows(*args, stored, ref.scale)
+    assert not bad and me == want[2]
+    assert se == pytest.approx(want[0], rel=1e-12) and sr == pytest.approx(want[1], rel=1e-12)
+    (se0, _, _), _ = native.error_rows(*args, ref.packed, ref.scale)  # the near miss: the codes as made
+    assert se0 == pytest.approx(int4.error_sums(rows, ref.packed, ref.scale)[0], rel=1e-12) and se0 < se
+
+
+@needs_native
 def test_nan_detected():
     q, s = fp8.quant_block(torch.randn(128, 128))
     q.view(torch.uint8)[3, 3] = 0x7F
     assert native.quant_rows(q, s, "block", 32, "minmax")[3]
     assert native.dequant_rows(q, s, "block")[1]
+    r = int4.quantize_pack(torch.randn(128, 128), 32)
+    assert native.error_rows(q, s, "block", r.packed, r.scale)[1]
 
 
 @needs_native

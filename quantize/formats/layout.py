@@ -17,7 +17,7 @@ OBSERVERS = {
     "fullrange": "round-to-nearest over all 16 codes (scale = the group's signed extreme / -8)",
     "fullrange-mse": "all 16 codes with a per-group clipping search",
 }
-NATIVE_OBSERVERS = ("minmax", "mse")  # what quant.c implements; the others run the torch path
+NATIVE_OBSERVERS = ("minmax", "mse", "fullrange")  # what quant.c implements; the others run the torch path
 
 # FP8 block (docs/formats.md#block-fp8)
 DEFAULT_BLOCK = (128, 128)

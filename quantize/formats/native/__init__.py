@@ -147,6 +147,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                ctypes.c_int, ctypes.c_float, P, P, P]
     lib.dequant_rows.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [P, P, P, I64, I64, I64, I64, I64, ctypes.c_int, P]
+    lib.error_rows.restype = ctypes.c_int
+    lib.error_rows.argtypes = [P, ctypes.c_int, P, I64, I64, I64, I64, I64, I64, P, P, P]
     return lib
 
 
@@ -289,6 +291,9 @@ def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str |
     raise TypeError(w.dtype)
 
 
+OBSERVERS = {"minmax": 0, "mse": 1, "fullrange": 2}  # quant.c's observer numbers
+
+
 def quant_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | None, group: int, observer: str,
                mse=(100, 20, 2.4),
                block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float, float], bool]:
@@ -308,11 +313,34 @@ def quant_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | 
     stats = (ctypes.c_double * 3)(0.0, 0.0, 0.0)
     src = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
     bad = L.quant_rows(_ptr(src), kind, _ptr(_LUT), _ptr(s), R, K, br, bc, cols, group,
-                       0 if observer == "minmax" else 1, mse[0], mse[1], mse[2], _ptr(packed), _ptr(sc),
+                       OBSERVERS[observer], mse[0], mse[1], mse[2], _ptr(packed), _ptr(sc),
                        ctypes.addressof(stats))
     if bad not in (0, 1):
         raise ValueError(f"quant.c rejected K={K}, group {group}")
     return packed, sc, (stats[0], stats[1], stats[2]), bool(bad)
+
+
+def error_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | None, packed: torch.Tensor,
+               qscale: torch.Tensor, block=(128, 128)) -> tuple[tuple[float, float, float], bool]:
+    """The stored INT4 tensor (``packed`` int32 [R, K/8], ``qscale`` bf16 [R, K/g]) against the source
+    rows ``w`` (fp8 + ``scale`` / bf16 / fp32), as ``int4.error_sums`` of the decoded rows measures it:
+    ((sq_err, sq_ref, max_abs_err), saw_nan_or_inf)."""
+    L = lib()
+    assert L is not None
+    R, K = w.shape
+    g = K // qscale.shape[1]
+    if qscale.dtype != torch.bfloat16 or tuple(packed.shape) != (R, K // 8) or not supports(K, g):
+        raise ValueError(f"quant.c does not take {tuple(packed.shape)} / {qscale.dtype} {tuple(qscale.shape)}")
+    w = w.contiguous()
+    kind, s, br, bc, cols = _scale_args(w, scale, scale_format, block)
+    src = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+    stats = (ctypes.c_double * 3)(0.0, 0.0, 0.0)
+    pk, qs = packed.contiguous(), qscale.contiguous()
+    bad = L.error_rows(_ptr(src), kind, _ptr(s), R, K, br, bc, cols, g, _ptr(pk.view(torch.uint8)),
+                       _ptr(qs.view(torch.int16)), ctypes.addressof(stats))
+    if bad not in (0, 1):
+        raise ValueError(f"quant.c rejected K={K}, group {g}")
+    return (stats[0], stats[1], stats[2]), bool(bad)
 
 
 def dequant_rows(w: torch.Tensor, scale: torch.Tensor, scale_format: str,

@@ -174,6 +174,27 @@ static int row_minmax(float *w, int64_t K, int64_t g, uint8_t *packed, uint16_t 
     return bad;
 }
 
+/* row r of the source decoded into bf16-rounded fp32 (src_kind 0: FP8 + block scales, 3: FP8 + per-row,
+ * 4: FP8 + one scale, 1: bf16, 2: fp32) */
+static void decode_row(const void *src, int src_kind, const float *sinv, int64_t r, int64_t K, int64_t br,
+                       int64_t bc, int64_t sinv_cols, float *wrow) {
+    if (src_kind == 0 || src_kind == 3 || src_kind == 4) {
+        const uint8_t *p = (const uint8_t *)src + r * K;
+        int64_t step = src_kind == 0 ? bc : K;
+        for (int64_t c0 = 0; c0 < K; c0 += step) {
+            float scv = src_kind == 0 ? sinv[(r / br) * sinv_cols + c0 / bc] : (src_kind == 3 ? sinv[r] : sinv[0]);
+            int64_t c1 = c0 + step < K ? c0 + step : K;
+            for (int64_t c = c0; c < c1; c++) wrow[c] = rbf_nn(fp8_dec(p[c]) * scv);
+        }
+    } else if (src_kind == 1) {
+        const uint16_t *p = (const uint16_t *)src + r * K;
+        for (int64_t c = 0; c < K; c++) wrow[c] = bf2f(p[c]);
+    } else {
+        const float *p = (const float *)src + r * K;
+        for (int64_t c = 0; c < K; c++) wrow[c] = rbf_nn(p[c]);
+    }
+}
+
 int quant_rows(const void *src, int src_kind, const float *lut, const float *sinv, int64_t R, int64_t K,
                int64_t br, int64_t bc, int64_t sinv_cols, int64_t g, int observer, int grid, int steps, float norm,
                uint8_t *packed, uint16_t *scale_out, double *stats) {
@@ -182,27 +203,10 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
     double sq_err = 0.0, sq_ref = 0.0;
     float max_err = 0.f;
     int bad = 0;
-    const uint8_t *s8 = (const uint8_t *)src;
-    const uint16_t *s16 = (const uint16_t *)src;
-    const float *s32 = (const float *)src;
+    (void)lut;
     if (g > MAXG || g % 16 || K > MAXK || K % g) return 2;
     for (int64_t r = 0; r < R; r++) {
-        /* decode the row into bf16-rounded fp32 */
-        if (src_kind == 0 || src_kind == 3 || src_kind == 4) {
-            const uint8_t *p = s8 + r * K;
-            int64_t step = src_kind == 0 ? bc : K;
-            for (int64_t c0 = 0; c0 < K; c0 += step) {
-                float scv = src_kind == 0 ? sinv[(r / br) * sinv_cols + c0 / bc] : (src_kind == 3 ? sinv[r] : sinv[0]);
-                int64_t c1 = c0 + step < K ? c0 + step : K;
-                for (int64_t c = c0; c < c1; c++) wrow[c] = rbf_nn(fp8_dec(p[c]) * scv);
-            }
-        } else if (src_kind == 1) {
-            const uint16_t *p = s16 + r * K;
-            for (int64_t c = 0; c < K; c++) wrow[c] = bf2f(p[c]);
-        } else {
-            const float *p = s32 + r * K;
-            for (int64_t c = 0; c < K; c++) wrow[c] = rbf_nn(p[c]);
-        }
+        decode_row(src, src_kind, sinv, r, K, br, bc, sinv_cols, wrow);
         if (observer == 0) {
             bad |= row_minmax(wrow, K, g, packed + r * (K / 2), scale_out + r * (K / g), sc, &sq_err, &sq_ref,
                               &max_err);
@@ -216,7 +220,21 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
                 amax = a > amax ? a : amax;
                 bad |= !(a <= 3.4028234e38f);
             }
-            float s = mse_scale(w, g, amax, grid, steps, norm);
+            float s;
+            if (observer == 2) { /* fullrange: the signed extreme (the first of largest magnitude) on code -8 */
+                float e = 0.f, m = -1.f;
+                for (int64_t k = 0; k < g; k++) {
+                    float a = fabsf(w[k]);
+                    if (a > m) {
+                        m = a;
+                        e = w[k];
+                    }
+                }
+                s = rbf(e / -8.f);
+                s = s == 0.f ? EPS_BF16 : s;
+            } else {
+                s = mse_scale(w, g, amax, grid, steps, norm);
+            }
             scale_out[r * (K / g) + c0 / g] = f2bf(s);
             codes_pack(w, g, s, packed + r * (K / 2) + c0 / 2, &sq_err, &sq_ref, &max_err);
         }
@@ -239,5 +257,47 @@ int dequant_rows(const uint8_t *src, const float *lut, const float *sinv, int64_
             out[r * K + c] = f2bf(v);
         }
     }
+    return bad;
+}
+
+/* stored codes (nibble = q + 8, two per byte, low first) and bf16 scales against the source rows, as
+ * int4.error_sums measures them: the product code x scale rounded to bf16 (compressed-tensors'
+ * decompression in the scale dtype), its difference from the bf16-rounded weight in fp32, squares in
+ * fp32 summed in double; stats += (sq_err, sq_ref), stats[2] = max(max |err|). Returns 1 on NaN/Inf in
+ * the source, 2 on a shape quant.c does not take. */
+int error_rows(const void *src, int src_kind, const float *sinv, int64_t R, int64_t K, int64_t br, int64_t bc,
+               int64_t sinv_cols, int64_t g, const uint8_t *packed, const uint16_t *scale, double *stats) {
+    float wrow[MAXK];
+    double sq_err = 0.0, sq_ref = 0.0;
+    float max_err = 0.f;
+    int bad = 0;
+    if (g > MAXG || g % 2 || K > MAXK || K % g) return 2;
+    for (int64_t r = 0; r < R; r++) {
+        decode_row(src, src_kind, sinv, r, K, br, bc, sinv_cols, wrow);
+        const uint8_t *pk = packed + r * (K / 2);
+        const uint16_t *sr = scale + r * (K / g);
+        for (int64_t c0 = 0; c0 < K; c0 += g) {
+            float s = bf2f(sr[c0 / g]);
+            float se = 0.f, rr = 0.f;
+            double gse = 0.0, grr = 0.0;
+            for (int64_t k = c0; k < c0 + g; k++) {
+                uint8_t b = pk[k >> 1];
+                int q = (int)((k & 1) ? (b >> 4) : (b & 15)) - 8;
+                float d = rbf((float)q * s) - wrow[k];
+                float a = fabsf(d);
+                bad |= !(fabsf(wrow[k]) <= 3.4028234e38f);
+                max_err = a > max_err ? a : max_err;
+                se = d * d;
+                rr = wrow[k] * wrow[k];
+                gse += (double)se;
+                grr += (double)rr;
+            }
+            sq_err += gse;
+            sq_ref += grr;
+        }
+    }
+    stats[0] += sq_err;
+    stats[1] += sq_ref;
+    if (max_err > stats[2]) stats[2] = max_err;
     return bad;
 }
