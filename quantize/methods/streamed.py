@@ -332,6 +332,7 @@ def gptq_step(method, streamer, fwd, layer, stand, x: Layer, write_group, Hessia
                             source=x.sources if hooks.pairs else None, source_topk=x.source_topk)
     finally:
         hooks.remove()
+    phases.lap("capture")
 
     def put(res):
         put_linear(layer, linear, x.originals, res, fwd.device)
