@@ -246,7 +246,10 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
         )
     sq_err = sq_ref = max_err = sq_rtn = 0.0
     g = options.group_size
-    if (  # the C kernels: the same decoded rows, the same sums (to ~1e-15), RTN's codes bit for bit
+    # the C kernels: the same decoded rows and sums (another order of addition: ~1e-15, so `check --source`
+    # still proves them); RTN's comparison bit for bit on minmax and fullrange (mse may pick a neighbouring
+    # shrink at a near-tie, as for an RTN convert)
+    if (
         native.lib() is not None
         and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
         and job.scale_format != "int4"

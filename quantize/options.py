@@ -619,6 +619,7 @@ class ConvertOptions(Options):
         "then runs two attention captures and expert-output passes instead of three, and one replay instead of two; "
         "the same bytes",
         methods=("gptq",),
+        key=False,  # the same bytes: not in the resume key or a pipeline's stage hash (a resume may add it)
     )
     requantize: bool = opt(
         False,

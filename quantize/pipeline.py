@@ -357,8 +357,10 @@ def _opts_convert(p: Pipeline) -> dict:
     return opts
 
 
-# the convert section's data-aware keys (the calibration text is the pipeline's own `data`)
-METHOD_KEYS = ("method", *(k for k in O.method_options() if k != "data"))
+# the convert section's data-aware keys (the calibration text is the pipeline's own `data`; options
+# declared key=False change no byte, e.g. --skip-rtn-loss)
+METHOD_KEYS = ("method", *(f.name for f in dataclasses.fields(O.ConvertOptions)
+                           if f.name in O.method_options() and f.name != "data" and O.spec(f).key))
 
 
 def _opts_kv(p: Pipeline) -> dict:

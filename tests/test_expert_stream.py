@@ -401,3 +401,9 @@ def test_skip_rtn_loss_writes_the_same_bytes_without_the_rtn_passes(gptq_outs, t
     assert captures == ([0, 0] if whole else [3 * moe, 2 * moe]), captures
     m = json.loads((s / "quantize_manifest.json").read_text())["method"]
     assert m["skip_rtn_loss"] is True
+    # the same bytes: recorded, but not in the resume key nor in a pipeline's stage hash
+    from quantize.options import ConvertOptions
+    from quantize.pipeline import METHOD_KEYS
+
+    assert ConvertOptions(method="gptq", skip_rtn_loss=True).key_dict() == ConvertOptions(method="gptq").key_dict()
+    assert "skip_rtn_loss" not in METHOD_KEYS and "damp" in METHOD_KEYS

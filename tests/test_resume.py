@@ -96,6 +96,7 @@ def test_resume_under_another_build_is_refused_naming_what_changed(tiny, convert
     assert f"(torch 2.12.0 -> {version('torch')})" in msg and "quantize" not in msg.split("(")[1]
     msg = resume_with({k: v for k, v in build.items() if k != "llmcompressor"})
     assert f"(llmcompressor unrecorded -> {version('llmcompressor')})" in msg
+    assert "(flash 1.0 -> none)" in resume_with({**build, "flash": "1.0"})  # a library this build does not list
     job.write_text(json.dumps({**rec, "key": {k: v for k, v in rec["key"].items() if k != "build"}}))
     with pytest.raises(QuantizeError, match=r"another build \(compressed_tensors unrecorded -> .*, quantize unrecorded"):
         convert(src, out, resume=True)  # a run started before the build was recorded

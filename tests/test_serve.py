@@ -206,7 +206,7 @@ def test_a_launch_leaves_no_ipc_sockets_behind(models, tmp_path, monkeypatch, mo
     socks = _ipc_sockets(logs)
     assert len(socks) == (2 if mode == "ok" else 1)  # one per launch: the baseline's and the candidate's
     for p in socks:
-        assert p.parent.parent == Path(tempfile.gettempdir()) and p.parent.name.startswith("quantize-ipc-")
+        assert p.parent.parent == Path(tempfile.gettempdir()) and p.parent.name.startswith("qipc-")
         assert not p.parent.exists(), p
     assert len({p.parent for p in socks}) == len(socks)  # private to each launch
     if mode == "ok":
@@ -216,6 +216,13 @@ def test_a_launch_leaves_no_ipc_sockets_behind(models, tmp_path, monkeypatch, mo
         evaluate(base, cand, serve_log=tmp_path / "logs2", **kw)
         socks = _ipc_sockets(tmp_path / "logs2")
         assert len(socks) == 2 and all(p.parent == mine and p.is_socket() for p in socks)
+        # a temp folder too deep for a socket's 107 bytes: the engine keeps its own default
+        monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+        deep = tmp_path / ("d" * 60)
+        deep.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(deep))
+        evaluate(base, cand, serve_log=tmp_path / "logs3", **kw)
+        assert _ipc_sockets(tmp_path / "logs3") == [] and not list(deep.glob("qipc-*"))
 
 
 def test_an_engine_that_answers_500_is_named_by_its_logged_cause_not_a_limit(models, tmp_path, monkeypatch):

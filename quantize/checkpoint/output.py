@@ -358,7 +358,8 @@ class Output:
         if diff == ["build"]:  # the same options and inputs, another build of the tool or its libraries
             was, now = old.get("build") or {}, key["build"]
             changed = ", ".join(
-                f"{k} {was.get(k) or 'unrecorded'} -> {now.get(k)}" for k in sorted(now) if was.get(k) != now.get(k)
+                f"{k} {was.get(k) or 'unrecorded'} -> {now.get(k) or 'none'}" for k in sorted(set(was) | set(now))
+                if was.get(k) != now.get(k)
             )
             raise QuantizeError(
                 f"{self.record_path}: the interrupted run was written by another build ({changed}); resuming "

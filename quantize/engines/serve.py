@@ -361,8 +361,10 @@ class Served:
             # cwd: the log folder, so that nothing in the caller's folder shadows the engine's packages
             # (python -m puts the cwd first on sys.path, in the server and in the workers it spawns)
             try:
-                if self.engine.ipc_env and self.engine.ipc_env not in env:
-                    self.ipc = Path(tempfile.mkdtemp(prefix="quantize-ipc-"))
+                # where the engine's socket paths (the folder, a uuid4: 37 more bytes) fit a Unix socket's
+                # 107; a temp folder too deep for that leaves the engine its default
+                if self.engine.ipc_env and self.engine.ipc_env not in env and len(tempfile.gettempdir()) < 60:
+                    self.ipc = Path(tempfile.mkdtemp(prefix="qipc-"))
                     env[self.engine.ipc_env] = str(self.ipc)
                 self.proc = subprocess.Popen(line, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env=env, cwd=self.log_dir, start_new_session=True)
