@@ -198,30 +198,34 @@ def test_a_launch_leaves_no_ipc_sockets_behind(models, tmp_path, monkeypatch, mo
     monkeypatch.setenv("FAKE_ENGINE_MODE", mode)
     kw = dict(tasks="arc_easy", limit=2, data_dir=_data(tmp_path), serve="vllm", engine_python=_fake_python(tmp_path))
     logs = tmp_path / "logs"
-    if mode == "ok":
-        evaluate(base, cand, serve_log=logs, **kw)
-    else:
+    if mode == "ok":  # two launches, one after the other, as an evaluation's baseline and candidate
+        for model in (base, cand):
+            with sv.Served("vllm", model, python=kw["engine_python"], log_dir=logs):
+                pass
+    else:  # the evaluation's server dies on its first request
         with pytest.raises(QuantizeError, match="was killed by signal 9"):
             evaluate(base, cand, serve_log=logs, **kw)
     socks = _ipc_sockets(logs)
-    assert len(socks) == (2 if mode == "ok" else 1)  # one per launch: the baseline's and the candidate's
+    assert len(socks) == (2 if mode == "ok" else 1)  # one per launch
     for p in socks:
         assert p.parent.parent == Path(tempfile.gettempdir()) and p.parent.name.startswith("qipc-")
         assert not p.parent.exists(), p
     assert len({p.parent for p in socks}) == len(socks)  # private to each launch
-    if mode == "ok":
+    if mode == "ok":  # one launch each, without an evaluation
         mine = tmp_path / "mine"
         mine.mkdir()
         monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
-        evaluate(base, cand, serve_log=tmp_path / "logs2", **kw)
+        with sv.Served("vllm", base, python=kw["engine_python"], log_dir=tmp_path / "logs2"):
+            pass
         socks = _ipc_sockets(tmp_path / "logs2")
-        assert len(socks) == 2 and all(p.parent == mine and p.is_socket() for p in socks)
+        assert len(socks) == 1 and all(p.parent == mine and p.is_socket() for p in socks)
         # a temp folder too deep for a socket's 107 bytes: the engine keeps its own default
         monkeypatch.delenv("VLLM_RPC_BASE_PATH")
         deep = tmp_path / ("d" * 60)
         deep.mkdir()
         monkeypatch.setattr(tempfile, "tempdir", str(deep))
-        evaluate(base, cand, serve_log=tmp_path / "logs3", **kw)
+        with sv.Served("vllm", base, python=kw["engine_python"], log_dir=tmp_path / "logs3"):
+            pass
         assert _ipc_sockets(tmp_path / "logs3") == [] and not list(deep.glob("qipc-*"))
 
 
