@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -291,7 +290,8 @@ class Served:
         self.port = port
         self.log_dir = Path(log_dir) if log_dir else None
         self.proc: subprocess.Popen | None = None
-        self.ipc: Path | None = None  # the private IPC folder of this launch (Engine.ipc_env), removed by stop
+        # the private IPC folder of this launch (Engine.ipc_env), removed by stop
+        self.ipc: tempfile.TemporaryDirectory | None = None
         self.log: Path | None = None
         self.version = ""
         self.served_name = ""
@@ -364,8 +364,8 @@ class Served:
                 # where the engine's socket paths (the folder, a uuid4: 37 more bytes) fit a Unix socket's
                 # 107; a temp folder too deep for that leaves the engine its default
                 if self.engine.ipc_env and self.engine.ipc_env not in env and len(tempfile.gettempdir()) < 60:
-                    self.ipc = Path(tempfile.mkdtemp(prefix="qipc-"))
-                    env[self.engine.ipc_env] = str(self.ipc)
+                    self.ipc = tempfile.TemporaryDirectory(prefix="qipc-", ignore_cleanup_errors=True)
+                    env[self.engine.ipc_env] = self.ipc.name
                 self.proc = subprocess.Popen(line, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env=env, cwd=self.log_dir, start_new_session=True)
             except BaseException:
@@ -463,7 +463,7 @@ class Served:
             self._stop()
         finally:
             if self.ipc is not None and (self.proc is None or not _group_alive(self.proc.pid)):
-                shutil.rmtree(self.ipc, ignore_errors=True)
+                self.ipc.cleanup()
                 self.ipc = None
 
     def _stop(self) -> None:
