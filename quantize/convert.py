@@ -77,6 +77,26 @@ def _weight_rows(job: Job, w: torch.Tensor, s: torch.Tensor | None, r0: int, r1:
     return fp8.dequant_channel(rows, s if s.numel() == 1 else s.reshape(-1, 1)[r0:r1])
 
 
+NATIVE_MSE = (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM)  # quant_rows' mse search
+
+
+def _native_source(w: torch.Tensor) -> bool:
+    """The C kernels are built and read this source dtype (on the CPU)."""
+    return native.lib() is not None and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+
+
+def _native_int4(job: Job, scale_dtype: torch.dtype, k: int, g: int, observer: str) -> bool:
+    """quant.c quantizes (and measures) this INT4 job as the torch reference does: not an INT4
+    source, bf16 scales, its grid, its shape, groups inside the FP8 blocks."""
+    return (
+        job.scale_format != "int4"
+        and scale_dtype == torch.bfloat16
+        and observer in int4.NATIVE_OBSERVERS
+        and native.supports(k, g)
+        and (job.scale_format != "block" or job.block[1] % g == 0)
+    )
+
+
 def _nan_error(job: Job) -> QuantizeError:
     return QuantizeError(
         f"{job.src.file}: tensor {job.name} contains NaN or Inf; the source weight is corrupt, re-download that shard"
@@ -117,9 +137,7 @@ def compute_job(
     if device != "cpu":  # the torch reference path, on the GPU; same bits as on the CPU
         w = w.to(device)
         s = s.to(device) if s is not None else None
-    use_native = (
-        device == "cpu" and native.lib() is not None and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
-    )
+    use_native = device == "cpu" and _native_source(w)
     if job.kind == "dequant":
         if use_native and w.dtype == torch.float8_e4m3fn:
             out, bad = native.dequant_rows(w, s, job.scale_format, job.block)
@@ -151,22 +169,9 @@ def compute_job(
             scale_dtype = s.dtype
         else:
             scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
-        if (
-            use_native
-            and job.scale_format != "int4"
-            and scale_dtype == torch.bfloat16
-            and options.observer in int4.NATIVE_OBSERVERS
-            and native.supports(k, g)
-            and (job.scale_format != "block" or job.block[1] % g == 0)
-        ):
+        if use_native and _native_int4(job, scale_dtype, k, g, options.observer):
             packed, scale, (sq_err, sq_ref, max_err), bad = native.quant_rows(
-                w,
-                s,
-                job.scale_format,
-                g,
-                options.observer,
-                (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM),
-                job.block,
+                w, s, job.scale_format, g, options.observer, NATIVE_MSE, job.block
             )
             if bad:
                 raise _nan_error(job)
@@ -249,20 +254,11 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
     # the C kernels: the same decoded rows and sums (another order of addition: ~1e-15, so `check --source`
     # still proves them); RTN's comparison bit for bit on minmax and fullrange (mse may pick a neighbouring
     # shrink at a near-tie, as for an RTN convert)
-    if (
-        native.lib() is not None
-        and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
-        and job.scale_format != "int4"
-        and scale.dtype == torch.bfloat16
-        and options.observer in int4.NATIVE_OBSERVERS
-        and native.supports(k, g)
-        and (job.scale_format != "block" or job.block[1] % g == 0)
-    ):
+    if _native_source(w) and _native_int4(job, scale.dtype, k, g, options.observer):
         (sq_err, sq_ref, max_err), bad = native.error_rows(w, s, job.scale_format, packed, scale, job.block)
         if bad:
             raise _nan_error(job)
-        mse = (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM)
-        sq_rtn = native.quant_rows(w, s, job.scale_format, g, options.observer, mse, job.block)[2][0]
+        sq_rtn = native.quant_rows(w, s, job.scale_format, g, options.observer, NATIVE_MSE, job.block)[2][0]
     else:
         for r0 in range(0, rows, ROW_CHUNK):
             r1 = min(rows, r0 + ROW_CHUNK)

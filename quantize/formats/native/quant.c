@@ -278,17 +278,15 @@ int error_rows(const void *src, int src_kind, const float *sinv, int64_t R, int6
         const uint16_t *sr = scale + r * (K / g);
         for (int64_t c0 = 0; c0 < K; c0 += g) {
             float s = bf2f(sr[c0 / g]);
-            float se = 0.f, rr = 0.f;
             double gse = 0.0, grr = 0.0;
             for (int64_t k = c0; k < c0 + g; k++) {
                 uint8_t b = pk[k >> 1];
                 int q = (int)((k & 1) ? (b >> 4) : (b & 15)) - 8;
                 float d = rbf((float)q * s) - wrow[k];
                 float a = fabsf(d);
+                float se = d * d, rr = wrow[k] * wrow[k]; /* squared in fp32, as torch's pow(2) */
                 bad |= !(fabsf(wrow[k]) <= 3.4028234e38f);
                 max_err = a > max_err ? a : max_err;
-                se = d * d;
-                rr = wrow[k] * wrow[k];
                 gse += (double)se;
                 grr += (double)rr;
             }
