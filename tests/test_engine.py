@@ -24,6 +24,9 @@ from quantize.errors import QuantizeError
 
 # skip only where neither exists; a QUANTIZE_VLLM_PYTHON that is set but broken fails the tests (CI sets it)
 ENGINE = bool(os.environ.get("QUANTIZE_VLLM_PYTHON")) or V.has_engine()
+# under pytest-xdist (the README's test command) this file's tests run one after another on one worker
+# (its module fixtures, a vLLM run among them, are made once), early (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("vllm-check")
 needs_engine = pytest.mark.skipif(not ENGINE, reason="no vLLM interpreter: set QUANTIZE_VLLM_PYTHON or create .venv-vllm (docs/vllm-cpu.md)")
 
 

@@ -261,7 +261,9 @@ def test_smoke_through_the_command_line_and_its_reports(n, tmp_path, monkeypatch
     _fake_eval(tmp_path, monkeypatch, n)
     argv = ["eval", "--baseline", tmp_path / "base", "--candidate", tmp_path / "cand", "--tasks", "arc_easy",
             "--data-dir", tmp_path / "data", "--out", tmp_path / "eval.json", "--markdown", tmp_path / "eval.md"]
-    res = CliRunner().invoke(app, [str(a) for a in argv])
+    # wide enough for the table's rows on one line each, whatever the length of pytest's temporary folder (a wrapped
+    # cell would fail the first check and pass the second vacuously)
+    res = CliRunner().invoke(app, [str(a) for a in argv], env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
     t = json.loads((tmp_path / "eval.json").read_text())["tasks"]["arc_easy"]
     md = (tmp_path / "eval.md").read_text()

@@ -212,13 +212,13 @@ def test_a_launch_leaves_no_ipc_sockets_behind(models, tmp_path, monkeypatch, mo
         assert not p.parent.exists(), p
     assert len({p.parent for p in socks}) == len(socks)  # private to each launch
     if mode == "ok":  # one launch each, without an evaluation
-        mine = tmp_path / "mine"
-        mine.mkdir()
-        monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
-        with sv.Served("vllm", base, python=kw["engine_python"], log_dir=tmp_path / "logs2"):
-            pass
-        socks = _ipc_sockets(tmp_path / "logs2")
-        assert len(socks) == 1 and all(p.parent == mine and p.is_socket() for p in socks)
+        with tempfile.TemporaryDirectory(prefix="mine-") as d:  # short: pytest-xdist's tmp_path can be too deep
+            mine = Path(d)
+            monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
+            with sv.Served("vllm", base, python=kw["engine_python"], log_dir=tmp_path / "logs2"):
+                pass
+            socks = _ipc_sockets(tmp_path / "logs2")
+            assert len(socks) == 1 and all(p.parent == mine and p.is_socket() for p in socks)
         # a temp folder too deep for a socket's 107 bytes: the engine keeps its own default
         monkeypatch.delenv("VLLM_RPC_BASE_PATH")
         deep = tmp_path / ("d" * 60)

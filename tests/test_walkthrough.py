@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+# the suite's longest single test: under pytest-xdist it starts first (tests/conftest.py) rather than ending
+# the run alone on one worker
+pytestmark = pytest.mark.xdist_group("walkthrough")
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "walkthrough.md"
 BIN = Path(sys.executable).parent  # the venv's bin: its `quantize` entry point
