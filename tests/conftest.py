@@ -15,11 +15,13 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that run as one unit under pytest-xdist (an ``xdist_group``: the real engine's, the
+    """Under pytest-xdist, the tests that run as one unit (an ``xdist_group``: the real engine's, the
     walkthrough) go first, so the longest units start early instead of ending the run alone on one
-    worker (the order is the same in every worker, as pytest-xdist needs); ``gpu`` tests skip, with the
+    worker (the order is the same in every worker, as pytest-xdist needs; without it, file order, so
+    SmolLM2's conversion overlaps the files before test_engine.py); ``gpu`` tests skip, with the
     reason, where no CUDA GPU is visible (CI never has one)."""
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: file order otherwise
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: file order otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU node: scripts/gpu_check.sh)")
