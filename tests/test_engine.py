@@ -24,10 +24,8 @@ from quantize.errors import QuantizeError
 
 # skip only where neither exists; a QUANTIZE_VLLM_PYTHON that is set but broken fails the tests (CI sets it)
 ENGINE = bool(os.environ.get("QUANTIZE_VLLM_PYTHON")) or V.has_engine()
-# under pytest-xdist (docs/testing.md) the real engine's tests, here and in test_serve_vllm.py, run one
-# after another on one worker, first (tests/conftest.py): two vLLM CPU engines at once, each binding its
-# threads to every core, slow each other down (test_serve_vllm.py's test took 481 s beside test_engine.py's
-# engines, 175 s in a run without pytest-xdist: one suite run each, on a noisy 2-core machine)
+# under pytest-xdist the real engine's tests, here and in test_serve_vllm.py, run one after another on one worker,
+# first (tests/conftest.py); beside other load vLLM's CPU engine slows badly (docs/testing.md)
 pytestmark = pytest.mark.xdist_group("vllm")
 needs_engine = pytest.mark.skipif(not ENGINE, reason="no vLLM interpreter: set QUANTIZE_VLLM_PYTHON or create .venv-vllm (docs/vllm-cpu.md)")
 

@@ -24,10 +24,8 @@ from .test_engine import SERVES_INT4, smol_w4a16  # noqa: E402,F401 - the fixtur
 from .test_eval import _linked_copy  # noqa: E402
 from .test_serve import _listening  # noqa: E402
 
-# under pytest-xdist (docs/testing.md) the real engine's tests, here and in test_engine.py, run one
-# after another on one worker, first (tests/conftest.py): two vLLM CPU engines at once, each binding its
-# threads to every core, slow each other down (test_serve_vllm.py's test took 481 s beside test_engine.py's
-# engines, 175 s in a run without pytest-xdist: one suite run each, on a noisy 2-core machine)
+# under pytest-xdist the real engine's tests, here and in test_engine.py, run one after another on one worker,
+# first (tests/conftest.py); beside other load vLLM's CPU engine slows badly (docs/testing.md)
 pytestmark = pytest.mark.xdist_group("vllm")
 needs_engine = pytest.mark.skipif(not has_engine(), reason="no vLLM interpreter (.venv-vllm / QUANTIZE_VLLM_PYTHON)")
 # vLLM's CPU build in fp32, a small KV cache; the engine core and its worker in the server's own process
