@@ -6,7 +6,9 @@ exist once its block has run.
 
 An excerpt line matches an output line when both are equal after: runs of spaces made one, the table
 rules of rich (``│ ┃``) read as ``|``, every number read as any number (timings, sizes and scores
-move), every hex digest as any digest, and ``…`` as anything (what the page leaves out, or wording
+move), a size's byte unit as any byte unit (``2.01 MiB/s`` on a fast machine is ``941 KiB/s`` on a slow
+one), a short duration (``4s``) as any (``1m02s``, ``2h05m``: quantize/events.py's forms), every hex
+digest as any digest, and ``…`` as anything (what the page leaves out, or wording
 other changes may still move: the eval verdict's smoke note). Lines made only of table borders and
 lines that are just ``...`` are not compared. About 2 minutes on 2 cores.
 """
@@ -31,8 +33,11 @@ BIN = Path(sys.executable).parent  # the venv's bin: its `quantize` entry point
 FENCE = re.compile(r"^```(\S*)\s*$")
 FILE_MARK = re.compile(r"^<!--\s*file:\s*(\S+)\s*-->\s*$")
 BORDER = re.compile(r"^[\s┏┓┗┛┡┩└┘┌┐├┤┬┴┼━─═╇╈╋┳┻╍+\-|]*$")
-TOKEN = re.compile(r"…|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{8,}\b|[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
+BYTES = NUMBER + r" (?:[KMGT]i?)?B"  # quantize/events.py's _size: "512 B", "941.15 KiB", "2.01 MiB"
+DURATION = r"(?:\d+h\d+m|\d+m\d+s|\d+s)"  # quantize/events.py's _duration: "4s", "1m02s", "2h05m"
+DIGEST = r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{8,}\b"
+TOKEN = re.compile(rf"…|(?P<digest>{DIGEST})|(?P<bytes>{BYTES}\b)|(?P<duration>\b{DURATION}\b)|{NUMBER}")
 
 
 @dataclass
@@ -90,8 +95,8 @@ def pattern(line: str) -> re.Pattern:
     out, pos, s = [], 0, norm(line).replace(" …", "…")  # "… " may stand for the rest of a wrapped line
     for m in TOKEN.finditer(s):
         out.append(re.escape(s[pos:m.start()]))
-        tok = m.group(0)
-        out.append(".*" if tok == "…" else "[0-9a-f]+" if re.fullmatch(r"[0-9a-f]{8,}", tok) else NUMBER)
+        kind = m.lastgroup or ("…" if m.group(0) == "…" else "number")
+        out.append({"…": ".*", "digest": "[0-9a-f]+", "bytes": BYTES, "duration": DURATION}.get(kind, NUMBER))
         pos = m.end()
     out.append(re.escape(s[pos:]))
     return re.compile("".join(out))
@@ -111,6 +116,16 @@ def test_the_matcher():
     assert pattern("sha256 b49370bc40f1 …").fullmatch("sha256 0123456789ab and more")
     assert pattern("pass…: 1 task(s)").fullmatch("pass (smoke: 8 items): 1 task(s)")
     assert not pattern("check passed: m").fullmatch("check FAILED: m")
+    # a size's unit moves with the machine's speed, a duration's form with its length; nothing else does
+    done = pattern("[convert] done: 7.65 MiB / 7.65 MiB 100% in 4s (2.01 MiB/s)")
+    assert done.fullmatch("[convert] done: 7.65 MiB / 7.65 MiB 100% in 8s (941.15 KiB/s)")
+    assert done.fullmatch("[convert] done: 7.65 MiB / 7.65 MiB 100% in 1m02s (512 B/s)")
+    assert done.fullmatch("[convert] done: 1.2 GiB / 1.2 GiB 100% in 2h05m (3.1 GiB/s)")
+    assert not done.fullmatch("[convert] done: 7.65 MiB / 7.65 MiB 100% in 4s (2.01 MiB)")  # the rate's /s
+    assert not done.fullmatch("[convert] done: 7.65 MiB / 7.65 MiB 100% in 4s (2.01 tok/s)")  # not bytes
+    assert not done.fullmatch("[convert] done: 7.65 ms / 7.65 MiB 100% in 4s (2.01 MiB/s)")
+    assert not done.fullmatch("[convert] done: 7.65 MiB / 7.65 MiB 100% in 4 (2.01 MiB/s)")  # the unit s
+    assert not done.fullmatch("[convert] done: 7.65 MiB / 7.65 MiB 100% in 4m (2.01 MiB/s)")
     assert missing(["┏━━┳━━┓", "...", "a 1"], "a 2\n") == []
     assert missing(["a b"], "a c\n") == ["a b"]
 
