@@ -367,33 +367,41 @@ def _serves_negative_scales(out, smol_w4a16):
     assert failures and mx > 0.1, mx
 
 
-@needs_engine
-@needs_isa
-def test_vllm_serves_the_fullrange_grid_negative_scales(smollm2, smol_w4a16, tmp_path):
-    """--observer fullrange: the group's signed extreme sits on code -8, so about half the scales
-    are negative. vLLM's CompressedTensorsWNA16 path (CPUWNA16LinearKernel here) multiplies by the
-    stored scale: it serves the model within the tolerance of transformers on the same folder
-    (measured max 0.047, mean 0.009 nats over 3 x 8 tokens). Control: the same tokens scored by
-    transformers on the minmax conversion break the tolerance, so the engine followed the negative
-    scales rather than another INT4 grid."""
-    from quantize.convert import convert
+def _layout(folder: Path) -> tuple:
+    """What an engine reads of a checkpoint's format: every tensor's name, dtype and shape, and the
+    config's quantization_config."""
+    from safetensors import safe_open
 
-    out = tmp_path / "smollm2-fullrange-g32"
-    convert(smollm2, out, profile="all-linear", group_size=32, observer="fullrange")
-    _serves_negative_scales(out, smol_w4a16)
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                t = h.get_slice(k)
+                tensors[k] = (t.get_dtype(), tuple(t.get_shape()))
+    return tensors, json.loads((folder / "config.json").read_text())["quantization_config"]
 
 
 @needs_engine
 @needs_isa
-def test_vllm_serves_gptq_on_its_default_fullrange_grid(smollm2, smol_w4a16, tmp_path):
-    """--method gptq with no --observer: GPTQ's default, the full-range grid, written with negative
-    scales and recorded as such; vLLM's CompressedTensorsWNA16 path serves it within the tolerance
-    of transformers on the same folder. Control: the same tokens scored by transformers on the RTN
-    minmax conversion break the tolerance, so the engine followed these codes and scales."""
+def test_vllm_serves_gptq_and_the_fullrange_grid_negative_scales(smollm2, smol_w4a16, tmp_path):
+    """--method gptq with no --observer: GPTQ's default, the full-range grid, where the group's signed
+    extreme sits on code -8, so about half the scales are negative; written and recorded as such.
+    vLLM's CompressedTensorsWNA16 path (CPUWNA16LinearKernel here) multiplies by the stored scale: it
+    serves the model within the tolerance of transformers on the same folder (measured max 0.047,
+    mean 0.009 nats over 3 x 8 tokens for RTN's full-range grid). Control: the same tokens scored by
+    transformers on the RTN minmax conversion break the tolerance, so the engine followed these codes
+    and scales rather than another INT4 grid. RTN's `--observer fullrange` writes the same format
+    (every tensor's name, dtype and shape, the same quantization_config) with negative scales too, so
+    this one launch of the engine (about 30 s on 2 cores) serves for both."""
     from quantize.convert import convert
 
-    out = tmp_path / "smollm2-gptq-g32"
-    convert(smollm2, out, profile="all-linear", group_size=32, method="gptq", samples=4, seq_len=64)
-    man = json.loads((out / "quantize_manifest.json").read_text())
+    gptq, rtn = tmp_path / "smollm2-gptq-g32", tmp_path / "smollm2-fullrange-g32"
+    convert(smollm2, gptq, profile="all-linear", group_size=32, method="gptq", samples=4, seq_len=64)
+    man = json.loads((gptq / "quantize_manifest.json").read_text())
     assert man["options"]["observer"] == "fullrange" and man["method"]["grid"] == "fullrange"
-    _serves_negative_scales(out, smol_w4a16)
+    convert(smollm2, rtn, profile="all-linear", group_size=32, observer="fullrange")
+    assert _layout(rtn) == _layout(gptq)
+    scales = load_file(str(rtn / "model.safetensors"))["model.layers.0.mlp.down_proj.weight_scale"]
+    assert (scales < 0).any() and (scales > 0).any()
+    assert _layout(smol_w4a16) == _layout(gptq)  # the minmax control's format too: only the numbers differ
+    _serves_negative_scales(gptq, smol_w4a16)
