@@ -235,6 +235,14 @@ def _print(*things) -> None:
         c.print(t)
 
 
+def _rate(gbps: float) -> str:
+    """Convert's rate for its last line: GB/s, or MB/s below 0.0005 GB/s (a small model on a slow
+    machine), so it never reads 0.000; nothing when no time was measured."""
+    if gbps <= 0:
+        return ""
+    return f" ({gbps:.3f} GB/s)" if gbps >= 0.0005 else f" ({gbps * 1e3:.3f} MB/s)"
+
+
 @command(O.ConvertOptions, json_help="NDJSON progress events on stdout instead of a progress bar")
 def convert(json_out: bool, **options):
     """Convert a checkpoint to group-wise symmetric INT4, streaming tensor by tensor (a data-aware
@@ -253,7 +261,7 @@ def convert(json_out: bool, **options):
     _print(
         f"[bold green]done[/] {res.out}: {_bytes(res.source_bytes)} -> {_bytes(res.output_bytes)} in "
         f"{res.seconds:.1f} s"
-        + (f" ({res.gbps:.3f} GB/s)" if res.gbps >= 0.0005 else "")  # a run of kept shards read nothing new
+        + _rate(res.gbps)
         + f"; {res.tensors_int4} {'FP8 block' if res.plan['options'].get('scheme') == 'fp8-block' else 'INT4'} "
         f"tensors quantized{err}"
         + (f"; {res.passed_through} INT4 tensors passed through bit for bit" if res.passed_through else "")

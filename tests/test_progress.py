@@ -238,3 +238,16 @@ def test_the_window_edge(t):
     clock.t += t
     emit({"event": "tensor", "name": "m", "done_bytes": 5})
     assert len(stream.getvalue().splitlines()) == (1 if t < 30 else 2)
+
+
+def test_converts_last_line_gives_a_rate_that_never_reads_zero():
+    """The rate on convert's last line: GB/s down to 0.0005 (printed 0.001 at worst), MB/s below it (a
+    small model on a slow machine: it was left out, and the walkthrough's excerpt lost its rate), nothing
+    without a measured time. The oracle is the arithmetic: bytes / seconds / 1e9 or / 1e6."""
+    from quantize.cli import _rate
+
+    assert _rate(8_022_816 / 3.8 / 1e9) == " (0.002 GB/s)"
+    assert _rate(0.0005) == " (0.001 GB/s)"
+    assert _rate(0.000499) == " (0.499 MB/s)"  # the near miss below the edge
+    assert _rate(8_022_816 / 60 / 1e9) == " (0.134 MB/s)"
+    assert _rate(0.0) == ""

@@ -126,6 +126,7 @@ def test_the_matcher():
     assert not done.fullmatch("[convert] done: 7.65 ms / 7.65 MiB 100% in 4s (2.01 MiB/s)")
     assert not done.fullmatch("[convert] done: 7.65 MiB / 7.65 MiB 100% in 4 (2.01 MiB/s)")  # the unit s
     assert not done.fullmatch("[convert] done: 7.65 MiB / 7.65 MiB 100% in 4m (2.01 MiB/s)")
+    assert pattern("in 3.8 s (0.002 GB/s); 72").fullmatch("in 17.2 s (0.466 MB/s); 72")  # cli.py's _rate
     assert missing(["┏━━┳━━┓", "...", "a 1"], "a 2\n") == []
     assert missing(["a b"], "a c\n") == ["a b"]
 
