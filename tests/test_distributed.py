@@ -270,7 +270,7 @@ def test_a_rank_that_exits_early_fails_the_other_within_seconds(tmp_path):
     """Rank 1 leaves without a word (exit 0, so torchrun does not stop rank 0 for it): rank 0's
     barrier fails at once (gloo sees the closed connection), far inside the 60 s timeout."""
     p, wall = _run(["-m", "quantize.distributed", "selftest", "--nproc", "2", "--vanish", "1", "--timeout-s", "60",
-                    "--timings", str(tmp_path)])
+                    "--timings", str(tmp_path)], timeout=180)
     assert p.returncode == 2
     assert p.stderr.splitlines() == [
         "error: rank 0: rank 1 stopped during 'selftest barrier' (barrier), its connection closed: its own error, "
@@ -278,14 +278,16 @@ def test_a_rank_that_exits_early_fails_the_other_within_seconds(tmp_path):
     ]
     waited = json.loads((tmp_path / "rank-0.json").read_text())["failed_after_s"]
     assert waited < 5, waited
-    assert wall < 30, wall  # torch's start in three processes on two cores is most of it
+    # the whole run ended before the 60 s timeout could have fired (3.6 s on a quiet 2-core host, 10.4 s in a
+    # slow period: torch's start in three processes is most of it; docs/testing.md)
+    assert wall < 60, wall
 
 
 def test_a_hung_rank_fails_the_run_within_the_timeout(tmp_path):
     """Under the user's own torchrun: rank 1 hangs before the barrier; rank 0 says so in one line
     after --dist-timeout-s (5 s), and torchrun then stops the hung rank."""
     p, wall = _run([*_torchrun(tmp_path / "logs"), *SELFTEST, "--hang", "1", "--timeout-s", "5",
-                    "--timings", str(tmp_path)])
+                    "--timings", str(tmp_path)], timeout=180)
     assert p.returncode != 0
     mine = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert mine == [
@@ -294,17 +296,17 @@ def test_a_hung_rank_fails_the_run_within_the_timeout(tmp_path):
     ]
     waited = json.loads((tmp_path / "rank-0.json").read_text())["failed_after_s"]
     assert 4.9 <= waited < 10, waited
-    assert wall < 5 + 25, wall
+    assert wall < 60, wall  # torchrun stopped the hung rank before its 110 s sleep ran out (8.6 s quiet, 18.8 s slow)
     assert "traceback : error: rank 0: rank 1 did not reach" in p.stderr  # torchrun's summary shows the line
 
 
 def test_the_launcher_prints_the_first_ranks_error_once(tmp_path):
     """Rank 1 fails with a QuantizeError; rank 0 then fails at the barrier too (or is stopped by
     torchrun): the launcher prints rank 1's line, the root cause, once, and exits with its code."""
-    p, wall = _run([*SELFTEST, "--nproc", "2", "--fail", "1", "--timeout-s", "60"])
+    p, wall = _run([*SELFTEST, "--nproc", "2", "--fail", "1", "--timeout-s", "60"], timeout=180)
     assert p.returncode == 2
     assert p.stderr == "error: rank 1: a planted failure (selftest --fail 1)\n"
-    assert p.stdout == "" and wall < 30
+    assert p.stdout == "" and wall < 60  # before rank 0's 60 s timeout (3.7 s quiet, 11.4 s in a slow period)
 
 
 def test_nproc_runs_convert_as_ranks_that_refuse_a_method_they_do_not_split(tiny, tmp_path):
