@@ -114,13 +114,33 @@ def _smollm2_cmd(out: Path) -> list[str]:
     return cmd
 
 
+def _host_probe() -> float:
+    """Seconds for a fixed pure-Python loop, the best of three: how fast this host is right now. The
+    same suite took 22 and 47 minutes back to back on one 2-core machine, every test about 3x slower in
+    the slow period, and nothing inside the VM showed it (docs/testing.md). Printed, never asserted."""
+    import time
+
+    best = float("inf")
+    for _ in range(3):
+        t, x = time.perf_counter(), 0
+        for i in range(3_000_000):
+            x += i
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+_PROBE: list = []  # the controlling process's host probes: at the start, at the end
+
+
 def pytest_configure(config):
     """The controlling process (pytest-xdist's controller, or the one process of a run without it)
     makes the folder SmolLM2's conversion lands in; pytest-xdist's workers, started later, inherit
-    its name and share the one conversion."""
+    its name and share the one conversion. It also times the host (``_host_probe``) before anything
+    starts."""
     import tempfile
 
     if not hasattr(config, "workerinput"):
+        _PROBE.append(_host_probe())
         root = Path(tempfile.mkdtemp(prefix="quantize-test-smollm2-"))
         os.environ[_SMOLLM2_ROOT] = str(root)
         _SMOLLM2["root"] = root
@@ -214,3 +234,13 @@ def hostile_sources(tiny, converted, tmp_path_factory):
             return self[name]
 
     return Lazy()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The host's speed at the start and the end of the run, beside the suite's time: a slow run on a
+    slow host says so (0.08 s on the quiet 2-core machine this was written on; docs/testing.md)."""
+    if hasattr(config, "workerinput") or not _PROBE:
+        return
+    _PROBE.append(_host_probe())
+    terminalreporter.write_line(f"host probe (a fixed pure-Python loop, best of 3): {_PROBE[0]:.2f} s at the start, "
+                                f"{_PROBE[-1]:.2f} s at the end (0.08 s on a quiet 2-core host; docs/testing.md)")
