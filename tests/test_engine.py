@@ -350,12 +350,17 @@ def test_fp8_kv_cache_runs_with_our_gqa_scales_loaded(smol_w4a16, smol_engine, t
     assert compared >= 3
 
 
+def _mixed_sign_scales(folder: Path) -> bool:
+    """A full-range grid's mark: layer 0's down_proj holds negative scales beside positive ones."""
+    scales = load_file(str(folder / "model.safetensors"))["model.layers.0.mlp.down_proj.weight_scale"]
+    return bool((scales < 0).any() and (scales > 0).any())
+
+
 def _serves_negative_scales(out, smol_w4a16):
     """``out`` (SmolLM2, every decoder Linear INT4 g32) holds negative scales; vLLM serves it
     within the tolerance of transformers on the same folder; control: the same tokens scored by
     transformers on the RTN minmax conversion break the tolerance."""
-    scales = load_file(str(out / "model.safetensors"))["model.layers.0.mlp.down_proj.weight_scale"]
-    assert (scales < 0).any() and (scales > 0).any()
+    assert _mixed_sign_scales(out)
     p = subprocess.run([sys.executable, "-m", "quantize.cli", "check", str(out), "--engine", "vllm", "--json"],
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -370,15 +375,10 @@ def _serves_negative_scales(out, smol_w4a16):
 def _layout(folder: Path) -> tuple:
     """What an engine reads of a checkpoint's format: every tensor's name, dtype and shape, and the
     config's quantization_config."""
-    from safetensors import safe_open
+    from quantize.checkpoint.index import CheckpointIndex
 
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                t = h.get_slice(k)
-                tensors[k] = (t.get_dtype(), tuple(t.get_shape()))
-    return tensors, json.loads((folder / "config.json").read_text())["quantization_config"]
+    idx = CheckpointIndex.open(folder)
+    return {n: (r.dtype, r.shape) for n, r in idx.tensors.items()}, idx.config["quantization_config"]
 
 
 @needs_engine
@@ -400,8 +400,7 @@ def test_vllm_serves_gptq_and_the_fullrange_grid_negative_scales(smollm2, smol_w
     man = json.loads((gptq / "quantize_manifest.json").read_text())
     assert man["options"]["observer"] == "fullrange" and man["method"]["grid"] == "fullrange"
     convert(smollm2, rtn, profile="all-linear", group_size=32, observer="fullrange")
-    assert _layout(rtn) == _layout(gptq)
-    scales = load_file(str(rtn / "model.safetensors"))["model.layers.0.mlp.down_proj.weight_scale"]
-    assert (scales < 0).any() and (scales > 0).any()
-    assert _layout(smol_w4a16) == _layout(gptq)  # the minmax control's format too: only the numbers differ
+    layout = _layout(gptq)
+    assert _layout(rtn) == layout and _mixed_sign_scales(rtn)
+    assert _layout(smol_w4a16) == layout  # the minmax control's format too: only the numbers differ
     _serves_negative_scales(gptq, smol_w4a16)
