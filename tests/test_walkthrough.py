@@ -37,7 +37,9 @@ NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
 BYTES = NUMBER + r" (?:[KMGT]i?)?B"  # quantize/events.py's _size: "512 B", "941.15 KiB", "2.01 MiB"
 DURATION = r"(?:\d+h\d+m|\d+m\d+s|\d+s)"  # quantize/events.py's _duration: "4s", "1m02s", "2h05m"
 DIGEST = r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{8,}\b"
-TOKEN = re.compile(rf"…|(?P<digest>{DIGEST})|(?P<bytes>{BYTES}\b)|(?P<duration>\b{DURATION}\b)|{NUMBER}")
+TOKEN = re.compile(rf"(?P<elided>…)|(?P<digest>{DIGEST})|(?P<bytes>{BYTES}\b)|(?P<duration>\b{DURATION}\b)|{NUMBER}")
+# what each kind of token matches in the output (a plain number: any number)
+READ_AS = {"elided": ".*", "digest": "[0-9a-f]+", "bytes": BYTES, "duration": DURATION}
 
 
 @dataclass
@@ -95,8 +97,7 @@ def pattern(line: str) -> re.Pattern:
     out, pos, s = [], 0, norm(line).replace(" …", "…")  # "… " may stand for the rest of a wrapped line
     for m in TOKEN.finditer(s):
         out.append(re.escape(s[pos:m.start()]))
-        kind = m.lastgroup or ("…" if m.group(0) == "…" else "number")
-        out.append({"…": ".*", "digest": "[0-9a-f]+", "bytes": BYTES, "duration": DURATION}.get(kind, NUMBER))
+        out.append(READ_AS.get(m.lastgroup, NUMBER))
         pos = m.end()
     out.append(re.escape(s[pos:]))
     return re.compile("".join(out))
