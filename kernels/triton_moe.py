@@ -27,6 +27,7 @@ from quantize.kernels.moe import combine, moe_align, silu_and_mul
 from quantize.kernels.triton_w4a16 import (
     DEFAULT_SMS,
     Config,
+    Launch,
     _dequant_tile,
     _gemv_words,
     _load_words,
@@ -142,6 +143,25 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
                  mask=valid[:, None] & (rn[None, :] < N))
 
 
+def moe_launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, align, num_pairs: int, x_row_div: int,
+               config: Config, k: int, gpu: bool) -> tuple[Launch, torch.Tensor]:
+    """The fused kernel's launch for a checked ``config`` and the buffer it writes: [1, P, N] (bf16 on a
+    GPU) or the fp32 workspace [S, P, N] of S > 1 splits; ``gpu`` False: the interpreter's dtypes."""
+    e, n, kw = w.shape
+    sorted_ids, expert_ids, npost = align
+    per, split = k_per_split(k, config.split_k, config.block_k)
+    dtype = torch.bfloat16 if (gpu and split == 1) else torch.float32
+    out = torch.empty((split, num_pairs, n), dtype=dtype, device=x.device)
+    grid = (expert_ids.numel(), triton.cdiv(n, config.block_n), split)  # blocks first: y, z < 65536
+    args = (x, w, scale, out, sorted_ids, expert_ids, npost, n, k, kw, scale.shape[2], num_pairs, x_row_div, per,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+            scale.stride(0), scale.stride(1), scale.stride(2), out.stride(0), out.stride(1), out.stride(2))
+    kwargs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                  GROUP=k // scale.shape[2], DOT_DTYPE=tl.bfloat16 if gpu else tl.float32,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    return Launch(_moe_w4a16_kernel, grid, args, kwargs), out
+
+
 def moe_w4a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, align, num_pairs: int, x_row_div: int,
               config: Config, k: int | None = None) -> torch.Tensor:
     """One grouped GEMM over all experts: pair p's row of x is ``p // x_row_div`` (topk for the
@@ -151,26 +171,14 @@ def moe_w4a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, align, num_
     k = k if k is not None else kw * 8
     if x.shape[1] != k or scale.shape[:2] != (e, n) or k % scale.shape[2]:
         raise ValueError(f"x {tuple(x.shape)}, w {tuple(w.shape)}, scale {tuple(scale.shape)} do not fit K {k}")
-    group = k // scale.shape[2]
-    check_config(config, group)
-    sorted_ids, expert_ids, npost = align
+    check_config(config, k // scale.shape[2])
+    sorted_ids, expert_ids, _ = align
     if sorted_ids.numel() != expert_ids.numel() * config.block_m:
         raise ValueError(f"align was made for another BLOCK_M than {config.block_m}")
-    per, split = k_per_split(k, config.split_k, config.block_k)
-    on_gpu = x.is_cuda
-    dtype = torch.bfloat16 if (on_gpu and split == 1) else torch.float32
-    out = torch.empty((split, num_pairs, n), dtype=dtype, device=x.device)
-    grid = (expert_ids.numel(), triton.cdiv(n, config.block_n), split)  # blocks first: y, z < 65536
-    _moe_w4a16_kernel[grid](x, w, scale, out, sorted_ids, expert_ids, npost,
-                            n, k, kw, scale.shape[2], num_pairs, x_row_div, per,
-                            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-                            scale.stride(0), scale.stride(1), scale.stride(2),
-                            out.stride(0), out.stride(1), out.stride(2),
-                            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP=group,
-                            DOT_DTYPE=tl.bfloat16 if on_gpu else tl.float32,
-                            num_warps=config.num_warps, num_stages=config.num_stages)
-    if split == 1:
-        return out[0] if on_gpu else out[0].to(torch.bfloat16)
+    launch, out = moe_launch(x, w, scale, align, num_pairs, x_row_div, config, k, x.is_cuda)
+    launch()
+    if out.shape[0] == 1:
+        return out[0] if x.is_cuda else out[0].to(torch.bfloat16)
     return finish_splits(out, torch.bfloat16)
 
 

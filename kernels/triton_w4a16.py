@@ -266,6 +266,37 @@ def finish_splits(ws: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return y if on_gpu else y.to(out_dtype)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, as built for a GPU run or for ``aot`` (compiled for a GPU that is not here):
+    ``kernel[grid](*args, **kwargs)``."""
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def splitk_launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int, cfg: Config,
+                  gpu: bool) -> tuple[Launch, torch.Tensor]:
+    """The GEMM kernel's launch for a checked ``cfg`` and the buffer it writes: [1, M, N] (bf16 on a GPU)
+    or the fp32 workspace [S, M, N] of S > 1 splits. ``gpu`` False: the interpreter's dtypes (module doc)."""
+    m = x.shape[0]
+    per, split = k_per_split(k, cfg.split_k, cfg.block_k)
+    grid_m = m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m)
+    dtype = torch.bfloat16 if (gpu and split == 1) else torch.float32
+    out = torch.empty((split, m, n), dtype=dtype, device=x.device)
+    grid = (grid_m, triton.cdiv(n, cfg.block_n), split)  # M (up to 2**31 - 1 programs) first; y, z < 65536
+    args = (x, packed, scale, out, m, n, k, packed.shape[1], scale.shape[1], per,
+            x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
+            scale.stride(0), scale.stride(1), out.stride(0), out.stride(1), out.stride(2))
+    kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=k // scale.shape[1],
+                  DOT_DTYPE=tl.bfloat16 if gpu else tl.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return Launch(_w4a16_splitk_kernel, grid, args, kwargs), out
+
+
 def w4a16_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int],
                  config: Config | None = None, sms: int | None = None) -> torch.Tensor:
     """x [M, K] @ (q * scale).T -> bf16 [M, N]; ``config`` None: ``default_config`` (``TUNED`` first)."""
@@ -274,25 +305,12 @@ def w4a16_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sha
     if x.shape[1] != k or packed.shape != (n, triton.cdiv(k, 8)) or scale.shape[0] != n or k % scale.shape[1]:
         raise ValueError(f"x {tuple(x.shape)}, packed {tuple(packed.shape)}, scale {tuple(scale.shape)} "
                          f"do not fit weight shape {(n, k)}")
-    group = k // scale.shape[1]
     if config is None and sms is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else DEFAULT_SMS
     cfg = config or default_config(m, n, k, sms)
-    check_config(cfg, group)
-    per, split = k_per_split(k, cfg.split_k, cfg.block_k)
-    on_gpu = x.is_cuda
-    grid_m = m if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m)
-    if split == 1:
-        out = torch.empty((1, m, n), dtype=torch.bfloat16 if on_gpu else torch.float32, device=x.device)
-    else:
-        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (grid_m, triton.cdiv(n, cfg.block_n), split)  # M (up to 2**31 - 1 programs) first; y, z < 65536
-    _w4a16_splitk_kernel[grid](x, packed, scale, out, m, n, k, packed.shape[1], scale.shape[1], per,
-                               x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
-                               scale.stride(0), scale.stride(1), out.stride(0), out.stride(1), out.stride(2),
-                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=group,
-                               DOT_DTYPE=tl.bfloat16 if on_gpu else tl.float32,
-                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split == 1:
-        return out[0] if on_gpu else out[0].to(torch.bfloat16)
+    check_config(cfg, k // scale.shape[1])
+    launch, out = splitk_launch(x, packed, scale, n, k, cfg, x.is_cuda)
+    launch()
+    if out.shape[0] == 1:
+        return out[0] if x.is_cuda else out[0].to(torch.bfloat16)
     return finish_splits(out, torch.bfloat16)

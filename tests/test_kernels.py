@@ -363,3 +363,83 @@ def test_bench_dry_run(tmp_path):
     for r in d["rows"]:
         assert r["splitk"]["best"]["rel_err"] < 1e-2 and r["moe"]["best"]["rel_err"] < 1e-2, r
         assert r["tinygemm"]["rel_err"] < 1e-2 and r["dense_status"] in ("PASS", "MISS")
+
+
+# ---- kernels/aot.py: every shipped config built for sm90 here, without a GPU ----
+
+def _aot_missing() -> str | None:
+    if not HAVE_TRITON:
+        return NO_TRITON
+    from quantize.kernels import aot
+
+    return aot.missing()
+
+
+needs_aot = pytest.mark.skipif(_aot_missing() is not None, reason=str(_aot_missing()))
+SM90_BLOCK_SHARED = 227 * 1024  # the most shared memory one block may have on sm90 (CUDA C++ Programming Guide)
+
+
+def _aot(*args: str):
+    """``python -m quantize.kernels.aot --json ARGS`` without the interpreter (it replaces the JIT kernels)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "quantize.kernels.aot", "--json", *args], capture_output=True,
+                       text=True, timeout=600, env=env)
+    return p, (json.loads(p.stdout) if p.stdout.strip() else [])
+
+
+def _compile_key(config: str) -> str:
+    """A config's name without its K splits (``s..``): the splits are a grid size, not a compile."""
+    import re
+
+    return re.sub(r"s\d+", "", config)
+
+
+@needs_aot
+def test_every_shipped_kernel_config_builds_for_sm90():
+    """Each distinct compile of TUNED, MOE_TUNED and the heuristics' picks, built for sm90 by the JIT's own
+    specialization and Triton's ptxas: none fails, spills or needs more shared memory than a block may
+    have. A GPU lease then never meets a kernel that does not build."""
+    from quantize.kernels.triton_moe import MOE_TUNED
+    from quantize.kernels.triton_w4a16 import TUNED
+
+    p, recs = _aot()
+    assert p.returncode == 0, p.stderr[-3000:]
+    built = {(r["kind"], _compile_key(r["config"])) for r in recs}
+    # what must be among them, counted from the tables here: every measured entry's compile
+    want = {("splitk", _compile_key(str(c))) for c in TUNED.values()} | \
+        {("moe", _compile_key(str(c))) for c in MOE_TUNED.values()}
+    assert want <= built, sorted(want - built)
+    assert len(built) == len(recs)  # each compile once
+    for r in recs:
+        assert r["error"] is None and r["regs"] > 0 and r["spill_bytes"] == 0, r
+        assert 0 < r["shared_bytes"] <= SM90_BLOCK_SHARED and r["programs_per_sm"] >= 1, r
+        assert r["loop_ops"] > 0, r  # the K loop was found in the SASS
+
+
+@needs_aot
+def test_aot_flags_spills_and_shared_memory_and_reads_staging():
+    """Near misses the shipped check must catch: a GEMV tile too large for registers (it spills) and a
+    dot tile one stage over the shared memory a block may have (the same tile one stage fewer builds).
+    And the SASS reading: Triton stages the dot path's loads (cp.async) only with num_stages >= 2, and
+    never the GEMV path's (its loop is the same for any num_stages)."""
+    p, recs = _aot("--config", "splitk", "4096", "6144", "1", "m1n256k1024s1w4p3",
+                   "--config", "splitk", "4096", "6144", "256", "m128n256k128s1w8p4",
+                   "--config", "splitk", "4096", "6144", "256", "m128n256k128s1w8p3")
+    assert p.returncode == 1
+    spill, over, fits = recs
+    assert spill["spill_bytes"] > 0 and "aot: splitk m1n256k1024s1w4p3 (N=4096 K=6144 M=1): spills" in p.stderr
+    assert over["spill_bytes"] == 0 and over["shared_bytes"] > SM90_BLOCK_SHARED and over["programs_per_sm"] == 0
+    assert f"needs {over['shared_bytes']} bytes of shared memory" in p.stderr
+    assert fits["shared_bytes"] <= SM90_BLOCK_SHARED and "m128n256k128s1w8p3" not in p.stderr
+    p, recs = _aot("--config", "splitk", "4096", "6144", "16", "m16n64k128s1w4p1",
+                   "--config", "splitk", "4096", "6144", "16", "m16n64k128s1w4p3",
+                   "--config", "moe", "4096", "6144", "1", "m1n16k512s1w4p1",
+                   "--config", "moe", "4096", "6144", "1", "m1n16k512s1w4p3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    dot1, dot3, gemv1, gemv3 = recs
+    assert not dot1["async_copies"] and dot3["async_copies"]
+    assert not gemv1["async_copies"] and not gemv3["async_copies"] and gemv1["loop_ops"] == gemv3["loop_ops"]
