@@ -25,8 +25,8 @@ programs per SM to hide memory latency), never how fast it is. ``scripts/bench_k
 
     python -m quantize.kernels.aot [--json] [--config KIND N K M CONFIG ...]
 
-Without ``--config``: every config the kernels ship (``TUNED``, ``MOE_TUNED`` and the heuristics' picks
-for the bench's shapes), each distinct compile once, for sm90 (H100/H200); exit 1 if any fails to build,
+Without ``--config``: every config the kernels ship (``TUNED``, ``MOE_TUNED`` and the heuristics' tiles,
+with one K split and with several), each distinct compile once, for sm90 (H100/H200); exit 1 if any fails to build,
 spills or needs more shared memory than an SM has.
 Must run without ``TRITON_INTERPRET=1`` (the interpreter replaces the JIT functions it compiles).
 """
@@ -51,8 +51,7 @@ SM90 = {"regs": 65536, "threads": 2048, "blocks": 32, "shared": 227 * 1024, "reg
         "shared_reserved": 1024}  # shared memory the system reserves per block (cc 8.0 and later)
 GROUP = 32  # the group the shipped tables were measured at (scripts/bench_kernels.py's default)
 M_BUCKETS = (1, 16, 64, 256)
-BENCH_SHAPES = [(4096, 6144), (6144, 2048), (512, 6144), (6144, 256),  # GLM-5 gate_up / down, TP1 and TP8
-                (4096, 7168), (7168, 2048), (512, 7168), (7168, 256)]  # Kimi K2
+HEURISTIC_SHAPE = (4096, 4096)  # (N, K) the heuristics' tiles are built for: no table holds it
 MOE_EXPERTS = 8  # the bench's fused-MoE case: 8 experts, every token routed to all of them
 
 
@@ -214,28 +213,36 @@ def inspect(kind: str, n: int, k: int, m: int, cfg, capability: int = 90) -> Bui
     return rec
 
 
+def compile_key(kind: str, cfg) -> tuple:
+    """What tells two launches' compiles apart: the tiles, warps and stages, and whether K is split (a
+    split writes an fp32 workspace, one split the bf16 output); not the number of splits."""
+    return kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_k > 1
+
+
 def shipped() -> list[tuple[str, int, int, int, object]]:
     """(kind, N, K, M, config) for every distinct compile the kernels ship: the measured tables, then the
-    heuristics' picks for the bench's shapes and M buckets; the first shape of each compile key."""
-    from quantize.kernels.triton_moe import MOE_TUNED, default_moe_config
-    from quantize.kernels.triton_w4a16 import TUNED, default_config
+    heuristics' tiles (any shape no sweep measured) with one split and with several; the first shape of
+    each compile key."""
+    from quantize.kernels.triton_moe import MOE_TUNED
+    from quantize.kernels.triton_w4a16 import TUNED, Config, heuristic_tiles
 
     out, seen = [], set()
 
     def add(kind, n, k, m, cfg):
-        key = (kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
-        if key not in seen:
-            seen.add(key)
+        if compile_key(kind, cfg) not in seen:
+            seen.add(compile_key(kind, cfg))
             out.append((kind, n, k, m, cfg))
 
     for (n, k, b), cfg in TUNED.items():
         add("splitk", n, k, b, cfg)
     for (n, k, b), cfg in MOE_TUNED.items():
         add("moe", n, k, b, cfg)
-    for n, k in BENCH_SHAPES:
-        for m in M_BUCKETS:
-            add("splitk", n, k, m, default_config(m, n, k))
-            add("moe", n, k, m, default_moe_config(m * MOE_EXPERTS, n, k, experts=MOE_EXPERTS))
+    n, k = HEURISTIC_SHAPE
+    for m in M_BUCKETS:
+        bm, bn, bk, warps, stages = heuristic_tiles(m, k)
+        for split in (1, 2):
+            for kind in ("splitk", "moe"):
+                add(kind, n, k, m, Config(bm, bn, bk, split, warps, stages))
     return out
 
 

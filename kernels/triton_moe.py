@@ -31,7 +31,6 @@ from quantize.kernels.triton_w4a16 import (
     _dequant_tile,
     _gemv_words,
     _load_words,
-    _words_at,
     check_config,
     finish_splits,
     heuristic_tiles,
@@ -43,7 +42,8 @@ from quantize.kernels.triton_w4a16 import (
 
 # measured winners: (N, K, M bucket) -> Config (scripts/bench_kernels.py prints them in this format);
 # measured on one H200 (torch 2.11+cu130, triton 3.6, group 32) by scripts/bench_kernels.py's sweep
-# (scripts/gpu_check.sh, 2026-12-04): (N, K, M bucket) -> the fastest config that passed its reference check
+# (scripts/gpu_check.sh, 2026-12-04): (N, K, M bucket) -> the fastest config that passed its reference check.
+# The M=1 entries were measured before the GEMV loop staged its loads (2026-12-06; triton_w4a16's TUNED)
 MOE_TUNED: dict[tuple[int, int, int], Config] = {
     (512, 6144, 1): Config(1, 32, 256, 6, 4, 3),
     (512, 6144, 16): Config(16, 128, 128, 18, 8, 3),
@@ -97,12 +97,12 @@ def interpreter_config(pairs: int, n: int, k: int, sms: int = DEFAULT_SMS, exper
     return Config(16, min(1024, triton.next_power_of_2(n)), min(512, max(8, triton.next_power_of_2(k))), 1)
 
 
-@triton.jit(do_not_specialize=["G", "NUM_PAIRS", "ssn", "sse"])  # as triton_w4a16's kernel
+@triton.jit(do_not_specialize=["G", "NUM_PAIRS"])  # as triton_w4a16's kernel
 def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npost_ptr,
                       N, K, KW, G, NUM_PAIRS, X_ROW_DIV, K_PER_SPLIT,
                       sxm, sxk, swe, swn, swk, sse, ssn, ssg, sos, som, son,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                      GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -118,10 +118,10 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
         pair = tl.load(sorted_ptr + pid_m).to(tl.int64)
         x_row = x_ptr + (pair // X_ROW_DIV) * sxm
         acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # summed across threads once, after the loop
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # past K (the last split): masked
+        for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=STAGES):  # past K (last split): masked
             k0 = k_lo + kk
-            rw = _words_at(k0, BLOCK_K)
-            words, s = _load_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            rw, words, s = _load_words(wp, sp, rn, k0, N, KW, G, swn, swk, ssn, ssg,
+                                       BLOCK_N, BLOCK_K, GROUP, FEW_SCALE_LOADS=True)
             acc2 += _gemv_words(x_row, sxk, words, s, rw, K)
         acc = tl.sum(acc2, axis=1)
         tl.store(out_split + pair * som + rn * son, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
@@ -130,10 +130,10 @@ def _moe_w4a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ptr, npos
         valid = pairs < NUM_PAIRS
         rows = pairs // X_ROW_DIV
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # past K (the last split): masked
+        for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=STAGES):  # past K (last split): masked
             k0 = k_lo + kk
-            rw = _words_at(k0, BLOCK_K)
-            words, s = _load_words(wp, sp, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            rw, words, s = _load_words(wp, sp, rn, k0, N, KW, G, swn, swk, ssn, ssg,
+                                       BLOCK_N, BLOCK_K, GROUP, FEW_SCALE_LOADS=False)
             b = _dequant_tile(words, s)
             rk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
             a = tl.load(x_ptr + rows[:, None] * sxm + rk[None, :] * sxk,
@@ -158,7 +158,7 @@ def moe_launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, align, num
             scale.stride(0), scale.stride(1), scale.stride(2), out.stride(0), out.stride(1), out.stride(2))
     kwargs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                   GROUP=k // scale.shape[2], DOT_DTYPE=tl.bfloat16 if gpu else tl.float32,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages)
     return Launch(_moe_w4a16_kernel, grid, args, kwargs), out
 
 

@@ -6,9 +6,9 @@ it); W = q * scale, symmetric, no zero point. Computes ``x @ W.T`` for x [M, K] 
 
 Grid: (M tiles, N tiles, K splits). At decode (M=1) an expert's N alone gives a few dozen tiles, far
 fewer than a Hopper's 132 SMs; the K splits bring it to about ``2 x SMs`` programs (``default_config``).
-Each program walks its K range BLOCK_K at a time: loads a [BLOCK_N, BLOCK_K/8] tile of words, unpacks
-the 8 nibbles of each word with shifts and masks, multiplies by the group's scale (one scale per word:
-g is a multiple of 8) and accumulates in fp32:
+Each program walks its K range BLOCK_K at a time, its loads staged ``num_stages`` deep: loads a
+[BLOCK_N, BLOCK_K/8] tile of words, unpacks the 8 nibbles of each word with shifts and masks, multiplies
+by the group's scale (one scale per word: g is a multiple of 8) and accumulates in fp32:
 
 * BLOCK_M == 1: a broadcast multiply of the activation row and ``tl.sum`` (a GEMV; no tensor cores,
   no padding of M to 16), the program handling one row of x;
@@ -56,7 +56,9 @@ class Config:
 
 # measured winners: (N, K, M bucket) -> Config (scripts/bench_kernels.py prints them in this format);
 # measured on one H200 (torch 2.11+cu130, triton 3.6, group 32) by scripts/bench_kernels.py's sweep
-# (scripts/gpu_check.sh, 2026-12-04): (N, K, M bucket) -> the fastest config that passed its reference check
+# (scripts/gpu_check.sh, 2026-12-04): (N, K, M bucket) -> the fastest config that passed its reference check.
+# The M=1 entries were measured before the GEMV loop staged its loads (2026-12-06): their num_stages did
+# nothing then and now does; the next sweep re-measures them
 TUNED: dict[tuple[int, int, int], Config] = {
     (512, 6144, 1): Config(1, 32, 512, 12, 4, 2),
     (512, 6144, 16): Config(16, 64, 128, 33, 4, 4),
@@ -138,14 +140,34 @@ def _words_at(k0, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _load_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP: tl.constexpr):
-    """Rows ``rn`` [BN] x words ``rw`` [BW] of the packed weight -> (int32 words [BN, BW], fp32 scales
-    [BN, BW]: the group of each word, GROUP % 8 == 0 so a word's 8 elements share it). Out of range: 0."""
-    mask = (rn[:, None] < N) & (rw[None, :] < KW)
-    words = tl.load(w_ptr + rn[:, None] * swn + rw[None, :] * swk, mask=mask, other=0)
-    grp = (rw * 8) // GROUP
-    s = tl.load(s_ptr + rn[:, None] * ssn + grp[None, :] * ssg, mask=mask & (grp[None, :] < G), other=0.0)
-    return words, s.to(tl.float32)
+def _load_words(w_ptr, s_ptr, rn, k0, N, KW, G, swn, swk, ssn, ssg,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                FEW_SCALE_LOADS: tl.constexpr):
+    """Rows ``rn`` [BN] x the BW = BLOCK_K/8 words from element k0 of the packed weight -> (int32 words
+    [BN, BW], fp32 scales [BN, BW]: the group of each word, GROUP % 8 == 0 so a word's 8 elements share
+    it). Out of range: 0. With FEW_SCALE_LOADS (the GEMV path) the scales are read as few times as the
+    step allows: where whole groups tile it (GROUP a power of 2 dividing BLOCK_K) one contiguous
+    [BN, BLOCK_K/GROUP] tile, repeated over each group's words in registers; where the step lies in one
+    group (GROUP a multiple of BLOCK_K) one scale per row. Otherwise one load per word (the dot path: the
+    repeat costs it registers; ptxas spilled m16n64k128s1w4p4 with it, kernels/aot.py)."""
+    BW: tl.constexpr = BLOCK_K // 8
+    rw = _words_at(k0, BLOCK_K)
+    row_ok = rn[:, None] < N
+    words = tl.load(w_ptr + rn[:, None] * swn + rw[None, :] * swk, mask=row_ok & (rw[None, :] < KW), other=0)
+    if FEW_SCALE_LOADS and (BLOCK_K % GROUP == 0) and ((GROUP & (GROUP - 1)) == 0):
+        NG: tl.constexpr = BLOCK_K // GROUP
+        rg = k0 // GROUP + tl.arange(0, NG)
+        s = tl.load(s_ptr + rn[:, None] * ssn + rg[None, :] * ssg, mask=row_ok & (rg[None, :] < G), other=0.0)
+        s = tl.reshape(tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, NG, GROUP // 8)), (BLOCK_N, BW))
+    elif FEW_SCALE_LOADS and GROUP % BLOCK_K == 0:
+        g1 = k0 // GROUP + tl.zeros_like(rn)  # past K (the last split): masked
+        s1 = tl.load(s_ptr + rn * ssn + g1 * ssg, mask=(rn < N) & (g1 < G), other=0.0)
+        s = tl.broadcast_to(s1.to(tl.float32)[:, None], (BLOCK_N, BW))
+    else:
+        grp = (rw * 8) // GROUP
+        s = tl.load(s_ptr + rn[:, None] * ssn + grp[None, :] * ssg, mask=row_ok & (grp[None, :] < G),
+                    other=0.0).to(tl.float32)
+    return rw, words, s
 
 
 @triton.jit
@@ -183,15 +205,17 @@ def _gemv_words(x_row, sxk, words, s, rw, K):
     return s * (t - 8.0 * xs[None, :])
 
 
-# M, the group count and the scale row stride are not specialized on (== 1, % 16): masks and a
-# strided scale load only, and one compile then serves every shape of a config (the bench's sweep).
-# KW = ceil(K/8) words per row is an argument so that its divisibility is known: the words' mask is
-# then constant over a vector and their loads vectorize.
-@triton.jit(do_not_specialize=["M", "G", "ssn"])
+# M and the group count are not specialized on (== 1, % 16): masks only. The scale row stride is (a
+# multiple of 16 lets the GEMV path's [BLOCK_N, BLOCK_K/GROUP] scale tile load in vectors). KW = ceil(K/8)
+# words per row is an argument so that its divisibility is known: the words' mask is then constant over
+# a vector and their loads vectorize. The K loop stages its loads STAGES deep (``tl.range``: cp.async
+# into shared memory ahead of use); Triton stages a loop's loads on its own only where they feed a dot,
+# so the GEMV path (no dot) waited for its own loads at every step until it asked (kernels/aot.py).
+@triton.jit(do_not_specialize=["M", "G"])
 def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, KW, G, K_PER_SPLIT,
                          sxm, sxk, swn, swk, ssn, ssg, sos, som, son,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                         GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -200,10 +224,10 @@ def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, KW, G, K_PER_SPL
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # summed across threads once, after the loop
         x_row = x_ptr + pid_m.to(tl.int64) * sxm
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # past K (the last split): masked
+        for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=STAGES):  # past K (last split): masked
             k0 = k_lo + kk
-            rw = _words_at(k0, BLOCK_K)
-            words, s = _load_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            rw, words, s = _load_words(w_ptr, s_ptr, rn, k0, N, KW, G, swn, swk, ssn, ssg,
+                                       BLOCK_N, BLOCK_K, GROUP, FEW_SCALE_LOADS=True)
             acc2 += _gemv_words(x_row, sxk, words, s, rw, K)
         acc = tl.sum(acc2, axis=1)
         dst = out_ptr + pid_k.to(tl.int64) * sos + pid_m.to(tl.int64) * som + rn * son
@@ -211,10 +235,10 @@ def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, KW, G, K_PER_SPL
     else:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # past K (the last split): masked
+        for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=STAGES):  # past K (last split): masked
             k0 = k_lo + kk
-            rw = _words_at(k0, BLOCK_K)
-            words, s = _load_words(w_ptr, s_ptr, rn, rw, N, KW, G, swn, swk, ssn, ssg, GROUP)
+            rw, words, s = _load_words(w_ptr, s_ptr, rn, k0, N, KW, G, swn, swk, ssn, ssg,
+                                       BLOCK_N, BLOCK_K, GROUP, FEW_SCALE_LOADS=False)
             b = _dequant_tile(words, s)  # [BLOCK_N, BLOCK_K]
             rk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
             a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk,
@@ -293,7 +317,8 @@ def splitk_launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n:
             x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
             scale.stride(0), scale.stride(1), out.stride(0), out.stride(1), out.stride(2))
     kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=k // scale.shape[1],
-                  DOT_DTYPE=tl.bfloat16 if gpu else tl.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  DOT_DTYPE=tl.bfloat16 if gpu else tl.float32, STAGES=cfg.num_stages,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Launch(_w4a16_splitk_kernel, grid, args, kwargs), out
 
 

@@ -31,7 +31,7 @@ CPU (time.perf_counter, ``--reps``); the Triton kernels are not timed (the inter
 nothing about speed). Nothing here is a test.
 
     PYTHONPATH=. python3 scripts/bench_kernels.py [--m 1 16 64 256] [--group 32] [--out FILE]
-                                                 [--models GLM-5 Kimi-K2] [--max-configs 4]
+                                                 [--models GLM-5 Kimi-K2] [--max-configs 5]
 """
 
 from __future__ import annotations
@@ -55,20 +55,35 @@ TARGETS = {1: 2.5, 16: 1.5}
 MOE_EXPERTS = 8
 
 # split-K sweep: (block_m, block_n, block_k, num_warps, num_stages) by M bucket; K splits tried per
-# config: 1, the heuristic's (about 2 x SMs programs) and twice that
+# config: 1, the heuristic's (about 2 x SMs programs) and twice that. At M=1 the first two are one tile
+# with its K loop's loads staged (num_stages 3) and not (1): STAGING prints what the staging is worth
 SPLITK_SWEEP = {
-    1: [(1, 32, 256, 4, 3), (1, 16, 512, 4, 3), (1, 32, 512, 4, 2), (1, 64, 128, 4, 4)],
+    1: [(1, 16, 512, 4, 3), (1, 16, 512, 4, 1), (1, 32, 256, 4, 3), (1, 32, 512, 4, 2), (1, 64, 128, 4, 4)],
     16: [(16, 64, 128, 4, 4), (16, 32, 256, 4, 3), (16, 64, 256, 4, 3), (16, 128, 128, 8, 3)],
     64: [(32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (16, 64, 128, 4, 4)],
     256: [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 8, 3)],
 }
 MOE_SWEEP = {
-    1: [(1, 32, 256, 4, 3), (16, 64, 128, 4, 4), (1, 16, 512, 4, 3)],
+    1: [(1, 16, 512, 4, 3), (1, 16, 512, 4, 1), (1, 32, 256, 4, 3), (16, 64, 128, 4, 4)],
     16: [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 128, 128, 8, 3)],
     64: [(32, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3)],
     256: [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3)],
 }
 TOL = 1e-2  # a kernel's bf16 output vs the fp32 reference (relative L2); over it the config is WRONG
+
+
+STAGED, UNSTAGED = "m1n16k512s{}w4p3", "m1n16k512s{}w4p1"  # the M=1 staging pair (the sweeps' first two)
+
+
+def staging(tried: list[dict]) -> float | None:
+    """Unstaged time / staged time of the M=1 pair, each at its best K split (None: one is missing)."""
+    best = {}
+    for rec in tried:
+        for tag, pattern in (("staged", STAGED), ("unstaged", UNSTAGED)):
+            split = rec["config"]["split_k"]
+            if rec["name"] == pattern.format(split) and "us" in rec:
+                best[tag] = min(best.get(tag, rec["us"]), rec["us"])
+    return best["unstaged"] / best["staged"] if len(best) == 2 else None
 
 
 def _try(cfg, run, ref, bench) -> dict:
@@ -163,6 +178,11 @@ def bench_cuda(a) -> dict:
     rows, tuned, moe_tuned = [], {}, {}
     hdr = (f"{'model':8s} {'proj':7s} {'TP':>2s} {'N':>5s} {'K':>5s} {'M':>4s} {'bf16 us':>8s} {'tiny':>6s} "
            f"{'splitK':>6s} {'(config)':22s} {'moe8':>6s} {'(config)':22s} {'limit':>6s}  dense moe")
+    if not a.dry_run:  # the first row timed a cold GPU (clocks ramping): its BF16 GEMM took 99 us where
+        # a larger one took 29 us (2026-12-04); about a second of large GEMMs first
+        big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        do_bench(lambda: big @ big, warmup=250, rep=1000)
+        del big
     print(hdr)
     t_start = time.time()
     experts = 2 if a.dry_run else MOE_EXPERTS
@@ -244,6 +264,14 @@ def bench_cuda(a) -> dict:
             dense = max([r for r in (row["tinygemm"].get("ratio"), row["splitk"]["ratio"]) if r is not None],
                         default=None)
             row["dense_status"], row["moe_status"] = status(dense, m), status(row["moe"]["ratio"], m)
+            row["staging"] = {"splitk": staging(tried), "moe": staging(mtried)}
+            # what each reached in weight bytes per second (INT4 words + bf16 scales; BF16: 2 bytes a weight)
+            int4_bytes, bf16_bytes = n * k // 2 + n * (k // a.group) * 2, n * k * 2
+            row["weight_gbps"] = {
+                "bf16": bf16_bytes / t_bf16 / 1e3, "bf16_bmm": experts * bf16_bytes / t_bmm / 1e3,
+                "tinygemm": int4_bytes / row["tinygemm"]["us"] / 1e3 if "us" in row["tinygemm"] else None,
+                "splitk": int4_bytes / best["us"] / 1e3 if best else None,
+                "moe": experts * int4_bytes / mbest["us"] / 1e3 if mbest else None}
             rows.append(row)
 
             def fmt(r):
@@ -263,6 +291,19 @@ def bench_cuda(a) -> dict:
             torch.cuda.empty_cache()
     elapsed = time.time() - t_start
     print(f"\n{elapsed:.0f} s.")
+    for kind in ("splitk", "moe"):
+        got = [r["staging"][kind] for r in rows if r["staging"][kind] is not None]
+        if got:
+            print(f"STAGING {kind}: the M=1 K loop's loads staged (num_stages 3) vs not (1), same tile "
+                  f"(m1n16k512), best split each: {min(got):.2f}x to {max(got):.2f}x over {len(got)} shapes "
+                  f"(> 1: staging is faster)")
+    gb = [(r["model"], r["proj"], r["tp"], r["weight_gbps"]) for r in rows if r["m"] == 1]
+    if gb:
+        print("weight GB/s at M=1 (bf16 | tinygemm | splitK | moe8 | bf16 bmm over 8):")
+        for model, proj, tp, g in gb:
+            print(f"    {model:8s} {proj:7s} TP{tp}: " + " | ".join(
+                f"{g[key]:7.0f}" if g[key] is not None else "    n/a"
+                for key in ("bf16", "tinygemm", "splitk", "moe", "bf16_bmm")))
     for table, where, found in (("TUNED", "kernels/triton_w4a16.py", tuned),
                                 ("MOE_TUNED", "kernels/triton_moe.py", moe_tuned)):
         print(f"Winners for {table} in {where} ((N, K, M bucket): Config):")
@@ -318,7 +359,7 @@ def main() -> None:
                     help="token counts (default: 1 16 64 256 on a GPU, 1 16 on the CPU)")
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--max-configs", type=int, default=4, help="tile configs per M bucket in the sweeps (GPU)")
+    ap.add_argument("--max-configs", type=int, default=5, help="tile configs per M bucket in the sweeps (GPU)")
     ap.add_argument("--warmup-ms", type=int, default=5, help="do_bench warmup (GPU)")
     ap.add_argument("--rep-ms", type=int, default=20, help="do_bench repetition time (GPU)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (CPU)")

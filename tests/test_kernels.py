@@ -354,7 +354,7 @@ def test_bench_dry_run(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, str(root / "scripts" / "bench_kernels.py"), "--dry-run", "--m", "1", "16",
-                        "--models", "GLM-5", "--max-configs", "1", "--out", str(out)],
+                        "--models", "GLM-5", "--max-configs", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "!!" not in p.stdout, p.stdout  # no config failed its reference check
@@ -363,6 +363,20 @@ def test_bench_dry_run(tmp_path):
     for r in d["rows"]:
         assert r["splitk"]["best"]["rel_err"] < 1e-2 and r["moe"]["best"]["rel_err"] < 1e-2, r
         assert r["tinygemm"]["rel_err"] < 1e-2 and r["dense_status"] in ("PASS", "MISS")
+        if r["m"] != 1:
+            assert r["staging"] == {"splitk": None, "moe": None}  # the staging pair is the M=1 sweep's
+            continue
+        # the staging ratio and the weight rate, recomputed here from the times the bench recorded
+        for kind, tried in (("splitk", r["splitk"]["tried"]), ("moe", r["moe"]["tried"])):
+            t = {p: min(x["us"] for x in tried if x["name"].startswith("m1n16k512s") and x["name"].endswith(p))
+                 for p in ("w4p3", "w4p1")}
+            assert r["staging"][kind] == pytest.approx(t["w4p1"] / t["w4p3"], rel=1e-12)
+        n, k = r["n"], r["k"]
+        int4_bytes = n * k // 2 + n * (k // 32) * 2
+        assert r["weight_gbps"]["splitk"] == pytest.approx(int4_bytes / r["splitk"]["best"]["us"] / 1e3, rel=1e-12)
+        experts = r["moe"]["experts"]  # 2 in the dry run
+        assert r["weight_gbps"]["moe"] == pytest.approx(experts * int4_bytes / r["moe"]["best"]["us"] / 1e3, rel=1e-12)
+    assert "STAGING splitk: the M=1 K loop's loads staged" in p.stdout
 
 
 # ---- kernels/aot.py: every shipped config built for sm90 here, without a GPU ----
@@ -391,27 +405,33 @@ def _aot(*args: str):
     return p, (json.loads(p.stdout) if p.stdout.strip() else [])
 
 
-def _compile_key(config: str) -> str:
-    """A config's name without its K splits (``s..``): the splits are a grid size, not a compile."""
+def _compile_key(kind: str, config: str) -> tuple[str, str, bool]:
+    """A config's compile: its name without the number of K splits, and whether K is split at all (an
+    fp32 workspace or the bf16 output)."""
     import re
 
-    return re.sub(r"s\d+", "", config)
+    split = int(re.search(r"s(\d+)", config).group(1))
+    return kind, re.sub(r"s\d+", "", config), split > 1
 
 
 @needs_aot
 def test_every_shipped_kernel_config_builds_for_sm90():
-    """Each distinct compile of TUNED, MOE_TUNED and the heuristics' picks, built for sm90 by the JIT's own
+    """Each distinct compile of TUNED, MOE_TUNED and the heuristics' tiles, built for sm90 by the JIT's own
     specialization and Triton's ptxas: none fails, spills or needs more shared memory than a block may
     have. A GPU lease then never meets a kernel that does not build."""
     from quantize.kernels.triton_moe import MOE_TUNED
-    from quantize.kernels.triton_w4a16 import TUNED
+    from quantize.kernels.triton_w4a16 import TUNED, heuristic_tiles
 
     p, recs = _aot()
     assert p.returncode == 0, p.stderr[-3000:]
-    built = {(r["kind"], _compile_key(r["config"])) for r in recs}
-    # what must be among them, counted from the tables here: every measured entry's compile
-    want = {("splitk", _compile_key(str(c))) for c in TUNED.values()} | \
-        {("moe", _compile_key(str(c))) for c in MOE_TUNED.values()}
+    built = {_compile_key(r["kind"], r["config"]) for r in recs}
+    # what must be among them, listed here from the tables and the heuristic: every measured entry's
+    # compile, and each M bucket's heuristic tile with one split and with several
+    want = {_compile_key("splitk", str(c)) for c in TUNED.values()} | \
+        {_compile_key("moe", str(c)) for c in MOE_TUNED.values()}
+    for m in (1, 16, 64, 256):
+        tile = "m{}n{}k{}s{{}}w{}p{}".format(*heuristic_tiles(m, 4096))
+        want |= {_compile_key(kind, tile.format(split)) for kind in ("splitk", "moe") for split in (1, 2)}
     assert want <= built, sorted(want - built)
     assert len(built) == len(recs)  # each compile once
     for r in recs:
@@ -424,8 +444,8 @@ def test_every_shipped_kernel_config_builds_for_sm90():
 def test_aot_flags_spills_and_shared_memory_and_reads_staging():
     """Near misses the shipped check must catch: a GEMV tile too large for registers (it spills) and a
     dot tile one stage over the shared memory a block may have (the same tile one stage fewer builds).
-    And the SASS reading: Triton stages the dot path's loads (cp.async) only with num_stages >= 2, and
-    never the GEMV path's (its loop is the same for any num_stages)."""
+    And the SASS reading: both paths' K loops stage their loads (cp.async) from num_stages 2 on, and with
+    num_stages 1 they do not."""
     p, recs = _aot("--config", "splitk", "4096", "6144", "1", "m1n256k1024s1w4p3",
                    "--config", "splitk", "4096", "6144", "256", "m128n256k128s1w8p4",
                    "--config", "splitk", "4096", "6144", "256", "m128n256k128s1w8p3")
@@ -436,10 +456,11 @@ def test_aot_flags_spills_and_shared_memory_and_reads_staging():
     assert f"needs {over['shared_bytes']} bytes of shared memory" in p.stderr
     assert fits["shared_bytes"] <= SM90_BLOCK_SHARED and "m128n256k128s1w8p3" not in p.stderr
     p, recs = _aot("--config", "splitk", "4096", "6144", "16", "m16n64k128s1w4p1",
-                   "--config", "splitk", "4096", "6144", "16", "m16n64k128s1w4p3",
+                   "--config", "splitk", "4096", "6144", "16", "m16n64k128s1w4p4",
                    "--config", "moe", "4096", "6144", "1", "m1n16k512s1w4p1",
                    "--config", "moe", "4096", "6144", "1", "m1n16k512s1w4p3")
     assert p.returncode == 0, p.stderr[-3000:]
-    dot1, dot3, gemv1, gemv3 = recs
-    assert not dot1["async_copies"] and dot3["async_copies"]
-    assert not gemv1["async_copies"] and not gemv3["async_copies"] and gemv1["loop_ops"] == gemv3["loop_ops"]
+    dot1, dot4, gemv1, gemv3 = recs
+    assert not dot1["async_copies"] and dot4["async_copies"]
+    assert not gemv1["async_copies"] and gemv3["async_copies"]
+    assert dot1["shared_bytes"] < dot4["shared_bytes"] and gemv1["shared_bytes"] < gemv3["shared_bytes"]
