@@ -135,12 +135,37 @@ def test_gpu_outputs_add_each_tokens_experts_as_the_per_sample_path(tmp_path):
     assert not all(torch.allclose(v2.acc[s], want[s], rtol=1e-5, atol=1e-6) for s in range(len(cap)))
 
 
+NEAR_TIES = 0.01  # the share of a layer's routed pairs that may move to another expert between two ways
+
+
+def _moved(a: dict, b: dict) -> float:
+    """The share of a layer's routed (token, expert) pairs that two runs routed to other experts:
+    ``tokens_per_expert`` records, whose totals must agree (every token goes to its top-k)."""
+    ca, cb = a["counts"], b["counts"]
+    assert ca.keys() == cb.keys()
+    total = sum(sum(v) for v in cb.values())
+    assert sum(sum(v) for v in ca.values()) == total
+    return sum(abs(x - y) for m in ca for x, y in zip(ca[m], cb[m])) / 2 / total
+
+
+def test_the_routing_check_tells_a_near_tie_from_a_wrong_routing():
+    """The bound above by hand: one pair of 1,452 moved (what a near-tie does) passes; one expert's
+    whole share sent elsewhere (81 of 1,452, what a dropped or mis-sorted top-k does) does not."""
+    cpu = {"counts": {"mlp.experts": [82, 186, 292, 61, 77, 303, 144, 307]}}
+    tie = {"counts": {"mlp.experts": [81, 186, 293, 61, 77, 303, 144, 307]}}
+    wrong = {"counts": {"mlp.experts": [0, 186, 374, 61, 77, 303, 144, 307]}}
+    assert _moved(tie, cpu) == pytest.approx(1 / 1452) and _moved(tie, cpu) <= NEAR_TIES
+    assert _moved(wrong, cpu) == pytest.approx(82 / 1452) and _moved(wrong, cpu) > NEAR_TIES
+
+
 @pytest.mark.parametrize("asym", [0.0, 0.5])
 def test_the_gpu_branches_run_end_to_end_on_the_cpu(tiny, tmp_path, monkeypatch, asym):
     """The GPU's ways (samples batched through a group's experts for Hessians and outputs, GPTQ's
-    units stacked into one call) forced on the CPU through a whole GPTQ convert: the same routing
-    and fallbacks as the CPU's way, each layer's error within 10 % of it, most codes the same (the
-    other product blocking moves last bits, and GPTQ's error feedback other roundings after them).
+    units stacked into one call) forced on the CPU through a whole GPTQ convert: the same fallbacks
+    as the CPU's way, the same routing up to near-ties, each layer's error within 10 % of it, most
+    codes the same. The other product blocking moves last bits, GPTQ's error feedback other roundings
+    after them, and a later layer's router can then flip a near-tie: on an AMD EPYC (AVX-512, no AMX)
+    one of layer 2's 1,452 routed pairs moved to another expert; on the AMX machines before it, none did.
     ``asym``: with --asym the source stream's expert inputs are batched beside them."""
     import json
 
@@ -157,8 +182,12 @@ def test_the_gpu_branches_run_end_to_end_on_the_cpu(tiny, tmp_path, monkeypatch,
     monkeypatch.setattr(gptq, "quantize", lambda *a, **k: real(*a, **{**k, "batched": True}))
     convert(src, tmp_path / "gpu-way", **cal)
     a, b = method_layers(tmp_path / "gpu-way"), method_layers(tmp_path / "cpu")
-    assert [x.get("tokens_per_expert") for x in a] == [x.get("tokens_per_expert") for x in b]
-    assert any(x.get("tokens_per_expert") for x in a)
+    routed = [(x.get("tokens_per_expert"), y.get("tokens_per_expert")) for x, y in zip(a, b)]
+    assert len(a) == len(b) and any(ra for ra, _ in routed)
+    for ra, rb in routed:
+        assert (ra is None) == (rb is None)
+        if ra is not None:
+            assert _moved(ra, rb) <= NEAR_TIES, (ra, rb)
     assert [x.get("fallbacks") for x in a] == [x.get("fallbacks") for x in b]
     for x, y in zip(a, b):
         if x.get("units"):
@@ -168,3 +197,38 @@ def test_the_gpu_branches_run_end_to_end_on_the_cpu(tiny, tmp_path, monkeypatch,
     same = sum(int((ta[k] == tb[k]).sum()) for k in packed) / sum(tb[k].numel() for k in packed)
     assert same >= 0.5  # int32 words of 8 codes each: a word equal only where all 8 are
     assert json.loads((tmp_path / "gpu-way" / "quantize_manifest.json").read_text())["method"]["method"] == "gptq"
+
+
+class _TwoRanks:
+    """Rank 1 of two, in one process: ``gather`` hands it rank 0's part (as the real exchange would after
+    pickling: CPU tensors) where it is the destination, and None elsewhere."""
+
+    size, rank = 2, 1
+
+    def __init__(self, rank0_parts: dict):
+        self.rank0_parts = rank0_parts  # destination rank -> what rank 0 sends it
+
+    def gather(self, obj, what, *, to=None):
+        if to is None:  # the counts, on every rank
+            return [{"n": {"q_proj": 2}, "tokens": {"q_proj": 6}}, obj]
+        return [self.rank0_parts[to], obj] if to == self.rank else None
+
+
+def test_a_rank_without_samples_gets_its_units_hessians_on_the_layers_device():
+    """With more ranks than sample shards (--nproc 9 and up, or --samples below --nproc) a rank holds no
+    sample, so no Hessian of its own to read a device from, yet it runs the GPTQ of the units it is
+    given, whose weights are on the layer's GPU. The Hessians it receives go to that device, not stay on
+    the CPU they travelled on (which fails only where the layer is not on the CPU). Here the layer's
+    device is ``meta``: a stand-in a CPU run can tell from the CPU."""
+    h = torch.eye(4) * 3
+    hooks = gptq.Hessians(torch.nn.Linear(4, 4), [], all_experts=False, samples=2)
+    world = _TwoRanks({1: [((0, hooks.shards), {"q_proj": h})]})
+    hooks.combine(world, "layer 0 Hessians", {"q_proj": 1}, device=torch.device("meta"))
+    assert hooks.H["q_proj"].device.type == "meta" and hooks.H["q_proj"].shape == (4, 4)
+    assert hooks.n == {"q_proj": 2} and hooks.tokens == {"q_proj": 6}
+    # a rank that holds samples keeps its Hessians where they are (its own device) and adds the others'
+    hooks = gptq.Hessians(torch.nn.Linear(4, 4), [], all_experts=False, samples=2)
+    hooks.tree.add(1, {"q_proj": h.clone()})
+    world = _TwoRanks({1: [((0, 1), {"q_proj": h})]})
+    hooks.combine(world, "layer 0 Hessians", {"q_proj": 1}, device=torch.device("cpu"))
+    assert torch.equal(hooks.H["q_proj"], 2 * h)
