@@ -229,6 +229,6 @@ def test_a_rank_without_samples_gets_its_units_hessians_on_the_layers_device():
     # a rank that holds samples keeps its Hessians where they are (its own device) and adds the others'
     hooks = gptq.Hessians(torch.nn.Linear(4, 4), [], all_experts=False, samples=2)
     hooks.tree.add(1, {"q_proj": h.clone()})
-    world = _TwoRanks({1: [((0, 1), {"q_proj": h})]})
+    world = _TwoRanks({1: [((0, 1), {"q_proj": h.clone()})]})  # sums add in place: each its own tensor
     hooks.combine(world, "layer 0 Hessians", {"q_proj": 1}, device=torch.device("cpu"))
-    assert torch.equal(hooks.H["q_proj"], 2 * h)
+    assert torch.equal(hooks.H["q_proj"], torch.eye(4) * 6)

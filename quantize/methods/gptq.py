@@ -132,11 +132,14 @@ class Hessians(Collector):
             return
         self.tree.add(owner_of(sample, self.samples, self.shards) if self.samples else 0, terms)
 
-    def combine(self, world, what: str, owners: dict[str, int] | None = None) -> None:
+    def combine(self, world, what: str, owners: dict[str, int] | None = None,
+                device: torch.device | None = None) -> None:
         """The hooked units' Hessians of every rank's samples, each on its owner (``owners``: unit
         key -> rank; default rank 0), which the others send their subtrees of its shard sums, then
         drop them: the tree finished in shard order; the divisors and token counts summed on every
-        rank, in rank order. Every rank calls it, for a layer with hooked units."""
+        rank, in rank order. Every rank calls it, for a layer with hooked units. What an owner
+        receives goes to ``device``, the layer's (default: where its own Hessians are; a rank that
+        holds no sample has none, and its units' weights are on the layer's device all the same)."""
         self.tree.close()
         split = world is not None and world.size > 1
         if not split:
@@ -148,7 +151,7 @@ class Hessians(Collector):
         for part in counts:
             _add_counts(self, part, ("n", "tokens"))
         owners = owners or {}
-        dev = next((h.device for _, sums in self.tree.stack for h in sums.values()), None)
+        dev = device or next((h.device for _, sums in self.tree.stack for h in sums.values()), None)
         stack = self.tree.stack
         for o in sorted(set(owners.values()) | {0}):  # the same ranks on every rank (a rank may hold no sample)
             tree = TreeSum(self.shards, _add_all)
@@ -540,7 +543,7 @@ def shared_results(method, x: Layer, hooks: Hessians) -> dict[str, Result]:
         owners = dict(zip([u.key for u in linear], balance([gptq_cost(x.originals[u.key]) for u in linear],
                                                            world.size)))
     if linear:  # Linear units hooked: their Hessians in the shards' tree
-        hooks.combine(world, f"layer {x.index} Hessians", owners)
+        hooks.combine(world, f"layer {x.index} Hessians", owners, device=torch.device(x.fwd.device))
     if not split:
         return method.results(x, hooks)
     mine = [u for u in x.units if owners.get(u.key, 0) == world.rank]
