@@ -33,7 +33,7 @@ from .distributed import check_nproc
 from .errors import QuantizeError
 from .events import Emit, null_emit
 from .formats import fp8, int4, native, w4afp8
-from .options import DATA_AWARE, ConvertOptions, takes
+from .options import DATA_AWARE, ConvertOptions, takes, usable_cpus
 from .plan import Job, Plan, build_plan, check_with_compressed_tensors, sglang_native
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
@@ -384,7 +384,7 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
                 o.check_key(key)
             lap("setup")  # the config (data-aware: its import), the source's identity, the output folder
             # by default the cores of this node shared by its ranks (the bytes do not depend on the thread count)
-            workers = max(1, workers or (os.cpu_count() or 1) // distributed.current().local_size)
+            workers = max(1, workers or usable_cpus() // distributed.current().local_size)
             cache = acts = None
             if options.method_name != "rtn":
                 from . import methods

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import PeerLost, QuantizeError
-from .options import DIST_TIMEOUT_S
+from .options import DIST_TIMEOUT_S, usable_cpus
 
 DEFAULT_TIMEOUT_S = DIST_TIMEOUT_S  # --dist-timeout-s
 # launch() marks the ranks it starts: their one-line error goes to torchrun's error file for the
@@ -663,7 +663,7 @@ def launch(module: str, argv: list[str], nproc: int, interrupted: str = "interru
     root = str(Path(__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = root + (os.pathsep + path if path else "")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // nproc)))
     os.environ[LAUNCHED] = "1"
     # torchrun's per-rank logs and error files: a private folder, removed with the run
     with tempfile.TemporaryDirectory(prefix="quantize-ranks-", ignore_cleanup_errors=True) as logs:

@@ -405,6 +405,43 @@ def physical_memory_gib() -> float:
         return psutil.virtual_memory().total / 2**30
 
 
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
+    """This process's cgroup CPU quota in whole CPUs, rounded up (a container's ``--cpus 2.5``: 3):
+    cgroup v2's ``cpu.max`` ("max" or "QUOTA PERIOD"), else v1's ``cpu/cpu.cfs_quota_us`` (-1: none)
+    over ``cpu/cpu.cfs_period_us``. None where there is no quota or nothing readable."""
+    from pathlib import Path
+
+    base = Path(root)
+    try:
+        fields = (base / "cpu.max").read_text().split()
+        if fields and fields[0] == "max":
+            return None
+        quota, period = int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        try:
+            quota = int((base / "cpu" / "cpu.cfs_quota_us").read_text())
+            period = int((base / "cpu" / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            return None
+    if quota <= 0 or period <= 0:
+        return None
+    return max(1, math.ceil(quota / period))
+
+
+def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The CPUs this process may use: its affinity (taskset, a Slurm step's binding) capped by its
+    cgroup's CPU quota. ``os.cpu_count()`` counts the host's, which a container or a job step may not
+    have: convert's default workers and each rank's threads are sized by this."""
+    import os
+
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup)
+    return max(1, min(n, quota) if quota else n)
+
+
 # a memory budget (--memory-budget-gib): at most what this machine holds (1.7e308 GiB overflowed mid-run),
 # or convert's default on a machine with less (the default must pass everywhere)
 MAX_BUDGET_GIB = max(physical_memory_gib(), 4.0)
@@ -631,7 +668,8 @@ class ConvertOptions(Options):
     resume: bool = opt(False, "continue an interrupted run in OUT (same options)", record=False, recipe=False)
     overwrite: bool = opt(False, "replace an existing quantize output in OUT", record=False, recipe=False)
     workers: int | None = opt(
-        None, "compute threads (default: all cores)", record=False, check=lambda v: v >= 1, why="must be at least 1"
+        None, "compute threads (default: the CPUs this process may use, its affinity and cgroup quota, over "
+        "the ranks on the node)", record=False, check=lambda v: v >= 1, why="must be at least 1"
     )
     device: str = opt(
         "cpu", "cpu (default) or cuda: where a data-aware method's layer pass runs (RTN runs on the CPU: refused "

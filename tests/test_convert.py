@@ -265,3 +265,16 @@ def test_keep_fp8(arch, tiny, converted, tmp_path):
     parsed = QuantizationConfig.model_validate(qc)
     assert parsed.config_groups["config_group_1"].weights.strategy == "block"
     assert sum(v.numel() * v.element_size() for v in a.values()) < sum(v.numel() * v.element_size() for v in ref.values())
+
+
+def test_default_workers_are_the_usable_cpus(tiny, tmp_path, monkeypatch):
+    """Without --workers, one worker per CPU this process may use (``options.usable_cpus``: affinity and
+    cgroup quota), not per CPU of the host: a container limited to 3 of 64 CPUs runs 3."""
+    import os
+
+    from quantize import convert as C
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(C, "usable_cpus", lambda: 3)
+    convert(tiny("glm_moe_dsa"), tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "quantize_manifest.json").read_text())["kernels"]["workers"] == 3

@@ -338,3 +338,36 @@ def test_help_shows_flags_as_flags_and_values_with_their_type():
     shard = CliRunner().invoke(app, ["shard", "--help"], terminal_width=200).output
     assert re.search(r"--tp\s+<int>", shard) and re.search(r"--merge\s+reassemble", shard)
     assert re.search(r"--resume\s+continue", CliRunner().invoke(app, ["convert", "--help"], terminal_width=200).output)
+
+
+# ---- the CPUs a run may use (convert's default --workers, each rank's OMP_NUM_THREADS) ----
+
+@pytest.mark.parametrize("files,quota", [
+    ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no limit
+    ({"cpu.max": "250000 100000\n"}, 3),  # --cpus 2.5: rounded up
+    ({"cpu.max": "100000 100000\n"}, 1),
+    ({"cpu.max": "50000 100000\n"}, 1),  # half a CPU: still one worker
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # cgroup v1, no limit
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),
+    ({"cpu.max": "garbage\n"}, None),
+    ({}, None),  # nothing to read: no cgroup CPU controller here
+])
+def test_cgroup_cpu_quota(tmp_path, files, quota):
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert O.cgroup_cpu_quota(str(tmp_path)) == quota
+
+
+def test_usable_cpus_is_the_affinity_capped_by_the_quota(tmp_path, monkeypatch):
+    """os.cpu_count() counts the host's CPUs; a container (--cpus) or a job step bound to some cores
+    may use fewer, and convert's default workers (one per usable CPU) must not count the others."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert O.usable_cpus(str(tmp_path)) == 16  # no quota: the affinity, not the host's 64
+    (tmp_path / "cpu.max").write_text("400000 100000\n")
+    assert O.usable_cpus(str(tmp_path)) == 4
+    (tmp_path / "cpu.max").write_text("3200000 100000\n")  # a quota above the affinity: the affinity
+    assert O.usable_cpus(str(tmp_path)) == 16
