@@ -112,6 +112,7 @@ def main() -> int:
     gpus = torch.cuda.device_count()
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus,
            "gpu": torch.cuda.get_device_name() if gpus else None, "cores": os.cpu_count()}
+    sys.path.insert(0, str(ROOT))  # the checkout, installed or not
     from quantize.options import usable_cpus
 
     env["cores_usable"] = usable_cpus()  # affinity and cgroup quota: what convert's default workers use
