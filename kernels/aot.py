@@ -87,11 +87,11 @@ def splitk_launch_for(n: int, k: int, m: int, cfg, group: int = GROUP):
 def moe_launch_for(n: int, k: int, m: int, cfg, experts: int = MOE_EXPERTS, group: int = GROUP):
     """The fused MoE kernel's first GEMM (x row = pair // top-k) as ``moe_w4a16`` launches it on a GPU for
     ``m`` tokens each routed to all ``experts``, on meta tensors (``moe_align``'s shapes, not its values)."""
+    from quantize.kernels.moe import align_blocks
     from quantize.kernels.triton_moe import moe_launch
 
     pairs = m * experts
-    cap = min(pairs + experts * (cfg.block_m - 1), pairs * cfg.block_m)
-    blocks = -(-cap // cfg.block_m)
+    blocks = align_blocks(pairs, cfg.block_m, experts)
     align = (_meta(blocks * cfg.block_m, dtype=torch.int32), _meta(blocks, dtype=torch.int32),
              _meta(1, dtype=torch.int32))
     x = _meta(m, k, dtype=torch.bfloat16)

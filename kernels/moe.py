@@ -18,6 +18,12 @@ from quantize.calibrate.experts import Routed, accumulate
 from quantize.kernels.reference import dequant_fp32
 
 
+def align_blocks(pairs: int, block_m: int, num_experts: int) -> int:
+    """``moe_align``'s upper bound on the blocks of ``pairs`` routed pairs: at most min(pairs, E) experts
+    are non-empty, each padding fewer than ``block_m``."""
+    return -(-min(pairs + num_experts * (block_m - 1), pairs * block_m) // block_m)
+
+
 def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     """Sort the T*topk (token, expert) pairs by expert, each expert's run padded to a multiple of
     ``block_m`` with the sentinel T*topk (as vLLM/SGLang's ``moe_align_block_size``), on the ids'
@@ -35,9 +41,7 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     order = torch.argsort(flat, stable=True)
     e_sorted = flat[order]
     dest = pad_start[e_sorted] + torch.arange(tk, device=dev) - cnt_start[e_sorted]
-    # at most min(T*topk, E) experts are non-empty, each padding fewer than block_m
-    cap = min(tk + num_experts * (block_m - 1), tk * block_m)
-    blocks = -(-cap // block_m)
+    blocks = align_blocks(tk, block_m, num_experts)
     sorted_ids = torch.full((blocks * block_m,), tk, dtype=torch.int32, device=dev)
     sorted_ids[dest] = order.to(torch.int32)
     starts = torch.arange(blocks, device=dev, dtype=torch.int64) * block_m
