@@ -138,8 +138,8 @@ class Hessians(Collector):
         key -> rank; default rank 0), which the others send their subtrees of its shard sums, then
         drop them: the tree finished in shard order; the divisors and token counts summed on every
         rank, in rank order. Every rank calls it, for a layer with hooked units. What an owner
-        receives goes to ``device``, the layer's (default: where its own Hessians are; a rank that
-        holds no sample has none, and its units' weights are on the layer's device all the same)."""
+        receives goes to ``device``, the layer's (not read off its own Hessians: a rank that holds no
+        sample has none, and its units' weights are on the layer's device all the same)."""
         self.tree.close()
         split = world is not None and world.size > 1
         if not split:
@@ -151,14 +151,13 @@ class Hessians(Collector):
         for part in counts:
             _add_counts(self, part, ("n", "tokens"))
         owners = owners or {}
-        dev = device or next((h.device for _, sums in self.tree.stack for h in sums.values()), None)
         stack = self.tree.stack
         for o in sorted(set(owners.values()) | {0}):  # the same ranks on every rank (a rank may hold no sample)
             tree = TreeSum(self.shards, _add_all)
             tree.stack = [(node, {k: h for k, h in sums.items() if owners.get(unit_key(k), 0) == o})
                           for node, sums in stack]
             root = tree.combine(world, f"{what} for rank {o}" if o else what, send=_on_cpu,
-                                receive=lambda sums: {k: h.to(dev) for k, h in sums.items()}, to=o)
+                                receive=lambda sums: {k: h.to(device) for k, h in sums.items()}, to=o)
             if root is not None:
                 _add_all(self.H, root)
         self.tree = TreeSum(self.shards, _add_all)
