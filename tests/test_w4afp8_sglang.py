@@ -81,6 +81,58 @@ def test_starved_experts_take_the_layer_scale_one_token_short():
         scales({}, {1: 3}, 1)
 
 
+class _Streamer:
+    """What ``act_scales.observe`` reads of ``LayerStreamer``: the config's expert count, the tap it
+    sets, and ``stream``, which here calls the tap with ``taps`` (layer -> [(expert, x, inner)]) and
+    yields each layer after its taps; ``stop_after`` raises before layer 0 is yielded."""
+
+    config = type("Config", (), {"n_routed_experts": 4})()
+
+    def __init__(self, taps, stop_after=False):
+        self.taps, self.stop_after, self.expert_tap = taps, stop_after, None
+
+    def stream(self, samples):
+        for i, calls in self.taps.items():
+            for e, x, inner in calls:
+                self.expert_tap(i, e, x, inner)
+            if self.stop_after:
+                raise LookupError("stopped before the layer was read")
+            yield i, []
+
+
+def test_expert_maxima_by_hand_bf16_rounded():
+    """Per layer and expert: the largest |x| after bf16 rounding, of either GEMM input, and the tokens
+    (rows) routed; an expert never tapped keeps 0 and 0 tokens."""
+    from quantize.calibrate.act_scales import observe
+
+    x = torch.tensor([[0.5, -1.00390625], [2.0, 0.25]])  # 1.00390625 is 1 + 2**-8: bf16 rounds it to 1.0
+    inner = torch.tensor([[-3.015625], [1.0]])  # 3 + 2**-6: exact in bf16 (7 fraction bits); 3 + 2**-7 is not
+    taps = {0: [(1, x, inner), (1, x[:1] * 4, inner[1:]), (3, x[:0], inner[:0])], 2: [(0, x[1:], -inner)]}
+    seen = observe(_Streamer(taps), [torch.zeros(1)])
+    assert sorted(seen) == [0, 2]
+    # layer 0 expert 1: gemm1 max(2.0, |-1.00390625 * 4| = 4.015625 -> bf16 4.0); gemm2 3.015625
+    assert seen[0].gemm1 == [0.0, 4.0, 0.0, 0.0] and seen[0].gemm2 == [0.0, 3.015625, 0.0, 0.0]
+    assert seen[0].tokens == [0, 3, 0, 0]  # 2 + 1 rows; expert 3's empty call adds none
+    assert seen[2].gemm1 == [2.0, 0.0, 0.0, 0.0] and seen[2].gemm2 == [3.015625, 0.0, 0.0, 0.0]
+    assert seen[2].tokens == [1, 0, 0, 0]
+
+
+def test_the_taps_read_nothing_on_the_host_before_a_layer_is_done():
+    """A tap runs per expert and sample; on a GPU a host read there (``float``, ``.item()``) waits for
+    the device each time. With the tapped tensors on ``meta`` any such read raises, so a stream that
+    stops before its layer is read ends with its own error, not a read's."""
+    from quantize.calibrate.act_scales import observe
+
+    x, inner = torch.empty((3, 8), device="meta"), torch.empty((3, 4), device="meta")
+    with pytest.raises(RuntimeError):
+        float(x.abs().amax())  # the near miss: a read of a meta tensor is caught
+    taps = {0: [(e % 4, x, inner) for e in range(6)]}
+    with pytest.raises(LookupError, match="stopped before"):
+        observe(_Streamer(taps, stop_after=True), [torch.zeros(1)])
+    with pytest.raises((RuntimeError, NotImplementedError)):  # read when the layer is done: here, on meta
+        observe(_Streamer(taps), [torch.zeros(1)])
+
+
 # -- the written checkpoint -----------------------------------------------------------------------
 
 

@@ -51,32 +51,50 @@ class LayerAmax:
             self.tokens[e] += other.tokens[e]
 
 
-def _amax(t: torch.Tensor) -> float:
-    return float(t.detach().to(torch.bfloat16).abs().amax()) if t.numel() else 0.0
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """The largest |t| of the bf16-rounded values, a 0-d fp32 tensor on t's device (read by no one
+    here: a GPU is not made to wait for it; an empty t's is 0)."""
+    if not t.numel():
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    return t.detach().to(torch.bfloat16).abs().amax().float()
 
 
 def observe(streamer, ids: list[torch.Tensor], world=None, emit: Emit = null_emit) -> dict[int, LayerAmax] | None:
     """Every streamed MoE layer's per-expert observations over the samples ``ids``; several ranks:
-    each streams its share of the samples, rank 0 returns the merged observations (the others None)."""
+    each streams its share of the samples, rank 0 returns the merged observations (the others None).
+
+    The maxima stay on the experts' device while a layer runs, one [2, experts] tensor per layer, and
+    are read once when the layer is done: a tap is called per expert and sample, and a host read there
+    would make the GPU drain its queue that often. Token counts are shapes, known on the host."""
     split = world is not None and world.size > 1
     own = world.samples(len(ids)) if split else range(len(ids))
     seen: dict[int, LayerAmax] = {}
+    maxima: dict[int, torch.Tensor] = {}  # layer -> [gemm1, gemm2] x experts, fp32 on the device, unread
     n = int(getattr(streamer.config, "n_routed_experts", 0) or 0)
 
     def tap(i: int, e: int, x: torch.Tensor, inner: torch.Tensor) -> None:
         st = seen.get(i)
         if st is None:
             st = seen[i] = LayerAmax.empty(n)
-        st.gemm1[e] = max(st.gemm1[e], _amax(x))
-        st.gemm2[e] = max(st.gemm2[e], _amax(inner))
+            maxima[i] = torch.zeros((2, n), dtype=torch.float32, device=x.device)
+        m = maxima[i]
+        m[:, e] = torch.maximum(m[:, e], torch.stack([_amax(x), _amax(inner)]).to(m.device))
         st.tokens[e] += int(x.shape[0])
+
+    def read(i: int) -> None:
+        m = maxima.pop(i, None)
+        if m is not None:
+            seen[i].gemm1, seen[i].gemm2 = m.tolist()  # bf16 values, exact in fp32 and in a float
 
     streamer.expert_tap = tap
     try:
         for i, _ in streamer.stream([ids[k] for k in own]):
+            read(i)
             emit({"event": "tensor", "name": f"layer {i}: the routed experts' input maxima", "done_bytes": i + 1})
     finally:
         streamer.expert_tap = None
+    for i in list(maxima):  # a layer tapped after the last one yielded (none today)
+        read(i)
     if not split:
         return seen
     got = world.gather(seen, "the experts' activation maxima", to=0)
