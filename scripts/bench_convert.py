@@ -3,10 +3,16 @@
 
 Makes a synthetic block-FP8 checkpoint with GLM-5 shapes (hidden 6144, moe_intermediate 2048,
 kv_a_proj_with_mqa 576 rows, 1 GiB shards, real on-disk names), then runs, each in its own process
-so peak RSS is its own: (1) the floor, reading every source byte and writing the same number of
-bytes with fsync; (2) `quantize convert`; (3) `model_free_ptq` with compressed-tensors'
-FP8BlockDequantizer. Prints source GB/s, ratios and peak RSS. Not a test: machines are noisy, so
-only ratios measured side by side in this one run mean anything.
+so peak RSS is its own: (1) `quantize convert`; (2) the disk floor: reading every source byte and
+writing as many bytes as convert wrote, fsync'd; (3) `model_free_ptq` with compressed-tensors'
+FP8BlockDequantizer. Prints source GB/s, ratios and peak RSS.
+
+A run has a fixed cost (starting Python, importing torch and compressed-tensors, the plan), which a
+few-GB source cannot hide and a 700 GB release does. So convert and the floor also run on a
+one-layer checkpoint of the same widths, and the line through the two sizes splits each into a fixed
+cost and a marginal rate: the fraction of the floor a whole release gets is printed from those
+(GLM-5.2's FP8 release, 706 GiB). Not a test: machines are noisy, so only ratios measured side by
+side in this one run mean anything.
 
     python scripts/bench_convert.py --gb 4.2 --work bench-out
 """
@@ -23,9 +29,12 @@ import time
 from pathlib import Path
 
 HIDDEN, MOE_I, KV_A = 6144, 2048, 576
+DRY = (256, 128, 64)  # --dry-run's widths: the script's code on a few MB
+RELEASE_BYTES = 706 * 2**30  # GLM-5.2's FP8 release (README: quantize plan)
 
 
-def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 0, codes: str = "vendor") -> int:
+def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 0, codes: str = "vendor",
+                    widths: tuple[int, int, int] = (HIDDEN, MOE_I, KV_A), layers: int | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
@@ -47,9 +56,10 @@ def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 
     def scale(shape):
         return torch.rand(block_grid(shape), generator=g) * 1e-3 + 1e-4
 
+    HIDDEN, MOE_I, KV_A = widths  # noqa: N806 (the module's names, here the widths asked for)
     expert_bytes = 3 * HIDDEN * MOE_I
     per_layer_experts = 16
-    layers = max(1, round(gb * 1e9 / (expert_bytes * per_layer_experts)))
+    layers = layers or layers_for(gb, widths)
     tensors: list[tuple[str, object]] = []
     for layer in range(layers):
         p = f"model.layers.{layer}."
@@ -96,22 +106,68 @@ def make_checkpoint(d: Path, gb: float, shard_bytes: int = 1 << 30, seed: int = 
     return total
 
 
+def layers_for(gb: float, widths: tuple[int, int, int] = (HIDDEN, MOE_I, KV_A)) -> int:
+    """MoE layers of 16 experts making about ``gb`` GB of FP8 experts."""
+    return max(1, round(gb * 1e9 / (3 * widths[0] * widths[1] * 16)))
+
+
+def fit(small: tuple[float, float], big: tuple[float, float]) -> tuple[float, float] | None:
+    """Two runs of one tool, (bytes, seconds) at two sizes -> (fixed seconds, marginal bytes per second):
+    the line through both. None when the bigger run was not slower (noise swamped the difference)."""
+    (b1, t1), (b2, t2) = small, big
+    if b2 <= b1 or t2 <= t1:
+        return None
+    rate = (b2 - b1) / (t2 - t1)
+    return t1 - b1 / rate, rate
+
+
+def fraction_at(size: float, floor: tuple[float, float], tool: tuple[float, float]) -> float:
+    """The floor's time over the tool's at ``size`` source bytes, each ``fixed + size / rate``."""
+    return (floor[0] + size / floor[1]) / (tool[0] + size / tool[1])
+
+
+def summarize(res: dict) -> tuple[dict, str]:
+    """``measure``'s runs by size ("big", and "small" when there is one) -> (the figures, the line that
+    says them): the whole run's fraction of the floor at the big size; with two sizes, each tool's fixed
+    cost and marginal rate (``fit``), the marginal fraction and the fraction at GLM-5.2's release."""
+    big = res["big"]
+    total, whole = big["bytes"], big["floor"]["seconds"] / big["quantize"]["seconds"]
+    summary = {"whole_run": round(whole, 3)}
+    line = f"\nquantize / floor throughput: {whole:.2f} for the whole run at {total / 1e9:.2f} GB"
+    if "small" not in res:
+        return summary, line + " (one size only: no fixed / marginal split)"
+    pts = {k: fit((res["small"]["bytes"], res["small"][k]["seconds"]), (total, big[k]["seconds"]))
+           for k in ("floor", "quantize")}
+    if None in pts.values():
+        return summary, line + "; no marginal rate (the one-layer run was not faster than the whole one: noise)"
+    (qf, qr), (ff, fr) = pts["quantize"], pts["floor"]
+    at = fraction_at(RELEASE_BYTES, pts["floor"], pts["quantize"])
+    summary.update(fixed_s=round(qf, 2), marginal=round(qr / fr, 3), marginal_gbps=round(qr / 1e9, 4),
+                   floor_marginal_gbps=round(fr / 1e9, 4), release_fraction=round(at, 3))
+    return summary, line + (f"; marginal {qr / fr:.2f} ({qr / 1e9:.3f} against {fr / 1e9:.3f} GB/s past a fixed "
+                            f"{qf:.1f} s against the floor's {ff:.1f} s); {at:.2f} at GLM-5.2's "
+                            f"{RELEASE_BYTES / 2**30:.0f} GiB release")
+
+
 RUNNER = r"""
 import json, os, resource, sys, time
 t0 = time.time()
 kind, src, out = sys.argv[1], sys.argv[2], sys.argv[3]
 extra = {}
-if kind == "floor":
+if kind == "floor":  # every source byte read; the first `left` of them written, fsync'd per file
     import os
     from pathlib import Path
     os.makedirs(out, exist_ok=True)
+    left = int(sys.argv[4])
     for p in sorted(Path(src).glob("*.safetensors")):
         with open(p, "rb") as f, open(Path(out) / p.name, "wb") as g:
             while True:
                 b = f.read(8 << 20)
                 if not b:
                     break
-                g.write(b)
+                if left > 0:
+                    g.write(b[:left])
+                    left -= min(left, len(b))
             g.flush(); os.fsync(g.fileno())
 elif kind == "quantize":
     from quantize.convert import convert
@@ -130,16 +186,19 @@ elif kind == "model_free_ptq":
                    converter=FP8BlockDequantizer(ignore=["re:.*mlp\\.gate$", "re:.*layernorm.*"]), max_workers=2,
                    device="cpu")
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
-print(json.dumps({"seconds": time.time() - t0, "peak_rss": int(hwm) * 1024, **extra}))
+seconds = time.time() - t0
+written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+print(json.dumps({"seconds": seconds, "peak_rss": int(hwm) * 1024, "written": written, **extra}))
 """
 
 
-def run(kind: str, src: Path, out: Path) -> dict:
+def run(kind: str, src: Path, out: Path, write: int = 0) -> dict:
     """One tool in its own process; the previous run's output is deleted and synced first so its
-    write-back does not bleed into this measurement."""
+    write-back does not bleed into this measurement. ``write``: the bytes the floor writes."""
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
-    p = subprocess.run([sys.executable, "-c", RUNNER, kind, str(src), str(out)], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", RUNNER, kind, str(src), str(out), str(write)], capture_output=True,
+                       text=True)
     if p.returncode != 0:
         raise SystemExit(f"{kind} failed:\n{p.stderr[-3000:]}")
     res = json.loads(p.stdout.strip().splitlines()[-1])
@@ -148,35 +207,59 @@ def run(kind: str, src: Path, out: Path) -> dict:
     return res
 
 
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def measure(src: Path, work: Path, name: str) -> dict:
+    """convert, then the floor writing as many bytes as convert wrote."""
+    q = run("quantize", src, work / f"quantize-{name}")
+    return {"bytes": _size(src), "quantize": q, "floor": run("floor", src, work / f"floor-{name}", q["written"])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=4.2, help="source size in GB")
     ap.add_argument("--work", type=Path, default=Path("bench-out"))
     ap.add_argument("--skip-baseline", action="store_true", help="skip model_free_ptq (slow)")
-    ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint between runs")
+    ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints between runs")
     ap.add_argument("--codes", choices=("vendor", "uniform"), default="vendor",
                     help="FP8 codes as a vendor's block quantization makes them (default), or uniformly random "
                          "(1/16 subnormal: what the conversion costs on a source full of tiny values)")
+    ap.add_argument("--json", type=Path, help="also write every measurement here")
+    ap.add_argument("--dry-run", action="store_true", help=f"widths {DRY} (a few MB): the script's code, no figure")
     a = ap.parse_args()
-    src = a.work / "src"
-    if not (src / "config.json").exists():
-        t = time.time()
-        total = make_checkpoint(src, a.gb, codes=a.codes)
-        print(f"made {total / 1e9:.2f} GB synthetic FP8 checkpoint in {time.time() - t:.0f} s")
-    total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-    res = {"floor": run("floor", src, a.work / "floor")}
-    res["quantize"] = run("quantize", src, a.work / "quantize")
+    widths = DRY if a.dry_run else (HIDDEN, MOE_I, KV_A)
+    big_layers = layers_for(a.gb, widths)
+    sizes = {"big": big_layers} if big_layers < 2 else {"big": big_layers, "small": 1}
+    for name, layers in sizes.items():
+        src = a.work / f"src-{name}"
+        if not (src / "config.json").exists():
+            t = time.time()
+            total = make_checkpoint(src, a.gb, codes=a.codes, widths=widths, layers=layers)
+            print(f"made {total / 1e9:.2f} GB synthetic FP8 checkpoint ({layers} layers) in {time.time() - t:.0f} s")
+    res = {name: measure(a.work / f"src-{name}", a.work, name) for name in sizes}
+    big = res["big"]
     if not a.skip_baseline:
-        res["model_free_ptq"] = run("model_free_ptq", src, a.work / "mfp")
-    print(f"\nsource: {total / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, {os.cpu_count()} cores")
-    print(f"{'':16s} {'seconds':>8s} {'GB/s':>7s} {'peak RSS':>9s}")
-    for k, r in res.items():
-        print(f"{k:16s} {r['seconds']:8.1f} {total / r['seconds'] / 1e9:7.3f} {r['peak_rss'] / 2**30:7.2f} GiB")
-    q = res["quantize"]["seconds"]
-    print(f"\nquantize / floor throughput: {res['floor']['seconds'] / q:.2f}")
-    if "model_free_ptq" in res:
-        print(f"quantize / model_free_ptq throughput: {res['model_free_ptq']['seconds'] / q:.1f}x")
-    r = res["quantize"]
+        big["model_free_ptq"] = run("model_free_ptq", a.work / "src-big", a.work / "mfp")
+    total = big["bytes"]
+    print(f"\nsource: {total / 1e9:.2f} GB in {len(list((a.work / 'src-big').glob('*.safetensors')))} shards, "
+          f"{os.cpu_count()} cores; convert wrote {big['quantize']['written'] / 1e9:.2f} GB, and so did the floor "
+          f"(after reading every source byte)")
+    print(f"{'':22s} {'seconds':>8s} {'GB/s':>7s} {'peak RSS':>9s}")
+    for name, m in res.items():
+        for k in ("floor", "quantize", "model_free_ptq"):
+            if k in m:
+                r = m[k]
+                label = f"{k} ({m['bytes'] / 1e9:.2f} GB)"
+                print(f"{label:22s} {r['seconds']:8.1f} {m['bytes'] / r['seconds'] / 1e9:7.3f} "
+                      f"{r['peak_rss'] / 2**30:7.2f} GiB")
+    q = big["quantize"]["seconds"]
+    summary, line = summarize(res)
+    print(line)
+    if "model_free_ptq" in big:
+        print(f"quantize / model_free_ptq throughput: {big['model_free_ptq']['seconds'] / q:.1f}x")
+    r = big["quantize"]
     k, ph = r["kernels"], r["kernels"]["phase_seconds"]
     why = f" ({k['reason']})" if k.get("reason") else ""
     print(f"quantize, where the time went: {q - r['own_seconds']:.1f} s start-up (imports) and "
@@ -184,10 +267,11 @@ def main() -> None:
           f"{ph['compute']:.1f} s in all ({ph['compute'] / k['workers']:.1f} s each); the writer thread writing "
           f"and hashing {ph['write']:.1f} s, waiting for results {ph['wait']:.1f} s; fsync and rename "
           f"{ph['commit']:.1f} s beside them")
-    for k in ("floor", "quantize", "mfp"):
-        shutil.rmtree(a.work / k, ignore_errors=True)
-    if not a.keep:
-        shutil.rmtree(src, ignore_errors=True)
+    if a.json:
+        a.json.write_text(json.dumps({"runs": res, "summary": summary, "release_bytes": RELEASE_BYTES}, indent=1))
+    for d in a.work.glob("*"):
+        if d.name.startswith(("floor-", "quantize-")) or d.name == "mfp" or (d.name.startswith("src-") and not a.keep):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

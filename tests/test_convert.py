@@ -278,3 +278,76 @@ def test_default_workers_are_the_usable_cpus(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(C, "usable_cpus", lambda: 3)
     convert(tiny("glm_moe_dsa"), tmp_path / "a")
     assert json.loads((tmp_path / "a" / "quantize_manifest.json").read_text())["kernels"]["workers"] == 3
+
+
+# ---- scripts/bench_convert.py: the disk floor and the fixed / marginal split ----
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_convert.py"
+    spec = importlib.util.spec_from_file_location("bench_convert", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, path
+
+
+def test_bench_fit_is_the_line_through_two_runs():
+    """1 GB in 5 s and 3 GB in 6 s: 2 GB more in 1 s more, so 2 GB/s past a fixed 4.5 s; a floor of
+    0.1 s + 1 GB/s against it at 10 GB: 10.1 / 9.5. A bigger run that was not slower has no line."""
+    b, _ = _bench()
+    fixed, rate = b.fit((1e9, 5.0), (3e9, 6.0))
+    assert (fixed, rate) == pytest.approx((4.5, 2e9))
+    assert b.fraction_at(10e9, (0.1, 1e9), (4.5, 2e9)) == pytest.approx(10.1 / 9.5)
+    assert b.fit((1e9, 5.0), (3e9, 5.0)) is None and b.fit((3e9, 5.0), (3e9, 6.0)) is None
+    assert b.fit((1e9, 5.0), (3e9, 5.001)) is not None  # the near miss: barely slower has a line
+    # summarize: the same runs as measure() records them; convert 1 GB in 5 s, 3 GB in 6 s; the floor
+    # 1 GB in 1.1 s, 3 GB in 3.1 s (0.1 s + 1 GB/s)
+    runs = {"small": {"bytes": 1e9, "quantize": {"seconds": 5.0}, "floor": {"seconds": 1.1}},
+            "big": {"bytes": 3e9, "quantize": {"seconds": 6.0}, "floor": {"seconds": 3.1}}}
+    summary, line = b.summarize(runs)
+    size = b.RELEASE_BYTES
+    assert summary == {"whole_run": round(3.1 / 6.0, 3), "fixed_s": 4.5, "marginal": 2.0, "marginal_gbps": 2.0,
+                       "floor_marginal_gbps": 1.0, "release_fraction": round((0.1 + size / 1e9) / (4.5 + size / 2e9), 3)}
+    assert "marginal 2.00" in line and "fixed 4.5 s" in line
+    runs["big"]["floor"]["seconds"] = 1.1  # the floor's bigger run no slower: no marginal figure at all
+    assert b.summarize(runs)[0] == {"whole_run": round(1.1 / 6.0, 3)}
+    assert b.summarize({"big": runs["big"]})[0] == {"whole_run": round(1.1 / 6.0, 3)}
+
+
+def test_bench_convert_dry_run(tmp_path):
+    """The script's code on tiny widths: the floor writes exactly as many bytes as convert wrote (after
+    reading every source byte), and the summary is recomputed here from the recorded runs."""
+    import subprocess
+    import sys
+
+    b, path = _bench()
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, str(path), "--dry-run", "--gb", "0.005", "--skip-baseline", "--work",
+                        str(tmp_path / "w"), "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(out.read_text())
+    runs, summary = got["runs"], got["summary"]
+    assert set(runs) == {"big", "small"} and runs["small"]["bytes"] < runs["big"]["bytes"]
+    for m in runs.values():
+        assert m["floor"]["written"] == m["quantize"]["written"] > 0
+    # convert writes INT4 (half a byte and a 2-byte scale per 32 weights) for the FP8 experts: less than it reads
+    assert runs["big"]["quantize"]["written"] < runs["big"]["bytes"]
+    big, small = runs["big"], runs["small"]
+    assert summary["whole_run"] == round(big["floor"]["seconds"] / big["quantize"]["seconds"], 3)
+    line = {}
+    for k in ("floor", "quantize"):
+        (b1, t1), (b2, t2) = (small["bytes"], small[k]["seconds"]), (big["bytes"], big[k]["seconds"])
+        if t2 <= t1:  # noise on a few MB: the script says so and gives no marginal figure
+            assert "marginal" not in summary and "no marginal rate" in p.stdout
+            return
+        slope = (t2 - t1) / (b2 - b1)  # seconds per byte
+        line[k] = (t1 - b1 * slope, slope)
+    assert summary["marginal"] == round(line["floor"][1] / line["quantize"][1], 3)
+    assert summary["fixed_s"] == round(line["quantize"][0], 2)
+    size = got["release_bytes"]
+    want = (line["floor"][0] + size * line["floor"][1]) / (line["quantize"][0] + size * line["quantize"][1])
+    assert summary["release_fraction"] == round(want, 3)
+    assert f"quantize / floor throughput: {summary['whole_run']:.2f}" in p.stdout
