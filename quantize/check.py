@@ -107,10 +107,30 @@ def _ct_unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return unpack_from_int32(packed, 4, torch.Size(shape))
 
 
+def _blocks(n: int) -> list[tuple[int, int]]:
+    """Row blocks of ``int4_fmt.ROWS`` (bounded temporaries: ``int4.ROWS`` says why)."""
+    return [(r0, min(n, r0 + int4_fmt.ROWS)) for r0 in range(0, n, int4_fmt.ROWS)]
+
+
+def _unpack_ok(packed: torch.Tensor, shape: tuple[int, int]) -> bool:
+    """Our unpack equals compressed-tensors' ``unpack_from_int32``, a block of rows at a time."""
+    k = shape[1]
+    return all(torch.equal(unpack_int4(packed[r0:r1], k), _ct_unpack(packed[r0:r1], (r1 - r0, k)))
+               for r0, r1 in _blocks(shape[0]))
+
+
 def _kernel_err(x: torch.Tensor, packed, scale, shape) -> tuple[float, torch.Tensor]:
-    ref = w4a16_reference(x, packed, scale, shape)
-    y = CpuW4A16.from_packed(packed, scale, shape)(x).float()
-    err = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+    """The CPU kernel's relative L2 error against the fp32 reference, both a block of output rows
+    (weight rows) at a time; and the reference [tokens, N]."""
+    n, k = shape
+    ref = torch.empty((x.shape[0], n), dtype=torch.float32)
+    sq = 0.0
+    for r0, r1 in _blocks(n):
+        part = (r1 - r0, k)
+        ref[:, r0:r1] = w4a16_reference(x, packed[r0:r1], scale[r0:r1], part)
+        y = CpuW4A16.from_packed(packed[r0:r1], scale[r0:r1], part)(x).float()
+        sq += float((y - ref[:, r0:r1]).pow(2).sum(dtype=torch.float64))
+    err = sq**0.5 / max(float(ref.norm()), 1e-30)
     if torch.cuda.is_available():  # torch's CUDA INT4 GEMM where it applies, the split-K Triton kernel otherwise
         from .kernels import cuda_int4
         from .kernels.availability import triton_available
@@ -543,10 +563,10 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                     fp8src = s.scheme(name).startswith("fp8")
                     w = s.weight(name, torch.bfloat16 if fp8src else src.tensors[name].torch_dtype)
                 g = shape[1] // scale.shape[1]
-                exp = int4_fmt.quantize_pack(w, g, observer, scale.dtype)
+                exp = int4_fmt.quantize_pack_rows(w, g, observer, scale.dtype)
                 how = (records.get(name) or {}).get("method")
                 by_data = how in DATA_AWARE
-                sums = int4_fmt.error_sums(w, packed, scale)  # the stored tensor's error against the source, once
+                sums = int4_fmt.error_sums_rows(w, packed, scale)  # the stored tensor's error against the source
                 if by_data:
                     d = _method_tensor(where, how, records[name], scale, exp, observer, sums)
                     if d:
@@ -642,8 +662,7 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
                                 f"do not fit weight_shape {list(shape)}")
             rows.append(row)
             continue
-        ours = unpack_int4(packed, shape[1])
-        row.unpack_ok = bool(torch.equal(ours, _ct_unpack(packed, shape)))
+        row.unpack_ok = _unpack_ok(packed, shape)
         if not row.unpack_ok:
             row.failures.append(f"{m}: unpack differs from compressed-tensors' unpack_from_int32")
         x = torch.randn(tokens, shape[1], generator=g).to(torch.bfloat16)
@@ -766,7 +785,7 @@ def _check_sharded(sharded: Path, source, tokens: int, seed: int, emit: Emit) ->
             for r in range(tp):
                 pr, sr = reader.get(r, m + ".weight_packed"), reader.get(r, m + ".weight_scale")
                 shp = tuple(int(v) for v in reader.get(r, m + ".weight_shape").tolist())
-                if not torch.equal(unpack_int4(pr, shp[1]), _ct_unpack(pr, shp)):
+                if not _unpack_ok(pr, shp):
                     row.unpack_ok = False
                     row.failures.append(f"rank {r}: {m}: unpack differs from compressed-tensors' unpack_from_int32")
                 xr = x if rec["split"] != "row" else x[:, r * shp[1]:(r + 1) * shp[1]]

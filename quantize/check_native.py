@@ -185,9 +185,9 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                     else:
                         w = s.weight(name, torch.bfloat16 if fp8src else src.tensors[name].torch_dtype)
                         sdt = torch.bfloat16 if fp8src or w.dtype == torch.bfloat16 else w.dtype
-                    exp = int4_fmt.quantize_pack(w, W.GROUP, observer, sdt)
+                    exp = int4_fmt.quantize_pack_rows(w, W.GROUP, observer, sdt)
                     want_w, want_s = W.from_packed(exp.packed), exp.scale.float()
-                    sq_err, sq_ref, _ = int4_fmt.error_sums(w, W.to_packed(got_w), got_s)
+                    sq_err, sq_ref, _ = int4_fmt.error_sums_rows(w, W.to_packed(got_w), got_s)
                     row = rows.get(base)
                     if row is not None:
                         row.source_rel_err = (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0

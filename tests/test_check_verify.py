@@ -207,3 +207,33 @@ def test_autoround_scale_outside_its_clip_range_is_named(method_outs, tiny, tmp_
     _edit(d, f"{expert}.weight_scale", lambda t: t[f"{expert}.weight_scale"].mul_(0.25), fix_manifest=True)
     rep = check(d, source=tiny("deepseek_v3"))
     assert any(expert in x and "AutoRound group scales lie outside [0.5, 1]" in x for x in rep.failures), rep.failures
+
+
+def test_kernel_error_by_row_blocks_is_the_whole_tensors(monkeypatch):
+    """``check``'s kernel row, a block of weight rows at a time (304 rows: two 128-row blocks and one of
+    48), against the same error computed here on the whole tensor; an unpack that differs in the last
+    block only is caught."""
+    from quantize import check as C
+    from quantize.formats import int4
+    from quantize.kernels.cpu import CpuW4A16
+    from quantize.kernels.reference import w4a16_reference
+
+    g = torch.Generator().manual_seed(5)
+    r = int4.quantize_pack(torch.randn(304, 256, generator=g) * 0.02, 32)
+    x = torch.randn(8, 256, generator=g).to(torch.bfloat16)
+    ref = w4a16_reference(x, r.packed, r.scale, (304, 256))
+    y = CpuW4A16.from_packed(r.packed, r.scale, (304, 256))(x).float()
+    err, got_ref = C._kernel_err(x, r.packed, r.scale, (304, 256))
+    assert err == pytest.approx(float((y - ref).norm() / ref.norm()), rel=1e-5) and err > 0
+    assert torch.allclose(got_ref, ref, rtol=1e-6, atol=1e-6)
+    assert C._unpack_ok(r.packed, (304, 256))
+    real = C._ct_unpack
+
+    def last_block_off(p, shape):  # compressed-tensors' unpack made to differ in one value of the last block
+        u = real(p, shape)
+        if p.shape[0] == 48:
+            u[-1, 0] = 99
+        return u
+
+    monkeypatch.setattr(C, "_ct_unpack", last_block_off)
+    assert not C._unpack_ok(r.packed, (304, 256))

@@ -151,3 +151,25 @@ def test_weighted_scale_follows_the_importance():
         int4.weighted_scale(w, torch.ones(63), 32, "minmax")
     with pytest.raises(ValueError):
         int4.weighted_scale(w[:, :48], torch.ones(48), 32, "minmax")
+
+
+@pytest.mark.parametrize("observer", ["minmax", "mse", "fullrange"])
+def test_row_blocks_give_the_whole_tensor_result(observer):
+    """``quantize_pack_rows`` / ``error_sums_rows`` (128-row blocks, a partial last one) against the
+    whole-tensor functions: codes and scales equal, the max equal, the sums to ~1e-15 (another order
+    of addition); fewer rows than a block is the whole-tensor call itself."""
+    w = torch.randn(300, 256, generator=torch.Generator().manual_seed(3)) * 0.02
+    whole = int4.quantize_pack(w, 32, observer)
+    rows = int4.quantize_pack_rows(w, 32, observer, rows=128)
+    assert torch.equal(rows.packed, whole.packed) and torch.equal(rows.scale, whole.scale)
+    assert rows.max_abs_err == whole.max_abs_err
+    assert rows.sq_err == pytest.approx(whole.sq_err, rel=1e-12) and rows.sq_ref == pytest.approx(whole.sq_ref, rel=1e-12)
+    sums = int4.error_sums(w, whole.packed, whole.scale)
+    got = int4.error_sums_rows(w, whole.packed, whole.scale, rows=128)
+    assert got[2] == sums[2] and got[:2] == pytest.approx(sums[:2], rel=1e-12)
+    # the near miss: a block's codes changed is seen in the sums of the block it lies in
+    bad = whole.packed.clone()
+    bad[299, 0] ^= 0x1
+    assert int4.error_sums_rows(w, bad, whole.scale, rows=128)[0] != pytest.approx(sums[0], rel=1e-12)
+    small = int4.quantize_pack_rows(w[:100], 32, observer, rows=128)
+    assert torch.equal(small.packed, whole.packed[:100])
