@@ -308,3 +308,36 @@ def test_native_active_where_compiler_exists(fresh):
     st = native.status()
     assert st["path"] == "native", st
     assert st["compiler"] and os.path.isfile(st["library"])
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@needs_cc
+@pytest.mark.parametrize("extra, lanes", [(["-mno-avx512f"], 1), (["-mavx512f", "-mavx512bw"], 16)])
+def test_both_forms_of_the_minmax_pass_are_bit_identical(fresh, extra, lanes):
+    """quant.c's minmax pass has a 16-lane AVX-512 form and a scalar one (the vector form was slower
+    built for AVX2); each is built here on purpose (CC with the flag after it; the build's own
+    -march=native does not undo an explicit -mno-...) and checked against the torch reference: FP8
+    blocks with an all-zero group, groups 32 and 128, rows not a multiple of 16."""
+    if lanes == 16 and not {"avx512f", "avx512bw"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX-512 (F and BW): the vector form cannot run here")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    fresh.setenv("CC", shlex.join([cc, *extra]))
+    assert native.status()["path"] == "native", native.status()
+    assert native.lib().minmax_lanes() == lanes
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(200, 512, generator=g) * 0.03
+    w[7, :128] = 0
+    q, s = fp8.quant_block(w)
+    for group in (32, 128):
+        ref = int4.quantize_pack(fp8.dequant_block(q, s), group)
+        packed, scale, (se, sr, me), bad = native.quant_rows(q, s, "block", group, "minmax")
+        assert not bad and torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
+        assert me == ref.max_abs_err and se == pytest.approx(ref.sq_err, rel=1e-6)
+        assert sr == pytest.approx(ref.sq_ref, rel=1e-6)

@@ -149,6 +149,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dequant_rows.argtypes = [P, P, P, I64, I64, I64, I64, I64, ctypes.c_int, P]
     lib.error_rows.restype = ctypes.c_int
     lib.error_rows.argtypes = [P, ctypes.c_int, P, I64, I64, I64, I64, I64, I64, P, P, P]
+    lib.minmax_lanes.restype = ctypes.c_int
+    lib.minmax_lanes.argtypes = []
     return lib
 
 
