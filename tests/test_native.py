@@ -321,10 +321,11 @@ def _cpu_flags() -> set[str]:
 @needs_cc
 @pytest.mark.parametrize("extra, lanes", [(["-mno-avx512f"], 1), (["-mavx512f", "-mavx512bw"], 16)])
 def test_both_forms_of_the_minmax_pass_are_bit_identical(fresh, extra, lanes):
-    """quant.c's minmax pass has a 16-lane AVX-512 form and a scalar one (the vector form was slower
-    built for AVX2); each is built here on purpose (CC with the flag after it; the build's own
-    -march=native does not undo an explicit -mno-...) and checked against the torch reference: FP8
-    blocks with an all-zero group, groups 32 and 128, rows not a multiple of 16."""
+    """quant.c's minmax pass and error_rows have a 16-lane AVX-512 form and a scalar one (the vector
+    form was slower built for AVX2); each is built here on purpose (CC with the flag after it; the
+    build's own -march=native does not undo an explicit -mno-...) and checked against the torch
+    reference: FP8 blocks with an all-zero group, groups 32 and 128, rows not a multiple of 16; the
+    stored tensor's errors to 1e-12, the max exactly."""
     if lanes == 16 and not {"avx512f", "avx512bw"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX-512 (F and BW): the vector form cannot run here")
     cc = shutil.which("gcc") or shutil.which("cc")
@@ -341,3 +342,10 @@ def test_both_forms_of_the_minmax_pass_are_bit_identical(fresh, extra, lanes):
         assert not bad and torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
         assert me == ref.max_abs_err and se == pytest.approx(ref.sq_err, rel=1e-6)
         assert sr == pytest.approx(ref.sq_ref, rel=1e-6)
+        # error_rows (the same AVX-512 / scalar split) on a stored tensor with some nibbles moved
+        stored = ref.packed.clone()
+        stored.view(torch.uint8)[::3, ::5] ^= 0x11
+        want = int4.error_sums(fp8.dequant_block(q, s), stored, ref.scale)
+        (se, sr, me), bad = native.error_rows(q, s, "block", stored, ref.scale)
+        assert not bad and me == want[2]
+        assert se == pytest.approx(want[0], rel=1e-12) and sr == pytest.approx(want[1], rel=1e-12)

@@ -338,9 +338,90 @@ int dequant_rows(const uint8_t *src, const float *lut, const float *sinv, int64_
  * decompression in the scale dtype), its difference from the bf16-rounded weight in fp32, squares in
  * fp32 summed in double; stats += (sq_err, sq_ref), stats[2] = max(max |err|). Returns 1 on NaN/Inf in
  * the source, 2 on a shape quant.c does not take. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+typedef double v8d __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* error_rows for groups of a multiple of 16, 16 lanes (AVX-512): the same per-element IEEE operations
+ * (the product code x scale rounded to bf16, a NaN product to bf16's NaN as rbf does; squares in
+ * fp32), the squares summed in double in 8 lanes each (another order of addition: ~1e-16 relative),
+ * the max exactly. 33.1 -> 21.3 ms a 2048 x 7168 FP8 expert on one core (AMD EPYC). */
+static int error_rows16(const void *src, int src_kind, const float *sinv, int64_t R, int64_t K, int64_t br,
+                        int64_t bc, int64_t sinv_cols, int64_t g, const uint8_t *packed, const uint16_t *scale,
+                        double *stats) {
+    float wrow[MAXK];
+    v8d se = {0}, sr = {0};
+    v16f me = {0};
+    v16i badv = {0};
+    const v16f fmax = V16(3.4028234e38f), qnan = (v16f)((v16u){0} + 0x7FC00000u);
+    for (int64_t r = 0; r < R; r++) {
+        decode_row(src, src_kind, sinv, r, K, br, bc, sinv_cols, wrow);
+        const uint8_t *pk = packed + r * (K / 2);
+        const uint16_t *srow = scale + r * (K / g);
+        for (int64_t c0 = 0; c0 < K; c0 += g) {
+            const v16f sv = V16(bf2f(srow[c0 / g]));
+            for (int64_t k = c0; k < c0 + g; k += 16) {
+                /* 8 bytes -> 16 nibbles in order: each byte widened to 16 bits, its high nibble moved
+                 * to the high byte; little-endian, the bytes then read lo0 hi0 lo1 hi1 ... */
+                v8b b;
+                memcpy(&b, pk + k / 2, sizeof b);
+                v8h h = __builtin_convertvector(b, v8h);
+                h = (h & 0x0F) | ((h & 0xF0) << 4);
+                v16b c;
+                memcpy(&c, &h, sizeof c);
+                v16f x = __builtin_convertvector(__builtin_convertvector(c, v16i) - 8, v16f) * sv;
+                v16f prod = sel(x != x, qnan, rbf16(x));
+                v16f wv;
+                memcpy(&wv, wrow + k, sizeof wv);
+                v16f d = prod - wv;
+                v16f a = (v16f)((v16u)d & 0x7FFFFFFFu), aw = (v16f)((v16u)wv & 0x7FFFFFFFu);
+                me = sel(a > me, a, me);
+                badv |= ~(aw <= fmax);
+                v16f d2 = d * d, w2 = wv * wv;
+                v8f lo, hi;
+                memcpy(&lo, &d2, sizeof lo);
+                memcpy(&hi, (char *)&d2 + sizeof lo, sizeof hi);
+                se += __builtin_convertvector(lo, v8d);
+                se += __builtin_convertvector(hi, v8d);
+                memcpy(&lo, &w2, sizeof lo);
+                memcpy(&hi, (char *)&w2 + sizeof lo, sizeof hi);
+                sr += __builtin_convertvector(lo, v8d);
+                sr += __builtin_convertvector(hi, v8d);
+            }
+        }
+    }
+    double lse[8], lsr[8];
+    float lme[16];
+    int32_t lbad[16];
+    memcpy(lse, &se, sizeof lse);
+    memcpy(lsr, &sr, sizeof lsr);
+    memcpy(lme, &me, sizeof lme);
+    memcpy(lbad, &badv, sizeof lbad);
+    double a = 0.0, b = 0.0;
+    float mx = 0.f;
+    int bad = 0;
+    for (int l = 0; l < 8; l++) {
+        a += lse[l];
+        b += lsr[l];
+    }
+    for (int l = 0; l < 16; l++) {
+        mx = lme[l] > mx ? lme[l] : mx;
+        bad |= lbad[l] != 0;
+    }
+    stats[0] += a;
+    stats[1] += b;
+    if (mx > stats[2]) stats[2] = mx;
+    return bad;
+}
+#endif
+
 int error_rows(const void *src, int src_kind, const float *sinv, int64_t R, int64_t K, int64_t br, int64_t bc,
                int64_t sinv_cols, int64_t g, const uint8_t *packed, const uint16_t *scale, double *stats) {
     float wrow[MAXK];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (g % 16 == 0 && g <= MAXG && K <= MAXK && K % g == 0)
+        return error_rows16(src, src_kind, sinv, R, K, br, bc, sinv_cols, g, packed, scale, stats);
+#endif
     double sq_err = 0.0, sq_ref = 0.0;
     float max_err = 0.f;
     int bad = 0;
