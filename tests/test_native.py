@@ -320,12 +320,12 @@ def _cpu_flags() -> set[str]:
 
 @needs_cc
 @pytest.mark.parametrize("extra, lanes", [(["-mno-avx512f"], 1), (["-mavx512f", "-mavx512bw"], 16)])
-def test_both_forms_of_the_minmax_pass_are_bit_identical(fresh, extra, lanes):
-    """quant.c's minmax pass and error_rows have a 16-lane AVX-512 form and a scalar one (the vector
-    form was slower built for AVX2); each is built here on purpose (CC with the flag after it; the
-    build's own -march=native does not undo an explicit -mno-...) and checked against the torch
-    reference: FP8 blocks with an all-zero group, groups 32 and 128, rows not a multiple of 16; the
-    stored tensor's errors to 1e-12, the max exactly."""
+def test_both_forms_of_the_native_passes_are_bit_identical(fresh, extra, lanes):
+    """quant.c's minmax pass, fullrange codes and error_rows have a 16-lane AVX-512 form and a scalar
+    one (the vector form was slower built for AVX2); each is built here on purpose (CC with the flag
+    after it; the build's own -march=native does not undo an explicit -mno-...) and checked against
+    the torch reference: FP8 blocks with an all-zero group and a tie of magnitudes, groups 32 and
+    128, rows not a multiple of 16; the stored tensor's errors to 1e-12, the max exactly."""
     if lanes == 16 and not {"avx512f", "avx512bw"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX-512 (F and BW): the vector form cannot run here")
     cc = shutil.which("gcc") or shutil.which("cc")
@@ -335,13 +335,17 @@ def test_both_forms_of_the_minmax_pass_are_bit_identical(fresh, extra, lanes):
     g = torch.Generator().manual_seed(11)
     w = torch.randn(200, 512, generator=g) * 0.03
     w[7, :128] = 0
+    w[9, :32] = 0.25
+    w[9, 7] = -0.25  # fullrange: a tie of magnitudes, the first (positive) one is the extreme
     q, s = fp8.quant_block(w)
     for group in (32, 128):
-        ref = int4.quantize_pack(fp8.dequant_block(q, s), group)
-        packed, scale, (se, sr, me), bad = native.quant_rows(q, s, "block", group, "minmax")
-        assert not bad and torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale)
-        assert me == ref.max_abs_err and se == pytest.approx(ref.sq_err, rel=1e-6)
-        assert sr == pytest.approx(ref.sq_ref, rel=1e-6)
+        for observer in ("minmax", "fullrange"):
+            ref = int4.quantize_pack(fp8.dequant_block(q, s), group, observer)
+            packed, scale, (se, sr, me), bad = native.quant_rows(q, s, "block", group, observer)
+            assert not bad and torch.equal(packed, ref.packed) and torch.equal(scale, ref.scale), observer
+            assert me == ref.max_abs_err and se == pytest.approx(ref.sq_err, rel=1e-6)
+            assert sr == pytest.approx(ref.sq_ref, rel=1e-6)
+        assert ref.scale[9, 0] < 0  # the positive extreme on code -8
         # error_rows (the same AVX-512 / scalar split) on a stored tensor with some nibbles moved
         stored = ref.packed.clone()
         stored.view(torch.uint8)[::3, ::5] ^= 0x11

@@ -105,6 +105,8 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint8_t v8b __attribute__((vector_size(8)));
+typedef double v8d __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
 #define V16(f) ((v16f){0} + (f))
 
 /* lane by lane, m ? a : b (m from a vector comparison: all ones or zero) */
@@ -259,7 +261,44 @@ static void decode_row(const void *src, int src_kind, const float *sinv, int64_t
     }
 }
 
-/* which form of row_minmax's pass this build has: 16 (AVX-512 vector types) or 1 (scalar) */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* codes_pack on 16 lanes: the same per-element operations (codes as row_minmax's pass; the error
+ * d in fp32, squared in double as codes_pack squares it), summed in 8 double lanes per sum (another
+ * order of addition, ~1e-16 relative), the max exactly. */
+static inline void codes_pack16(const float *w, int64_t g, float s, uint8_t *pk, v8d *se, v8d *sr, v16f *me) {
+    const v16f lo = V16(-8.f), hi = V16(7.f), magic = V16(ROUND_MAGIC), sv = V16(s);
+    for (int64_t k = 0; k < g; k += 16) {
+        v16f wv;
+        memcpy(&wv, w + k, sizeof wv);
+        v16f x = rbf16(wv / sv); /* a NaN weight is flagged by the caller: the job fails */
+        x = sel(x < lo, lo, x);
+        x = sel(x > hi, hi, x);
+        x = (x + magic) - magic;
+        v16f d = x * sv - wv;
+        v16f a = (v16f)((v16u)d & 0x7FFFFFFFu);
+        *me = sel(a > *me, a, *me);
+        v8f h0, h1, w0, w1;
+        memcpy(&h0, &d, sizeof h0);
+        memcpy(&h1, (char *)&d + sizeof h0, sizeof h1);
+        memcpy(&w0, &wv, sizeof w0);
+        memcpy(&w1, (char *)&wv + sizeof w0, sizeof w1);
+        v8d d0 = __builtin_convertvector(h0, v8d), d1 = __builtin_convertvector(h1, v8d);
+        v8d x0 = __builtin_convertvector(w0, v8d), x1 = __builtin_convertvector(w1, v8d);
+        *se += d0 * d0;
+        *se += d1 * d1;
+        *sr += x0 * x0;
+        *sr += x1 * x1;
+        v16b c = __builtin_convertvector(__builtin_convertvector(x, v16i) + 8, v16b);
+        v8h v;
+        memcpy(&v, &c, sizeof v);
+        v8b byte = __builtin_convertvector(v | (v >> 4), v8b);
+        memcpy(pk + k / 2, &byte, sizeof byte);
+    }
+}
+#endif
+
+/* which form of row_minmax's pass, fullrange's codes and error_rows this build has: 16 (AVX-512 vector
+ * types) or 1 (scalar) */
 int minmax_lanes(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     return 16;
@@ -276,6 +315,10 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
     double sq_err = 0.0, sq_ref = 0.0;
     float max_err = 0.f;
     int bad = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    v8d fse = {0}, fsr = {0}; /* fullrange's sums and max, in lanes */
+    v16f fme = {0};
+#endif
     (void)lut;
     if (g > MAXG || g % 16 || K > MAXK || K % g) return 2;
     for (int64_t r = 0; r < R; r++) {
@@ -295,23 +338,37 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
             }
             float s;
             if (observer == 2) { /* fullrange: the signed extreme (the first of largest magnitude) on code -8 */
-                float e = 0.f, m = -1.f;
-                for (int64_t k = 0; k < g; k++) {
-                    float a = fabsf(w[k]);
-                    if (a > m) {
-                        m = a;
-                        e = w[k];
-                    }
-                }
-                s = rbf(e / -8.f);
+                /* the first element whose magnitude is amax (NaN skipped, as the loop above skips it):
+                 * the one a running "a > m" search keeps */
+                int64_t k = 0;
+                while (k < g - 1 && !(fabsf(w[k]) == amax)) k++;
+                s = rbf(w[k] / -8.f);
                 s = s == 0.f ? EPS_BF16 : s;
             } else {
                 s = mse_scale(w, g, amax, grid, steps, norm);
             }
             scale_out[r * (K / g) + c0 / g] = f2bf(s);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            if (observer == 2) {
+                codes_pack16(w, g, s, packed + r * (K / 2) + c0 / 2, &fse, &fsr, &fme);
+                continue;
+            }
+#endif
             codes_pack(w, g, s, packed + r * (K / 2) + c0 / 2, &sq_err, &sq_ref, &max_err);
         }
     }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    double lse[8], lsr[8];
+    float lme[16];
+    memcpy(lse, &fse, sizeof lse);
+    memcpy(lsr, &fsr, sizeof lsr);
+    memcpy(lme, &fme, sizeof lme);
+    for (int l = 0; l < 8; l++) {
+        sq_err += lse[l];
+        sq_ref += lsr[l];
+    }
+    for (int l = 0; l < 16; l++) max_err = lme[l] > max_err ? lme[l] : max_err;
+#endif
     stats[0] += sq_err;
     stats[1] += sq_ref;
     if (max_err > stats[2]) stats[2] = max_err;
@@ -339,9 +396,6 @@ int dequant_rows(const uint8_t *src, const float *lut, const float *sinv, int64_
  * fp32 summed in double; stats += (sq_err, sq_ref), stats[2] = max(max |err|). Returns 1 on NaN/Inf in
  * the source, 2 on a shape quant.c does not take. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-typedef double v8d __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-
 /* error_rows for groups of a multiple of 16, 16 lanes (AVX-512): the same per-element IEEE operations
  * (the product code x scale rounded to bf16, a NaN product to bf16's NaN as rbf does; squares in
  * fp32), the squares summed in double in 8 lanes each (another order of addition: ~1e-16 relative),
