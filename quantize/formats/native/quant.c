@@ -94,6 +94,8 @@ static inline float rbf_nn(float f) {
     return x.f;
 }
 
+#define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (x + M) - M rounds half to even for |x| < 2^22 */
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "row_minmax packs nibble pairs as little-endian 16-bit words" /* the build fails: the torch path runs */
@@ -117,6 +119,42 @@ static inline v16f rbf16(v16f f) {
     v16u u = (v16u)f;
     return (v16f)((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
 }
+
+/* the codes q of 16 weights on scale s, as floats: rint(clamp(bf16(w / s), -8, 7)); a NaN weight is
+ * flagged by the caller (the job fails) */
+static inline v16f codes16(v16f wv, v16f sv) {
+    const v16f lo = V16(-8.f), hi = V16(7.f), magic = V16(ROUND_MAGIC);
+    v16f x = rbf16(wv / sv);
+    x = sel(x < lo, lo, x);
+    x = sel(x > hi, hi, x);
+    return (x + magic) - magic;
+}
+
+/* 16 codes as 8 bytes at pk: nibbles q + 8, two a byte, low first. A pair as one little-endian 16-bit
+ * word is lo + 256 hi (each < 16), and (v | v >> 4)'s low byte is lo | hi << 4 */
+static inline void pack16(v16f x, uint8_t *pk) {
+    v16b c = __builtin_convertvector(__builtin_convertvector(x, v16i) + 8, v16b);
+    v8h v;
+    memcpy(&v, &c, sizeof v);
+    v8b byte = __builtin_convertvector(v | (v >> 4), v8b);
+    memcpy(pk, &byte, sizeof byte);
+}
+
+/* the sum of 8 double lanes, in lane order */
+static inline double hsum8(v8d v) {
+    double l[8], t = 0.0;
+    memcpy(l, &v, sizeof l);
+    for (int i = 0; i < 8; i++) t += l[i];
+    return t;
+}
+
+/* the largest of m and 16 float lanes (a NaN lane ignored, as the scalar loops ignore one) */
+static inline float hmax16(v16f v, float m) {
+    float l[16];
+    memcpy(l, &v, sizeof l);
+    for (int i = 0; i < 16; i++) m = l[i] > m ? l[i] : m;
+    return m;
+}
 #endif
 
 /* float8_e4m3fn -> fp32 exactly, vectorizable: normal 2^(e-7)(1+m/8), subnormal m*2^-9, 0x7F/0xFF NaN.
@@ -139,7 +177,6 @@ static inline float fp8_dec(uint8_t c) {
 }
 
 #define MAXK 65536
-#define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (x + M) - M rounds half to even for |x| < 2^22 */
 
 /* one row, minmax observer, in vectorizable passes; returns 1 on NaN/Inf */
 static int row_minmax(float *w, int64_t K, int64_t g, uint8_t *packed, uint16_t *scale_out, float *sc,
@@ -172,7 +209,6 @@ static int row_minmax(float *w, int64_t K, int64_t g, uint8_t *packed, uint16_t 
      * same code was slower than the scalar form (two AVX2 registers and narrowing shuffles:
      * 60 -> 83 ms), so there the scalar form stays. */
     v16f se = {0}, sr = {0}, me = {0};
-    const v16f lo = V16(-8.f), hi = V16(7.f), magic = V16(ROUND_MAGIC);
     for (int64_t j = 0; j < G; j++) {
         const float *wg = w + j * g;
         const v16f sv = V16(sc[j]);
@@ -180,22 +216,13 @@ static int row_minmax(float *w, int64_t K, int64_t g, uint8_t *packed, uint16_t 
         for (int64_t k = 0; k < g; k += 16) {
             v16f wv;
             memcpy(&wv, wg + k, sizeof wv);
-            v16f x = rbf16(wv / sv); /* no NaN reaches here unflagged */
-            x = sel(x < lo, lo, x);
-            x = sel(x > hi, hi, x);
-            x = (x + magic) - magic;
+            v16f x = codes16(wv, sv);
             v16f d = x * sv - wv;
             se += d * d;
             sr += wv * wv;
             v16f a = (v16f)((v16u)d & 0x7FFFFFFFu);
             me = sel(a > me, a, me);
-            /* nibbles q + 8, two a byte, low first: a pair as one little-endian 16-bit word is
-             * lo + 256 hi (each < 16), and (v | v >> 4)'s low byte is lo | hi << 4 */
-            v16b c = __builtin_convertvector(__builtin_convertvector(x, v16i) + 8, v16b);
-            v8h v;
-            memcpy(&v, &c, sizeof v);
-            v8b byte = __builtin_convertvector(v | (v >> 4), v8b);
-            memcpy(pk + k / 2, &byte, sizeof byte);
+            pack16(x, pk + k / 2);
         }
     }
 #else
@@ -266,14 +293,11 @@ static void decode_row(const void *src, int src_kind, const float *sinv, int64_t
  * d in fp32, squared in double as codes_pack squares it), summed in 8 double lanes per sum (another
  * order of addition, ~1e-16 relative), the max exactly. */
 static inline void codes_pack16(const float *w, int64_t g, float s, uint8_t *pk, v8d *se, v8d *sr, v16f *me) {
-    const v16f lo = V16(-8.f), hi = V16(7.f), magic = V16(ROUND_MAGIC), sv = V16(s);
+    const v16f sv = V16(s);
     for (int64_t k = 0; k < g; k += 16) {
         v16f wv;
         memcpy(&wv, w + k, sizeof wv);
-        v16f x = rbf16(wv / sv); /* a NaN weight is flagged by the caller: the job fails */
-        x = sel(x < lo, lo, x);
-        x = sel(x > hi, hi, x);
-        x = (x + magic) - magic;
+        v16f x = codes16(wv, sv);
         v16f d = x * sv - wv;
         v16f a = (v16f)((v16u)d & 0x7FFFFFFFu);
         *me = sel(a > *me, a, *me);
@@ -288,11 +312,7 @@ static inline void codes_pack16(const float *w, int64_t g, float s, uint8_t *pk,
         *se += d1 * d1;
         *sr += x0 * x0;
         *sr += x1 * x1;
-        v16b c = __builtin_convertvector(__builtin_convertvector(x, v16i) + 8, v16b);
-        v8h v;
-        memcpy(&v, &c, sizeof v);
-        v8b byte = __builtin_convertvector(v | (v >> 4), v8b);
-        memcpy(pk + k / 2, &byte, sizeof byte);
+        pack16(x, pk + k / 2);
     }
 }
 #endif
@@ -358,16 +378,9 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
         }
     }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    double lse[8], lsr[8];
-    float lme[16];
-    memcpy(lse, &fse, sizeof lse);
-    memcpy(lsr, &fsr, sizeof lsr);
-    memcpy(lme, &fme, sizeof lme);
-    for (int l = 0; l < 8; l++) {
-        sq_err += lse[l];
-        sq_ref += lsr[l];
-    }
-    for (int l = 0; l < 16; l++) max_err = lme[l] > max_err ? lme[l] : max_err;
+    sq_err += hsum8(fse);
+    sq_ref += hsum8(fsr);
+    max_err = hmax16(fme, max_err);
 #endif
     stats[0] += sq_err;
     stats[1] += sq_ref;
@@ -444,26 +457,13 @@ static int error_rows16(const void *src, int src_kind, const float *sinv, int64_
             }
         }
     }
-    double lse[8], lsr[8];
-    float lme[16];
     int32_t lbad[16];
-    memcpy(lse, &se, sizeof lse);
-    memcpy(lsr, &sr, sizeof lsr);
-    memcpy(lme, &me, sizeof lme);
-    memcpy(lbad, &badv, sizeof lbad);
-    double a = 0.0, b = 0.0;
-    float mx = 0.f;
     int bad = 0;
-    for (int l = 0; l < 8; l++) {
-        a += lse[l];
-        b += lsr[l];
-    }
-    for (int l = 0; l < 16; l++) {
-        mx = lme[l] > mx ? lme[l] : mx;
-        bad |= lbad[l] != 0;
-    }
-    stats[0] += a;
-    stats[1] += b;
+    memcpy(lbad, &badv, sizeof lbad);
+    for (int l = 0; l < 16; l++) bad |= lbad[l] != 0;
+    stats[0] += hsum8(se);
+    stats[1] += hsum8(sr);
+    float mx = hmax16(me, 0.f);
     if (mx > stats[2]) stats[2] = mx;
     return bad;
 }
