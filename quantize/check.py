@@ -107,16 +107,11 @@ def _ct_unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return unpack_from_int32(packed, 4, torch.Size(shape))
 
 
-def _blocks(n: int) -> list[tuple[int, int]]:
-    """Row blocks of ``int4_fmt.ROWS`` (bounded temporaries: ``int4.ROWS`` says why)."""
-    return [(r0, min(n, r0 + int4_fmt.ROWS)) for r0 in range(0, n, int4_fmt.ROWS)]
-
-
 def _unpack_ok(packed: torch.Tensor, shape: tuple[int, int]) -> bool:
     """Our unpack equals compressed-tensors' ``unpack_from_int32``, a block of rows at a time."""
     k = shape[1]
     return all(torch.equal(unpack_int4(packed[r0:r1], k), _ct_unpack(packed[r0:r1], (r1 - r0, k)))
-               for r0, r1 in _blocks(shape[0]))
+               for r0, r1 in int4_fmt.row_blocks(shape[0]))
 
 
 def _kernel_err(x: torch.Tensor, packed, scale, shape) -> tuple[float, torch.Tensor]:
@@ -125,7 +120,7 @@ def _kernel_err(x: torch.Tensor, packed, scale, shape) -> tuple[float, torch.Ten
     n, k = shape
     ref = torch.empty((x.shape[0], n), dtype=torch.float32)
     sq = 0.0
-    for r0, r1 in _blocks(n):
+    for r0, r1 in int4_fmt.row_blocks(n):
         part = (r1 - r0, k)
         ref[:, r0:r1] = w4a16_reference(x, packed[r0:r1], scale[r0:r1], part)
         y = CpuW4A16.from_packed(packed[r0:r1], scale[r0:r1], part)(x).float()

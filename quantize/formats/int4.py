@@ -280,6 +280,11 @@ def error_sums(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tu
 ROWS = 128
 
 
+def row_blocks(n: int, rows: int = ROWS) -> list[tuple[int, int]]:
+    """(start, stop) of ``n`` rows in blocks of ``rows``, the last one partial."""
+    return [(r0, min(n, r0 + rows)) for r0 in range(0, n, rows)]
+
+
 def quantize_pack_rows(w: torch.Tensor, group_size: int, observer: str = "minmax",
                        scale_dtype: torch.dtype = torch.bfloat16, rows: int = ROWS) -> Int4Result:
     """``quantize_pack`` a block of ``rows`` rows at a time: the same codes and scales (every group
@@ -291,8 +296,7 @@ def quantize_pack_rows(w: torch.Tensor, group_size: int, observer: str = "minmax
     packed = torch.empty(packed_shape((out, k)), dtype=torch.int32, device=w.device)
     scale = torch.empty(scale_shape((out, k), group_size), dtype=scale_dtype, device=w.device)
     sq_err = sq_ref = max_err = 0.0
-    for r0 in range(0, out, rows):
-        r1 = min(out, r0 + rows)
+    for r0, r1 in row_blocks(out, rows):
         res = quantize_pack(w[r0:r1], group_size, observer, scale_dtype)
         packed[r0:r1], scale[r0:r1] = res.packed, res.scale
         sq_err, sq_ref, max_err = sq_err + res.sq_err, sq_ref + res.sq_ref, max(max_err, res.max_abs_err)
@@ -303,8 +307,7 @@ def error_sums_rows(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                     rows: int = ROWS) -> tuple[float, float, float]:
     """``error_sums`` a block of ``rows`` rows at a time (the max the same, the sums ~1e-16 apart)."""
     sq_err = sq_ref = max_err = 0.0
-    for r0 in range(0, w.shape[0], rows):
-        r1 = min(w.shape[0], r0 + rows)
+    for r0, r1 in row_blocks(w.shape[0], rows):
         e, r, m = error_sums(w[r0:r1], packed[r0:r1], scale[r0:r1])
         sq_err, sq_ref, max_err = sq_err + e, sq_ref + r, max(max_err, m)
     return sq_err, sq_ref, max_err
