@@ -146,8 +146,7 @@ def compute_job(
             return [out], None
         rows = w.shape[0]
         out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
-        for r0 in range(0, rows, ROW_CHUNK):
-            r1 = min(rows, r0 + ROW_CHUNK)
+        for r0, r1 in int4.row_blocks(rows, ROW_CHUNK):
             out[r0:r1] = _weight_rows(job, w, s, r0, r1)
         _check_finite(job, out)
         return [out.cpu()], None
@@ -184,8 +183,7 @@ def compute_job(
             packed = torch.empty(int4.packed_shape((rows, k)), dtype=torch.int32, device=w.device)
             scale = torch.empty(int4.scale_shape((rows, k), g), dtype=scale_dtype, device=w.device)
             sq_err = sq_ref = max_err = sq_err_mm = 0.0
-            for r0 in range(0, rows, ROW_CHUNK):
-                r1 = min(rows, r0 + ROW_CHUNK)
+            for r0, r1 in int4.row_blocks(rows, ROW_CHUNK):
                 wr = _weight_rows(job, w, s, r0, r1)
                 res = int4.quantize_pack(wr, g, options.observer, scale_dtype)
                 if not torch.isfinite(res.scale).all():
@@ -219,8 +217,7 @@ def _fp8_block_job(job: Job, w: torch.Tensor, s: torch.Tensor | None,
         wb = int4.dequantize_int4(w, s, job.wshape, dtype=torch.bfloat16)
     elif job.scale is not None:
         wb = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
-        for r0 in range(0, w.shape[0], ROW_CHUNK):
-            r1 = min(w.shape[0], r0 + ROW_CHUNK)
+        for r0, r1 in int4.row_blocks(w.shape[0], ROW_CHUNK):
             wb[r0:r1] = _weight_rows(job, w, s, r0, r1)
     else:
         wb = w
@@ -260,8 +257,7 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
             raise _nan_error(job)
         sq_rtn = native.quant_rows(w, s, job.scale_format, g, options.observer, NATIVE_MSE, job.block)[2][0]
     else:
-        for r0 in range(0, rows, ROW_CHUNK):
-            r1 = min(rows, r0 + ROW_CHUNK)
+        for r0, r1 in int4.row_blocks(rows, ROW_CHUNK):
             wr = _weight_rows(job, w, s, r0, r1)
             _check_finite(job, wr)
             e, r, m = int4.error_sums(wr, packed[r0:r1], scale[r0:r1])
