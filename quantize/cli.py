@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 
 from . import options as O
+from . import startup
 from .errors import QuantizeError
 
 _ARGV: list[str] = []  # this command line, as given: what --nproc runs again under torchrun
@@ -143,11 +144,16 @@ INTERRUPTED = (
 )
 
 
-def _run(fn, *args, **kwargs):
+def _run(fn, *args, settle: bool = True, **kwargs):
     """Call a library function; a user error becomes one line on stderr and a non-zero exit (a
-    rank that --nproc started hands the line to its launcher, which prints the first rank's)."""
+    rank that --nproc started hands the line to its launcher, which prints the first rank's).
+    ``settle``: the command's modules are imported by now, so the garbage collector that ``main``
+    held off runs again from here (quantize.startup); False for a call before the command's own
+    imports, or for a library function that settles itself later."""
     from .distributed import report, report_error
 
+    if settle:
+        startup.settle()
     try:
         return fn(*args, **kwargs)
     except QuantizeError as e:
@@ -170,12 +176,12 @@ def _ranks(model: type, name: str, body, kw: dict):
     from . import distributed as D
 
     nproc, timeout = kw["nproc"], kw["dist_timeout_s"]
-    _run(model(nproc=nproc, dist_timeout_s=timeout).validate)  # before any rank starts
-    if not D.under_torchrun() or _run(D.env_size) == 1:
+    _run(model(nproc=nproc, dist_timeout_s=timeout).validate, settle=False)  # before any rank starts
+    if not D.under_torchrun() or _run(D.env_size, settle=False) == 1:
         if nproc > 1 and not D.under_torchrun():
             raise typer.Exit(D.launch("quantize.cli", _ARGV, nproc, interrupted=INTERRUPTED))
         return body(**kw)
-    local = _run(D.env_local_size)
+    local = _run(D.env_local_size, settle=False)
     if nproc not in (1, local):
         _refuse(f"--nproc {nproc} under torchrun, which started {local} rank(s) on this node; drop --nproc "
                 "(torchrun's --nproc-per-node decides)")
@@ -183,7 +189,7 @@ def _ranks(model: type, name: str, body, kw: dict):
         _refuse(f"{name} does not split its work across ranks yet: every rank would run the whole job (and write "
                 "the same output); run it as one process (without --nproc or torchrun)")
     # NCCL (a GPU per rank) only for --device cuda: a CPU run on a GPU node meets on gloo, as anywhere else
-    w = _run(D.join, timeout, "nccl" if str(kw.get("device") or "cpu").startswith("cuda") else "gloo")
+    w = _run(D.join, timeout, "nccl" if str(kw.get("device") or "cpu").startswith("cuda") else "gloo", settle=False)
     try:
         if not w.quiet:
             return body(**kw)
@@ -249,7 +255,7 @@ def convert(json_out: bool, **options):
     --method first runs layer by layer over calibration text)."""
     from .convert import convert as run_convert
 
-    res = _run(run_convert, emit=_emitter(json_out), **options)
+    res = _run(run_convert, emit=_emitter(json_out), **options, settle=False)
     if json_out:
         return
     err = (
@@ -385,7 +391,7 @@ ENGINE_HELP = (
 def check_cmd(json_out: bool, engine: str | None, engine_python, engine_tolerance, **options):
     """Run the packed INT4 kernels on what was written against references; exit 1 on any failure.
     With --engine vllm: the checkpoint served by vLLM against transformers (docs/vllm-cpu.md)."""
-    _run(O.validate, O.EngineCheckOptions(engine_python=engine_python, engine_tolerance=engine_tolerance))
+    _run(O.validate, O.EngineCheckOptions(engine_python=engine_python, engine_tolerance=engine_tolerance), settle=False)
     if engine is None and (engine_python is not None or engine_tolerance != O.ENGINE_TOLERANCE):
         _refuse("--engine-python/--engine-tolerance are options of --engine vllm; add --engine vllm or drop them")
     if engine is not None:  # the engine check replaces the static checks
@@ -704,7 +710,7 @@ def make_tiny(override: list[str] | None, **options):
     from .testing.tiny import make_tiny as run
     from .testing.tiny import parse_overrides
 
-    overrides = _run(parse_overrides, override or [])
+    overrides = _run(parse_overrides, override or [], settle=False)
     out = _run(run, **options, overrides=overrides or None)
     typer.echo(f"wrote a tiny {options['arch']} checkpoint ({options['layout']} layout) to {out}")
 
@@ -912,6 +918,7 @@ def _run_verdict(res) -> str:
 def main():  # pragma: no cover
     from .distributed import end_process
 
+    startup.hold()  # no collections while the command imports torch and the rest (quantize/startup.py)
     try:
         app()
     except SystemExit as e:  # a rank of several ends here, without the interpreter's teardown

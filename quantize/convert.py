@@ -34,6 +34,7 @@ from .errors import QuantizeError
 from .events import Emit, null_emit
 from .formats import fp8, int4, native, w4afp8
 from .options import DATA_AWARE, ConvertOptions, takes, usable_cpus
+from . import startup
 from .plan import Job, Plan, build_plan, check_with_compressed_tensors, sglang_native
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
@@ -309,6 +310,7 @@ def convert(options: ConvertOptions, emit: Emit = null_emit) -> ConvertResult:
     if world.size > 1 and not world.is_writer:  # a rank of a GPTQ / AutoRound run: its share of each layer
         from .methods.ranks import serve
 
+        startup.settle()
         return serve(Path(options.source), world)
     res = _convert(options, emit, t0)  # a failure here: the other ranks see this one's connection close, one line
     if world.size > 1:
@@ -683,6 +685,7 @@ def _copy_checked(writer: StreamWriter, name: str, fd: int, ref: TensorRef, buf:
 
 def _ct_config(plan: Plan) -> dict:
     check_with_compressed_tensors(plan)
+    startup.settle()  # the last library convert imports is in: the CLI's collector runs again (quantize/startup.py)
     return plan.quantization_config
 
 
