@@ -174,6 +174,21 @@ elif kind == "quantize":
     convert(src, out, group_size=32)
     m = json.load(open(os.path.join(out, "quantize_manifest.json")))
     extra = {"own_seconds": m["seconds"], "kernels": m["kernels"]}
+elif kind.startswith("writer-"):  # convert's writer alone: `left` bytes of 6 MiB tensors, into the page cache
+    import torch
+    import quantize.checkpoint.writer as W
+    if kind == "writer-inline":
+        W.HASH_BESIDE = 1 << 62
+    os.makedirs(out, exist_ok=True)
+    n = max(1, int(sys.argv[4]) // (6 << 20))
+    ts = [torch.randint(0, 256, (6 << 20,), dtype=torch.uint8) for _ in range(4)]
+    w = W.StreamWriter(os.path.join(out, "w.safetensors"), [W.Entry(f"t{i}", "U8", (6 << 20,)) for i in range(n)])
+    t1 = time.perf_counter()
+    for i in range(n):
+        w.write_tensor(f"t{i}", ts[i % 4])
+    w.close()
+    extra = {"writer_seconds": time.perf_counter() - t1, "writer_bytes": n * (6 << 20)}
+    w.abort()
 elif kind == "model_free_ptq":
     import torch
     from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
@@ -267,10 +282,23 @@ def main() -> None:
           f"{ph['compute']:.1f} s in all ({ph['compute'] / k['workers']:.1f} s each); the writer thread writing "
           f"and hashing {ph['write']:.1f} s, waiting for results {ph['wait']:.1f} s; fsync and rename "
           f"{ph['commit']:.1f} s beside them")
+    # the writer thread alone (convert writes in plan order from one thread): what it sustains on
+    # this machine bounds convert on a node with cores to spare, whatever the workers do
+    wb = min(1 << 30, big["quantize"]["written"])
+    writer = {m: run(f"writer-{m}", a.work / "src-big", a.work / f"writer-{m}", wb) for m in ("inline", "beside")}
+    rate = {m: r["writer_bytes"] / r["writer_seconds"] / 1e9 for m, r in writer.items()}
+    ratio = big["quantize"]["written"] / total
+    print(f"the writer thread alone, {wb / 1e9:.2f} GB into the page cache: {rate['inline']:.2f} GB/s hashing "
+          f"each tensor after its write, {rate['beside']:.2f} GB/s hashing beside it "
+          f"({rate['beside'] / rate['inline']:.2f}x); at convert's {ratio:.2f} bytes written per source byte that "
+          f"bounds convert at {rate['beside'] / ratio:.2f} GB/s of source however many cores compute")
+    summary["writer_gbps"] = {m: round(v, 3) for m, v in rate.items()}
     if a.json:
-        a.json.write_text(json.dumps({"runs": res, "summary": summary, "release_bytes": RELEASE_BYTES}, indent=1))
+        a.json.write_text(json.dumps({"runs": res, "summary": summary, "release_bytes": RELEASE_BYTES,
+                                      "writer": writer}, indent=1))
     for d in a.work.glob("*"):
-        if d.name.startswith(("floor-", "quantize-")) or d.name == "mfp" or (d.name.startswith("src-") and not a.keep):
+        if (d.name.startswith(("floor-", "quantize-", "writer-")) or d.name == "mfp"
+                or (d.name.startswith("src-") and not a.keep)):
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -335,6 +335,14 @@ def test_bench_convert_dry_run(tmp_path):
         assert m["floor"]["written"] == m["quantize"]["written"] > 0
     # convert writes INT4 (half a byte and a 2-byte scale per 32 weights) for the FP8 experts: less than it reads
     assert runs["big"]["quantize"]["written"] < runs["big"]["bytes"]
+    # the writer alone, hashing after and beside each write: whole 6 MiB tensors up to convert's bytes
+    # (at least one), each rate the recorded bytes over the recorded seconds
+    want_bytes = max(1, min(1 << 30, runs["big"]["quantize"]["written"]) // (6 << 20)) * (6 << 20)
+    for m in ("inline", "beside"):
+        r = got["writer"][m]
+        assert r["writer_bytes"] == want_bytes and r["writer_seconds"] > 0
+        assert summary["writer_gbps"][m] == round(r["writer_bytes"] / r["writer_seconds"] / 1e9, 3)
+    assert "hashing beside it" in p.stdout
     big, small = runs["big"], runs["small"]
     assert summary["whole_run"] == round(big["floor"]["seconds"] / big["quantize"]["seconds"], 3)
     line = {}
