@@ -255,6 +255,9 @@ def main() -> int:
         frac = [x for x in text.splitlines() if "floor throughput" in x]
         c.row("scripts/bench_convert.py --gb 1 (RTN vs read+write+fsync)", (frac[0].strip() if frac else "?")
               if rc == 0 else f"FAIL rc {rc}: {_tail(text, 2)}", sec)
+        if rc == 0:  # the writer thread's own ceiling on this node (hashing after vs beside each write)
+            w = [x for x in text.splitlines() if x.startswith("the writer thread alone")]
+            c.row("bench_convert: the writer thread alone", w[0].strip() if w else "?", None)
 
     (a.out / "gpu_check.json").write_text(json.dumps({"env": env, "rows": c.rows, "cost": cost,
                                                       "seconds": round(time.time() - c.t0, 1)}, indent=1))
