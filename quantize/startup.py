@@ -15,6 +15,10 @@ allocates. Only the CLI holds: called in a user's own process (or the tests) wit
 rank serving its share of a layer pass, a command without a settle point) runs longer with the
 collector off. At exit the frozen objects are unfrozen, so the interpreter's teardown collects them as
 it would have (triton's nanobind bindings report a frozen object still alive then as a leak).
+
+``settle`` does not collect first: the cyclic garbage those imports leave is about 10,000 objects,
+7 MiB of memory (measured after torch, quantize.convert and compressed-tensors), frozen with the rest,
+while a full collection then costs about 0.46 s with the GIL held.
 """
 
 from __future__ import annotations
