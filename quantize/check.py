@@ -21,6 +21,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,6 +46,7 @@ from . import check_native  # SGLang's native w4afp8: its own layout and loader 
 from .check_native import W4A8_RTOL, w4a8_row  # noqa: F401 - W4A8_RTOL: the bound both layouts' rows take
 from .kernels.reference import w4a16_reference, w4a8_reference
 from .options import DATA_AWARE, CheckOptions, takes  # DATA_AWARE: the source alone cannot re-derive them
+from .options import torch_threads, usable_cpus
 from .shard import MANIFEST, UNSHARDED, RankReader, _sha, load_manifest, plan_shard, rank_pieces, verify_shard_files
 
 REPORT_KIND = "check"  # the ``written_by`` kind of its JSON report (`check --json`, run's reports/check.json)
@@ -141,6 +145,69 @@ def _kernel_err(x: torch.Tensor, packed, scale, shape) -> tuple[float, torch.Ten
             return err, ref
         err = max(err, float((yt - ref).norm() / ref.norm().clamp_min(1e-30)))
     return err, ref
+
+
+def _module_row(model: Path, index: CheckpointIndex, row: "Row", shape: tuple[int, int], x: torch.Tensor,
+                fp8_act: bool) -> "Row":
+    """One INT4 module's checks into ``row``: the unpack against compressed-tensors', the CPU kernel
+    (and CUDA's, where a GPU is visible) against the reference on ``x``, the W4A8 product if it has one."""
+    m = row.tensor
+    packed = read_tensor(model, index.tensors[m + ".weight_packed"])
+    scale = read_tensor(model, index.tensors[m + ".weight_scale"])
+    row.unpack_ok = _unpack_ok(packed, shape)
+    if not row.unpack_ok:
+        row.failures.append(f"{m}: unpack differs from compressed-tensors' unpack_from_int32")
+    row.kernel_rel_err, ref = _kernel_err(x, packed, scale, shape)
+    if not row.kernel_rel_err <= KERNEL_RTOL:
+        row.failures.append(f"{m}: W4A16 kernel differs from the reference "
+                            f"(rel. error {row.kernel_rel_err:.3g} > {KERNEL_RTOL})")
+    if fp8_act:
+        w4a8_row(row, w4a8_reference(x, packed, scale, shape), ref, "FP8 per-token activations")
+    return row
+
+
+def check_workers() -> int:
+    """Modules checked at once: one per usable CPU, each on one torch thread (a block of 128 rows is
+    too small an op for torch's own threads to share well); one where a GPU is visible, whose kernels
+    run from this thread alone."""
+    return 1 if torch.cuda.is_available() else usable_cpus()
+
+
+def _check_modules(model: Path, index: CheckpointIndex, arch, modules: list[str], tokens: int,
+                   g: torch.Generator, fp8_act: set[str], emit: Emit, workers: int | None = None) -> list["Row"]:
+    """Every INT4 module's row, in module order, on ``workers`` threads (``check_workers()``). This
+    thread reads each module's shape from the header and draws its activations from ``g`` in module
+    order, so every row is the same whatever the number of workers; the tensors are read and checked
+    on the workers, at most two modules per worker ahead of the one reported."""
+    workers = workers or check_workers()
+    rows: list[Row] = []
+    pending: deque[tuple[Future, bool]] = deque()
+
+    def report(limit: int) -> None:
+        while len(pending) > limit:
+            fut, checked = pending.popleft()
+            rows.append(fut.result())
+            if checked:
+                emit({"event": "tensor", "name": rows[-1].tensor, "done_bytes": len(rows)})
+
+    with torch_threads(1) if workers > 1 else nullcontext(), ThreadPoolExecutor(workers) as pool:
+        for m in modules:
+            pshape, sshape = index.tensors[m + ".weight_packed"].shape, index.tensors[m + ".weight_scale"].shape
+            shape = tuple(int(v) for v in read_tensor(model, index.tensors[m + ".weight_shape"]).tolist())
+            row = Row(m, arch.role_of(m + ".weight")[0])
+            if (tuple(pshape) != (shape[0], math.ceil(shape[1] / 8)) or sshape[0] != shape[0]
+                    or shape[1] % sshape[1]):
+                row.failures.append(f"{m}: weight_packed {list(pshape)} / weight_scale {list(sshape)} "
+                                    f"do not fit weight_shape {list(shape)}")
+                done: Future = Future()
+                done.set_result(row)
+                pending.append((done, False))
+                continue
+            x = torch.randn(tokens, shape[1], generator=g).to(torch.bfloat16)
+            pending.append((pool.submit(_module_row, model, index, row, shape, x, m in fp8_act), True))
+            report(2 * workers)
+        report(0)
+    return rows
 
 
 MOE_RTOL = 2e-2  # a whole MoE layer (bf16 between its GEMMs) vs the fp32 reference (relative L2)
@@ -638,7 +705,6 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
     if src is not None:
         check_fp8_dtypes(src)
     g = torch.Generator().manual_seed(seed)
-    rows: list[Row] = []
     modules = [n[: -len(".weight_packed")] for n in index.tensors if n.endswith(".weight_packed")]
     fp8_out = any(r.dtype == "F8_E4M3" for r in index.tensors.values())
     if not modules and not fp8_out:
@@ -646,29 +712,7 @@ def check(model, tp, source, tokens, seed, max_source_rel_err, emit: Emit = null
                             "output?")
     fp8_act = w4afp8_modules(index, modules)
     emit({"event": "start", "stage": "check", "total_bytes": len(modules), "done_bytes": 0, "unit": "modules"})
-    for i, m in enumerate(modules):
-        packed = read_tensor(model, index.tensors[m + ".weight_packed"])
-        scale = read_tensor(model, index.tensors[m + ".weight_scale"])
-        shape = tuple(int(v) for v in read_tensor(model, index.tensors[m + ".weight_shape"]).tolist())
-        row = Row(m, arch.role_of(m + ".weight")[0])
-        if (tuple(packed.shape) != (shape[0], math.ceil(shape[1] / 8)) or scale.shape[0] != shape[0]
-                or shape[1] % scale.shape[1]):
-            row.failures.append(f"{m}: weight_packed {list(packed.shape)} / weight_scale {list(scale.shape)} "
-                                f"do not fit weight_shape {list(shape)}")
-            rows.append(row)
-            continue
-        row.unpack_ok = _unpack_ok(packed, shape)
-        if not row.unpack_ok:
-            row.failures.append(f"{m}: unpack differs from compressed-tensors' unpack_from_int32")
-        x = torch.randn(tokens, shape[1], generator=g).to(torch.bfloat16)
-        row.kernel_rel_err, ref = _kernel_err(x, packed, scale, shape)
-        if not row.kernel_rel_err <= KERNEL_RTOL:
-            row.failures.append(f"{m}: W4A16 kernel differs from the reference "
-                                f"(rel. error {row.kernel_rel_err:.3g} > {KERNEL_RTOL})")
-        if m in fp8_act:
-            w4a8_row(row, w4a8_reference(x, packed, scale, shape), ref, "FP8 per-token activations")
-        rows.append(row)
-        emit({"event": "tensor", "name": m, "done_bytes": i + 1})
+    rows = _check_modules(model, index, arch, modules, tokens, g, fp8_act, emit)
     moe_rec = _moe_layer_check(model, index, arch, modules, tokens, seed)
     if moe_rec is not None and not moe_rec["rel_err"] <= MOE_RTOL:
         failures.append(f"{model}: MoE layer {moe_rec['layer']} through {moe_rec['path']} differs from the "

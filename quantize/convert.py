@@ -17,7 +17,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from .distributed import check_nproc
 from .errors import QuantizeError
 from .events import Emit, null_emit
 from .formats import fp8, int4, native, w4afp8
-from .options import DATA_AWARE, ConvertOptions, takes, usable_cpus
+from .options import DATA_AWARE, ConvertOptions, takes, torch_threads, usable_cpus
 from . import startup
 from .plan import Job, Plan, build_plan, check_with_compressed_tensors, sglang_native
 
@@ -278,16 +277,6 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
 # --------------------------------------------------------------------------------------------
 
 
-@contextmanager
-def _torch_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 def _job_key(plan: Plan, ident: dict) -> dict:
     # key_dict: the options the bytes depend on (a resume may add or correct --base-model)
     # build: a run resumed under another build of this tool or its libraries would mix two builds' bytes
@@ -439,7 +428,7 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
             fds: dict = {}
             try:
                 phases: dict[str, float] = {}
-                with _torch_threads(1), ThreadPoolExecutor(workers) as pool:
+                with torch_threads(1), ThreadPoolExecutor(workers) as pool:
                     done_bytes = _execute(
                         plan, todo, src, out, options, o, pool, workers, fds, emit, done_bytes, device, cache, acts,
                         phases=phases

@@ -23,6 +23,7 @@ import math
 import re
 import types
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -440,6 +441,20 @@ def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
         n = os.cpu_count() or 1
     quota = cgroup_cpu_quota(cgroup)
     return max(1, min(n, quota) if quota else n)
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` for the block (a pool of workers, each on one thread),
+    and back after."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 # a memory budget (--memory-budget-gib): at most what this machine holds (1.7e308 GiB overflowed mid-run),
