@@ -179,6 +179,10 @@ def _check_modules(model: Path, index: CheckpointIndex, arch, modules: list[str]
     thread reads each module's shape from the header and draws its activations from ``g`` in module
     order, so every row is the same whatever the number of workers; the tensors are read and checked
     on the workers, at most two modules per worker ahead of the one reported."""
+    # compressed-tensors' unpack is imported here, before the workers: two threads importing one
+    # package can see it half-initialised
+    import compressed_tensors.compressors.pack_quantized.helpers  # noqa: F401
+
     workers = workers or check_workers()
     rows: list[Row] = []
     pending: deque[tuple[Future, bool]] = deque()

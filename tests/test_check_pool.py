@@ -106,3 +106,43 @@ def test_torch_threads_are_restored_after_the_pool(converted, workers):
     before = torch.get_num_threads()
     _run(converted("glm_moe_dsa"), workers)
     assert torch.get_num_threads() == before
+
+
+def test_compressed_tensors_is_imported_before_any_worker_starts(converted):
+    """Two threads importing one package can see it half-initialised: the workers' unpack comparison
+    must find compressed-tensors' helpers imported already (in a fresh process, where nothing else
+    imported them)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from concurrent.futures import ThreadPoolExecutor
+        from pathlib import Path
+        import torch
+        import quantize.check as C
+        from quantize import archs
+        from quantize.checkpoint.index import CheckpointIndex
+        HELPERS = "compressed_tensors.compressors.pack_quantized.helpers"
+        assert HELPERS not in sys.modules
+        seen = []
+        submit = ThreadPoolExecutor.submit
+        def spy(self, *a, **k):
+            seen.append(HELPERS in sys.modules)
+            return submit(self, *a, **k)
+        ThreadPoolExecutor.submit = spy
+        model = Path({str(converted("glm_moe_dsa"))!r})
+        index = CheckpointIndex.open(model)
+        arch = archs.resolve(index.config, str(model / "config.json"))
+        mods = [n[: -len(".weight_packed")] for n in index.tensors if n.endswith(".weight_packed")]
+        rows = C._check_modules(model, index, arch, mods, 4, torch.Generator().manual_seed(0), set(),
+                                lambda e: None, workers=2)
+        assert seen and all(seen), seen
+        assert all(r.unpack_ok and not r.failures for r in rows)
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
