@@ -173,6 +173,12 @@ def check_workers() -> int:
     return 1 if torch.cuda.is_available() else usable_cpus()
 
 
+def _ready(value) -> Future:
+    done: Future = Future()
+    done.set_result(value)
+    return done
+
+
 def _check_modules(model: Path, index: CheckpointIndex, arch, modules: list[str], tokens: int,
                    g: torch.Generator, fp8_act: set[str], emit: Emit, workers: int | None = None) -> list["Row"]:
     """Every INT4 module's row, in module order, on ``workers`` threads (``check_workers()``). This
@@ -203,12 +209,13 @@ def _check_modules(model: Path, index: CheckpointIndex, arch, modules: list[str]
                     or shape[1] % sshape[1]):
                 row.failures.append(f"{m}: weight_packed {list(pshape)} / weight_scale {list(sshape)} "
                                     f"do not fit weight_shape {list(shape)}")
-                done: Future = Future()
-                done.set_result(row)
-                pending.append((done, False))
+                pending.append((_ready(row), False))
                 continue
             x = torch.randn(tokens, shape[1], generator=g).to(torch.bfloat16)
-            pending.append((pool.submit(_module_row, model, index, row, shape, x, m in fp8_act), True))
+            if workers > 1:
+                pending.append((pool.submit(_module_row, model, index, row, shape, x, m in fp8_act), True))
+            else:  # here, on this thread: with a GPU visible its kernels never run from a worker thread
+                pending.append((_ready(_module_row(model, index, row, shape, x, m in fp8_act)), True))
             report(2 * workers)
         report(0)
     return rows

@@ -146,3 +146,23 @@ def test_compressed_tensors_is_imported_before_any_worker_starts(converted):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_one_worker_checks_every_module_on_the_calling_thread(converted, monkeypatch):
+    """With a GPU visible check uses one worker: its CUDA kernels must run from the thread that
+    called check, never from a pool thread (CUDA's lazy initialisation is not safe there)."""
+    import threading
+
+    seen: set[str] = set()
+    real = C._module_row
+
+    def spy(*a, **k):
+        seen.add(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(C, "_module_row", spy)
+    _run(converted("glm_moe_dsa"), 1)
+    assert seen == {threading.current_thread().name}
+    seen.clear()
+    _run(converted("glm_moe_dsa"), 2)
+    assert seen and threading.current_thread().name not in seen  # the pool's threads
