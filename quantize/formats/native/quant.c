@@ -148,6 +148,15 @@ static inline double hsum8(v8d v) {
     return t;
 }
 
+/* 16 float lanes as two halves of 8 double lanes (exact) */
+static inline void halves8(v16f v, v8d *lo, v8d *hi) {
+    v8f a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (char *)&v + sizeof a, sizeof b);
+    *lo = __builtin_convertvector(a, v8d);
+    *hi = __builtin_convertvector(b, v8d);
+}
+
 /* the largest of m and 16 float lanes (a NaN lane ignored, as the scalar loops ignore one) */
 static inline float hmax16(v16f v, float m) {
     float l[16];
@@ -301,13 +310,9 @@ static inline void codes_pack16(const float *w, int64_t g, float s, uint8_t *pk,
         v16f d = x * sv - wv;
         v16f a = (v16f)((v16u)d & 0x7FFFFFFFu);
         *me = sel(a > *me, a, *me);
-        v8f h0, h1, w0, w1;
-        memcpy(&h0, &d, sizeof h0);
-        memcpy(&h1, (char *)&d + sizeof h0, sizeof h1);
-        memcpy(&w0, &wv, sizeof w0);
-        memcpy(&w1, (char *)&wv + sizeof w0, sizeof w1);
-        v8d d0 = __builtin_convertvector(h0, v8d), d1 = __builtin_convertvector(h1, v8d);
-        v8d x0 = __builtin_convertvector(w0, v8d), x1 = __builtin_convertvector(w1, v8d);
+        v8d d0, d1, x0, x1;
+        halves8(d, &d0, &d1);
+        halves8(wv, &x0, &x1);
         *se += d0 * d0;
         *se += d1 * d1;
         *sr += x0 * x0;
@@ -444,16 +449,13 @@ static int error_rows16(const void *src, int src_kind, const float *sinv, int64_
                 v16f a = (v16f)((v16u)d & 0x7FFFFFFFu), aw = (v16f)((v16u)wv & 0x7FFFFFFFu);
                 me = sel(a > me, a, me);
                 badv |= ~(aw <= fmax);
-                v16f d2 = d * d, w2 = wv * wv;
-                v8f lo, hi;
-                memcpy(&lo, &d2, sizeof lo);
-                memcpy(&hi, (char *)&d2 + sizeof lo, sizeof hi);
-                se += __builtin_convertvector(lo, v8d);
-                se += __builtin_convertvector(hi, v8d);
-                memcpy(&lo, &w2, sizeof lo);
-                memcpy(&hi, (char *)&w2 + sizeof lo, sizeof hi);
-                sr += __builtin_convertvector(lo, v8d);
-                sr += __builtin_convertvector(hi, v8d);
+                v8d lo, hi; /* squares in fp32, as error_rows squares them, then summed in double */
+                halves8(d * d, &lo, &hi);
+                se += lo;
+                se += hi;
+                halves8(wv * wv, &lo, &hi);
+                sr += lo;
+                sr += hi;
             }
         }
     }
