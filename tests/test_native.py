@@ -133,6 +133,39 @@ def test_nan_detected():
 
 
 @needs_native
+@pytest.mark.parametrize("shape,block", [((300, 333), (128, 128)), ((17, 1000), (64, 32)), ((5, 7), (128, 128))])
+def test_dequant_rows_block_edges_and_one_scale(shape, block):
+    """``dequant_rows`` takes one scale per run of a row's columns: ragged last blocks in both
+    directions, blocks other than 128, a per-channel and a single scale, every FP8 code, each against
+    the torch reference bit for bit."""
+    R, K = shape
+    g = torch.Generator().manual_seed(R * K)
+    w = (torch.arange(R * K) % 256).to(torch.uint8)  # every code, NaN (0x7F, 0xFF) taken out below
+    w[(w & 0x7F) == 0x7F] = 0x3A
+    w = w[torch.randperm(R * K, generator=g)].view(R, K).view(torch.float8_e4m3fn)
+    s = torch.rand(fp8.block_grid((R, K), block), generator=g) * 2 + 1e-3
+    out, bad = native.dequant_rows(w, s, "block", block)
+    assert not bad and torch.equal(out, fp8.dequant_block(w, s, block))
+    shifted, _ = native.dequant_rows(w, s.roll(1, 1), "block", block)  # near miss: scales a block off
+    assert K <= block[1] or not torch.equal(shifted, out)
+    for sc in (torch.rand(R, 1, generator=g) + 0.1, torch.tensor([0.37])):
+        out, bad = native.dequant_rows(w, sc, "channel")
+        assert not bad and torch.equal(out, fp8.dequant_channel(w, sc))
+
+
+@needs_native
+def test_dequant_rows_flags_overflow_not_the_largest_finite():
+    """A finite code times its scale that overflows fp32 is flagged like a NaN code (the job then
+    refuses the tensor); the largest finite product is not."""
+    w = torch.tensor([[448.0] * 8], dtype=torch.float8_e4m3fn)  # the largest e4m3 code
+    top = torch.tensor([[3.4028234e38 / 448]])  # 448 x this stays finite in fp32
+    out, bad = native.dequant_rows(w, top, "block")
+    assert not bad and torch.equal(out, fp8.dequant_block(w, top))
+    out, bad = native.dequant_rows(w, top * 1.01, "block")
+    assert bad and torch.isinf(fp8.dequant_block(w, top * 1.01, dtype=torch.float32)).all()
+
+
+@needs_native
 def test_pipeline_identical_without_native(tiny, tmp_path, monkeypatch):
     src = tiny("glm_moe_dsa")
     convert(src, tmp_path / "native")
