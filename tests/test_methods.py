@@ -929,3 +929,34 @@ def test_skip_rtn_loss_is_gptqs_alone(llama, tmp_path):
     with pytest.raises(QuantizeError, match="skip-rtn-loss"):
         convert(llama, tmp_path / "ar", method="autoround", skip_rtn_loss=True, **CAL)
     assert not (tmp_path / "ar").exists()
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_calibration_texts_longer_than_the_tokenizer_max_raise_no_false_alarm(llama, tmp_path, pack):
+    """A calibration text longer than the tokenizer's ``model_max_length`` (512 here) is cut to
+    --seq-len before the model sees it, so transformers' "will result in indexing errors" warning is
+    false there and is not logged; the near miss, the same text through the tokenizer as it is
+    called by default, logs it (so the handler would have seen it)."""
+    import logging
+
+    from quantize.calibrate.data import build_samples, load_tokenizer
+
+    data = tmp_path / "long.txt"
+    data.write_text(" ".join(["the"] * 2000) + "\n")
+    seen: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("transformers")
+    h = Grab(level=logging.WARNING)
+    log.addHandler(h)
+    try:
+        s = build_samples(llama, str(data), 2 if pack else 1, 64, pack=pack)
+        assert [len(i) for i in s.ids] == ([64, 64] if pack else [64])
+        assert not [m for m in seen if "indexing errors" in m]
+        load_tokenizer(llama)(data.read_text())  # a fresh tokenizer: its warn-once state is its own
+        assert [m for m in seen if "indexing errors" in m]
+    finally:
+        log.removeHandler(h)

@@ -154,6 +154,13 @@ def load_tokenizer(model: Path):
         ) from e
 
 
+def _encode(tok, text: str) -> list[int]:
+    """A whole text's token ids. ``verbose=False``: the tokenizer's warning that a text is longer than
+    its ``model_max_length`` ("will result in indexing errors") does not hold here, where every sample
+    is cut to ``--seq-len`` before the model sees it; in a log it read as a fault."""
+    return tok(text, add_special_tokens=True, verbose=False)["input_ids"]
+
+
 def pack_texts(encoded, eos: int | None, samples: int, seq_len: int) -> list[torch.Tensor]:
     """Token lists joined into one stream (each followed by ``eos`` when the tokenizer has one) and cut
     into ``samples`` samples of exactly ``seq_len`` tokens, in order; a last partial sample is dropped
@@ -178,8 +185,7 @@ def build_samples(model: Path, data: str | None, samples: int, seq_len: int, cha
     texts, source = load_texts(data)
     tok = load_tokenizer(model)
     if pack:
-        ids = pack_texts((tok(t, add_special_tokens=True)["input_ids"] for t in texts), tok.eos_token_id, samples,
-                         seq_len)
+        ids = pack_texts((_encode(tok, t) for t in texts), tok.eos_token_id, samples, seq_len)
         if len(ids) < samples:
             raise QuantizeError(f"--data {source}: {len(ids)} packed samples of {seq_len} tokens from {len(texts)} "
                                 f"texts, fewer than --samples {samples}; pass more text, lower --samples to "
@@ -194,7 +200,7 @@ def build_samples(model: Path, data: str | None, samples: int, seq_len: int, cha
             enc = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
             enc = enc["input_ids"] if isinstance(enc, dict) else enc
         else:
-            enc = tok(text, add_special_tokens=True)["input_ids"]
+            enc = _encode(tok, text)
         enc = list(enc)[:seq_len]
         if len(enc) < 2:
             dropped += 1
