@@ -77,9 +77,6 @@ def _weight_rows(job: Job, w: torch.Tensor, s: torch.Tensor | None, r0: int, r1:
     return fp8.dequant_channel(rows, s if s.numel() == 1 else s.reshape(-1, 1)[r0:r1])
 
 
-NATIVE_MSE = (int4.MSE_GRID, int(int4.MSE_MAXSHRINK * int4.MSE_GRID), int4.MSE_NORM)  # quant_rows' mse search
-
-
 def _native_source(w: torch.Tensor) -> bool:
     """The C kernels are built and read this source dtype (on the CPU)."""
     return native.lib() is not None and w.dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
@@ -170,7 +167,7 @@ def compute_job(
             scale_dtype = torch.bfloat16 if (job.scale is not None or w.dtype == torch.bfloat16) else w.dtype
         if use_native and _native_int4(job, scale_dtype, k, g, options.observer):
             packed, scale, (sq_err, sq_ref, max_err), bad = native.quant_rows(
-                w, s, job.scale_format, g, options.observer, NATIVE_MSE, job.block
+                w, s, job.scale_format, g, options.observer, block=job.block
             )
             if bad:
                 raise _nan_error(job)
@@ -249,13 +246,12 @@ def _cached_job(job: Job, folder: Path, options: ConvertOptions, fds: dict, cach
     sq_err = sq_ref = max_err = sq_rtn = 0.0
     g = options.group_size
     # the C kernels: the same decoded rows and sums (another order of addition: ~1e-15, so `check --source`
-    # still proves them); RTN's comparison bit for bit on minmax and fullrange (mse may pick a neighbouring
-    # shrink at a near-tie, as for an RTN convert)
+    # still proves them); RTN's comparison bit for bit (minmax and fullrange; mse runs the torch path)
     if _native_source(w) and _native_int4(job, scale.dtype, k, g, options.observer):
         (sq_err, sq_ref, max_err), bad = native.error_rows(w, s, job.scale_format, packed, scale, job.block)
         if bad:
             raise _nan_error(job)
-        sq_rtn = native.quant_rows(w, s, job.scale_format, g, options.observer, NATIVE_MSE, job.block)[2][0]
+        sq_rtn = native.quant_rows(w, s, job.scale_format, g, options.observer, block=job.block)[2][0]
     else:
         for r0, r1 in int4.row_blocks(rows, ROW_CHUNK):
             wr = _weight_rows(job, w, s, r0, r1)

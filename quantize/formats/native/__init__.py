@@ -143,8 +143,7 @@ def _run_compiler(cmd: list[str], timeout: float) -> tuple[int, str]:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.quant_rows.restype = ctypes.c_int
-    lib.quant_rows.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, I64, I64, I64, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_float, P, P, P]
+    lib.quant_rows.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, I64, I64, I64, ctypes.c_int, P, P, P]
     lib.dequant_rows.restype = ctypes.c_int
     lib.dequant_rows.argtypes = [P, P, P, I64, I64, I64, I64, I64, ctypes.c_int, P]
     lib.error_rows.restype = ctypes.c_int
@@ -293,11 +292,10 @@ def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str |
     raise TypeError(w.dtype)
 
 
-OBSERVERS = {"minmax": 0, "mse": 1, "fullrange": 2}  # quant.c's observer numbers
+OBSERVERS = {"minmax": 0, "fullrange": 2}  # quant.c's observer numbers (mse: the torch path, layout.NATIVE_OBSERVERS)
 
 
 def quant_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | None, group: int, observer: str,
-               mse=(100, 20, 2.4),
                block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float, float], bool]:
     """w [R, K] fp8 (+ scale) / bf16 / fp32 -> (packed int32 [R, K/8], scale bf16 [R, K/g],
     (sq_err, sq_ref, max_abs_err), saw_nan_or_inf)."""
@@ -315,8 +313,7 @@ def quant_rows(w: torch.Tensor, scale: torch.Tensor | None, scale_format: str | 
     stats = (ctypes.c_double * 3)(0.0, 0.0, 0.0)
     src = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
     bad = L.quant_rows(_ptr(src), kind, _ptr(_LUT), _ptr(s), R, K, br, bc, cols, group,
-                       OBSERVERS[observer], mse[0], mse[1], mse[2], _ptr(packed), _ptr(sc),
-                       ctypes.addressof(stats))
+                       OBSERVERS[observer], _ptr(packed), _ptr(sc), ctypes.addressof(stats))
     if bad not in (0, 1):
         raise ValueError(f"quant.c rejected K={K}, group {group}")
     return packed, sc, (stats[0], stats[1], stats[2]), bool(bad)

@@ -5,7 +5,10 @@
  * weight_scale_inv in fp32, rounded to bf16; per group absmax; scale = bf16(absmax / 7.5f)
  * (0 -> bf16 eps); q = rint(clamp(bf16(w / scale), -8, 7)); nibble = q + 8, two per byte, low
  * first. IEEE division, round-to-nearest-even bf16 as c10::BFloat16 does; built with
- * -ffp-contract=off so nothing is fused differently from torch's eager ops.
+ * -ffp-contract=off so nothing is fused differently from torch's eager ops. Two grids (observer 0:
+ * minmax, 2: fullrange); the mse observer's clipping search runs on the torch path, which is also what
+ * `check --source` re-derives it with (a search in another order of addition picks the neighbouring
+ * shrink at a near-tie).
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,36 +55,6 @@ static inline void codes_pack(const float *w, int64_t g, float s, uint8_t *packe
     *sq_err += se;
     *sq_ref += sr;
     *max_err = me;
-}
-
-static inline float group_err(const float *w, int64_t g, float s, float norm) {
-    float e = 0.f;
-    for (int64_t k = 0; k < g; k++) {
-        float x = rbf(w[k] / s);
-        x = x < -8.f ? -8.f : (x > 7.f ? 7.f : x);
-        x = rintf(x);
-        e += powf(fabsf(x * s - w[k]), norm);
-    }
-    return e;
-}
-
-static inline float scale_of(float amax) {
-    float s = rbf(amax / 7.5f);
-    return s == 0.f ? EPS_BF16 : s;
-}
-
-static inline float mse_scale(const float *w, int64_t g, float amax, int grid, int steps, float norm) {
-    float best_s = scale_of(amax), best_e = INFINITY;
-    for (int i = 0; i <= steps; i++) {
-        float p = (float)(1.0 - (double)i / (double)grid);
-        float s = scale_of(rbf(amax * p));
-        float e = group_err(w, g, s, norm);
-        if (e < best_e) {
-            best_e = e;
-            best_s = s;
-        }
-    }
-    return best_s;
 }
 
 typedef union { float f; uint32_t u; } fu32;
@@ -333,8 +306,8 @@ int minmax_lanes(void) {
 }
 
 int quant_rows(const void *src, int src_kind, const float *lut, const float *sinv, int64_t R, int64_t K,
-               int64_t br, int64_t bc, int64_t sinv_cols, int64_t g, int observer, int grid, int steps, float norm,
-               uint8_t *packed, uint16_t *scale_out, double *stats) {
+               int64_t br, int64_t bc, int64_t sinv_cols, int64_t g, int observer, uint8_t *packed,
+               uint16_t *scale_out, double *stats) {
     float wrow[MAXK];
     float sc[MAXK / 16];
     double sq_err = 0.0, sq_ref = 0.0;
@@ -345,7 +318,7 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
     v16f fme = {0};
 #endif
     (void)lut;
-    if (g > MAXG || g % 16 || K > MAXK || K % g) return 2;
+    if (g > MAXG || g % 16 || K > MAXK || K % g || (observer != 0 && observer != 2)) return 2;
     for (int64_t r = 0; r < R; r++) {
         decode_row(src, src_kind, sinv, r, K, br, bc, sinv_cols, wrow);
         if (observer == 0) {
@@ -361,25 +334,19 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
                 amax = a > amax ? a : amax;
                 bad |= !(a <= 3.4028234e38f);
             }
-            float s;
-            if (observer == 2) { /* fullrange: the signed extreme (the first of largest magnitude) on code -8 */
-                /* the first element whose magnitude is amax (NaN skipped, as the loop above skips it):
-                 * the one a running "a > m" search keeps */
-                int64_t k = 0;
-                while (k < g - 1 && !(fabsf(w[k]) == amax)) k++;
-                s = rbf(w[k] / -8.f);
-                s = s == 0.f ? EPS_BF16 : s;
-            } else {
-                s = mse_scale(w, g, amax, grid, steps, norm);
-            }
+            /* fullrange: the signed extreme (the first of largest magnitude) on code -8; the first element
+             * whose magnitude is amax (NaN skipped, as the loop above skips it): the one a running
+             * "a > m" search keeps */
+            int64_t k = 0;
+            while (k < g - 1 && !(fabsf(w[k]) == amax)) k++;
+            float s = rbf(w[k] / -8.f);
+            s = s == 0.f ? EPS_BF16 : s;
             scale_out[r * (K / g) + c0 / g] = f2bf(s);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-            if (observer == 2) {
-                codes_pack16(w, g, s, packed + r * (K / 2) + c0 / 2, &fse, &fsr, &fme);
-                continue;
-            }
-#endif
+            codes_pack16(w, g, s, packed + r * (K / 2) + c0 / 2, &fse, &fsr, &fme);
+#else
             codes_pack(w, g, s, packed + r * (K / 2) + c0 / 2, &sq_err, &sq_ref, &max_err);
+#endif
         }
     }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
