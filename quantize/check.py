@@ -567,8 +567,9 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
     records = records or {}
     # an INT4 source (Kimi K2.6): its tensors pass through (compared byte for byte below, as copies),
     # or with --requantize were dequantized exactly and quantized again (re-derived here the same way)
+    fp8_block = options.get("scheme") == "fp8-block"
     redone = {n[: -len(".weight_packed")] for n in src.tensors if n.endswith(".weight_packed")} \
-        if options.get("requantize") or options.get("scheme") == "fp8-block" else set()
+        if options.get("requantize") or fp8_block else set()
     failures: list[str] = []
     proven = by_method = 0
     accounted: set[str] = set()
@@ -597,7 +598,10 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
             if name in out.tensors:
                 got, ref = o.raw(name), s.raw(name)
                 accounted.add(name)
-                if got.dtype == ref.dtype:  # a copy, or an FP8 weight kept FP8 with its scale
+                if got.dtype == torch.float8_e4m3fn and fp8_block:  # FP8_BLOCK of the source weight, an FP8
+                    d = _fp8_block_diff(o, s, name, base)  # one too (dequantized to BF16 first, its scale BF16)
+                    accounted.add(base + ".weight_scale")
+                elif got.dtype == ref.dtype:  # a copy, or an FP8 weight kept FP8 with its scale
                     d = _diff(got, ref)
                     if d is None and got.dtype == torch.float8_e4m3fn:
                         sc = s.fp8_scale(name)
@@ -607,9 +611,6 @@ def verify_against_source(out: CheckpointIndex, src: CheckpointIndex, options: d
                              else "its scale is missing")
                 elif ref.dtype == torch.float8_e4m3fn:
                     d = _diff(got, s.weight(name, torch.bfloat16))
-                elif got.dtype == torch.float8_e4m3fn:  # --scheme fp8-block: FP8_BLOCK of the source weight
-                    d = _fp8_block_diff(o, s, name, base)
-                    accounted.add(base + ".weight_scale")
                 else:
                     d = f"{got.dtype} where the source holds {ref.dtype}"
                 if d:

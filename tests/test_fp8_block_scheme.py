@@ -264,3 +264,34 @@ def test_deepseek_fp8_route_to_fp8_block(tiny, tmp_path):
         _same((out_t[w], out_t[w + "_scale"]), fp8.quant_block_ct(fp8.dequant_block(src_t[w], src_t[k])))
         assert k not in out_t
     assert qc == {**EXPECTED_CONFIG, "ignore": bf16}  # the vendor's fp8 config is replaced
+
+
+def test_check_proves_fp8_block_made_from_a_block_fp8_release(tiny, tmp_path):
+    """GLM-5.2's release (block FP8, fp32 ``weight_scale_inv``) to the prefill pool's FP8 block
+    checkpoint: every routed expert is FP8_BLOCK of its BF16 dequantization (bf16 ``weight_scale``,
+    as model_free_ptq's FP8BlockDequantizer route writes it). check took an FP8 weight in both for a
+    copy and compared the scales' dtypes, so it refused every expert of a correct output; it now
+    re-derives them. Near miss: one code moved (the manifest's hash made to agree) fails that tensor."""
+    from quantize.check import check
+    from quantize.convert import convert
+
+    from .test_check_verify import _edit
+
+    src = tiny("glm_moe_dsa")
+    out = tmp_path / "fp8"
+    convert(src, out, scheme="fp8-block")
+    a, s = load_dir(out), load_dir(src)
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    assert a[name].dtype == s[name].dtype == torch.float8_e4m3fn
+    assert a[name + "_scale"].dtype == torch.bfloat16 and s[name + "_scale_inv"].dtype == torch.float32
+    _same((a[name], a[name + "_scale"]), fp8.quant_block_ct(fp8.dequant_block(s[name], s[name + "_scale_inv"])))
+    rep = check(out, source=src)
+    assert rep.ok, rep.failures
+    assert rep.verified["tensors_exact_vs_source"] == len([k for k in s if not k.endswith("_scale_inv")])
+
+    def move(t):
+        t[name].view(torch.uint8)[3, 5] ^= 1
+
+    _edit(out, name, move, fix_manifest=True)
+    rep = check(out, source=src)
+    assert not rep.ok and [f for f in rep.failures if name in f and "FP8_BLOCK" in f] == rep.failures
