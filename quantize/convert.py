@@ -34,7 +34,7 @@ from .events import Emit, null_emit
 from .formats import fp8, int4, native, w4afp8
 from .options import DATA_AWARE, ConvertOptions, takes, torch_threads, usable_cpus
 from . import startup
-from .plan import Job, Plan, build_plan, check_with_compressed_tensors, sglang_native
+from .plan import Job, Plan, build_plan, check_with_compressed_tensors, refuse_copy, sglang_native
 
 ROW_CHUNK = 512  # rows per compute chunk: bounded temporaries, cache-friendly; multiple of 128
 
@@ -327,6 +327,7 @@ def _convert(options: ConvertOptions, emit: Emit, t0: float) -> ConvertResult:
         last[0] = now
 
     plan = build_plan(src, options, ct_check=False)
+    refuse_copy(plan)
     lap("plan")
     options = plan.options  # a recipe may have set group size / observer / method
     if device != "cpu" and options.method_name not in DATA_AWARE and not sglang_native(options):

@@ -1041,6 +1041,21 @@ def w4afp8_shape_rule(plan: Plan) -> None:
                             f"docs/engines.md#w4afp8); {fix}")
 
 
+def refuse_copy(plan: Plan) -> None:
+    """A conversion that would quantize nothing (a dense model under --profile experts, a recipe that
+    ignores every Linear) is refused in one line: its output would be the source copied under a
+    quantization_config, which check then refuses as no quantize output. ``plan`` still sizes it."""
+    if any(j.kind in QUANT_KINDS for j in plan.jobs):
+        return
+    if plan.recipe is not None:
+        by, fix = "the recipe's targets and ignore list leave", "target some Linear weights in the recipe"
+    else:
+        by = f"--profile {plan.options.profile} selects"
+        fix = ("pass --profile all-linear (a dense model has no routed experts)" if plan.options.profile != "all-linear"
+               else "this model has no Linear weight to quantize")
+    raise QuantizeError(f"{plan.source}: {by} no weight to quantize, so the output would be a copy of the source; {fix}")
+
+
 def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> None:
     """Everything that can fail, before any byte is written: group divisibility, uniform schemes
     across engine-fused modules and experts, and an ignore list that holds in the engines."""

@@ -359,3 +359,36 @@ def test_bench_convert_dry_run(tmp_path):
     want = (line["floor"][0] + size * line["floor"][1]) / (line["quantize"][0] + size * line["quantize"][1])
     assert summary["release_fraction"] == round(want, 3)
     assert f"quantize / floor throughput: {summary['whole_run']:.2f}" in p.stdout
+
+
+def test_a_conversion_that_quantizes_nothing_is_refused(tiny, tmp_path):
+    """A dense model under the default --profile experts (or --scheme fp8-block), and a recipe whose
+    targets match no weight of the model, would write the source copied under a quantization_config
+    (0 tensors quantized, exit 0, and check then refused the folder): refused in one line, nothing
+    written. Near miss: --profile all-linear on the same model quantizes its Linears. ``plan`` still
+    sizes it (the KV capacity of a dense model)."""
+    from quantize.errors import QuantizeError
+    from quantize.plan import plan
+
+    src = tiny("llama", layout="bf16")
+    for kw in ({}, {"scheme": "fp8-block"}):
+        with pytest.raises(QuantizeError, match=r"--profile experts selects no weight to quantize, so the output "
+                                                r"would be a copy of the source; pass --profile all-linear") as e:
+            convert(src, tmp_path / "o", **kw)
+        assert "\n" not in str(e.value) and not (tmp_path / "o").exists()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("""quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          targets: ["re:.*mlp\\\\.experts\\\\..*"]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+""")
+    with pytest.raises(QuantizeError, match="the recipe's targets and ignore list leave no weight to quantize"):
+        convert(src, tmp_path / "o", recipe=str(recipe))
+    assert not (tmp_path / "o").exists()
+    assert plan(src).summary()["kv_bytes_per_token"]
+    res = convert(src, tmp_path / "all", profile="all-linear")
+    assert res.tensors_int4 > 0
