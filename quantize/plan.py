@@ -1053,7 +1053,8 @@ def refuse_copy(plan: Plan) -> None:
         by = f"--profile {plan.options.profile} selects"
         fix = ("pass --profile all-linear (a dense model has no routed experts)" if plan.options.profile != "all-linear"
                else "this model has no Linear weight to quantize")
-    raise QuantizeError(f"{plan.source}: {by} no weight to quantize, so the output would be a copy of the source; {fix}")
+    raise QuantizeError(f"{plan.source}: {by} no weight to quantize, so the output would be a copy of the source; "
+                        f"{fix}")
 
 
 def validate_plan(plan: Plan, recipe: Recipe | None, ct_check: bool = True) -> None:
