@@ -130,7 +130,7 @@ def test_autoround_on_two_ranks_is_one_process_bit_for_bit(tiny, tmp_path, init)
 
 def test_rtn_on_two_ranks_is_refused_in_one_line(tiny, tmp_path):
     out = tmp_path / "rtn"
-    p = _cli("convert", str(tiny("llama", layout="bf16")), str(out), "--nproc", "2")
+    p = _cli("convert", str(tiny("llama", layout="bf16")), str(out), "--nproc", "2", "--profile", "all-linear")
     assert p.returncode != 0
     lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "only the data-aware methods" in lines[0], p.stderr[-1500:]

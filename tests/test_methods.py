@@ -633,11 +633,11 @@ def test_bad_method_input_is_one_line(llama, tmp_path):
     _refused(llama, o, r"^--actorder group: use static .* or off", method="gptq", actorder="group")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    _refused(llama, o, r"no usable samples", method="gptq", data=str(empty))
+    _refused(llama, o, r"no usable samples", method="gptq", data=str(empty), profile="all-linear")
     short = tmp_path / "short.jsonl"
     short.write_text('{"text": "one sample of text"}\n{"text": "and another one"}\n')
     msg = _refused(llama, o, r"2 usable samples .* fewer than --samples 4; pass more text or lower --samples to 2",
-                   method="gptq", data=str(short), **CAL)
+                   method="gptq", data=str(short), profile="all-linear", **CAL)
     assert str(short) in msg
     assert not o.exists()  # refused before the output folder was created
     p = subprocess.run([sys.executable, "-m", "quantize.cli", "convert", str(llama), str(o), "--damp", "0.1"], capture_output=True, text=True)
