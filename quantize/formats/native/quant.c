@@ -362,11 +362,11 @@ int quant_rows(const void *src, int src_kind, const float *lut, const float *sin
 
 /* FP8 block dequant to bf16 bits: out[r, c] = bf16(fp8(w) * sinv[r/br, c/bc]); returns 1 on NaN/Inf.
  * Laid out as decode_row: one scale per run of columns, so that the inner loop has no index arithmetic
- * or branch and vectorizes; bf16's round and its NaN (0x7FC0, as f2bf) without a branch. */
+ * and vectorizes. */
 int dequant_rows(const uint8_t *src, const float *lut, const float *sinv, int64_t R, int64_t K, int64_t br,
                  int64_t bc, int64_t sinv_cols, int per_row, uint16_t *out) {
     (void)lut;
-    uint32_t bad = 0;
+    int bad = 0;
     int64_t step = per_row ? K : bc;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *p = src + r * K;
@@ -375,15 +375,13 @@ int dequant_rows(const uint8_t *src, const float *lut, const float *sinv, int64_
             float sc = per_row == 2 ? sinv[0] : (per_row ? sinv[r] : sinv[(r / br) * sinv_cols + c0 / bc]);
             int64_t c1 = c0 + step < K ? c0 + step : K;
             for (int64_t c = c0; c < c1; c++) {
-                fu32 x;
-                x.f = fp8_dec(p[c]) * sc;
-                bad |= (x.u & 0x7F800000u) == 0x7F800000u; /* NaN or Inf: !(|v| <= FLT_MAX) */
-                uint32_t nan = x.f != x.f;
-                o[c] = (uint16_t)((nan ? 0x7FC00000u : x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16);
+                float v = fp8_dec(p[c]) * sc;
+                bad |= !(fabsf(v) <= 3.4028234e38f);
+                o[c] = f2bf(v);
             }
         }
     }
-    return (int)bad;
+    return bad;
 }
 
 /* stored codes (nibble = q + 8, two per byte, low first) and bf16 scales against the source rows, as
