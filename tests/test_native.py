@@ -86,12 +86,9 @@ def test_mse_near_tie_converts_to_what_check_rederives(tiny, tmp_path):
     refused as not what the source implies. Here one routed expert holds such a group: its best two
     shrinks (0.88, 0.89) are 2.9e-8 apart in a float64 count, under float32's resolution. Its scales
     are the reference's bit for bit and check proves every tensor."""
-    import json
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from quantize.check import check
+
+    from .test_check_verify import _edit
 
     src = tmp_path / "src"
     shutil.copytree(tiny("glm_moe_dsa"), src)
@@ -99,12 +96,12 @@ def test_mse_near_tie_converts_to_what_check_rederives(tiny, tmp_path):
     w = (torch.randn(256, 256, generator=g) * 0.05).to(torch.float8_e4m3fn)
     s = torch.rand(2, 2, generator=g) * 0.01 + 0.001
     name = "model.layers.1.mlp.experts.0.gate_proj"
-    f = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name + ".weight"]
-    with safe_open(f, "pt") as fh:
-        t, meta = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
-    assert t[name + ".weight"].shape == w.shape and t[name + ".weight_scale_inv"].shape == s.shape
-    t[name + ".weight"], t[name + ".weight_scale_inv"] = w, s
-    save_file(t, str(f), metadata=meta)
+
+    def put(t):
+        assert t[name + ".weight"].shape == w.shape and t[name + ".weight_scale_inv"].shape == s.shape
+        t[name + ".weight"], t[name + ".weight_scale_inv"] = w, s
+
+    _edit(src, name + ".weight", put)
 
     rows = fp8.dequant_block(w, s)
     grp = rows[242, :32].double()  # the witness, counted apart from int4.py: every shrink's error in float64
